@@ -1,0 +1,46 @@
+"""Which implementation runs: the Triton kernels or PyTorch code of the same math.
+
+`FASTLM_BACKEND` (read at each call, so tests and scripts may change it):
+- `auto` (default): Triton for CUDA tensors, and for CPU tensors when Triton's interpreter is on
+  (`TRITON_INTERPRET=1` set before triton was imported); PyTorch otherwise, so fastlm runs anywhere.
+- `triton`: always the kernels; a tensor they cannot run on raises ValueError.
+- `torch`: never the kernels.
+
+Every module and public function in fastlm asks `use_triton` and nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+CHOICES = ("auto", "triton", "torch")
+
+
+def backend() -> str:
+    """The backend asked for by FASTLM_BACKEND (default `auto`)."""
+    choice = os.environ.get("FASTLM_BACKEND", "auto").strip().lower() or "auto"
+    if choice not in CHOICES:
+        raise ValueError(f"FASTLM_BACKEND must be one of {CHOICES}, got {choice!r}")
+    return choice
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run on the CPU through Triton's interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels should process tensor `x` (and the tensors that go with it)."""
+    choice = backend()
+    if choice == "torch":
+        return False
+    if x.is_cuda or (x.device.type == "cpu" and interpreting()):
+        return True
+    if choice == "triton":
+        raise ValueError(
+            f"FASTLM_BACKEND=triton, but a tensor on {x.device} cannot run the Triton kernels: "
+            "use a CUDA tensor, or set TRITON_INTERPRET=1 before importing triton for CPU tensors"
+        )
+    return False

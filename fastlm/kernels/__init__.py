@@ -1,0 +1,1 @@
+"""fastlm's Triton kernels, each with its backward, wrapped as autograd functions."""

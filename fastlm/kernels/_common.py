@@ -1,0 +1,72 @@
+"""What every kernel launcher shares: argument checks, output allocation, launch helpers."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from fastlm.backend import interpreting
+
+#: Kernel dtypes. Anything else is a TypeError naming the argument.
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+#: When True (the test suite sets it), kernel outputs are allocated filled with NaN, so that an
+#: element a kernel forgot to write fails the comparison with the reference.
+POISON_OUTPUTS = False
+
+
+def empty(shape, *, device, dtype) -> torch.Tensor:
+    """torch.empty, or a NaN-filled tensor under POISON_OUTPUTS."""
+    if POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), device=device, dtype=dtype)
+    return torch.empty(shape, device=device, dtype=dtype)
+
+
+def empty_like(t: torch.Tensor, dtype=None) -> torch.Tensor:
+    """A contiguous output like `t` (poisoned under POISON_OUTPUTS)."""
+    return empty(t.shape, device=t.device, dtype=dtype or t.dtype)
+
+
+def check_float(name: str, t: object) -> None:
+    """TypeError unless `t` is a tensor of a kernel dtype."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def check_match(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    """ValueError/TypeError unless `t` has the dtype and device of `ref`."""
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{name} has dtype {t.dtype}, but {ref_name} has {ref.dtype}")
+    if t.device != ref.device:
+        raise ValueError(f"{name} is on {t.device}, but {ref_name} is on {ref.device}")
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x viewed as (rows, last dim) with a unit stride on the last dim, copying only if needed."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError:  # leading dims not collapsible into one stride
+        return x.reshape(-1, x.shape[-1])
+
+
+def upcast_dots(dtype: torch.dtype) -> bool:
+    """Whether a kernel must upcast its tl.dot operands to fp32: bf16 dots are wrong in Triton's
+    interpreter (it multiplies the uint16 bit patterns; triton-lang/triton#11584)."""
+    return interpreting() and dtype == torch.bfloat16
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (a fixed small grid under the interpreter)."""
+    if not torch.cuda.is_available():
+        return 4
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_sms(t: torch.Tensor) -> int:
+    return num_sms(t.device.index if t.is_cuda else -1)

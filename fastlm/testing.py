@@ -1,0 +1,51 @@
+"""Helpers for checking kernels against a float64 reference (used by tests/ and benchmarks/).
+
+- `TOLERANCE[dtype]`: the largest relative error ||out - ref|| / ||ref|| accepted for a kernel
+  computing in that dtype (fp32 bounded by the interpreter and by tf32 dots on a GPU).
+- `assert_close(out, ref, dtype, name)`: relative error against a float64 reference.
+- `poison_like` / `poison_`: outputs filled with NaN before a launch, so unwritten elements show.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TOLERANCE = {
+    torch.float64: 1e-10,
+    torch.float32: 1e-4,
+    torch.float16: 5e-3,
+    torch.bfloat16: 3e-2,
+}
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / max(||ref||, tiny), computed in float64; NaN anywhere gives inf."""
+    out64, ref64 = out.detach().to(torch.float64), ref.detach().to(torch.float64)
+    if out64.shape != ref64.shape:
+        raise ValueError(f"shape mismatch: out {tuple(out64.shape)} vs ref {tuple(ref64.shape)}")
+    if not torch.isfinite(out64).all():
+        return float("inf")
+    denom = max(torch.linalg.vector_norm(ref64).item(), 1e-30)
+    return torch.linalg.vector_norm(out64 - ref64).item() / denom
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, name: str = "output",
+                 scale: float = 1.0) -> None:
+    """Assert relative_error(out, ref) <= scale * TOLERANCE[dtype].
+
+    `scale` is for quantities whose error grows with a reduction's length (say, a weight gradient
+    summed over many rows); the caller says why when it is not 1.
+    """
+    err = relative_error(out, ref)
+    bound = scale * TOLERANCE[dtype]
+    assert err <= bound, f"{name}: relative error {err:.3e} > {bound:.1e} ({dtype})"
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill a floating tensor with NaN in place and return it."""
+    return t.fill_(float("nan"))
+
+
+def poison_like(t: torch.Tensor, **kwargs) -> torch.Tensor:
+    """A NaN-filled tensor like `t`."""
+    return torch.full_like(t, float("nan"), **kwargs)

@@ -1,0 +1,57 @@
+"""Test set-up: Triton's interpreter on machines without CUDA, fresh seeds, poisoned outputs.
+
+TRITON_INTERPRET must be set before triton is first imported, so this runs before fastlm is.
+`import torch` does not import triton, which lets us ask torch whether CUDA exists first.
+"""
+
+import os
+import random
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+import fastlm.kernels._common as kernel_common  # noqa: E402
+
+kernel_common.POISON_OUTPUTS = True
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def device() -> str:
+    return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed(request):
+    """A new random seed for each test, reported when the test fails.
+
+    Re-run with that seed by setting FASTLM_TEST_SEED.
+    """
+    seed = int(os.environ.get("FASTLM_TEST_SEED", random.SystemRandom().randrange(2**31)))
+    torch.manual_seed(seed)
+    request.node.user_properties.append(("seed", seed))
+    return seed
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        seeds = [v for k, v in item.user_properties if k == "seed"]
+        if seeds:
+            report.sections.append(("seed", f"FASTLM_TEST_SEED={seeds[0]} reproduces this draw"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
