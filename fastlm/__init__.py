@@ -6,7 +6,8 @@
 
 from fastlm import reference
 from fastlm.backend import backend, use_triton
+from fastlm.sampling import generate
 
 __version__ = "0.1.0"
 
-__all__ = ["reference", "backend", "use_triton", "__version__"]
+__all__ = ["reference", "backend", "use_triton", "generate", "__version__"]

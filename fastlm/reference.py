@@ -58,7 +58,8 @@ class Embedding(nn.Module):
 
 
 class RmsNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * g over the last dim, computed in float32."""
+    """y = x / sqrt(mean(x^2) + eps) * g over the last dim, computed in float32 (float64 stays
+    float64, so that the reference in float64 is exact to float64 rounding)."""
 
     def __init__(self, d_model: int, eps: float = 1e-5, device=None, dtype=None):
         super().__init__()
@@ -68,7 +69,7 @@ class RmsNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         in_dtype = x.dtype
-        x = x.to(torch.float32)
+        x = x.to(torch.promote_types(in_dtype, torch.float32))
         rms_inv = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return (x * rms_inv * self.g).to(in_dtype)
 
@@ -169,12 +170,12 @@ class MultiHeadAttention(nn.Module):
         qkv = self.qkv_proj(x)  # (B, T, 3C)
         q, k, v = qkv.split(self.d_model, dim=-1)
         split = "b t (h d) -> b h t d"
-        return tuple(einx.rearrange(split, t, h=self.num_heads) for t in (q, k, v))
+        return tuple(einx.id(split, t, h=self.num_heads) for t in (q, k, v))
 
     def _attend(self, q, k, v) -> torch.Tensor:
         T = q.shape[-2]
         out = self.attention(q, k, v, self.causal_mask[:T, :T])  # (B, H, T, D)
-        return self.output_proj(einx.rearrange("b h t d -> b t (h d)", out))
+        return self.output_proj(einx.id("b h t d -> b t (h d)", out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._attend(*self._heads(x))
