@@ -220,8 +220,8 @@ class TransformerBlock(nn.Module):
 
 def check_token_input(token_ids: torch.Tensor, vocab_size: int, context_length: int) -> None:
     """ValueError for a sequence longer than the context or a token id outside the vocabulary."""
-    if token_ids.dim() not in (1, 2) or token_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"token_ids must be an integer tensor of shape (seq,) or (batch, seq), "
+    if token_ids.dim() != 2 or token_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"token_ids must be an integer tensor of shape (batch, seq), "
                          f"got {tuple(token_ids.shape)} {token_ids.dtype}")
     if token_ids.shape[-1] > context_length:
         raise ValueError(f"token_ids has {token_ids.shape[-1]} tokens, more than "
