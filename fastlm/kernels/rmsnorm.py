@@ -1,0 +1,333 @@
+"""RMSNorm over the last dim, alone or fused with the residual add before it.
+
+Forward, per row x of length N (math in fp32, output in x's dtype, as `reference.RmsNorm`):
+
+    rstd  = 1 / sqrt(mean(x^2) + eps)
+    x_hat = x * rstd
+    y     = x_hat * g
+
+Backward, given dy (per row) and with g_dy = g * dy:
+
+    dx = rstd * (g_dy - x_hat * mean(g_dy * x_hat))
+    dg = sum over rows of dy * x_hat
+
+`add_rms_norm(x, residual, g)` first forms the residual stream s = x + residual (rounded to the input
+dtype, as PyTorch's `x + residual`) and returns (rms_norm(s), s). Its backward takes the gradients of
+both outputs: ds = d_summed + dx_of_the_norm(d_normed), and dx = dresidual = ds.
+
+Kernel layout:
+- Forward: one program per tile of BLOCK_M rows x BLOCK_N = next_power_of_2(N) columns, so each row
+  is read once and written once; small hidden sizes get several rows per tile. rstd (fp32, one per
+  row) is saved for the backward.
+- Backward: a grid sized to the GPU; each program walks tiles pid, pid + G, pid + 2G, ..., writes dx,
+  and accumulates its rows' dg in fp32 registers, stored as one row of a (G, N) fp32 buffer that a
+  single `.sum(0)` reduces. No atomics: for a given device and shape the result is bitwise
+  reproducible.
+
+Weight dtype: either x's dtype or float32 (fp32 master weights with half-precision activations). The
+weight's gradient comes back in the weight's dtype. Hidden sizes up to 65536.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastlm.backend import interpreting, use_triton
+from fastlm.kernels._common import as_rows, check_float, check_match, device_sms, empty
+
+#: The largest hidden size the kernels take: a row lives in one block of registers.
+MAX_HIDDEN = 65536
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """x (fp32) rounded to `dtype`, to nearest even.
+
+    Triton's interpreter truncates fp32 -> bf16 casts (it ignores the rounding mode), so the tests
+    would not see the numbers a GPU gives, nor PyTorch's `x + residual` bit for bit. Under
+    BF16_BY_HAND the rounding is done on the bits: add half an ulp of bf16 (ties to even), keep
+    the high 16 bits.
+    """
+    if BF16_BY_HAND:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits += 0x7FFF + ((bits >> 16) & 1)
+        rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        rounded = x.to(dtype)
+    return rounded
+
+
+@triton.jit
+def _rms_norm_fwd(
+    X, R, S, Y, W, Rstd,
+    stride_xm, stride_rm, stride_sm, stride_ym,
+    M, N, eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    mask = row_mask[:, None] & (cols < N)[None, :]
+    row_start = rows.to(tl.int64)[:, None]  # (BLOCK_M, 1), int64: rows * stride may pass 2^31
+
+    x = tl.load(X + row_start * stride_xm + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(R + row_start * stride_rm + cols[None, :], mask=mask, other=0.0)
+        # Round the sum to the input dtype before normalising: the stream the model carries on is
+        # the rounded one, and the norm must see the same values the next block adds to.
+        x = _round(x.to(tl.float32) + r.to(tl.float32), S.dtype.element_ty, BF16_BY_HAND)
+        tl.store(S + row_start * stride_sm + cols[None, :], x, mask=mask)
+    x = x.to(tl.float32)
+
+    # Masked columns load as 0, so they add nothing to the sum of squares.
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)  # (BLOCK_M,)
+    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+    # Same order as the reference: (x * rstd) * g, all in fp32.
+    y = (x * rstd[:, None]) * w[None, :]
+    y = _round(y, Y.dtype.element_ty, BF16_BY_HAND)
+    tl.store(Y + row_start * stride_ym + cols[None, :], y, mask=mask)
+    tl.store(Rstd + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _rms_norm_bwd(
+    DY, DS, X, W, Rstd, DX, DW_partial,
+    stride_dym, stride_dsm, stride_xm, stride_dxm,
+    M, N,
+    HAS_DRESIDUAL: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+    num_tiles = tl.cdiv(M, BLOCK_M)
+    for tile in range(pid, num_tiles, num_programs):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        mask = row_mask[:, None] & col_mask[None, :]
+        row_start = rows.to(tl.int64)[:, None]  # (BLOCK_M, 1)
+
+        x = tl.load(X + row_start * stride_xm + cols[None, :], mask=mask, other=0.0)
+        dy = tl.load(DY + row_start * stride_dym + cols[None, :], mask=mask, other=0.0)
+        rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)  # (BLOCK_M,)
+        x_hat = x.to(tl.float32) * rstd[:, None]
+        dy = dy.to(tl.float32)
+        g_dy = dy * w[None, :]
+
+        # Masked entries are zero in x_hat and g_dy, so neither the row mean nor dg sees them.
+        c = tl.sum(x_hat * g_dy, axis=1) / N
+        dx = (g_dy - x_hat * c[:, None]) * rstd[:, None]
+        if HAS_DRESIDUAL:
+            # The residual stream's own gradient joins here, so dx and dresidual leave in one store.
+            ds = tl.load(DS + row_start * stride_dsm + cols[None, :], mask=mask, other=0.0)
+            dx += ds.to(tl.float32)
+        dx = _round(dx, DX.dtype.element_ty, BF16_BY_HAND)
+        tl.store(DX + row_start * stride_dxm + cols[None, :], dx, mask=mask)
+        dw_acc += dy * x_hat
+
+    tl.store(DW_partial + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+
+
+def _tile(n: int, rows: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for a hidden size `n` and `rows` rows.
+
+    A whole row is one block. Small rows are stacked into tiles of about 4096 elements, so a
+    program has enough work to hide memory latency. Warps grow with the tile to keep about 16
+    elements per thread (a few 16-byte vector loads each), up to 32 warps at 64K.
+    """
+    block_n = triton.next_power_of_2(n)
+    block_m = min(max(4096 // block_n, 1), 64, triton.next_power_of_2(rows))
+    elements = block_m * block_n
+    num_warps = 32 if elements >= 32768 else min(max(elements // 512, 4), 16)
+    return block_m, block_n, num_warps
+
+
+def _backward_programs(x: torch.Tensor, num_tiles: int, num_warps: int) -> int:
+    """Grid of the backward: enough programs to fill the GPU, each owning one dg partial row.
+
+    On CUDA, up to 16 warps' worth of programs per SM (4 programs of 4 warps, 1 of 16 or more), so
+    that all of them can be resident at once and none waits for a second wave (a first guess, to be
+    tuned by measurement); in the interpreter one per pretend SM, so that programs loop over several
+    tiles in the tests.
+    """
+    per_sm = 1 if interpreting() else max(1, 16 // num_warps)
+    return max(1, min(num_tiles, device_sms(x) * per_sm))
+
+
+def _bf16_by_hand(x: torch.Tensor) -> bool:
+    return interpreting() and x.dtype == torch.bfloat16
+
+
+def _check_hidden(x: torch.Tensor) -> None:
+    if x.shape[-1] > MAX_HIDDEN:
+        raise ValueError(f"x has hidden size {x.shape[-1]}; the Triton kernels take at most "
+                         f"{MAX_HIDDEN}")
+
+
+def _rms_norm_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """Launch the forward on (rows, N) views. Returns (y, summed or None, rstd)."""
+    _check_hidden(x)
+    weight = weight.contiguous()  # the kernels read it with a unit stride
+    M, N = x.shape
+    y = empty((M, N), device=x.device, dtype=x.dtype)
+    summed = empty((M, N), device=x.device, dtype=x.dtype) if residual is not None else None
+    rstd = empty((M,), device=x.device, dtype=torch.float32)
+    if M == 0:
+        return y, summed, rstd
+    block_m, block_n, num_warps = _tile(N, M)
+    # Unused pointer arguments get y, which the kernel never reads through them.
+    r = residual if residual is not None else y
+    s = summed if summed is not None else y
+    _rms_norm_fwd[(triton.cdiv(M, block_m),)](
+        x, r, s, y, weight, rstd,
+        x.stride(0), r.stride(0), s.stride(0), y.stride(0),
+        M, N, eps,
+        HAS_RESIDUAL=residual is not None, BF16_BY_HAND=_bf16_by_hand(x),
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    return y, summed, rstd
+
+
+def _rms_norm_backward(dy: torch.Tensor, d_summed: torch.Tensor | None, x: torch.Tensor,
+                       weight: torch.Tensor, rstd: torch.Tensor):
+    """Launch the backward on (rows, N) views. Returns (dx, dweight); dx already holds d_summed."""
+    M, N = x.shape
+    weight = weight.contiguous()
+    dx = empty((M, N), device=x.device, dtype=x.dtype)
+    if M == 0:
+        return dx, torch.zeros_like(weight)
+    block_m, block_n, num_warps = _tile(N, M)
+    num_programs = _backward_programs(x, triton.cdiv(M, block_m), num_warps)
+    dw_partial = empty((num_programs, N), device=x.device, dtype=torch.float32)
+    ds = d_summed if d_summed is not None else dy
+    _rms_norm_bwd[(num_programs,)](
+        dy, ds, x, weight, rstd, dx, dw_partial,
+        dy.stride(0), ds.stride(0), x.stride(0), dx.stride(0),
+        M, N,
+        HAS_DRESIDUAL=d_summed is not None, BF16_BY_HAND=_bf16_by_hand(x),
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    return dx, dw_partial.sum(0).to(weight.dtype)
+
+
+class _RmsNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        rows = as_rows(x)
+        y, _, rstd = _rms_norm_forward(rows, None, weight, eps)
+        ctx.save_for_backward(rows, weight, rstd)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        rows, weight, rstd = ctx.saved_tensors
+        dx, dweight = _rms_norm_backward(as_rows(dy), None, rows, weight, rstd)
+        return dx.view(dy.shape), dweight, None
+
+
+class _AddRmsNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps):
+        # A missing output gradient stays None instead of becoming a tensor of zeros to read.
+        ctx.set_materialize_grads(False)
+        normed, summed, rstd = _rms_norm_forward(as_rows(x), as_rows(residual), weight, eps)
+        ctx.save_for_backward(summed, weight, rstd)
+        ctx.shape = x.shape
+        return normed.view(x.shape), summed.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, d_normed, d_summed):
+        summed, weight, rstd = ctx.saved_tensors
+        if d_normed is None:
+            ds = d_summed if d_summed is not None else torch.zeros(ctx.shape, device=summed.device,
+                                                                   dtype=summed.dtype)
+            return ds, ds, torch.zeros_like(weight), None
+        d_summed_rows = as_rows(d_summed) if d_summed is not None else None
+        ds, dweight = _rms_norm_backward(as_rows(d_normed), d_summed_rows, summed, weight, rstd)
+        ds = ds.view(ctx.shape)
+        # x and residual enter only through their sum, so both receive the same gradient.
+        return ds, ds, dweight, None
+
+
+def _check_args(x: torch.Tensor, weight: torch.Tensor) -> None:
+    check_float("x", x)
+    check_float("weight", weight)
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last dim to normalise, got shape {tuple(x.shape)}")
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight must have shape ({x.shape[-1]},) to match x's last dim, "
+                         f"got {tuple(weight.shape)}")
+    if weight.dtype != torch.float32:
+        check_match("weight", weight, "x", x)
+    elif weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device}, but x is on {x.device}")
+
+
+def _check_residual(residual: torch.Tensor, x: torch.Tensor) -> None:
+    check_float("residual", residual)
+    if residual.shape != x.shape:
+        raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    check_match("residual", residual, "x", x)
+
+
+def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The same math in PyTorch (autograd runs through it)."""
+    x32 = x.to(torch.float32)
+    return (x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """RMSNorm of x over its last dim, scaled by `weight`, as `reference.RmsNorm`.
+
+    x: (..., N) float32/float16/bfloat16, any leading shape; rows may be strided (a slice of a wider
+    tensor) as long as the last dim is contiguous, otherwise x is copied once.
+    weight: (N,), of x's dtype or float32. Returns a tensor of x's shape and dtype.
+    """
+    _check_args(x, weight)
+    if not use_triton(x):
+        return _rms_norm_torch(x, weight, eps)
+    return _RmsNormFunction.apply(x, weight, float(eps))
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual, weight), x + residual) in one pass: a block's residual add fused
+    with the next norm.
+
+    The sum is rounded to the input dtype, exactly as PyTorch's `x + residual`, and the norm sees
+    the rounded sum. Gradients of both outputs flow back: the summed output carries the residual
+    stream on. `residual` must match x in shape, dtype and device; `weight` as in `rms_norm`.
+    """
+    _check_args(x, weight)
+    _check_residual(residual, x)
+    if not use_triton(x):
+        summed = x + residual
+        return _rms_norm_torch(summed, weight, eps), summed
+    return _AddRmsNormFunction.apply(x, residual, weight, float(eps))
+
+
+class RmsNorm(torch.nn.Module):
+    """`reference.RmsNorm` (same constructor, parameter `g`, state_dict) running `rms_norm`."""
+
+    def __init__(self, d_model: int, eps: float = 1e-5, device=None, dtype=None):
+        super().__init__()
+        self.d_model = d_model
+        self.eps = eps
+        self.g = torch.nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.g, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.d_model}, eps={self.eps}"
