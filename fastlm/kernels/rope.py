@@ -1,0 +1,397 @@
+"""Rotary position embedding (RoPE), applied in place to q and k in one launch.
+
+Pair i of a head vector x at position p is rotated by the angle a = p * theta^(-2i / d):
+
+    y1 = x1 cos(a) - x2 sin(a)
+    y2 = x2 cos(a) + x1 sin(a)
+
+Two layouts say which elements form pair i:
+- interleaved (the seed's and `fastlm.reference.RoPE`'s): (x[2i], x[2i + 1]);
+- half-split (GPT-NeoX, Hugging Face): (x[i], x[i + d/2]).
+
+The rotation is orthogonal, so the backward is the same rotation by -a applied to the gradient.
+Tables hold one angle per pair: cos and sin of shape (max_seq_len, d/2), float32.
+
+Why in place: q and k are usually views of one fused QKV projection output; rotating them in
+their own storage reads and writes each element once and allocates nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from fastlm.backend import interpreting, use_triton
+from fastlm.kernels._common import check_float, check_match, empty_like
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rotate_heads(X, Y, x_tokens, y_tokens, stride_xh, stride_xd, stride_yh, stride_yd, n_heads,
+                  token_mask, cos, sin, pair, pair_mask,
+                  PAIR_STEP: tl.constexpr, PAIR_GAP: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rotate every head of a block of tokens from X into Y (which may be X).
+
+    x_tokens, y_tokens: (BLOCK_T,) offsets of each token's head 0; cos, sin: (BLOCK_T, BLOCK_HALF).
+    """
+    # Element index of both members of each pair, (BLOCK_HALF, 2): loading the pair as the last
+    # axis keeps the interleaved layout's loads contiguous instead of two stride-2 gathers.
+    member = (pair[:, None] * PAIR_STEP + tl.arange(0, 2)[None, :] * PAIR_GAP)[None, None, :, :]
+    cos, sin = cos[:, None, :], sin[:, None, :]  # (BLOCK_T, 1, BLOCK_HALF): shared by all heads
+    for h0 in range(0, n_heads, BLOCK_H):
+        heads = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)[None, :, None, None]
+        mask = (token_mask[:, None, None, None] & (heads < n_heads)
+                & pair_mask[None, None, :, None])  # (BLOCK_T, BLOCK_H, BLOCK_HALF, 1)
+        x_ptrs = X + x_tokens[:, None, None, None] + heads * stride_xh + member * stride_xd
+        x1, x2 = tl.split(tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32))
+        y = tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+        y_ptrs = Y + y_tokens[:, None, None, None] + heads * stride_yh + member * stride_yd
+        tl.store(y_ptrs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(Q, K, QOut, KOut, COS, SIN, POS,
+                 stride_qb, stride_qh, stride_qt, stride_qd,
+                 stride_qob, stride_qoh, stride_qot, stride_qod,
+                 stride_kb, stride_kh, stride_kt, stride_kd,
+                 stride_kob, stride_koh, stride_kot, stride_kod,
+                 stride_pb, stride_pt,
+                 T, HQ, HK, MAX_SEQ_LEN,
+                 HALF: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One program per (batch, block of BLOCK_T tokens): all heads of q and of k there."""
+    pid = tl.program_id(0)
+    n_token_blocks = tl.cdiv(T, BLOCK_T)
+    b = (pid // n_token_blocks).to(tl.int64)
+    t = (pid % n_token_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_mask = t < T
+    t = t.to(tl.int64)
+    position = tl.load(POS + b * stride_pb + t * stride_pt, mask=token_mask, other=0).to(tl.int64)
+    # The host validates positions; clamping keeps a bad CUDA position from reading outside the
+    # table before the asynchronous assert reports it.
+    position = tl.minimum(tl.maximum(position, 0), MAX_SEQ_LEN - 1)
+
+    pair = tl.arange(0, BLOCK_HALF)
+    pair_mask = pair < HALF
+    table = position[:, None] * HALF + pair[None, :]  # (BLOCK_T, BLOCK_HALF)
+    table_mask = token_mask[:, None] & pair_mask[None, :]
+    cos = tl.load(COS + table, mask=table_mask, other=0.0).to(tl.float32)
+    sin = tl.load(SIN + table, mask=table_mask, other=0.0).to(tl.float32)
+    if INVERSE:
+        sin = -sin
+
+    PAIR_STEP: tl.constexpr = 2 if INTERLEAVED else 1
+    PAIR_GAP: tl.constexpr = 1 if INTERLEAVED else HALF
+    _rotate_heads(Q, QOut, b * stride_qb + t * stride_qt, b * stride_qob + t * stride_qot,
+                  stride_qh, stride_qd, stride_qoh, stride_qod, HQ,
+                  token_mask, cos, sin, pair, pair_mask, PAIR_STEP, PAIR_GAP, BLOCK_H)
+    _rotate_heads(K, KOut, b * stride_kb + t * stride_kt, b * stride_kob + t * stride_kot,
+                  stride_kh, stride_kd, stride_koh, stride_kod, HK,
+                  token_mask, cos, sin, pair, pair_mask, PAIR_STEP, PAIR_GAP, BLOCK_H)
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher (and the PyTorch path of the same math)
+# --------------------------------------------------------------------------------------------
+
+
+def _as_4d(x: torch.Tensor) -> torch.Tensor:
+    """(T, D) / (B, T, D) / (B, H, T, D) as a (B, H, T, D) view (unsqueeze, never a copy)."""
+    if x.dim() == 2:
+        return x[None, None]
+    if x.dim() == 3:
+        return x[:, None]
+    return x
+
+
+def _positions_4d(positions: torch.Tensor) -> torch.Tensor:
+    """(T,) / (B, T) positions as (B or 1, 1, T) for broadcasting against (B, H, T, D/2)."""
+    return positions.view(1, 1, -1) if positions.dim() == 1 else positions[:, None, :]
+
+
+def _launch(xs: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...], cos: torch.Tensor,
+            sin: torch.Tensor, positions: torch.Tensor, interleaved: bool, inverse: bool) -> None:
+    """Rotate xs[i] into outs[i] (the same tensor for in place), all in one launch."""
+    q, q_out = _as_4d(xs[0]), _as_4d(outs[0])
+    # Without k the kernel's k loop runs zero times; q stands in for its pointers.
+    k, k_out = (_as_4d(xs[1]), _as_4d(outs[1])) if len(xs) == 2 else (q, q_out)
+    n_k_heads = k.shape[1] if len(xs) == 2 else 0
+    B, HQ, T, D = q.shape
+    half = D // 2
+    stride_pb = 0 if positions.dim() == 1 or positions.shape[0] == 1 else positions.stride(0)
+    block_half = triton.next_power_of_2(half)
+    max_heads = max(HQ, n_k_heads)
+    if interpreting():
+        # Few, large programs: the interpreter pays per program and per loop iteration.
+        block_h = triton.next_power_of_2(max_heads)
+        block_t = max(1, min(triton.next_power_of_2(T), 8192 // (block_h * 2 * block_half)))
+        num_warps = 1
+    else:
+        # A (tokens x heads x d) tile of about 4096 elements per loop iteration, 16 per thread.
+        block_h = max(1, min(triton.next_power_of_2(max_heads), 4096 // (2 * block_half)))
+        block_t = max(1, min(triton.next_power_of_2(T), 4096 // (block_h * 2 * block_half)))
+        num_warps = max(1, min(8, block_t * block_h * 2 * block_half // 512))
+    _rope_kernel[(B * triton.cdiv(T, block_t),)](
+        q, k, q_out, k_out, cos, sin, positions,
+        *q.stride(), *q_out.stride(), *k.stride(), *k_out.stride(),
+        stride_pb, positions.stride(-1),
+        T, HQ, n_k_heads, cos.shape[0],
+        HALF=half, INTERLEAVED=interleaved, INVERSE=inverse,
+        BLOCK_T=block_t, BLOCK_HALF=block_half, BLOCK_H=block_h, num_warps=num_warps,
+    )
+
+
+def _rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                  interleaved: bool, inverse: bool) -> torch.Tensor:
+    """The kernel's math in PyTorch: x rotated (float32 inside), as a new tensor of x's dtype."""
+    x4 = _as_4d(x).to(torch.float32)
+    index = _positions_4d(positions)
+    c, s = cos[index].to(torch.float32), sin[index].to(torch.float32)  # (B|1, 1, T, D/2)
+    if inverse:
+        s = -s
+    half = x4.shape[-1] // 2
+    x1, x2 = (x4[..., 0::2], x4[..., 1::2]) if interleaved else (x4[..., :half], x4[..., half:])
+    y1, y2 = x1 * c - x2 * s, x2 * c + x1 * s
+    y = torch.stack((y1, y2), dim=-1).flatten(-2) if interleaved else torch.cat((y1, y2), dim=-1)
+    return y.to(x.dtype).view(x.shape)
+
+
+def _rotate(xs, outs, cos, sin, positions, interleaved: bool, inverse: bool) -> None:
+    """Backend rule: the kernel, or PyTorch writing the same numbers into the same outputs."""
+    if xs[0].numel() == 0:
+        return
+    if use_triton(xs[0]):
+        _launch(xs, outs, cos, sin, positions, interleaved, inverse)
+        return
+    for x, out in zip(xs, outs):
+        out.copy_(_rotate_torch(x, cos, sin, positions, interleaved, inverse))
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd
+# --------------------------------------------------------------------------------------------
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns t's storage for autograd: t itself, or the base t is a view of."""
+    return t if t._base is None else t._base
+
+
+class _RoPEFunction(torch.autograd.Function):
+    """Rotates q (and k) in place; the gradient is rotated back by -angle.
+
+    Autograd refuses a Function that marks two view inputs dirty, and q and k are usually views
+    of one fused QKV output. So the Function marks the *roots* dirty (the tensors owning the
+    storage: q and k themselves, or the base they view), and returns those; the rotated tensors
+    travel in a tuple autograd does not look into. Views of a root (q, k, and v too) see the
+    root's new version and re-derive their history from it, so gradients flow through here.
+    """
+
+    @staticmethod
+    def forward(ctx, cos, sin, positions, interleaved, rotated, *roots):
+        _rotate(rotated, rotated, cos, sin, positions, interleaved, inverse=False)
+        ctx.mark_dirty(*roots)
+        ctx.save_for_backward(cos, sin, positions)
+        ctx.interleaved = interleaved
+        ctx.root_layouts = [(r.shape, r.stride(), r.storage_offset()) for r in roots]
+        # For each rotated tensor: which root it lies in, whether it is that root, its geometry.
+        ctx.regions = [(next(i for i, r in enumerate(roots) if r is _root(t)), t._base is None,
+                        t.shape, t.stride(), t.storage_offset()) for t in rotated]
+        return roots
+
+    @staticmethod
+    def backward(ctx, *root_grads):
+        cos, sin, positions = ctx.saved_tensors
+        # Never rotate the incoming gradients in place: autograd may hand one gradient tensor to
+        # several nodes (AddBackward passes it to both inputs; sum() passes a stride-0
+        # expansion), so writing into it could corrupt another branch.
+        grads = list(root_grads)
+        for i, (shape, stride, _) in enumerate(ctx.root_layouts):
+            if not any(index == i and is_root for index, is_root, *_ in ctx.regions):
+                # A base whose untouched parts (v, say) pass their gradient through unchanged;
+                # the rotated regions are then rotated in place in this copy, which we own.
+                grads[i] = torch.empty_strided(shape, stride, dtype=root_grads[i].dtype,
+                                               device=root_grads[i].device)
+                grads[i].copy_(root_grads[i])
+        sources, targets = [], []
+        for index, is_root, shape, stride, offset in ctx.regions:
+            if is_root:  # One read and one write per element, into a fresh buffer.
+                sources.append(root_grads[index])
+                grads[index] = empty_like(root_grads[index])
+                targets.append(grads[index])
+            else:
+                region = grads[index].as_strided(shape, stride,
+                                                 offset - ctx.root_layouts[index][2])
+                sources.append(region)
+                targets.append(region)
+        _rotate(tuple(sources), tuple(targets), cos, sin, positions, ctx.interleaved,
+                inverse=True)
+        return (None, None, None, None, None, *grads)
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------
+
+
+def rope_tables(theta: float, d_k: int, max_seq_len: int, device=None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position * theta^(-2i / d_k), each (max_seq_len, d_k // 2) float32.
+
+    Computed exactly as `fastlm.reference.RoPE` computes its tables (one column per pair).
+    """
+    if d_k % 2:
+        raise ValueError(f"d_k must be even, got {d_k}")
+    if max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+    inv_freq = 1.0 / theta ** (torch.arange(0, d_k, 2, device=device, dtype=torch.float32) / d_k)
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)  # (L, d_k / 2)
+    return angles.cos(), angles.sin()
+
+
+def _check_positions(token_positions: object, x: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+    """Validated positions on x's device; see apply_rope_ for how CUDA values are checked."""
+    if not isinstance(token_positions, torch.Tensor):
+        raise TypeError("token_positions must be a torch.Tensor, got "
+                        f"{type(token_positions).__name__}")
+    if token_positions.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"token_positions must be int32 or int64, got {token_positions.dtype}")
+    x4 = _as_4d(x)
+    B, T = x4.shape[0], x4.shape[2]
+    shape = tuple(token_positions.shape)
+    if not (shape == (T,) or (len(shape) == 2 and shape[1] == T and shape[0] in (1, B))):
+        raise ValueError(f"token_positions must have shape ({T},) or ({B}, {T}) to match a tensor "
+                         f"of shape {tuple(x.shape)}, got {shape}")
+    message = f"token_positions must lie in [0, {max_seq_len})"
+    if token_positions.device.type == "cpu":
+        if token_positions.numel() and (token_positions.min() < 0
+                                        or token_positions.max() >= max_seq_len):
+            raise ValueError(f"{message}, got values in [{int(token_positions.min())}, "
+                             f"{int(token_positions.max())}]")
+        return token_positions.to(x.device)
+    if token_positions.device != x.device:
+        raise ValueError(f"token_positions is on {token_positions.device}, but the rotated tensor "
+                         f"is on {x.device}")
+    in_range = ((token_positions >= 0) & (token_positions < max_seq_len)).all()
+    torch._assert_async(in_range, message)
+    return token_positions
+
+
+def _check_rotatable(name: str, t: object) -> None:
+    """The per-tensor checks: kernel dtype, 2 to 4 dims, no leaf that autograd would track."""
+    check_float(name, t)
+    if not 2 <= t.dim() <= 4:
+        raise ValueError(f"{name} must be (T, D), (B, T, D) or (B, H, T, D), got {tuple(t.shape)}")
+    if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+        raise ValueError(f"{name} has elements sharing memory (an expand); rotate a copy")
+    if torch.is_grad_enabled() and t.requires_grad:
+        base = t._base
+        if t.is_leaf or (base is not None and base.is_leaf and base.requires_grad):
+            raise ValueError(f"{name} is a leaf tensor that requires grad (or a view of one); RoPE "
+                             "rotates in place, so pass a computed tensor or use torch.no_grad()")
+
+
+def _apply_rope(tensors: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                token_positions: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, ...]:
+    """Check everything on the host, then rotate the named tensors in place together."""
+    (first_name, first), *rest = tensors.items()
+    for name, t in tensors.items():
+        _check_rotatable(name, t)
+    for name, t in rest:
+        check_match(name, t, first_name, first)
+        a, b = _as_4d(t), _as_4d(first)
+        if (a.shape[0], a.shape[2], a.shape[3]) != (b.shape[0], b.shape[2], b.shape[3]):
+            raise ValueError(f"{name} {tuple(t.shape)} and {first_name} {tuple(first.shape)} must "
+                             "agree in batch, sequence and head dim (heads may differ)")
+        if t is first:
+            raise ValueError(f"{name} and {first_name} are the same tensor")
+    check_float("cos", cos)
+    check_match("sin", sin, "cos", cos)
+    d = first.shape[-1]
+    if d % 2:
+        raise ValueError(f"the head dim of {first_name} must be even, got {d}")
+    if cos.dim() != 2 or cos.shape[1] != d // 2 or sin.shape != cos.shape:
+        raise ValueError(f"cos and sin must both be (max_seq_len, {d // 2}), got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    if cos.device != first.device:
+        raise ValueError(f"cos is on {cos.device}, but {first_name} is on {first.device}")
+    positions = _check_positions(token_positions, first, cos.shape[0])
+    rotated = tuple(tensors.values())
+    roots = []
+    for t in rotated:
+        if not any(_root(t) is r for r in roots):
+            roots.append(_root(t))
+    # Tables are small: a copy, if ever needed, is cheap; the kernel indexes dense (L, D/2) rows.
+    _RoPEFunction.apply(cos.contiguous(), sin.contiguous(), positions, interleaved, rotated,
+                        *roots)
+    return rotated
+
+
+def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                token_positions: torch.Tensor, *, interleaved: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k in place, in one launch, and return them (the same tensor objects).
+
+    q: (B, Hq, T, D), k: (B, Hk, T, D); Hq and Hk may differ (grouped-query attention). Also
+    (B, T, D) or (T, D). Any strides: views of a fused QKV projection output, such as
+    `qkv[..., :C].view(B, T, H, D).transpose(1, 2)`, are rotated in the caller's storage.
+    Slice or index the fused output (PyTorch refuses in-place autograd on `split`/`chunk`
+    outputs). cos, sin: (max_seq_len, D // 2), see `rope_tables`. token_positions: (T,) or
+    (B, T) integers in [0, max_seq_len), any offset. interleaved: pairs (x[2i], x[2i+1]) if
+    True, else the half-split pairs (x[i], x[i + D/2]).
+
+    Out-of-range positions: positions on the CPU are checked on the host and raise ValueError
+    (they are then copied to q's device). Positions already on a CUDA device are checked without
+    a host sync, by `torch._assert_async`: a bad value is reported as a device-side assertion
+    (a RuntimeError at a later synchronisation, which ends the CUDA context), and the kernel
+    clamps positions so that it never reads outside the tables meanwhile. Pass CPU positions
+    where a catchable ValueError matters more than the sync.
+
+    A leaf tensor that requires grad (or a view of one) raises ValueError, as any in-place op
+    on it would. Autograd: the gradients of q and k are the incoming ones rotated by -angle.
+    """
+    return _apply_rope({"q": q, "k": k}, cos, sin, token_positions, interleaved)
+
+
+# --------------------------------------------------------------------------------------------
+# Module
+# --------------------------------------------------------------------------------------------
+
+
+class RoPE(nn.Module):
+    """Drop-in for `fastlm.reference.RoPE` that rotates x in its own storage and returns it.
+
+    The tables are non-persistent buffers `cos_cached` and `sin_cached` of shape
+    (max_seq_len, d_k // 2) (one column per pair; the reference repeats each column twice), so
+    the state_dict is empty, as the reference's. `interleaved=False` selects the half-split
+    (NeoX / Hugging Face) layout.
+    """
+
+    def __init__(self, theta: float, d_k: int, max_seq_len: int, device=None,
+                 interleaved: bool = True):
+        super().__init__()
+        self.theta = theta
+        self.d_k = d_k
+        self.max_seq_len = max_seq_len
+        self.interleaved = interleaved
+        cos, sin = rope_tables(theta, d_k, max_seq_len, device)
+        self.register_buffer("cos_cached", cos, persistent=False)
+        self.register_buffer("sin_cached", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor, token_positions: torch.Tensor) -> torch.Tensor:
+        """x: (..., T, d_k) as (T, D), (B, T, D) or (B, H, T, D); token_positions (T,) or (B, T)."""
+        if x.shape[-1] != self.d_k:
+            raise ValueError(f"x must have last dim d_k={self.d_k}, got {tuple(x.shape)}")
+        (x,) = _apply_rope({"x": x}, self.cos_cached, self.sin_cached, token_positions,
+                           self.interleaved)
+        return x
+
+    def extra_repr(self) -> str:
+        return (f"theta={self.theta}, d_k={self.d_k}, max_seq_len={self.max_seq_len}, "
+                f"interleaved={self.interleaved}")

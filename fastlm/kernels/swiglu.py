@@ -1,0 +1,207 @@
+"""SwiGLU activation: y = silu(gate) * up, with silu(g) = g * sigmoid(g).
+
+Backward, with s = sigmoid(gate):
+
+    d gate = dy * up * s * (1 + gate * (1 - s))
+    d up   = dy * gate * s
+
+s is recomputed in the backward instead of stored: one exp per element costs less than writing
+and reading back a tensor the size of gate. Math in float32; outputs in the input dtype.
+
+Two forms share the same two kernels (they take row strides, so halves of one buffer are just
+pointers with a stride): `swiglu(gate, up)`, and `swiglu_packed(gate_up)` for a fused W1|W3
+projection whose output holds gate in its first half and up in its second, and whose gradient is
+written as one [..., 2 * d_ff] tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from fastlm.backend import interpreting, use_triton
+from fastlm.kernels._common import as_rows, check_float, check_match, empty
+from fastlm.reference import Linear
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _swiglu_fwd_kernel(G, U, Y, stride_gm, stride_um, stride_ym, M, N,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    gate = tl.load(G + rows[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0)
+    up = tl.load(U + rows[:, None] * stride_um + cols[None, :], mask=mask, other=0.0)
+    gate, up = gate.to(tl.float32), up.to(tl.float32)
+    y = gate * tl.sigmoid(gate) * up
+    tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(DY, G, U, DG, DU, stride_dym, stride_gm, stride_um, stride_dgm, stride_dum,
+                       M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    dy = tl.load(DY + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0)
+    gate = tl.load(G + rows[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0)
+    up = tl.load(U + rows[:, None] * stride_um + cols[None, :], mask=mask, other=0.0)
+    dy, gate, up = dy.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
+    sig = tl.sigmoid(gate)
+    d_gate = dy * up * sig * (1.0 + gate * (1.0 - sig))
+    d_up = dy * gate * sig
+    tl.store(DG + rows[:, None] * stride_dgm + cols[None, :], d_gate.to(DG.dtype.element_ty),
+             mask=mask)
+    tl.store(DU + rows[:, None] * stride_dum + cols[None, :], d_up.to(DU.dtype.element_ty),
+             mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers: every tensor is (M, N) rows with a unit column stride; rows may be strided
+# --------------------------------------------------------------------------------------------
+
+
+def _launch_config(M: int, N: int) -> tuple[tuple[int, int], dict]:
+    """Grid and tile: a (BLOCK_M x BLOCK_N) tile, several rows per program when N is small."""
+    # The interpreter pays per program, so it gets big tiles; a GPU gets 4096-element tiles, 32
+    # elements (16-byte vectors) per thread at 4 warps.
+    tile = 16384 if interpreting() else 4096
+    block_n = min(triton.next_power_of_2(N), tile)
+    block_m = max(1, tile // block_n)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    return grid, {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 1 if interpreting() else 4}
+
+
+def _forward_rows(gate: torch.Tensor, up: torch.Tensor, y: torch.Tensor) -> None:
+    M, N = gate.shape
+    if gate.numel() == 0:
+        return
+    if use_triton(gate):
+        grid, config = _launch_config(M, N)
+        _swiglu_fwd_kernel[grid](gate, up, y, gate.stride(0), up.stride(0), y.stride(0), M, N,
+                                 **config)
+        return
+    gate32 = gate.to(torch.float32)
+    y.copy_(gate32 * torch.sigmoid(gate32) * up.to(torch.float32))
+
+
+def _backward_rows(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d_gate: torch.Tensor,
+                   d_up: torch.Tensor) -> None:
+    M, N = gate.shape
+    if gate.numel() == 0:
+        return
+    if use_triton(gate):
+        grid, config = _launch_config(M, N)
+        _swiglu_bwd_kernel[grid](dy, gate, up, d_gate, d_up, dy.stride(0), gate.stride(0),
+                                 up.stride(0), d_gate.stride(0), d_up.stride(0), M, N, **config)
+        return
+    dy32, gate32, up32 = dy.to(torch.float32), gate.to(torch.float32), up.to(torch.float32)
+    sig = torch.sigmoid(gate32)
+    d_gate.copy_(dy32 * up32 * sig * (1 + gate32 * (1 - sig)))
+    d_up.copy_(dy32 * gate32 * sig)
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd
+# --------------------------------------------------------------------------------------------
+
+
+class _SwiGluFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        y = empty(gate.shape, device=gate.device, dtype=gate.dtype)
+        _forward_rows(as_rows(gate), as_rows(up), y.view(-1, y.shape[-1]))
+        ctx.save_for_backward(gate, up)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        d_gate = empty(gate.shape, device=gate.device, dtype=gate.dtype)
+        d_up = empty(up.shape, device=up.device, dtype=up.dtype)
+        _backward_rows(as_rows(dy), as_rows(gate), as_rows(up),
+                       d_gate.view(-1, d_gate.shape[-1]), d_up.view(-1, d_up.shape[-1]))
+        return d_gate, d_up
+
+
+class _SwiGluPackedFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up):
+        d_ff = gate_up.shape[-1] // 2
+        rows = as_rows(gate_up)  # (M, 2 d_ff)
+        y = empty((*gate_up.shape[:-1], d_ff), device=gate_up.device, dtype=gate_up.dtype)
+        _forward_rows(rows[:, :d_ff], rows[:, d_ff:], y.view(-1, d_ff))
+        ctx.save_for_backward(gate_up)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (gate_up,) = ctx.saved_tensors
+        d_ff = gate_up.shape[-1] // 2
+        rows = as_rows(gate_up)
+        d_gate_up = empty(gate_up.shape, device=gate_up.device, dtype=gate_up.dtype)
+        d_rows = d_gate_up.view(-1, 2 * d_ff)
+        _backward_rows(as_rows(dy), rows[:, :d_ff], rows[:, d_ff:], d_rows[:, :d_ff],
+                       d_rows[:, d_ff:])
+        return d_gate_up
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for tensors of one shape (any leading dims, any row strides).
+
+    fp32, fp16 or bf16; math in float32, the result in the inputs' dtype. The backward
+    recomputes sigmoid(gate).
+    """
+    check_float("gate", gate)
+    check_float("up", up)
+    check_match("up", up, "gate", gate)
+    if gate.shape != up.shape:
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape")
+    if gate.dim() == 0:
+        raise ValueError("gate must have at least one dim")
+    return _SwiGluFunction.apply(gate, up)
+
+
+def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up where gate_up is (..., 2 * d_ff): gate first, up second; -> (..., d_ff).
+
+    For a fused W1|W3 projection: its output goes in whole, and its gradient comes back as one
+    (..., 2 * d_ff) tensor.
+    """
+    check_float("gate_up", gate_up)
+    if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up must have an even last dim (gate | up), got "
+                         f"{tuple(gate_up.shape)}")
+    return _SwiGluPackedFunction.apply(gate_up)
+
+
+# --------------------------------------------------------------------------------------------
+# Module
+# --------------------------------------------------------------------------------------------
+
+
+class SwiGlu(nn.Module):
+    """w2(silu(w1 x) * w3 x): `fastlm.reference.SwiGlu`'s parameters and state_dict keys
+    (w1.w, w2.w, w3.w), with the activation and its backward in one kernel each."""
+
+    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None):
+        super().__init__()
+        self.d_model = d_model
+        self.d_ff = d_ff
+        self.w1 = Linear(d_model, d_ff, device, dtype)
+        self.w2 = Linear(d_ff, d_model, device, dtype)
+        self.w3 = Linear(d_model, d_ff, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(swiglu(self.w1(x), self.w3(x)))
