@@ -1,0 +1,575 @@
+"""Flash attention (FlashAttention-2): exact softmax attention without an [N x N] matrix.
+
+For one (batch, query head) with q (Nq, D), the keys k and values v (Nk, D) of its key/value head
+(query head h reads key/value head h // G when Hq = G * Hkv) and the softmax scale s:
+
+    S = s * q k^T,   P = softmax(S) over the keys,   O = P v
+
+Causal attention masks key j for query i unless j <= i + (Nk - Nq): the mask is aligned to the end,
+so the last query sees every key (decoding against a KV cache); Nq == Nk is the usual training case.
+
+Forward, one program per (query block, batch * head). Keys are visited block by block with an online
+softmax in base 2: t = s * log2(e) * q k^T, a running row max m and row sum l (fp32),
+
+    m' = max(m, rowmax t),   l' = l * 2^(m - m') + rowsum 2^(t - m'),
+    acc' = acc * 2^(m - m') + 2^(t - m') v,   O = acc / l,   LSE = m + log2(l)
+
+LSE (base 2, fp32, one value per query row) is all the forward saves besides its inputs and output.
+Causal programs visit the key blocks every row of the query block sees without any mask, then the
+diagonal blocks with the mask; blocks above the diagonal are never visited.
+
+Backward, with dO, recomputing P = 2^(t - LSE) block by block:
+
+    Delta = rowsum(O * dO),  dV = P^T dO,  dP = dO v^T,  dS = P * (dP - Delta),
+    dQ = s * dS k,   dK = s * dS^T q
+
+One program per (key block, batch * key/value head) computes dK and dV, looping over the G query
+heads of its group, so grouped heads need no atomics; another kernel, one program per (query block,
+batch * query head), computes dQ. Every sum has a fixed order: gradients are bitwise deterministic.
+
+Precision: fp16/bf16 dots accumulate in fp32. fp32 inputs use TF32 dots on a GPU by default
+(`allow_tf32=False` asks for full fp32 dots); Triton's interpreter computes fp32 dots exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from fastlm.backend import interpreting, use_triton
+from fastlm.kernels._common import check_float, check_match, empty, upcast_dots
+
+LOG2_E = 1.4426950408889634
+
+#: Head dims the kernels take: multiples of 8 (padded inside to a power of two of at least 16).
+MAX_HEAD_DIM = 256
+
+
+def _configs(interpreter_blocks: dict, cuda: list[tuple[dict, int, int]]) -> list[triton.Config]:
+    """One small config under the interpreter (autotuning there runs every config); the CUDA list,
+    as (block sizes, num_warps, num_stages), otherwise. Configs a head dim or dtype cannot fit in
+    shared memory fail to compile and are skipped by the autotuner."""
+    if interpreting():
+        return [triton.Config(interpreter_blocks, num_warps=4, num_stages=1)]
+    return [triton.Config(blocks, num_warps=warps, num_stages=stages) for blocks, warps, stages in cuda]
+
+
+# Hopper-first: 128-row query blocks with 64/128-key blocks, 3-4 stages. The last configs are the
+# small ones head dim 256 and fp32 inputs fit into. Kept short: every config compiles per tuning key.
+_FWD_CONFIGS = _configs(
+    {"BLOCK_M": 64, "BLOCK_N": 32},
+    [({"BLOCK_M": 128, "BLOCK_N": 64}, warps, stages) for warps in (4, 8) for stages in (3, 4)]
+    + [({"BLOCK_M": 128, "BLOCK_N": 128}, 8, stages) for stages in (3, 4)]
+    + [({"BLOCK_M": 64, "BLOCK_N": 64}, 4, 3), ({"BLOCK_M": 64, "BLOCK_N": 32}, 4, 2),
+       ({"BLOCK_M": 32, "BLOCK_N": 32}, 4, 1)],
+)
+# dK/dV keep a key block's k, v, dk, dv on chip and stream query blocks past it.
+_DKDV_CONFIGS = _configs(
+    {"BLOCK_M": 32, "BLOCK_N": 64},
+    [({"BLOCK_M": 32, "BLOCK_N": 128}, 4, stages) for stages in (2, 3)]
+    + [({"BLOCK_M": 64, "BLOCK_N": 128}, 8, stages) for stages in (2, 3)]
+    + [({"BLOCK_M": 64, "BLOCK_N": 64}, 4, 3), ({"BLOCK_M": 32, "BLOCK_N": 32}, 4, 1)],
+)
+# dQ keeps a query block's q, dO, dq on chip and streams key blocks past it.
+_DQ_CONFIGS = _configs(
+    {"BLOCK_M": 64, "BLOCK_N": 32},
+    [({"BLOCK_M": 128, "BLOCK_N": 32}, 4, stages) for stages in (2, 3)]
+    + [({"BLOCK_M": 128, "BLOCK_N": 64}, 8, stages) for stages in (2, 3)]
+    + [({"BLOCK_M": 64, "BLOCK_N": 64}, 4, 3), ({"BLOCK_M": 32, "BLOCK_N": 32}, 4, 1)],
+)
+# Tuned per power-of-two bucket of the sequence lengths, so a growing KV cache does not retune.
+_TUNING_KEY = ["q_bucket", "k_bucket", "BLOCK_D", "CAUSAL", "DOT_PRECISION"]
+
+
+@triton.jit
+def _load_tile(ptrs, rows, n_rows, cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               CHECK_ROWS: tl.constexpr, TO_FP32: tl.constexpr):
+    """A (rows, BLOCK_D) tile; rows >= n_rows and the head-dim padding read as zero.
+
+    Without CHECK_ROWS the caller has proven every row in range, and the load is unmasked unless
+    the head dim is padded (the hot loop of the causal forward runs this way).
+    """
+    if CHECK_ROWS:
+        tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM), other=0.0)
+    elif HEAD_DIM < BLOCK_D:
+        tile = tl.load(ptrs, mask=cols[None, :] < HEAD_DIM, other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    if TO_FP32:  # bf16 tl.dot is wrong in the interpreter: feed it fp32 (exact) operands
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@triton.jit
+def _store_tile(ptrs, tile, rows, n_rows, cols, HEAD_DIM: tl.constexpr):
+    tl.store(ptrs, tile.to(ptrs.dtype.element_ty), mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _fwd_key_blocks(acc, m_i, l_i, q, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
+                    offs_m, offs_d, lo, hi, n_k, causal_shift, qk_scale,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, TO_FP32: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    """Online-softmax update of (acc, m_i, l_i) with the key blocks starting in [lo, hi).
+
+    MASKED blocks may hold keys >= n_k or (CAUSAL) keys some rows must not see.
+    """
+    offs_n = lo + tl.arange(0, BLOCK_N)
+    k_ptrs = K_head + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V_head + offs_n.to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    for _ in range(lo, hi, BLOCK_N):
+        k = _load_tile(k_ptrs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TO_FP32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+        if MASKED:
+            visible = offs_n[None, :] < n_k
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # A row that has seen no key yet keeps m = -inf; subtract 0 so that 2^(-inf - -inf) is not NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_ref[:, None])
+        alpha = tl.math.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(v_ptrs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TO_FP32)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+        offs_n += BLOCK_N
+    return acc, m_i, l_i
+
+
+@triton.autotune(configs=_FWD_CONFIGS, key=_TUNING_KEY)
+@triton.jit
+def _attention_fwd_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    num_heads, group, n_q, n_k, qk_scale, q_bucket, k_bucket,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    TO_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    batch_head = tl.program_id(1)
+    batch = (batch_head // num_heads).to(tl.int64)
+    head = (batch_head % num_heads).to(tl.int64)
+    kv_head = head // group
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    q_ptrs = (Q + batch * stride_qb + head * stride_qh
+              + offs_m.to(tl.int64)[:, None] * stride_qm + offs_d[None, :] * stride_qd)
+    q = _load_tile(q_ptrs, offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True, TO_FP32)  # (BLOCK_M, BLOCK_D)
+    K_head = K + batch * stride_kb + kv_head * stride_kh
+    V_head = V + batch * stride_vb + kv_head * stride_vh
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    causal_shift = n_k - n_q
+    if CAUSAL:
+        # Keys [0, full_end) are seen by every row of the block (the first row sees j <= start_m + shift).
+        full_end = tl.maximum(start_m + causal_shift + 1, 0) // BLOCK_N * BLOCK_N
+        # The last row sees j <= start_m + BLOCK_M - 1 + shift; later key blocks are never visited.
+        masked_end = tl.minimum(start_m + BLOCK_M + causal_shift, n_k)
+    else:
+        full_end = n_k // BLOCK_N * BLOCK_N
+        masked_end = n_k
+    acc, m_i, l_i = _fwd_key_blocks(
+        acc, m_i, l_i, q, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_d, 0, full_end, n_k, causal_shift, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, TO_FP32, DOT_PRECISION)
+    acc, m_i, l_i = _fwd_key_blocks(
+        acc, m_i, l_i, q, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_d, full_end, masked_end, n_k, causal_shift, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, TO_FP32, DOT_PRECISION)
+
+    # A row that saw no key (l = 0) gets O = 0 and LSE = +inf, so the backward's P = 2^(t - LSE) is 0.
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    o_ptrs = (O + batch * stride_ob + head * stride_oh
+              + offs_m.to(tl.int64)[:, None] * stride_om + offs_d[None, :] * stride_od)
+    _store_tile(o_ptrs, o, offs_m, n_q, offs_d, HEAD_DIM)
+    lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
+    tl.store(LSE + batch_head.to(tl.int64) * n_q + offs_m, lse, mask=offs_m < n_q)
+
+
+@triton.jit
+def _attention_bwd_delta_kernel(
+    O, DO, DELTA,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    num_heads, n_q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Delta = rowsum(O * dO) in fp32, one value per query row."""
+    batch_head = tl.program_id(1)
+    batch = (batch_head // num_heads).to(tl.int64)
+    head = (batch_head % num_heads).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = offs_m.to(tl.int64)[:, None]
+    o = _load_tile(O + batch * stride_ob + head * stride_oh + rows * stride_om + offs_d[None, :] * stride_od,
+                   offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True, True)
+    do = _load_tile(DO + batch * stride_dob + head * stride_doh + rows * stride_dom + offs_d[None, :] * stride_dod,
+                    offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True, True)
+    tl.store(DELTA + batch_head.to(tl.int64) * n_q + offs_m, tl.sum(o * do, 1), mask=offs_m < n_q)
+
+
+@triton.jit
+def _dkdv_query_blocks(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head,
+                       stride_qm, stride_qd, stride_dom, stride_dod,
+                       offs_n, offs_d, lo, hi, n_q, causal_shift, qk_scale,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                       CHECK_ROWS: tl.constexpr, CAUSAL_MASK: tl.constexpr, TO_FP32: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
+    """Add to (dk, dv) of one key block the query blocks starting in [lo, hi) of one query head."""
+    offs_m = lo + tl.arange(0, BLOCK_M)
+    q_ptrs = Q_head + offs_m.to(tl.int64)[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    do_ptrs = DO_head + offs_m.to(tl.int64)[:, None] * stride_dom + offs_d[None, :] * stride_dod
+    for _ in range(lo, hi, BLOCK_M):
+        q = _load_tile(q_ptrs, offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS, TO_FP32)
+        do = _load_tile(do_ptrs, offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS, TO_FP32)
+        if CHECK_ROWS:  # rows past n_q: q = dO = 0 and LSE = inf give P = dS = 0
+            lse = tl.load(LSE_head + offs_m, mask=offs_m < n_q, other=float("inf"))
+            delta = tl.load(DELTA_head + offs_m, mask=offs_m < n_q, other=0.0)
+        else:
+            lse = tl.load(LSE_head + offs_m)
+            delta = tl.load(DELTA_head + offs_m)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+        exponent = qk_t * qk_scale - lse[None, :]
+        if CAUSAL_MASK:  # mask the exponent: 2^(t - LSE) of a key a query must not see may overflow
+            exponent = tl.where(offs_n[:, None] <= offs_m[None, :] + causal_shift, exponent, float("-inf"))
+        p_t = tl.math.exp2(exponent)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        q_ptrs += BLOCK_M * stride_qm
+        do_ptrs += BLOCK_M * stride_dom
+        offs_m += BLOCK_M
+    return dk, dv
+
+
+@triton.autotune(configs=_DKDV_CONFIGS, key=_TUNING_KEY)
+@triton.jit
+def _attention_bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, LSE, DELTA,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    num_kv_heads, group, n_q, n_k, softmax_scale, qk_scale, q_bucket, k_bucket,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    TO_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    batch_kv_head = tl.program_id(1)
+    batch = (batch_kv_head // num_kv_heads).to(tl.int64)
+    kv_head = (batch_kv_head % num_kv_heads).to(tl.int64)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = offs_n.to(tl.int64)[:, None]
+    k = _load_tile(K + batch * stride_kb + kv_head * stride_kh + rows * stride_kn + offs_d[None, :] * stride_kd,
+                   offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True, TO_FP32)  # (BLOCK_N, BLOCK_D)
+    v = _load_tile(V + batch * stride_vb + kv_head * stride_vh + rows * stride_vn + offs_d[None, :] * stride_vd,
+                   offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True, TO_FP32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    # Query blocks [diag_lo, full_lo) see part of this key block (causal mask); [full_lo, n_q) see all
+    # of it, in whole blocks up to full_hi then a partial tail; queries below diag_lo see none of it.
+    causal_shift = n_k - n_q
+    if CAUSAL:
+        diag_lo = tl.maximum(start_n - causal_shift, 0) // BLOCK_M * BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - causal_shift, 0), BLOCK_M) * BLOCK_M
+    else:
+        diag_lo = 0
+        full_lo = 0
+    full_hi = tl.maximum(n_q // BLOCK_M * BLOCK_M, full_lo)
+    # Grouped heads: sum over the group's query heads here, in a fixed order, instead of atomics.
+    for g in range(group):
+        head = kv_head * group + g
+        Q_head = Q + batch * stride_qb + head * stride_qh
+        DO_head = DO + batch * stride_dob + head * stride_doh
+        row_stats = (batch * num_kv_heads * group + head) * n_q
+        LSE_head = LSE + row_stats
+        DELTA_head = DELTA + row_stats
+        dk, dv = _dkdv_query_blocks(
+            dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, stride_qm, stride_qd, stride_dom, stride_dod,
+            offs_n, offs_d, diag_lo, tl.minimum(full_lo, n_q), n_q, causal_shift, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, TO_FP32, DOT_PRECISION)
+        dk, dv = _dkdv_query_blocks(
+            dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, stride_qm, stride_qd, stride_dom, stride_dod,
+            offs_n, offs_d, full_lo, full_hi, n_q, causal_shift, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_M, False, False, TO_FP32, DOT_PRECISION)
+        dk, dv = _dkdv_query_blocks(
+            dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, stride_qm, stride_qd, stride_dom, stride_dod,
+            offs_n, offs_d, full_hi, n_q, n_q, causal_shift, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_M, True, False, TO_FP32, DOT_PRECISION)
+
+    dk_ptrs = DK + batch * stride_dkb + kv_head * stride_dkh + rows * stride_dkn + offs_d[None, :] * stride_dkd
+    dv_ptrs = DV + batch * stride_dvb + kv_head * stride_dvh + rows * stride_dvn + offs_d[None, :] * stride_dvd
+    _store_tile(dk_ptrs, dk * softmax_scale, offs_n, n_k, offs_d, HEAD_DIM)
+    _store_tile(dv_ptrs, dv, offs_n, n_k, offs_d, HEAD_DIM)
+
+
+@triton.jit
+def _dq_key_blocks(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
+                   offs_m, offs_d, lo, hi, n_k, causal_shift, qk_scale,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, TO_FP32: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    """Add to dq of one query block the key blocks starting in [lo, hi) (MASKED as in the forward)."""
+    offs_n = lo + tl.arange(0, BLOCK_N)
+    k_ptrs = K_head + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V_head + offs_n.to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    for _ in range(lo, hi, BLOCK_N):
+        k = _load_tile(k_ptrs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TO_FP32)
+        v = _load_tile(v_ptrs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TO_FP32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        exponent = qk * qk_scale - lse[:, None]
+        if MASKED:  # mask the exponent: 2^(t - LSE) of a hidden or padded key may overflow
+            visible = offs_n[None, :] < n_k
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
+            exponent = tl.where(visible, exponent, float("-inf"))
+        p = tl.math.exp2(exponent)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+        offs_n += BLOCK_N
+    return dq
+
+
+@triton.autotune(configs=_DQ_CONFIGS, key=_TUNING_KEY)
+@triton.jit
+def _attention_bwd_dq_kernel(
+    Q, K, V, DO, DQ, LSE, DELTA,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    num_heads, group, n_q, n_k, softmax_scale, qk_scale, q_bucket, k_bucket,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    TO_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    batch_head = tl.program_id(1)
+    batch = (batch_head // num_heads).to(tl.int64)
+    head = (batch_head % num_heads).to(tl.int64)
+    kv_head = head // group
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = offs_m.to(tl.int64)[:, None]
+    q = _load_tile(Q + batch * stride_qb + head * stride_qh + rows * stride_qm + offs_d[None, :] * stride_qd,
+                   offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True, TO_FP32)  # (BLOCK_M, BLOCK_D)
+    do = _load_tile(DO + batch * stride_dob + head * stride_doh + rows * stride_dom + offs_d[None, :] * stride_dod,
+                    offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True, TO_FP32)
+    row_stats = batch_head.to(tl.int64) * n_q + offs_m
+    lse = tl.load(LSE + row_stats, mask=offs_m < n_q, other=float("inf"))
+    delta = tl.load(DELTA + row_stats, mask=offs_m < n_q, other=0.0)
+    K_head = K + batch * stride_kb + kv_head * stride_kh
+    V_head = V + batch * stride_vb + kv_head * stride_vh
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    causal_shift = n_k - n_q
+    if CAUSAL:
+        full_end = tl.maximum(start_m + causal_shift + 1, 0) // BLOCK_N * BLOCK_N
+        masked_end = tl.minimum(start_m + BLOCK_M + causal_shift, n_k)
+    else:
+        full_end = n_k // BLOCK_N * BLOCK_N
+        masked_end = n_k
+    dq = _dq_key_blocks(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
+                        offs_m, offs_d, 0, full_end, n_k, causal_shift, qk_scale,
+                        HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, TO_FP32, DOT_PRECISION)
+    dq = _dq_key_blocks(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
+                        offs_m, offs_d, full_end, masked_end, n_k, causal_shift, qk_scale,
+                        HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, TO_FP32, DOT_PRECISION)
+    dq_ptrs = DQ + batch * stride_dqb + head * stride_dqh + rows * stride_dqm + offs_d[None, :] * stride_dqd
+    _store_tile(dq_ptrs, dq * softmax_scale, offs_m, n_q, offs_d, HEAD_DIM)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+
+def _empty_heads_like(t: torch.Tensor, dtype=None) -> torch.Tensor:
+    """An output shaped like `t` (B, H, N, D), in t's token-major [B, N, H, D] memory layout when t
+    is a transposed view of one, so that the caller's `transpose(1, 2).reshape(B, N, H * D)` is free."""
+    B, H, N, D = t.shape
+    dtype = dtype or t.dtype
+    if t.stride(1) < t.stride(2):
+        return empty((B, N, H, D), device=t.device, dtype=dtype).transpose(1, 2)
+    return empty((B, H, N, D), device=t.device, dtype=dtype)
+
+
+def _bucket(n: int) -> int:
+    return triton.next_power_of_2(n)
+
+
+def _kernel_flags(q: torch.Tensor, causal: bool, allow_tf32: bool) -> dict:
+    """Compile-time arguments shared by the forward and backward kernels."""
+    head_dim = q.shape[-1]
+    full_fp32 = q.dtype == torch.float32 and not allow_tf32
+    return dict(
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        CAUSAL=causal,
+        TO_FP32=upcast_dots(q.dtype),
+        DOT_PRECISION="ieee" if full_fp32 else "tf32",
+    )
+
+
+def _attention_forward(q, k, v, causal: bool, softmax_scale: float, allow_tf32: bool):
+    """o (B, Hq, Nq, D) and the base-2 log-sum-exp (B, Hq, Nq) fp32 of checked inputs."""
+    B, Hq, Nq, _ = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    o = _empty_heads_like(q)
+    lse = empty((B, Hq, Nq), device=q.device, dtype=torch.float32)
+
+    def grid(meta):
+        return triton.cdiv(Nq, meta["BLOCK_M"]), B * Hq
+
+    _attention_fwd_kernel[grid](
+        q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        Hq, Hq // Hkv, Nq, Nk, softmax_scale * LOG2_E, _bucket(Nq), _bucket(Nk),
+        **_kernel_flags(q, causal, allow_tf32),
+    )
+    return o, lse
+
+
+def _attention_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, allow_tf32: bool):
+    """dq, dk, dv from the saved forward inputs, output and log-sum-exp."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    flags = _kernel_flags(q, causal, allow_tf32)
+    delta = empty((B, Hq, Nq), device=q.device, dtype=torch.float32)
+    delta_block = 32 if interpreting() else 64
+    _attention_bwd_delta_kernel[(triton.cdiv(Nq, delta_block), B * Hq)](
+        o, do, delta, *o.stride(), *do.stride(), Hq, Nq,
+        HEAD_DIM=D, BLOCK_D=flags["BLOCK_D"], BLOCK_M=delta_block,
+    )
+
+    dq, dk, dv = _empty_heads_like(q), _empty_heads_like(k), _empty_heads_like(v)
+    scales = (softmax_scale, softmax_scale * LOG2_E, _bucket(Nq), _bucket(Nk))
+
+    def dkdv_grid(meta):
+        return triton.cdiv(Nk, meta["BLOCK_N"]), B * Hkv
+
+    _attention_bwd_dkdv_kernel[dkdv_grid](
+        q, k, v, do, dk, dv, lse, delta,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+        Hkv, group, Nq, Nk, *scales, **flags,
+    )
+
+    def dq_grid(meta):
+        return triton.cdiv(Nq, meta["BLOCK_M"]), B * Hq
+
+    _attention_bwd_dq_kernel[dq_grid](
+        q, k, v, do, dq, lse, delta,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+        Hq, group, Nq, Nk, *scales, **flags,
+    )
+    return dq, dk, dv
+
+
+def _check_inputs(q, k, v, causal, softmax_scale) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_float(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+    check_match("k", k, "q", q)
+    check_match("v", v, "q", q)
+    if k.shape != v.shape:
+        raise ValueError(f"v has shape {tuple(v.shape)}, but k has {tuple(k.shape)}; they must match")
+    (B, Hq, Nq, D), (Bk, Hkv, Nk, Dk) = q.shape, k.shape
+    if Bk != B:
+        raise ValueError(f"k has batch size {Bk}, but q has {B}")
+    if Dk != D:
+        raise ValueError(f"k has head dim {Dk}, but q has {D}")
+    if D % 8 or not 8 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"q has head dim {D}; supported: multiples of 8 from 8 to {MAX_HEAD_DIM}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"q has {Hq} heads, which is not a multiple of k's {Hkv} heads")
+    if Nk == 0:
+        raise ValueError("k has sequence length 0: every query needs at least one key")
+    if Nq > Nk:
+        raise ValueError(f"q has sequence length {Nq} > k's {Nk}; queries must be the last Nq of the keys' positions")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool)
+                                      or not isinstance(softmax_scale, numbers.Real)):
+        raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd and the public function
+# --------------------------------------------------------------------------------------------
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """Saves q, k, v, o and the (B, Hq, Nq) fp32 log-sum-exp: memory linear in the sequence length."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, softmax_scale: float, allow_tf32: bool):
+        o, lse = _attention_forward(q, k, v, causal, softmax_scale, allow_tf32)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.softmax_scale, ctx.allow_tf32 = causal, softmax_scale, allow_tf32
+        return o
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _attention_backward(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale, ctx.allow_tf32)
+        return dq, dk, dv, None, None, None
+
+
+def _attention_torch(q, k, v, causal: bool, softmax_scale: float) -> torch.Tensor:
+    """The same math through PyTorch's scaled_dot_product_attention (the non-Triton backend)."""
+    Nq, Nk = q.shape[2], k.shape[2]
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    if not causal or Nq == Nk:  # SDPA's own causal mask is aligned to the start: equal only if Nq == Nk
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
+    visible = torch.ones(Nq, Nk, dtype=torch.bool, device=q.device).tril(Nk - Nq)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=softmax_scale)
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                    softmax_scale: float | None = None, *, allow_tf32: bool = True) -> torch.Tensor:
+    """softmax(softmax_scale * q k^T [+ causal mask]) v without materialising the scores.
+
+    q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D) with Hq a multiple of Hkv (grouped-query / multi-query
+    attention: query head h reads key/value head h // (Hq // Hkv)) and 1 <= Nq <= Nk. Any strides
+    (e.g. `x.view(B, N, H, D).transpose(1, 2)` or slices of a fused qkv tensor) are read in place.
+    causal: query i sees key j iff j <= i + Nk - Nq (aligned to the end, as in KV-cache decoding).
+    softmax_scale: defaults to 1 / sqrt(D). D: a multiple of 8 up to 256.
+    dtypes: float16, bfloat16, float32 (all three the same); softmax statistics in fp32.
+    allow_tf32: for float32 inputs on a GPU, False makes the dots full fp32 instead of TF32.
+    Returns o (B, Hq, Nq, D) in q's dtype; differentiable in q, k and v.
+    """
+    _check_inputs(q, k, v, causal, softmax_scale)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if not use_triton(q) or q.numel() == 0:
+        return _attention_torch(q, k, v, causal, scale)
+    return FlashAttentionFunction.apply(q, k, v, causal, scale, bool(allow_tf32))

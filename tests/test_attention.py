@@ -1,0 +1,322 @@
+"""flash_attention against float64 attention (fastlm.reference), forward and every gradient.
+
+Interpreter block sizes (64x32 forward, 32x64 dK/dV, 64x32 dQ) make 77, 130 and 257 partial-block
+lengths, and causal runs with Nq < Nk put the diagonal anywhere inside a block.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from fastlm.kernels.attention import _attention_backward, _attention_forward, flash_attention
+from fastlm.reference import ScaledDotProductAttention
+from fastlm.testing import TOLERANCE, assert_close, relative_error
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def reference_attention(q, k, v, causal: bool, softmax_scale: float | None = None) -> torch.Tensor:
+    """fastlm.reference attention in float64, with grouped heads repeated and the end-aligned mask."""
+    q, k, v = (t.to(torch.float64) for t in (q, k, v))
+    D, (Nq, Nk) = q.shape[-1], (q.shape[2], k.shape[2])
+    if softmax_scale is not None:  # the reference divides by sqrt(D)
+        q = q * (softmax_scale * math.sqrt(D))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    mask = None
+    if causal:  # True where masked: query i sees key j <= i + Nk - Nq
+        mask = ~torch.ones(Nq, Nk, dtype=torch.bool, device=q.device).tril(Nk - Nq)
+    return ScaledDotProductAttention()(q, k, v, mask)
+
+
+def make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, device, std=1.0):
+    q = (torch.randn(B, Hq, Nq, D, device=device) * std).to(dtype).requires_grad_()
+    k = (torch.randn(B, Hkv, Nk, D, device=device) * std).to(dtype).requires_grad_()
+    v = torch.randn(B, Hkv, Nk, D, device=device).to(dtype).requires_grad_()
+    return q, k, v
+
+
+def run(q, k, v, causal, softmax_scale=None):
+    """Output and (dq, dk, dv) of flash_attention for a random dO; fp32 asks for full-precision dots
+    so that the fp32 bound also holds on a GPU (TF32 is tested on its own)."""
+    for t in (q, k, v):
+        t.grad = None
+    o = flash_attention(q, k, v, causal, softmax_scale, allow_tf32=False)
+    do = torch.randn_like(o)
+    o.backward(do)
+    return o, do, (q.grad, k.grad, v.grad)
+
+
+def reference_run(q, k, v, do, causal, softmax_scale=None):
+    q64, k64, v64 = (t.detach().to(torch.float64).requires_grad_() for t in (q, k, v))
+    o = reference_attention(q64, k64, v64, causal, softmax_scale)
+    o.backward(do.to(torch.float64))
+    return o, (q64.grad, k64.grad, v64.grad)
+
+
+def check_against_reference(q, k, v, causal, softmax_scale=None):
+    o, do, grads = run(q, k, v, causal, softmax_scale)
+    ref_o, ref_grads = reference_run(q, k, v, do, causal, softmax_scale)
+    dtype = q.dtype
+    assert o.dtype == dtype and o.shape == q.shape
+    assert_close(o, ref_o, dtype, "o")
+    assert_close(grads[2], ref_grads[2], dtype, "dv")
+    if k.shape[2] == 1:
+        # One key: P = 1 whatever q and k are, so dQ = dK = 0 exactly; only round-off of
+        # dP - Delta (|dO| |v| at most) may remain, scaled by s |k| or s |q|.
+        scale = softmax_scale or q.shape[-1] ** -0.5
+        bound = TOLERANCE[dtype] * scale * do.double().norm() * v.double().norm()
+        assert grads[0].double().norm() <= bound * k.double().norm(), "dq of a single key is not ~0"
+        assert grads[1].double().norm() <= bound * q.double().norm(), "dk of a single key is not ~0"
+    else:
+        assert_close(grads[0], ref_grads[0], dtype, "dq")
+        assert_close(grads[1], ref_grads[1], dtype, "dk")
+    return o, grads
+
+
+# (B, Hq, Hkv, Nq, Nk, D, causal, dtype): every N, D and dtype appears, with and without the causal
+# mask, grouped (Hq > Hkv) and multi-query (Hkv = 1) heads, and Nq < Nk (decoding, chunked prefill).
+CASES = [
+    (1, 2, 2, 1, 1, 16, True, torch.float32),
+    (2, 2, 1, 17, 17, 32, True, torch.float16),
+    (1, 4, 2, 64, 64, 64, False, torch.bfloat16),
+    (1, 2, 2, 77, 77, 80, True, torch.float32),
+    (1, 1, 1, 130, 130, 128, True, torch.bfloat16),
+    (1, 2, 1, 257, 257, 16, True, torch.float16),
+    (1, 2, 2, 257, 257, 32, False, torch.float32),
+    (1, 3, 1, 77, 130, 64, True, torch.float16),
+    (1, 2, 2, 1, 257, 128, True, torch.bfloat16),
+    (2, 2, 2, 17, 64, 80, False, torch.float32),
+    (1, 4, 1, 130, 257, 16, True, torch.float32),
+    (1, 2, 2, 64, 77, 128, True, torch.float16),
+    (1, 2, 1, 130, 130, 64, False, torch.float16),
+    (1, 2, 2, 77, 77, 96, False, torch.bfloat16),
+    (1, 2, 2, 64, 64, 8, True, torch.float32),
+]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,dtype", CASES)
+def test_matches_reference(device, B, Hq, Hkv, Nq, Nk, D, causal, dtype):
+    check_against_reference(*make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, device), causal)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_softmax_scale(device, causal):
+    check_against_reference(*make_inputs(1, 2, 1, 77, 130, 32, torch.float32, device), causal, softmax_scale=0.3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_large_scores_do_not_overflow(device, dtype):
+    """Scores of magnitude ~1e3 (e^1000 overflows every float type): all finite and accurate.
+
+    O and dV are well conditioned and meet the usual bound. At such scores P is almost one-hot and
+    dS = P * (dP - Delta) cancels: the error of any floating-point dQ is relative to the terms that
+    cancel, s * (P * (|dP| + |Delta|)) |K| (and likewise for dK), not to the tiny result.
+    """
+    D, scale = 64, 64 ** -0.5
+    q, k, v = make_inputs(1, 2, 2, 77, 77, D, dtype, device, std=1000 ** 0.5)
+    o, do, grads = run(q, k, v, causal=True)
+    ref_o, ref_grads = reference_run(q, k, v, do, causal=True)
+    assert_close(o, ref_o, dtype, "o")
+    assert_close(grads[2], ref_grads[2], dtype, "dv")
+
+    q64, k64, v64, do64 = (t.detach().double() for t in (q, k, v, do))
+    scores = scale * q64 @ k64.transpose(-1, -2)
+    assert scores.abs().amax() > 1000
+    p = scores.masked_fill(~torch.ones(77, 77, dtype=torch.bool, device=device).tril(), -math.inf).softmax(-1)
+    dp = do64 @ v64.transpose(-1, -2)
+    delta = (ref_o * do64).sum(-1, keepdim=True)
+    cancelling = scale * p * (dp.abs() + delta.abs())
+    for name, grad, ref_grad, magnitude in (("dq", grads[0], ref_grads[0], cancelling @ k64.abs()),
+                                            ("dk", grads[1], ref_grads[1], cancelling.transpose(-1, -2) @ q64.abs())):
+        assert torch.isfinite(grad).all(), f"{name} is not finite"
+        err = torch.linalg.vector_norm(grad.double() - ref_grad) / torch.linalg.vector_norm(magnitude)
+        assert err <= TOLERANCE[dtype], f"{name}: error {err:.2e} of the cancelling terms' size ({dtype})"
+
+
+def test_strided_inputs_need_no_copy(device):
+    """q, k, v as slices of one fused (B, N, 3, H, D) projection viewed as (B, H, N, D), and head dims
+    with stride 2: bitwise the same results as contiguous copies, gradients included."""
+    B, N, H, D = 2, 77, 2, 32
+    qkv = torch.randn(B, N, 3, H, D, device=device, dtype=torch.float16, requires_grad=True)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, N, D), token-major memory
+    o = flash_attention(q, k, v, causal=True)
+    assert o.transpose(1, 2).is_contiguous(), "o should keep q's [B, N, H, D] memory layout"
+    do = torch.randn_like(o)
+    (dqkv,) = torch.autograd.grad(o, qkv, do)
+
+    contiguous = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
+    o_contiguous = flash_attention(*contiguous, causal=True)
+    grads = torch.autograd.grad(o_contiguous, contiguous, do)
+    assert torch.equal(o, o_contiguous)
+    for i, grad in enumerate(grads):
+        assert torch.equal(dqkv[:, :, i].transpose(1, 2), grad)
+
+    wide = torch.randn(1, 2, 130, 4 * D, device=device)
+    q, k, v = wide[..., 0::4], wide[..., 1::4], wide[..., 2::4]
+    assert q.stride(-1) == 4
+    assert torch.equal(flash_attention(q, k, v, causal=False, allow_tf32=False),
+                       flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=False,
+                                       allow_tf32=False))
+
+
+def test_backward_is_deterministic(device):
+    q, k, v = make_inputs(1, 4, 2, 130, 130, 32, torch.float16, device)
+    o = flash_attention(q, k, v, causal=True)
+    do = torch.randn_like(o)
+    first = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+    second = torch.autograd.grad(o, (q, k, v), do)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_fully_masked_rows_give_zeros(device):
+    """The public function rejects Nq > Nk; the kernels, given it, mask every key for the first
+    Nq - Nk queries (they would see keys j <= i - (Nq - Nk) < 0). Those rows must be 0, not NaN."""
+    Nq, Nk, D = 77, 40, 16
+    q, k, v = make_inputs(1, 2, 1, Nq, Nk, D, torch.float32, device)
+    scale = D ** -0.5
+    o, lse = _attention_forward(q.detach(), k.detach(), v.detach(), True, scale, False)
+    do = torch.randn_like(o)
+    dq, dk, dv = _attention_backward(do, q.detach(), k.detach(), v.detach(), o, lse, True, scale, False)
+    hidden = Nq - Nk
+    assert torch.equal(o[:, :, :hidden], torch.zeros_like(o[:, :, :hidden]))
+    assert torch.equal(dq[:, :, :hidden], torch.zeros_like(dq[:, :, :hidden]))
+    # The other rows are ordinary attention of the last Nk queries.
+    q_seen = q[:, :, hidden:]
+    ref_o, (ref_dq, ref_dk, ref_dv) = reference_run(q_seen, k, v, do[:, :, hidden:], causal=True)
+    assert_close(o[:, :, hidden:], ref_o, torch.float32, "o")
+    assert_close(dq[:, :, hidden:], ref_dq, torch.float32, "dq")
+    assert_close(dk, ref_dk, torch.float32, "dk")
+    assert_close(dv, ref_dv, torch.float32, "dv")
+
+
+class _AllocationRecorder(TorchDispatchMode):
+    """Bytes of every distinct storage that a torch op returns while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                self.storages[storage.data_ptr()] = storage.nbytes()
+        return out
+
+
+def _bytes_touched(device, N: int, causal: bool) -> tuple[int, int]:
+    q, k, v = make_inputs(1, 2, 1, N, N, 16, torch.float16, device)
+    do = torch.randn(1, 2, N, 16, device=device, dtype=torch.float16)
+    with _AllocationRecorder() as recorder:
+        flash_attention(q, k, v, causal).backward(do)
+    return sum(recorder.storages.values()), max(recorder.storages.values())
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_memory_is_linear_in_sequence_length(device, causal):
+    """Every tensor the forward and backward allocate (outputs, log-sum-exp, Delta, the interpreter's
+    copies) grows like N: doubling N doubles the bytes. One (N x N) fp32 score matrix for the two
+    heads would add 2 * N^2 * 4 bytes, at N = 128 already 2.5x all the linear tensors together (the
+    check then fails with a 3.4x growth)."""
+    N = 128
+    total, largest = _bytes_touched(device, N, causal)
+    total_2n, largest_2n = _bytes_touched(device, 2 * N, causal)
+    assert total_2n <= 2.05 * total, f"bytes grew {total_2n / total:.2f}x when N doubled"
+    assert largest_2n <= 2 * largest
+    assert largest_2n < 2 * (2 * N) ** 2  # smaller than one head's score matrix in fp16
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    batch=st.integers(1, 2),
+    kv_heads=st.integers(1, 2),
+    group=st.sampled_from([1, 2, 3]),
+    n_k=st.integers(1, 140),
+    q_fraction=st.floats(0.0, 1.0),
+    head_dim=st.sampled_from([8, 16, 24, 32, 48, 64, 80, 96, 112, 128]),
+    causal=st.booleans(),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_fuzz_shapes(batch, kv_heads, group, n_k, q_fraction, head_dim, causal, dtype):
+    n_q = max(1, round(q_fraction * n_k))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # hypothesis refuses function-scoped fixtures
+    inputs = make_inputs(batch, kv_heads * group, kv_heads, n_q, n_k, head_dim, dtype, device)
+    check_against_reference(*inputs, causal)
+
+
+def _heads(B=1, H=2, N=8, D=16, **kwargs):
+    return torch.randn(B, H, N, D, **kwargs)
+
+
+# Each case replaces some of q, k, v = (1, 2, 8, 16) fp32, causal=True, softmax_scale=None.
+BAD_INPUTS = [
+    (dict(q=torch.randn(2, 8, 16)), ValueError, "q must have 4 dims"),
+    (dict(k=torch.randn(1, 2, 8, 16, 1)), ValueError, "k must have 4 dims"),
+    (dict(k=_heads(D=32)), ValueError, "v has shape"),
+    (dict(k=_heads(D=32), v=_heads(D=32)), ValueError, "k has head dim 32"),
+    (dict(k=_heads(dtype=torch.float16)), TypeError, "k has dtype"),
+    (dict(v=_heads(device="meta")), ValueError, "v is on meta"),
+    (dict(v=_heads(dtype=torch.float64)), TypeError, "v must be float32"),
+    (dict(q=torch.randint(0, 3, (1, 2, 8, 16))), TypeError, "q must be float32"),
+    (dict(q=[[1.0]]), TypeError, "q must be a torch.Tensor"),
+    (dict(q=_heads(H=3)), ValueError, "not a multiple of k's 2 heads"),
+    (dict(q=_heads(N=9)), ValueError, "q has sequence length 9 > k's 8"),
+    (dict(q=_heads(N=0), k=_heads(N=0), v=_heads(N=0)), ValueError, "k has sequence length 0"),
+    (dict(k=_heads(B=2), v=_heads(B=2)), ValueError, "k has batch size 2"),
+    (dict(q=_heads(D=12), k=_heads(D=12), v=_heads(D=12)), ValueError, "head dim 12"),
+    (dict(q=_heads(D=264), k=_heads(D=264), v=_heads(D=264)), ValueError, "head dim 264"),
+    (dict(causal="yes"), TypeError, "causal must be a bool"),
+    (dict(softmax_scale="0.1"), TypeError, "softmax_scale must be a real number"),
+]
+
+
+@pytest.mark.parametrize("overrides,error,message", BAD_INPUTS)
+def test_bad_input_is_named(overrides, error, message):
+    args = dict(q=_heads(), k=_heads(), v=_heads(), causal=True, softmax_scale=None) | overrides
+    with pytest.raises(error, match=message):
+        flash_attention(**args)
+
+
+@pytest.mark.parametrize("Nq,Nk,causal", [(77, 130, True), (77, 77, True), (33, 64, False)])
+def test_torch_backend_same_math(device, monkeypatch, Nq, Nk, causal):
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")
+    q, k, v = make_inputs(2, 4, 2, Nq, Nk, 32, torch.float32, device)
+    o = flash_attention(q, k, v, causal, softmax_scale=0.2)
+    do = torch.randn_like(o)
+    o.backward(do)
+    ref_o, ref_grads = reference_run(q, k, v, do, causal, softmax_scale=0.2)
+    assert_close(o, ref_o, torch.float32, "o")
+    for name, grad, ref_grad in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), ref_grads):
+        assert_close(grad, ref_grad, torch.float32, name)
+
+
+@pytest.mark.cuda
+def test_fp32_tf32_and_full_precision(device):
+    """fp32 dots run as TF32 by default (10-bit mantissa like fp16, so fp16's bound); allow_tf32=False
+    gives full fp32 accuracy."""
+    q, k, v = make_inputs(2, 4, 2, 257, 257, 64, torch.float32, device)
+    ref = reference_attention(q, k, v, True)
+    assert_close(flash_attention(q, k, v), ref, torch.float16, "o (tf32)")
+    assert_close(flash_attention(q, k, v, allow_tf32=False), ref, torch.float32, "o (ieee)")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_torch_compile(device, dtype):
+    q, k, v = make_inputs(2, 8, 2, 1000, 1000, 128, dtype, device)
+
+    def attend(q, k, v):
+        return flash_attention(q, k, v, causal=True).float().square().sum()
+
+    eager_grads = torch.autograd.grad(attend(q, k, v), (q, k, v))
+    compiled_grads = torch.autograd.grad(torch.compile(attend, fullgraph=True)(q, k, v), (q, k, v))
+    for eager, compiled in zip(eager_grads, compiled_grads):
+        assert_close(compiled, eager, dtype)
