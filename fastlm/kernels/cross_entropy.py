@@ -1,0 +1,316 @@
+"""Cross-entropy with its gradient computed in the forward, and fused linear + cross-entropy.
+
+For a row of logits x (V entries) and its target t:
+
+    lse  = log sum_j exp(x_j)                        (online over vocabulary blocks, fp32)
+    loss = lse - x_t
+    dloss/dx_j = softmax(x)_j - [j == t]  =  exp(x_j - lse) - [j == t]
+
+and the mean over the n_valid rows whose target is not `ignore_index` (PyTorch's
+F.cross_entropy with reduction='mean'). Where every target is ignored the mean is 0, not
+PyTorch's NaN (0/0), so a batch made only of padding adds nothing to a training step.
+
+The row kernel makes two passes over a row: the first keeps a running max m and a running
+sum s of exp(x - m) (rescaled by exp(m_old - m_new) as m grows, so logits of any magnitude
+stay finite) and picks x_t; the second writes softmax - onehot. The gradient is written
+*unscaled* in the forward: the backward multiplies by grad_output / n_valid in fp32, so fp16
+values of size softmax / n_valid (below fp16's range at long sequences) never exist before a
+GradScaler's factor has been applied. The backward is therefore a single scale.
+
+Fused linear cross-entropy (x (N, C), weight (V, C), logits = x @ weight^T): tokens go through
+in chunks of rows; for each chunk the logits (chunk, V) are computed with a torch matmul in x's
+dtype, the row kernel overwrites them with dlogits, and at once
+
+    dx[chunk]  = dlogits @ weight                     (N, C), x's dtype
+    dweight   += dlogits^T @ x[chunk]                 (V, C), fp32 across chunks
+
+so the (N, V) logits never exist at once; dx and dweight are kept for the backward, which
+scales them by grad_output / n_valid. Targets outside [0, V) other than ignore_index give a
+NaN loss (found on the device: checking on the host would need a sync).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from torch import nn
+import triton.language as tl
+
+from fastlm.backend import interpreting, use_triton
+from fastlm.kernels._common import as_rows, check_float, check_match, empty
+
+#: Largest vocabulary block a program loads at once (a row of more entries loops over blocks).
+#: The interpreter's is smaller so that the test suite's vocabularies span several blocks.
+MAX_BLOCK_V = 4096
+MAX_BLOCK_V_INTERPRETER = 1024
+
+#: Logits bytes one chunk of linear_cross_entropy may hold (the default chunk_size): 128 MiB is
+#: 2048 tokens at vocab 32000 in bf16, an eighth of the logits of 16k tokens, while the chunk's
+#: matmuls (2048 x 768 x 32000) stay large enough to run near a GPU's peak.
+CHUNK_LOGITS_BYTES = 128 * 2**20
+
+
+@triton.jit
+def _cross_entropy_fwd_kernel(
+    Logits, Targets, Loss, DLogits,
+    stride_lm, stride_dm, n_cols, ignore_index,
+    BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr,
+):
+    """One program per row: Loss[row] (fp32) and, under WRITE_GRAD, DLogits[row] = softmax - onehot."""
+    row = tl.program_id(0).to(tl.int64)
+    logits_row = Logits + row * stride_lm
+    target = tl.load(Targets + row).to(tl.int64)
+    counted = target != ignore_index
+    in_vocab = (target >= 0) & (target < n_cols)
+
+    # Ignored and out-of-vocabulary targets (-100, say) are masked off, so never read out of bounds.
+    target_logit = tl.load(logits_row + target, mask=in_vocab, other=0.0).to(tl.float32)
+    running_max = tl.full([], float("-inf"), tl.float32)
+    running_sum = tl.zeros([], tl.float32)
+    for start in range(0, n_cols, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < n_cols
+        x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(x, axis=0))
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+        running_max = new_max
+    lse = running_max + tl.log(running_sum)
+
+    loss = tl.where(in_vocab, lse - target_logit, float("nan"))
+    tl.store(Loss + row, tl.where(counted, loss, 0.0))
+
+    if WRITE_GRAD:
+        dlogits_row = DLogits + row * stride_dm
+        for start in range(0, n_cols, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < n_cols
+            x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            grad = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
+            grad = tl.where(counted, grad, 0.0)
+            tl.store(dlogits_row + cols, grad.to(DLogits.dtype.element_ty), mask=mask)
+
+
+def _cross_entropy_rows_torch(rows, targets, ignore_index, row_loss, dlogits) -> None:
+    """The row kernel's math in PyTorch (fp32 statistics), writing the same outputs."""
+    x = rows.float()
+    lse = torch.logsumexp(x, dim=-1)  # (N,)
+    counted = targets != ignore_index
+    in_vocab = (targets >= 0) & (targets < rows.shape[-1])
+    safe_targets = torch.where(in_vocab, targets, 0).unsqueeze(-1)  # (N, 1)
+    loss = lse - x.gather(-1, safe_targets).squeeze(-1)
+    loss = torch.where(in_vocab, loss, float("nan"))
+    row_loss.copy_(torch.where(counted, loss, 0.0))
+    if dlogits is not None:
+        grad = torch.exp(x - lse.unsqueeze(-1))
+        grad.scatter_add_(-1, safe_targets, -in_vocab.to(grad.dtype).unsqueeze(-1))
+        dlogits.copy_(torch.where(counted.unsqueeze(-1), grad, 0.0))
+
+
+def _cross_entropy_rows(rows: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                        row_loss: torch.Tensor, dlogits: torch.Tensor | None) -> None:
+    """Per-row losses of rows (N, V) (unit column stride) into row_loss (N,) fp32, and
+    softmax - onehot into dlogits (N, V) unless it is None; dlogits may be rows itself."""
+    n_rows, n_cols = rows.shape
+    if n_rows == 0:
+        return
+    if not use_triton(rows):
+        _cross_entropy_rows_torch(rows, targets, ignore_index, row_loss, dlogits)
+        return
+    max_block = MAX_BLOCK_V_INTERPRETER if interpreting() else MAX_BLOCK_V
+    block_v = min(triton.next_power_of_2(n_cols), max_block)
+    write_grad = dlogits is not None
+    grad_out = dlogits if write_grad else rows  # never written when WRITE_GRAD is off
+    _cross_entropy_fwd_kernel[(n_rows,)](
+        rows, targets, row_loss, grad_out,
+        rows.stride(0), grad_out.stride(0), n_cols, ignore_index,
+        BLOCK_V=block_v, WRITE_GRAD=write_grad,
+        num_warps=8 if block_v >= 2048 else 4,
+    )
+
+
+def _check_targets(targets: object, leading_shape: torch.Size, device: torch.device, of: str) -> None:
+    if not isinstance(targets, torch.Tensor):
+        raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"targets must be int64 or int32, got {targets.dtype}")
+    if targets.shape != leading_shape:
+        raise ValueError(
+            f"targets must have the leading shape of {of}, {tuple(leading_shape)}, got {tuple(targets.shape)}"
+        )
+    if targets.device != device:
+        raise ValueError(f"targets is on {targets.device}, but {of} is on {device}")
+
+
+def _check_ignore_index(ignore_index: object) -> None:
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+
+
+def _count_valid(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """n_valid as a device tensor (no host sync), at least 1 so that all-ignored gives 0, not NaN."""
+    return (targets != ignore_index).sum().clamp_min(1)
+
+
+def _grad_scale(grad_output: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+    return grad_output.float() / n_valid
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index, inplace_backward):
+        rows = as_rows(logits)  # (N, V)
+        flat_targets = targets.reshape(-1).contiguous()
+        row_loss = empty((rows.shape[0],), device=rows.device, dtype=torch.float32)
+        dlogits = None
+        if ctx.needs_input_grad[0]:
+            dlogits = rows if inplace_backward else empty(rows.shape, device=rows.device, dtype=rows.dtype)
+        _cross_entropy_rows(rows, flat_targets, ignore_index, row_loss, dlogits)
+        if dlogits is rows and rows.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr():
+            # logits now hold the gradient: any other node that saved them must fail loudly. Save
+            # logits themselves: a view of them made here (rows) would not survive the version bump.
+            torch.autograd.graph.increment_version(logits)
+            dlogits = logits
+        n_valid = _count_valid(flat_targets, ignore_index)
+        ctx.save_for_backward(dlogits, n_valid)
+        ctx.logits_shape = logits.shape
+        return row_loss.sum() / n_valid
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        dlogits, n_valid = ctx.saved_tensors
+        grad_logits = dlogits * _grad_scale(grad_output, n_valid)
+        return grad_logits.view(ctx.logits_shape), None, None, None
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, targets, ignore_index, chunk_size):
+        n_features = x.shape[-1]
+        rows = x.reshape(-1, n_features)  # (N, C)
+        flat_targets = targets.reshape(-1).contiguous()
+        n_rows = rows.shape[0]
+        need_dx, need_dweight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        write_grad = need_dx or need_dweight
+
+        row_loss = empty((n_rows,), device=x.device, dtype=torch.float32)
+        dx = empty((n_rows, n_features), device=x.device, dtype=x.dtype) if need_dx else None
+        # fp32 across chunks; within a chunk the matmul accumulates in fp32 and rounds once.
+        dweight = torch.zeros(weight.shape, device=x.device, dtype=torch.float32) if need_dweight else None
+        for start in range(0, n_rows, chunk_size):
+            end = min(start + chunk_size, n_rows)
+            x_chunk = rows[start:end]
+            logits = x_chunk @ weight.T  # (chunk, V), the only logits alive
+            _cross_entropy_rows(logits, flat_targets[start:end], ignore_index, row_loss[start:end],
+                                logits if write_grad else None)
+            if need_dx:
+                torch.mm(logits, weight, out=dx[start:end])
+            if need_dweight:
+                if dweight.dtype == logits.dtype:
+                    dweight.addmm_(logits.T, x_chunk)
+                else:
+                    dweight += logits.T @ x_chunk
+            del logits
+
+        n_valid = _count_valid(flat_targets, ignore_index)
+        ctx.save_for_backward(dx, dweight, n_valid)
+        ctx.x_shape, ctx.weight_dtype = x.shape, weight.dtype
+        return row_loss.sum() / n_valid
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        dx, dweight, n_valid = ctx.saved_tensors
+        scale = _grad_scale(grad_output, n_valid)
+        grad_x = (dx * scale).view(ctx.x_shape) if dx is not None else None
+        grad_weight = (dweight * scale).to(ctx.weight_dtype) if dweight is not None else None
+        return grad_x, grad_weight, None, None, None
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, *,
+                  inplace_backward: bool = False) -> torch.Tensor:
+    """Mean cross-entropy of logits (..., V) against targets (...), skipping ignore_index.
+
+    F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index) with
+    these differences: the result is 0 (not NaN) when every target is ignored; a target outside
+    [0, V) gives NaN instead of an error (no host sync). Logits may be fp32, fp16 or bf16 and
+    strided; the loss is fp32. Targets are int64 (or int32) with logits' leading shape.
+
+    The gradient is computed in the forward into a buffer the size of logits. With
+    `inplace_backward=True` it is written into `logits` itself instead, saving that buffer:
+    when a gradient is needed and logits' last dim has a unit stride, logits are overwritten and
+    must not be used afterwards (otherwise they are copied first and left as they were).
+    A leaf that requires grad is refused; any other autograd node that saved `logits` raises at
+    its backward, as after any in-place op (the version counter is bumped).
+    """
+    check_float("logits", logits)
+    if logits.ndim == 0 or logits.shape[-1] == 0:
+        raise ValueError(
+            f"logits must have a non-empty last (vocabulary) dim, got shape {tuple(logits.shape)}"
+        )
+    _check_targets(targets, logits.shape[:-1], logits.device, "logits")
+    _check_ignore_index(ignore_index)
+    if inplace_backward and logits.is_leaf and logits.requires_grad and torch.is_grad_enabled():
+        raise ValueError("inplace_backward=True would overwrite logits, a leaf tensor that requires grad")
+    return _CrossEntropy.apply(logits, targets, ignore_index, bool(inplace_backward))
+
+
+def default_chunk_size(n_tokens: int, vocab_size: int, dtype: torch.dtype) -> int:
+    """Rows per chunk such that a chunk's logits take at most CHUNK_LOGITS_BYTES, balanced so
+    that the chunks have near-equal sizes (no small last chunk)."""
+    max_rows = max(1, CHUNK_LOGITS_BYTES // (vocab_size * dtype.itemsize))
+    n_chunks = max(1, math.ceil(n_tokens / max_rows))
+    return max(1, math.ceil(n_tokens / n_chunks))
+
+
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         ignore_index: int = -100, chunk_size: int | None = None) -> torch.Tensor:
+    """cross_entropy(x @ weight.T, targets, ignore_index) without the (tokens, V) logits.
+
+    x (..., C) (the final norm's output), weight (V, C) (nn.Linear's / out_linear.w's
+    [out, in] layout), targets (...). Tokens run in chunks of `chunk_size` rows (default:
+    `default_chunk_size`, at most 128 MiB of logits per chunk); each chunk's logits are computed
+    in x's dtype and turned into its dx and its share of dweight in the forward, so the peak
+    extra memory is one chunk's logits plus dx (x's size), an fp32 dweight (V, C) and, for
+    fp16/bf16, one (V, C) partial product. The mean, ignore_index, all-ignored and out-of-vocabulary
+    rules are cross_entropy's; the loss is fp32, the gradients have x's and weight's dtypes.
+
+    Under autocast, x and weight are cast to the autocast dtype first, as a linear layer would be.
+    """
+    check_float("x", x)
+    check_float("weight", weight)
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        with torch.autocast(x.device.type, enabled=False):
+            return linear_cross_entropy(x.to(dtype), weight.to(dtype), targets, ignore_index, chunk_size)
+    check_match("weight", weight, "x", x)
+    if x.ndim == 0:
+        raise ValueError("x must have a feature dim, got a 0-d tensor")
+    if weight.ndim != 2 or weight.shape[1] != x.shape[-1] or weight.shape[0] == 0:
+        raise ValueError(
+            f"weight must be (vocab_size, {x.shape[-1]}) for x of shape {tuple(x.shape)}, "
+            f"got {tuple(weight.shape)}"
+        )
+    _check_targets(targets, x.shape[:-1], x.device, "x")
+    _check_ignore_index(ignore_index)
+    n_tokens = targets.numel()
+    if chunk_size is None:
+        chunk_size = default_chunk_size(n_tokens, weight.shape[0], x.dtype)
+    elif not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    return _LinearCrossEntropy.apply(x, weight, targets, ignore_index, chunk_size)
+
+
+class CrossEntropyLoss(nn.Module):
+    """Drop-in for fastlm.reference.CrossEntropyLoss (forward(logits, targets)), on `cross_entropy`."""
+
+    def __init__(self, ignore_index: int = -100):
+        super().__init__()
+        _check_ignore_index(ignore_index)
+        self.ignore_index = ignore_index
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(logits, targets, self.ignore_index)
+
+    def extra_repr(self) -> str:
+        return f"ignore_index={self.ignore_index}"

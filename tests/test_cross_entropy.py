@@ -1,0 +1,378 @@
+"""cross_entropy and linear_cross_entropy against fastlm.reference.CrossEntropyLoss in float64."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from fastlm.kernels.cross_entropy import (
+    MAX_BLOCK_V,
+    CrossEntropyLoss as FusedCrossEntropyLoss,
+    cross_entropy,
+    default_chunk_size,
+    linear_cross_entropy,
+)
+from fastlm.reference import CrossEntropyLoss
+from fastlm.testing import assert_close
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+IGNORE = -100
+
+#: 5000 spans several vocabulary blocks on a GPU too (MAX_BLOCK_V), 1337 and 1000 several in the
+#: interpreter, 50 a single partial block.
+VOCABS = [50, 1000, 1337, MAX_BLOCK_V + 904]
+
+
+@pytest.fixture(params=["auto", "torch"])
+def backend(request, monkeypatch):
+    """The kernels (auto: Triton here through the interpreter) and the PyTorch fallback."""
+    monkeypatch.setenv("FASTLM_BACKEND", request.param)
+    return request.param
+
+
+def random_targets(shape, vocab, device, ignored_fraction=0.25):
+    targets = torch.randint(0, vocab, shape, device=device)
+    ignored = torch.rand(shape, device=device) < ignored_fraction
+    ignored.view(-1)[0] = False  # at least one counted position
+    return targets.masked_fill(ignored, IGNORE)
+
+
+def reference_loss_and_grads(inputs, logits_of_inputs, targets, grad_output):
+    """Float64 loss of the counted positions and the gradients of grad_output * loss wrt inputs."""
+    inputs64 = [t.detach().to(torch.float64).requires_grad_() for t in inputs]
+    counted = (targets != IGNORE).reshape(-1)
+    logits = logits_of_inputs(*inputs64)
+    logits = logits.reshape(-1, logits.shape[-1])[counted]
+    loss = CrossEntropyLoss()(logits, targets.reshape(-1)[counted])
+    (loss * grad_output).backward()
+    return loss, [t.grad for t in inputs64]
+
+
+def linear_reference(x, weight, targets, grad_output=1.0):
+    return reference_loss_and_grads([x, weight], lambda x, w: x @ w.T, targets, grad_output)
+
+
+def check_cross_entropy(logits, targets, dtype, **kwargs):
+    logits = logits.detach().requires_grad_()
+    grad_output = torch.rand((), device=logits.device) + 0.5
+    loss = cross_entropy(logits, targets, IGNORE, **kwargs)
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    (loss * grad_output).backward()
+    ref_loss, (ref_grad,) = reference_loss_and_grads([logits], lambda x: x, targets, grad_output)
+    assert_close(loss, ref_loss, dtype, "loss")
+    assert logits.grad.dtype == dtype
+    assert_close(logits.grad, ref_grad, dtype, "dlogits")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_cross_entropy_matches_reference(device, backend, dtype, vocab):
+    logits = (2 * torch.randn(2, 5, vocab, device=device)).to(dtype)
+    check_cross_entropy(logits, random_targets((2, 5), vocab, device), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("centre, spread", [(100.0, 3.0), (0.0, 100.0), (-100.0, 3.0)])
+def test_cross_entropy_large_logits(device, dtype, centre, spread):
+    """exp(100) overflows fp16 and exp(100) * V overflows nothing only with the running max."""
+    vocab = 1337
+    logits = (centre + spread * torch.randn(6, vocab, device=device)).to(dtype)
+    check_cross_entropy(logits, random_targets((6,), vocab, device), dtype)
+
+
+@pytest.mark.parametrize("layout", ["column_stride", "row_slice", "transposed"])
+def test_cross_entropy_strided_logits(device, backend, layout):
+    vocab, dtype = 300, torch.float32
+    if layout == "column_stride":
+        logits = torch.randn(3, 4, 2 * vocab, device=device)[..., ::2]
+    elif layout == "row_slice":
+        logits = torch.randn(3, 4, vocab + 17, device=device)[..., 5:vocab + 5]
+    else:
+        logits = torch.randn(4, 3, vocab, device=device).transpose(0, 1)
+    targets = random_targets((3, 4), vocab, device)
+    logits.requires_grad_()
+    loss = cross_entropy(logits, targets, IGNORE)
+    loss.backward()
+    assert logits.grad.shape == logits.shape
+    ref_loss, (ref_grad,) = reference_loss_and_grads([logits], lambda x: x, targets, 1.0)
+    assert_close(loss, ref_loss, dtype, "loss")
+    assert_close(logits.grad, ref_grad, dtype, "dlogits")
+
+
+def test_ignored_rows_get_exact_zero_gradient(device, backend):
+    """Kernel outputs start NaN-poisoned in the suite: every gradient entry must be written."""
+    logits = torch.randn(8, 1337, device=device, requires_grad=True)
+    targets = random_targets((8,), 1337, device, ignored_fraction=0.5)
+    targets[1] = IGNORE
+    cross_entropy(logits, targets).backward()
+    assert torch.isfinite(logits.grad).all()
+    assert (logits.grad[targets == IGNORE] == 0).all()
+    assert (logits.grad[targets != IGNORE] != 0).any(dim=-1).all()
+
+
+def test_all_ignored_gives_zero(device, backend):
+    """F.cross_entropy gives NaN (0/0); we give 0 and zero gradients."""
+    logits = torch.randn(2, 3, 77, device=device, requires_grad=True)
+    targets = torch.full((2, 3), IGNORE, device=device)
+    loss = cross_entropy(logits, targets)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert (logits.grad == 0).all()
+
+    x = torch.randn(2, 3, 16, device=device, requires_grad=True)
+    weight = torch.randn(77, 16, device=device, requires_grad=True)
+    loss = linear_cross_entropy(x, weight, targets, chunk_size=4)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert (x.grad == 0).all() and (weight.grad == 0).all()
+
+
+def test_custom_ignore_index_and_out_of_vocab_target(device, backend):
+    logits = torch.randn(5, 40, device=device)
+    targets = torch.randint(0, 40, (5,), device=device)
+    targets[2] = 7
+    loss = cross_entropy(logits, targets, ignore_index=7)
+    ref = F.cross_entropy(logits.double(), targets, ignore_index=7)
+    assert_close(loss, ref, torch.float32, "loss")
+    assert torch.equal(FusedCrossEntropyLoss(ignore_index=7)(logits, targets), loss)
+    targets[0] = 40  # neither in the vocabulary nor ignored: NaN, found without a host sync
+    assert torch.isnan(cross_entropy(logits, targets, ignore_index=7))
+
+
+def test_inplace_backward(device, backend):
+    hidden = torch.randn(6, 32, device=device)
+    weight = torch.randn(500, 32, device=device, requires_grad=True)
+    targets = random_targets((6,), 500, device)
+
+    cross_entropy(hidden @ weight.T, targets).backward()
+    expected = weight.grad.clone()
+    weight.grad = None
+    logits = hidden @ weight.T
+    saved = logits.detach().clone()
+    cross_entropy(logits, targets, inplace_backward=True).backward()
+    assert torch.equal(weight.grad, expected)
+    assert not torch.equal(logits.detach(), saved), "the gradient was not written into logits"
+
+    # A node that saved logits before they were overwritten must fail at backward, not use them.
+    logits = hidden @ weight.T
+    other_use = logits.sin().sum()  # sin saves its input for its backward
+    loss = cross_entropy(logits, targets, inplace_backward=True) + other_use
+    with pytest.raises(RuntimeError, match="inplace"):
+        loss.backward()
+
+    # Rows without a unit column stride are copied first: the copy takes the gradient.
+    strided = (hidden @ weight.T).repeat_interleave(2, dim=-1)[:, ::2]
+    weight.grad = None
+    cross_entropy(strided, targets, inplace_backward=True).backward()
+    assert_close(weight.grad, expected, torch.float32, "dweight through strided logits")
+    assert torch.equal(strided.detach(), saved)
+
+    leaf = torch.randn(6, 500, device=device, requires_grad=True)
+    with pytest.raises(ValueError, match="leaf"):
+        cross_entropy(leaf, targets, inplace_backward=True)
+    with torch.no_grad():  # no gradient needed: nothing is overwritten
+        loss = cross_entropy(saved, targets, inplace_backward=True)
+    assert torch.equal(saved, (hidden @ weight.T).detach())
+    assert_close(loss, F.cross_entropy(saved.double(), targets), torch.float32, "no-grad loss")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunk_size", [7, 16, None])
+def test_linear_cross_entropy_matches_reference(device, backend, dtype, chunk_size):
+    """38 tokens: chunks of 7 and 16 leave a partial last chunk; None is one chunk here."""
+    n_features, vocab = 24, 1100
+    x = torch.randn(2, 19, n_features, device=device).to(dtype).requires_grad_()
+    weight = (torch.randn(vocab, n_features, device=device) / n_features**0.5).to(dtype).requires_grad_()
+    targets = random_targets((2, 19), vocab, device)
+    grad_output = torch.rand((), device=device) + 0.5
+    loss = linear_cross_entropy(x, weight, targets, IGNORE, chunk_size)
+    (loss * grad_output).backward()
+    ref_loss, (ref_dx, ref_dweight) = linear_reference(x, weight, targets, grad_output)
+    assert loss.dtype == torch.float32
+    assert x.grad.dtype == dtype and weight.grad.dtype == dtype
+    assert_close(loss, ref_loss, dtype, "loss")
+    assert_close(x.grad, ref_dx, dtype, "dx")
+    assert_close(weight.grad, ref_dweight, dtype, "dweight")
+
+
+def test_linear_cross_entropy_frozen_inputs(device, backend):
+    """Only the gradients asked for are computed; no_grad gives the same loss."""
+    x = torch.randn(10, 8, device=device)
+    weight = torch.randn(90, 8, device=device, requires_grad=True)
+    targets = random_targets((10,), 90, device)
+    loss = linear_cross_entropy(x, weight, targets, chunk_size=3)
+    loss.backward()
+    ref_loss, (_, ref_dweight) = linear_reference(x, weight, targets)
+    assert_close(weight.grad, ref_dweight, torch.float32, "dweight")
+    with torch.no_grad():
+        assert torch.equal(linear_cross_entropy(x, weight, targets, chunk_size=3), loss.detach())
+
+
+def test_linear_cross_entropy_under_autocast(device):
+    """Under autocast the logits are computed in the autocast dtype, the gradients keep fp32."""
+    x = torch.randn(12, 16, device=device, requires_grad=True)
+    weight = (torch.randn(200, 16, device=device) / 4).requires_grad_()
+    targets = random_targets((12,), 200, device)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        loss = linear_cross_entropy(x, weight, targets, chunk_size=5)
+    loss.backward()
+    assert x.grad.dtype == torch.float32 and weight.grad.dtype == torch.float32
+    ref_loss, (ref_dx, ref_dweight) = linear_reference(x, weight, targets)
+    assert_close(loss, ref_loss, torch.bfloat16, "loss")
+    assert_close(x.grad, ref_dx, torch.bfloat16, "dx")
+    assert_close(weight.grad, ref_dweight, torch.bfloat16, "dweight")
+
+
+class LargestStorage(TorchDispatchMode):
+    """Records the most bytes behind any tensor an op returns (an allocation, or a view of one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.nbytes = max(self.nbytes, t.untyped_storage().nbytes())
+        return out
+
+
+def test_linear_cross_entropy_never_holds_all_logits(device, backend):
+    n_tokens, n_features, vocab, chunk_size = 64, 8, 400, 12
+    x = torch.randn(n_tokens, n_features, device=device, requires_grad=True)
+    weight = torch.randn(vocab, n_features, device=device, requires_grad=True)
+    targets = random_targets((n_tokens,), vocab, device)
+    fp32 = 4
+
+    with LargestStorage() as unfused:  # the tracker sees the logits of the plain computation
+        F.cross_entropy(x @ weight.T, targets).backward()
+    assert unfused.nbytes >= n_tokens * vocab * fp32
+
+    with LargestStorage() as fused:
+        linear_cross_entropy(x, weight, targets, chunk_size=chunk_size).backward()
+    largest_allowed = max(chunk_size * vocab, vocab * n_features, n_tokens * n_features) * fp32
+    assert fused.nbytes <= largest_allowed
+
+
+def test_default_chunk_size():
+    rows = default_chunk_size(16384, 32000, torch.bfloat16)
+    assert rows * 32000 * 2 <= 128 * 2**20 and rows >= 1024
+    assert default_chunk_size(10, 32000, torch.float32) == 10
+    assert default_chunk_size(5000, 2**25, torch.float32) == 1  # never 0 for a huge vocabulary
+    assert default_chunk_size(0, 50, torch.float32) == 1
+
+
+def test_deterministic(device, backend):
+    logits = torch.randn(9, 1337, device=device, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(21, 16, device=device, requires_grad=True)
+    weight = torch.randn(300, 16, device=device, requires_grad=True)
+    targets = random_targets((9,), 1337, device)
+    token_targets = random_targets((21,), 300, device)
+    runs = []
+    for _ in range(2):
+        loss = cross_entropy(logits, targets)
+        fused = linear_cross_entropy(x, weight, token_targets, chunk_size=8)
+        grads = torch.autograd.grad(loss + fused, [logits, x, weight])
+        runs.append([loss, fused, *grads])
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
+
+
+def test_bad_inputs(device):
+    logits = torch.randn(2, 3, 10, device=device)
+    targets = torch.randint(0, 10, (2, 3), device=device)
+    with pytest.raises(ValueError, match="targets"):
+        cross_entropy(logits, targets[:, :2])
+    with pytest.raises(TypeError, match="targets"):
+        cross_entropy(logits, targets.float())
+    with pytest.raises(TypeError, match="logits"):
+        cross_entropy(logits.long(), targets)
+    with pytest.raises(ValueError, match="logits"):
+        cross_entropy(logits[..., :0], targets)
+    with pytest.raises(ValueError, match="targets"):
+        cross_entropy(logits, targets.to("meta"))
+    with pytest.raises(TypeError, match="ignore_index"):
+        cross_entropy(logits, targets, ignore_index=-100.0)
+
+    x = torch.randn(2, 3, 8, device=device)
+    weight = torch.randn(10, 8, device=device)
+    with pytest.raises(ValueError, match="weight"):
+        linear_cross_entropy(x, weight[:, :7], targets)
+    with pytest.raises(ValueError, match="weight"):
+        linear_cross_entropy(x, weight[0], targets)
+    with pytest.raises(TypeError, match="weight"):
+        linear_cross_entropy(x, weight.half(), targets)
+    with pytest.raises(TypeError, match="x"):
+        linear_cross_entropy(x.long(), weight, targets)
+    with pytest.raises(ValueError, match="targets"):
+        linear_cross_entropy(x, weight, targets.view(-1))
+    with pytest.raises(TypeError, match="targets"):
+        linear_cross_entropy(x, weight, targets.to(torch.int16))
+    with pytest.raises(ValueError, match="chunk_size"):
+        linear_cross_entropy(x, weight, targets, chunk_size=0)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    leading=st.lists(st.integers(1, 6), min_size=0, max_size=2),
+    vocab=st.integers(1, 1500),
+    n_features=st.integers(1, 40),
+    chunk_size=st.integers(1, 9),
+    dtype=st.sampled_from(DTYPES),
+    ignored_fraction=st.sampled_from([0.0, 0.3, 0.9]),
+)
+def test_fuzz(device, leading, vocab, n_features, chunk_size, dtype, ignored_fraction):
+    targets = random_targets(tuple(leading), vocab, device, ignored_fraction)
+    logits = (3 * torch.randn(*leading, vocab, device=device)).to(dtype)
+    check_cross_entropy(logits, targets, dtype)
+
+    x = torch.randn(*leading, n_features, device=device).to(dtype).requires_grad_()
+    weight = (torch.randn(vocab, n_features, device=device) / n_features**0.5).to(dtype).requires_grad_()
+    loss = linear_cross_entropy(x, weight, targets, chunk_size=chunk_size)
+    loss.backward()
+    ref_loss, (ref_dx, ref_dweight) = linear_reference(x, weight, targets)
+    assert_close(loss, ref_loss, dtype, "loss")
+    assert_close(x.grad, ref_dx, dtype, "dx")
+    assert_close(weight.grad, ref_dweight, dtype, "dweight")
+
+
+@pytest.mark.cuda
+def test_linear_cross_entropy_peak_memory_cuda():
+    """At 16k tokens and vocab 32000 in bf16 the logits alone take 1 GiB; the fused loss's extra
+    peak must stay a fraction of that (one 128 MiB chunk plus the logits' gradient in place)."""
+    n_tokens, n_features, vocab = 16384, 768, 32000
+    x = torch.randn(n_tokens, n_features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(vocab, n_features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, vocab, (n_tokens,), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    linear_cross_entropy(x, weight, targets).backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    logits_bytes = n_tokens * vocab * 2
+    assert extra < 0.5 * logits_bytes, f"extra peak {extra / 2**20:.0f} MiB"
+
+
+@pytest.mark.cuda
+def test_compiles_without_graph_breaks():
+    """The Triton launches trace under torch.compile (fullgraph) and give the eager numbers."""
+    x = torch.randn(2, 300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(5000, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    targets = random_targets((2, 300), 5000, "cuda")
+
+    def losses(x, weight, targets):
+        return linear_cross_entropy(x, weight, targets, chunk_size=128) + cross_entropy(x @ weight.T, targets)
+
+    compiled = torch.compile(losses, fullgraph=True)
+    loss = compiled(x, weight, targets)
+    grads = torch.autograd.grad(loss, [x, weight])
+    eager_loss = losses(x, weight, targets)
+    eager_grads = torch.autograd.grad(eager_loss, [x, weight])
+    assert_close(loss, eager_loss, torch.bfloat16, "compiled loss")
+    for grad, eager_grad in zip(grads, eager_grads):
+        assert_close(grad, eager_grad, torch.bfloat16, "compiled gradient")
