@@ -1,13 +1,27 @@
 """fastlm: Triton fused kernels for training decoder-only language models faster.
 
-`fastlm.reference` holds the plain PyTorch math every kernel is checked against;
-`fastlm.kernels` the kernels; `fastlm.backend` decides which of the two runs.
+- `fastlm.reference`: the plain PyTorch math every kernel is checked against.
+- `fastlm.kernels`: the kernels (RMSNorm, residual-add + RMSNorm, RoPE, SwiGLU, flash attention,
+  cross-entropy), each with its backward.
+- `fastlm.Transformer` and its parts: drop-ins for the reference's modules, built on the kernels.
+- `fastlm.generate`: sampling with a KV cache.
+- `fastlm.backend`: which of kernels and PyTorch runs (FASTLM_BACKEND).
 """
 
 from fastlm import reference
 from fastlm.backend import backend, use_triton
+from fastlm.kernels import (RmsNorm, RoPE, SwiGlu, add_rms_norm, apply_rope_, cross_entropy,
+                            flash_attention, linear_cross_entropy, rms_norm, swiglu,
+                            swiglu_packed)
+from fastlm.model import KVCache, MultiHeadAttentionWithRoPE, Transformer, TransformerBlock
 from fastlm.sampling import generate
 
 __version__ = "0.1.0"
 
-__all__ = ["reference", "backend", "use_triton", "generate", "__version__"]
+__all__ = [
+    "reference", "backend", "use_triton", "generate", "__version__",
+    "Transformer", "TransformerBlock", "MultiHeadAttentionWithRoPE", "KVCache",
+    "RmsNorm", "RoPE", "SwiGlu",
+    "rms_norm", "add_rms_norm", "apply_rope_", "swiglu", "swiglu_packed", "flash_attention",
+    "cross_entropy", "linear_cross_entropy",
+]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+import torch.nn.functional as F
 from torch import nn
 
 from fastlm.backend import interpreting, use_triton
@@ -193,7 +194,11 @@ def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
 
 class SwiGlu(nn.Module):
     """w2(silu(w1 x) * w3 x): `fastlm.reference.SwiGlu`'s parameters and state_dict keys
-    (w1.w, w2.w, w3.w), with the activation and its backward in one kernel each."""
+    (w1.w, w2.w, w3.w), with the activation and its backward in one kernel each.
+
+    w1 and w3 run as one GEMM against their concatenation (a copy of the weights, small next to the
+    activations), whose [..., 2 d_ff] output the packed kernel reads as gate and up halves.
+    """
 
     def __init__(self, d_model: int, d_ff: int, device=None, dtype=None):
         super().__init__()
@@ -204,4 +209,5 @@ class SwiGlu(nn.Module):
         self.w3 = Linear(d_model, d_ff, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x)))
+        gate_up = F.linear(x, torch.cat([self.w1.w, self.w3.w]))  # (..., 2 d_ff)
+        return F.linear(swiglu_packed(gate_up), self.w2.w)

@@ -1,0 +1,209 @@
+"""fastlm.Transformer: a drop-in for `fastlm.reference.Transformer`, built on fastlm's kernels.
+
+Same constructor, same forward, same state_dict keys and shapes as the reference, so checkpoints
+load both ways with `strict=True`. What changes is how the math runs:
+
+- attention: one q|k|v projection; RoPE rotates q and k in place, in one launch, on a strided view
+  of that projection's output; flash attention reads the [B, T, H, D] views through their strides
+  (no transposing copies, no [T x T] matrix);
+- the residual stream travels as (residual, delta) between sub-layers, so each residual add is fused
+  with the RMSNorm that follows it;
+- the feed-forward (`fastlm.SwiGlu`) multiplies by W1|W3 in one GEMM and applies the packed SwiGLU
+  kernel;
+- `loss()` runs the final norm's output through fused linear cross-entropy: the [tokens x vocab]
+  logits never exist at once;
+- generation uses a KV cache (`make_kv_cache`) read by flash attention with fewer queries than keys.
+
+Shapes in comments: B batch, T new tokens, S cached + new tokens, H heads, D head dim, C model dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastlm import reference
+from fastlm.kernels.attention import flash_attention
+from fastlm.kernels.cross_entropy import linear_cross_entropy
+from fastlm.kernels.rmsnorm import RmsNorm, add_rms_norm
+from fastlm.kernels.rope import RoPE
+from fastlm.kernels.swiglu import SwiGlu
+
+
+class Linear(reference.Linear):
+    """reference.Linear (same weight `w`, same init) through F.linear, which autocast and
+    torch.compile know best."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w)
+
+
+class Embedding(reference.Embedding):
+    """reference.Embedding through F.embedding, whose backward is a dedicated kernel."""
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.w)
+
+
+class KVCache:
+    """Keys and values of every layer for up to `max_seq_len` positions, [B, H, max_seq_len, D]
+    per layer, allocated at the first append in the dtype the attention computes in (bf16 under
+    autocast). `length` counts the positions written; a forward through the model appends."""
+
+    def __init__(self, num_layers: int, max_seq_len: int):
+        self.max_seq_len = max_seq_len
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.length = 0
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Store this step's k, v [B, H, T, D] after the cached ones; return all of them [B, H, S, D]."""
+        B, H, T, D = k.shape
+        end = self.length + T
+        if end > self.max_seq_len:
+            raise ValueError(f"the KV cache holds {self.max_seq_len} positions; {end} were asked for")
+        if self.k[layer] is None:
+            self.k[layer] = k.new_zeros(B, H, self.max_seq_len, D)
+            self.v[layer] = v.new_zeros(B, H, self.max_seq_len, D)
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class MultiHeadAttentionWithRoPE(nn.Module):
+    """Causal self-attention with RoPE; the parameters of reference.MultiHeadAttentionWithRoPE."""
+
+    def __init__(self, d_model: int, num_heads: int, max_seq_len: int, theta: float,
+                 device=None, dtype=None):
+        super().__init__()
+        if d_model % num_heads:
+            raise ValueError(f"d_model ({d_model}) must be a multiple of num_heads ({num_heads})")
+        self.d_model = d_model
+        self.num_heads = num_heads
+        self.head_dim = d_model // num_heads
+        self.max_seq_len = max_seq_len
+        self.qkv_proj = Linear(d_model, 3 * d_model, device, dtype)
+        self.output_proj = Linear(d_model, d_model, device, dtype)
+        self.rope = RoPE(theta, self.head_dim, max_seq_len, device)
+
+    def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        B, T, C = x.shape
+        H, D = self.num_heads, self.head_dim
+        if token_positions is None:
+            start = kv_cache.length if kv_cache is not None else 0
+            token_positions = torch.arange(start, start + T, device=x.device)
+        qkv = self.qkv_proj(x).view(B, T, 3, H, D)
+        # q and k as one strided view: (B, T, 2, H, D) -> (B, 2H, T, D), rotated in its storage.
+        self.rope(qkv[:, :, :2].flatten(2, 3).transpose(1, 2), token_positions)
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, T, D) views
+        if kv_cache is not None:
+            k, v = kv_cache.append(layer, k, v)  # (B, H, S, D)
+        out = flash_attention(q, k, v, causal=True)  # (B, H, T, D)
+        return self.output_proj(out.transpose(1, 2).reshape(B, T, C))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block with the reference's attribute names (rms_norm1, mult_head_atten, rms_norm2,
+    ffe), so its state_dict keys are the reference's."""
+
+    def __init__(self, d_model: int, num_heads: int, d_ff: int, max_seq_len: int, theta: float,
+                 device=None, dtype=None):
+        super().__init__()
+        self.rms_norm1 = RmsNorm(d_model, device=device, dtype=dtype)
+        self.mult_head_atten = MultiHeadAttentionWithRoPE(d_model, num_heads, max_seq_len, theta,
+                                                          device, dtype)
+        self.rms_norm2 = RmsNorm(d_model, device=device, dtype=dtype)
+        self.ffe = SwiGlu(d_model, d_ff, device, dtype)
+
+    def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
+        residual, delta = self.residual_forward(x, None, token_positions)
+        return residual + delta
+
+    def residual_forward(self, residual: torch.Tensor, delta: torch.Tensor | None,
+                         token_positions: torch.Tensor | None = None,
+                         kv_cache: KVCache | None = None, layer: int = 0):
+        """The block on a residual stream held as residual + delta (delta None: zero).
+
+        Returns the stream after the block in the same two parts: the add of each part's delta is
+        fused with the next RMSNorm, here or in the next block.
+        """
+        normed, residual = _add_norm(delta, residual, self.rms_norm1)
+        delta = self.mult_head_atten(normed, token_positions, kv_cache, layer)
+        normed, residual = _add_norm(delta, residual, self.rms_norm2)
+        return residual, self.ffe(normed)
+
+
+def _add_norm(delta: torch.Tensor | None, residual: torch.Tensor, norm: RmsNorm):
+    """(norm(residual + delta), residual + delta) in one kernel pass."""
+    if delta is None:
+        return norm(residual), residual
+    # Under autocast the sub-layer output is bf16 while the stream stays in its own dtype; the
+    # reference's `x + delta` promotes the same way.
+    return add_rms_norm(delta.to(residual.dtype), residual, norm.g, norm.eps)
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model; a drop-in for reference.Transformer (same state_dict)."""
+
+    def __init__(self, vocab_size: int, context_length: int, d_model: int, num_layers: int,
+                 num_heads: int, d_ff: int, rope_theta: float, device=None, dtype=None):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.context_length = context_length
+        self.embedding = Embedding(vocab_size, d_model, device, dtype)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(d_model, num_heads, d_ff, context_length, rope_theta, device, dtype)
+            for _ in range(num_layers)
+        )
+        self.final_norm = RmsNorm(d_model, device=device, dtype=dtype)
+        self.out_linear = Linear(d_model, vocab_size, device, dtype)
+
+    def hidden(self, token_ids: torch.Tensor, token_positions: torch.Tensor | None = None,
+               kv_cache: KVCache | None = None) -> torch.Tensor:
+        """The final norm's output [B, T, C]: what out_linear turns into logits."""
+        _check_tokens(token_ids, self.vocab_size, self.context_length, kv_cache)
+        residual, delta = self.embedding(token_ids), None  # (B, T, C)
+        for layer, block in enumerate(self.blocks):
+            residual, delta = block.residual_forward(residual, delta, token_positions, kv_cache,
+                                                     layer)
+        if kv_cache is not None:
+            kv_cache.length += token_ids.shape[-1]
+        return _add_norm(delta, residual, self.final_norm)[0]
+
+    def forward(self, token_ids: torch.Tensor, token_positions: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab]. With a KV cache, token_ids are the tokens after the cached ones."""
+        return self.out_linear(self.hidden(token_ids, token_positions, kv_cache))
+
+    def loss(self, token_ids: torch.Tensor, targets: torch.Tensor,
+             token_positions: torch.Tensor | None = None, ignore_index: int = -100) -> torch.Tensor:
+        """Mean cross-entropy of the logits at each position against `targets` (same shape as
+        token_ids; the caller shifts), without materialising the logits."""
+        if not isinstance(targets, torch.Tensor) or targets.shape != token_ids.shape:
+            got = tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets)
+            raise ValueError(f"targets must have the shape of token_ids {tuple(token_ids.shape)}, "
+                             f"got {got}")
+        hidden = self.hidden(token_ids, token_positions)
+        return linear_cross_entropy(hidden, self.out_linear.w, targets, ignore_index=ignore_index)
+
+    def make_kv_cache(self, batch_size: int | None = None) -> KVCache:
+        """An empty KV cache for generating up to context_length positions (the batch size is
+        taken from the first tokens appended)."""
+        return KVCache(len(self.blocks), self.context_length)
+
+
+def _check_tokens(token_ids: torch.Tensor, vocab_size: int, context_length: int,
+                  kv_cache: KVCache | None) -> None:
+    """The reference's token checks. Under torch.compile the value range is not checked (it would
+    need a host sync in the compiled step); shapes always are."""
+    if kv_cache is not None and kv_cache.length + token_ids.shape[-1] > context_length:
+        raise ValueError(f"token_ids: {kv_cache.length} cached + {token_ids.shape[-1]} new tokens "
+                         f"exceed context_length={context_length}")
+    if torch.compiler.is_compiling():
+        if token_ids.shape[-1] > context_length:
+            raise ValueError(f"token_ids has {token_ids.shape[-1]} tokens, more than "
+                             f"context_length={context_length}")
+        return
+    reference.check_token_input(token_ids, vocab_size, context_length)

@@ -1,0 +1,158 @@
+"""fastlm.Transformer against fastlm.reference.Transformer: checkpoints, logits, loss, gradients,
+training and KV-cache generation, at sizes the interpreter runs in seconds."""
+
+import pytest
+import torch
+
+import fastlm
+from fastlm import reference as R
+from fastlm.testing import assert_close, relative_error
+
+CONFIG = dict(vocab_size=61, context_length=24, d_model=32, num_layers=2, num_heads=2, d_ff=48,
+              rope_theta=10000.0)
+
+
+def _pair(device, dtype=torch.float32):
+    """A fastlm model and a float64 reference holding the same weights."""
+    model = fastlm.Transformer(**CONFIG, device=device, dtype=dtype)
+    ref = R.Transformer(**CONFIG, device=device, dtype=torch.float64)
+    ref.load_state_dict(model.state_dict())
+    return model, ref
+
+
+def _tokens(device, batch=2, seq=13):
+    return torch.randint(0, CONFIG["vocab_size"], (batch, seq), device=device)
+
+
+def test_state_dict_interchange_both_ways(device):
+    ref = R.Transformer(**CONFIG, device=device)
+    model = fastlm.Transformer(**CONFIG, device=device)
+    assert model.state_dict().keys() == ref.state_dict().keys()
+    for key, value in ref.state_dict().items():
+        assert model.state_dict()[key].shape == value.shape, key
+    model.load_state_dict(ref.state_dict(), strict=True)
+    back = R.Transformer(**CONFIG, device=device)
+    back.load_state_dict(model.state_dict(), strict=True)
+    for key, value in ref.state_dict().items():
+        assert torch.equal(back.state_dict()[key], value), key
+
+
+def test_drop_in_submodules_share_reference_keys(device):
+    args = (32, 2, 48, 24, 10000.0)
+    assert (fastlm.TransformerBlock(*args).state_dict().keys()
+            == R.TransformerBlock(*args).state_dict().keys())
+    mha_args = (32, 2, 24, 10000.0)
+    assert (fastlm.MultiHeadAttentionWithRoPE(*mha_args).state_dict().keys()
+            == R.MultiHeadAttentionWithRoPE(*mha_args).state_dict().keys())
+
+
+def test_drop_in_block_matches_reference(device):
+    block = fastlm.TransformerBlock(32, 2, 48, 24, 10000.0, device=device)
+    ref = R.TransformerBlock(32, 2, 48, 24, 10000.0, device=device, dtype=torch.float64)
+    ref.load_state_dict(block.state_dict())
+    x = torch.randn(2, 11, 32, device=device)
+    assert_close(block(x), ref(x.double()), torch.float32, "block output")
+
+
+@pytest.mark.parametrize("offset", [0, 7])
+def test_logits_match_reference(device, offset):
+    model, ref = _pair(device)
+    tokens = _tokens(device)
+    positions = torch.arange(offset, offset + tokens.shape[1], device=device)
+    expected = ref(tokens, positions.expand(tokens.shape[0], -1))
+    assert_close(model(tokens, positions), expected, torch.float32, "logits")
+
+
+def test_loss_and_every_gradient_match_reference(device):
+    model, ref = _pair(device)
+    tokens, targets = _tokens(device), _tokens(device)
+    loss = model.loss(tokens, targets)
+    expected = R.CrossEntropyLoss()(ref(tokens), targets)
+    assert_close(loss, expected, torch.float32, "loss")
+    loss.backward()
+    expected.backward()
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert_close(p.grad, ref_params[name].grad, torch.float32, f"grad of {name}")
+
+
+def test_loss_ignore_index(device):
+    model, ref = _pair(device)
+    tokens, targets = _tokens(device), _tokens(device)
+    targets[0, :5] = -100
+    targets[1, -2:] = -100
+    keep = targets != -100
+    expected = R.CrossEntropyLoss()(ref(tokens)[keep], targets[keep])
+    assert_close(model.loss(tokens, targets), expected, torch.float32, "loss with ignore_index")
+
+
+def test_torch_backend_gives_the_same_logits(device, monkeypatch):
+    model = fastlm.Transformer(**CONFIG, device=device)
+    tokens = _tokens(device)
+    kernels = model(tokens)
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")
+    assert_close(kernels, model(tokens), torch.float32, "torch-backend logits")
+
+
+def test_training_curves_match_reference(device):
+    """30 AdamW steps from the same initialisation: the loss curves stay together."""
+    model = fastlm.Transformer(**CONFIG, device=device)
+    ref = R.Transformer(**CONFIG, device=device)
+    ref.load_state_dict(model.state_dict())
+    opts = [R.AdamW(m.parameters(), lr=3e-3, weight_decay=0.01) for m in (model, ref)]
+    data = _tokens(device, batch=4, seq=CONFIG["context_length"] + 1)
+    inputs, targets = data[:, :-1], data[:, 1:]
+    curves = [[], []]
+    for _ in range(30):
+        losses = (model.loss(inputs, targets), R.CrossEntropyLoss()(ref(inputs), targets))
+        for curve, loss, opt in zip(curves, losses, opts):
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            curve.append(loss.item())
+    ours, theirs = torch.tensor(curves[0]), torch.tensor(curves[1])
+    assert theirs[-1] < 0.7 * theirs[0], "the reference did not learn: the check would be empty"
+    # Both train in float32 through different kernels; 30 steps of Adam amplify rounding a little.
+    assert relative_error(ours, theirs) < 1e-3, (ours, theirs)
+
+
+def test_kv_cache_generation_matches_full_recompute(device):
+    model = fastlm.Transformer(**CONFIG, device=device)
+    prompt = _tokens(device, batch=1, seq=5)[0]
+    cached = fastlm.generate(model, prompt, max_new_tokens=8, temperature=0.0)
+
+    class NoCache(torch.nn.Module):  # the same model seen without make_kv_cache
+        context_length = model.context_length
+
+        def forward(self, token_ids):
+            return model(token_ids)
+
+    recomputed = fastlm.generate(NoCache(), prompt, max_new_tokens=8, temperature=0.0)
+    assert torch.equal(cached, recomputed), (cached, recomputed)
+    assert cached.shape == (13,)
+
+
+def test_kv_cache_logits_match_full_forward(device):
+    model = fastlm.Transformer(**CONFIG, device=device)
+    tokens = _tokens(device, batch=2, seq=9)
+    cache = model.make_kv_cache()
+    steps = [model(tokens[:, :6], kv_cache=cache), model(tokens[:, 6:8], kv_cache=cache),
+             model(tokens[:, 8:], kv_cache=cache)]
+    assert cache.length == 9
+    assert_close(torch.cat(steps, dim=1), model(tokens), torch.float32, "cached logits")
+
+
+def test_generation_slides_past_the_context(device):
+    model = fastlm.Transformer(**{**CONFIG, "context_length": 8}, device=device)
+    out = fastlm.generate(model, _tokens(device, batch=1, seq=6), max_new_tokens=5, temperature=0.0)
+    assert out.shape == (1, 11)
+
+
+def test_bad_input_names_the_argument(device):
+    model = fastlm.Transformer(**CONFIG, device=device)
+    with pytest.raises(ValueError, match="context_length"):
+        model(_tokens(device, seq=CONFIG["context_length"] + 1))
+    with pytest.raises(ValueError, match="token_ids"):
+        model(torch.full((1, 4), CONFIG["vocab_size"], device=device))
+    with pytest.raises(ValueError, match="targets"):
+        model.loss(_tokens(device), _tokens(device, seq=12))
