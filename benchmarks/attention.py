@@ -1,0 +1,286 @@
+"""Causal attention: fastlm's flash_attention against PyTorch's and the reference's.
+
+Forward, backward and forward+backward, causal, q, k, v (B, H, N, D) with H = 2048 / D, for two
+batch shapes: batch 1, and one that fills the GPU (B = 16384 / N sequences, at least 1). Sequence
+lengths 128 to 65536, head dims 16 to 128, bf16 and fp32. Side by side: fastlm, the reference
+attention (`fastlm.reference.ScaledDotProductAttention`, explicit [N x N] softmax) eager and under
+`torch.compile`, PyTorch's F.scaled_dot_product_attention with each backend pinned (flash, cuDNN,
+memory-efficient), and the flash-attn package when it is importable.
+
+Columns: milliseconds; TFLOP/s with the FlashAttention papers' causal convention (forward
+4 B H N^2 D / 2, backward 2.5x that, forward+backward 3.5x); speed-ups against SDPA's flash
+backend and the eager reference; the output's relative error against SDPA with PyTorch's own
+backend choice. Out of memory shows as OOM, a backend that does not take the shape or dtype
+(flash and cuDNN take no fp32) as `unsupported`.
+
+fp32: fastlm's dots may run as tf32 on the GPU; the reference and SDPA use PyTorch's settings
+(full fp32 matmuls by default).
+
+Without CUDA: a message, then flash_attention against the float64 reference through Triton's
+interpreter at tiny sizes; exit code 1 only if the kernel exists and gives a wrong result.
+"""
+
+from __future__ import annotations
+
+import _common as common  # first: turns on Triton's interpreter when there is no CUDA
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fastlm import reference
+
+HIDDEN = 2048  # heads x head dim
+FILL_TOKENS = 16384  # B x N of the configuration that fills the GPU
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+QUICK_TIME_LIMIT_S = 160
+EAGER, COMPILED, SDPA_FLASH = "reference", "torch.compile(reference)", "sdpa-flash"
+
+
+@dataclass(frozen=True)
+class Shape:
+    dtype: str
+    head_dim: int
+    batch: int
+    seq: int
+
+    @property
+    def heads(self) -> int:
+        return HIDDEN // self.head_dim
+
+    def __str__(self) -> str:
+        return f"{self.dtype} D={self.head_dim} B={self.batch} N={self.seq}"
+
+    def forward_flops(self) -> float:
+        return 4 * self.batch * self.heads * self.seq**2 * self.head_dim / 2
+
+
+FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
+
+
+def full_shapes() -> list[Shape]:
+    shapes = []
+    for dtype in DTYPES:
+        for d in (16, 32, 64, 128):
+            for fill in (False, True):
+                for n in (2**p for p in range(7, 17)):
+                    shapes.append(Shape(dtype, d, max(1, FILL_TOKENS // n) if fill else 1, n))
+    return list(dict.fromkeys(shapes))  # the two batch shapes meet at N = 16384
+
+
+def quick_shapes() -> list[Shape]:
+    """bf16, D = 128: the filled GPU at 1k, 4k and 16k tokens, then batch 1 at 64k (where the
+    explicit [N x N] reference runs out of memory)."""
+    return [Shape("bf16", 128, FILL_TOKENS // n, n) for n in (1024, 4096, 16384)] + [
+        Shape("bf16", 128, 1, 65536)]
+
+
+# --------------------------------------------------------------------------------------------
+# Implementations: each takes q, k, v (B, H, N, D) and returns o (B, H, N, D)
+# --------------------------------------------------------------------------------------------
+
+
+def _reference_attention(q, k, v, mask):
+    return reference.ScaledDotProductAttention()(q, k, v, mask)
+
+
+def _with_causal_mask(fn: Callable) -> Callable:
+    """fn(q, k, v, mask) with the reference's boolean mask, built once per sequence length."""
+    masks: dict[int, torch.Tensor] = {}
+
+    def run(q, k, v):
+        n = q.shape[-2]
+        if n not in masks:
+            masks.clear()
+            masks[n] = torch.triu(torch.ones(n, n, dtype=torch.bool, device=q.device), 1)
+        return fn(q, k, v, masks[n])
+    return run
+
+
+def _sdpa(backend) -> Callable:
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return run
+
+
+def implementations() -> tuple[dict[str, Callable], list[str]]:
+    """The implementations that can run here, in table order, and notes on those that cannot."""
+    from torch.nn.attention import SDPBackend
+
+    impls, notes = {}, []
+    try:
+        from fastlm.kernels.attention import flash_attention
+
+        impls["fastlm"] = lambda q, k, v: flash_attention(q, k, v, causal=True)
+    except ImportError as exc:
+        notes.append(f"fastlm flash_attention not available yet ({exc}): its rows are left out")
+    impls[SDPA_FLASH] = _sdpa(SDPBackend.FLASH_ATTENTION)
+    if hasattr(SDPBackend, "CUDNN_ATTENTION"):
+        impls["sdpa-cudnn"] = _sdpa(SDPBackend.CUDNN_ATTENTION)
+    else:
+        notes.append("this torch has no cuDNN SDPA backend")
+    impls["sdpa-efficient"] = _sdpa(SDPBackend.EFFICIENT_ATTENTION)
+    flash_attn = common.optional_module("flash_attn")
+    if flash_attn is not None:
+        def flash_attn_run(q, k, v):  # flash-attn wants (B, N, H, D): transposed views, no copy
+            out = flash_attn.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True)
+            return out.transpose(1, 2)
+
+        impls["flash-attn"] = flash_attn_run
+    else:
+        notes.append("the flash-attn package is not installed: its rows are left out")
+    impls[EAGER] = _with_causal_mask(_reference_attention)
+    impls[COMPILED] = _with_causal_mask(torch.compile(_reference_attention, dynamic=False))
+    return impls, notes
+
+
+def _sdpa_default(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Measuring
+# --------------------------------------------------------------------------------------------
+
+
+def bench_shape(run: common.Run, impls: dict[str, Callable], shape: Shape) -> None:
+    dtype = DTYPES[shape.dtype]
+
+    def make():
+        return tuple(torch.randn(shape.batch, shape.heads, shape.seq, shape.head_dim,
+                                 device=common.DEVICE, dtype=dtype).requires_grad_()
+                     for _ in range(3))
+
+    made = run.measure(make, f"inputs {shape}")
+    if not made.ok:
+        return
+    inputs = made.value
+    times, errors = {}, {}
+    for name, fn in impls.items():
+        label = f"{name} {shape}"
+        times[name] = common.time_modes(run, fn, inputs, label)
+        errors[name] = run.measure(lambda: common.output_error(fn, _sdpa_default, inputs),
+                                   f"{label} check")
+    for mode in common.MODES:
+        flops = FLOP_FACTOR[mode] * shape.forward_flops()
+        for name, per_mode in times.items():
+            ms = per_mode[mode]
+            run.rows.append({
+                "dtype": shape.dtype, "D": shape.head_dim, "B": shape.batch, "H": shape.heads,
+                "N": shape.seq, "batch": "1" if shape.batch == 1 else "fill", "mode": mode,
+                "impl": name, "ms": ms.cell(),
+                "TFLOP/s": flops / (ms.value * 1e-3) / 1e12 if ms.ok else None,
+                "vs sdpa-flash": common.ratio(times.get(SDPA_FLASH, {}).get(mode), ms),
+                "vs reference": common.ratio(times[EAGER][mode], ms),
+                "rel err": errors[name].cell(),
+            })
+    del inputs, made
+    common.free_memory()
+
+
+def summary_lines(rows: list[dict]) -> list[str]:
+    """fastlm's TFLOP/s and speed-ups at bf16, D = 128, for each measured N and mode."""
+    lines = ["attention, causal, bf16, D = 128 (fastlm TFLOP/s; speed-up = other's ms / fastlm's):"]
+    ours = [r for r in rows if r["impl"] == "fastlm" and r["dtype"] == "bf16" and r["D"] == 128]
+    for r in ours:
+        same = {o["impl"]: o for o in rows if all(o[k] == r[k] for k in ("dtype", "D", "B", "N", "mode"))}
+        parts = [f"N={r['N']} B={r['B']} {r['mode']}: "
+                 + (f"{r['TFLOP/s']:.0f} TFLOP/s" if r["TFLOP/s"] else str(r["ms"]))]
+        for other in (SDPA_FLASH, "sdpa-cudnn", "flash-attn", COMPILED, EAGER):
+            theirs = same.get(other)
+            if theirs is None:
+                continue
+            value = common.ratio(theirs["ms"] if isinstance(theirs["ms"], float) else None,
+                                 r["ms"] if isinstance(r["ms"], float) else None)
+            parts.append(f"{value:.2f}x {other}" if value else f"{other} {theirs['ms']}")
+        lines.append("- " + ", ".join(parts))
+    if not ours:
+        lines.append("- no fastlm rows")
+    return lines
+
+
+# --------------------------------------------------------------------------------------------
+# Without CUDA: the interpreter check
+# --------------------------------------------------------------------------------------------
+
+
+def _reference_gqa(q, k, v, causal: bool):
+    """The reference attention with grouped heads repeated and the mask aligned to the end."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    nq, nk = q.shape[-2], k.shape[-2]
+    mask = None
+    if causal:
+        mask = torch.ones(nq, nk, dtype=torch.bool).triu(nk - nq + 1)
+    return reference.ScaledDotProductAttention()(q, k, v, mask)
+
+
+def interpreter_check() -> int:
+    torch.manual_seed(0)
+
+    def leaves(*shapes):
+        return [torch.randn(*s).requires_grad_() for s in shapes]
+
+    def check(name, causal, q_shape, kv_shape):
+        def run():
+            from fastlm.kernels.attention import flash_attention
+
+            return common.compare_with_reference(
+                f"flash_attention {name}", lambda q, k, v: flash_attention(q, k, v, causal=causal),
+                lambda q, k, v: _reference_gqa(q, k, v, causal),
+                leaves(q_shape, kv_shape, kv_shape))
+        return common.try_check(f"flash_attention {name}", run)
+
+    rows = check("causal N=33 D=16", True, (1, 2, 33, 16), (1, 2, 33, 16))
+    rows += check("GQA 4/2 heads, Nq=9 < Nk=20, D=32", True, (1, 4, 9, 32), (1, 2, 20, 32))
+    rows += check("not causal N=17 D=16", False, (2, 1, 17, 16), (2, 1, 17, 16))
+    return common.report_checks(rows)
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = common.parser(__doc__.split("\n\n")[0], quick_help=(
+        "bf16, D=128, N in 1k/4k/16k filling the GPU and 64k at batch 1, "
+        f"within a {QUICK_TIME_LIMIT_S} s time budget"))
+    p.add_argument("--impls", nargs="+", default=None, metavar="NAME",
+                   help="measure only these implementations (default: all available)")
+    args = p.parse_args(argv)
+    if not common.HAS_CUDA:
+        common.no_cuda_notice("benchmarks/attention.py")
+        return interpreter_check()
+
+    common.raise_compile_limits()
+    run = common.Run("attention", args, QUICK_TIME_LIMIT_S)
+    run.header()
+    impls, notes = implementations()
+    for text in notes:
+        run.note(text)
+    if args.impls:
+        unknown = set(args.impls) - set(impls)
+        if unknown:
+            p.error(f"unknown --impls {sorted(unknown)}; available: {list(impls)}")
+        keep = set(args.impls) | {EAGER}  # the reference column is the speed-up baseline
+        impls = {name: fn for name, fn in impls.items() if name in keep}
+    for shape in quick_shapes() if args.quick else full_shapes():
+        bench_shape(run, impls, shape)
+    columns = ["dtype", "D", "B", "H", "N", "mode", "impl", "ms", "TFLOP/s", "vs sdpa-flash",
+               "vs reference", "rel err"]
+    run.finish(columns, summary=summary_lines(run.rows),
+               plot={"x": "N", "y": "TFLOP/s", "series": "impl", "logx": True,
+                     "panel": ("dtype", "D", "batch", "mode"),
+                     "title": f"causal attention, {run.env['gpu']}"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,385 @@
+"""RMSNorm, residual add + RMSNorm, RoPE and SwiGLU: fastlm's kernels against the alternatives.
+
+For each op, forward, backward and forward+backward in bf16 at LLaMA-like sizes (tokens x hidden),
+side by side with: the reference in eager mode (`fastlm.reference`), `torch.compile` of it,
+PyTorch's built-ins where there is one (F.rms_norm, F.silu(gate) * up), and Liger-Kernel when it
+is importable. Columns: milliseconds, GB/s, percent of a device-to-device copy measured in the
+same run, speed-ups against the eager and the compiled reference, and each output's relative
+error against the eager reference (a fast wrong kernel shows here).
+
+Bytes are the fewest each op must move (M tokens, N hidden, e = 2 bytes; the weight and the RoPE
+tables are under 0.1% and left out):
+  rms_norm      fwd read x, write y: 2MNe      bwd read x, dy, write dx: 3MNe
+  add_rms_norm  fwd read x, r, write y, h: 4MNe  bwd read h, dy, dh, write dx: 4MNe
+  rope (q, k)   fwd read and write q, k: 4MNe  bwd the same on the gradients: 4MNe
+  swiglu        fwd read g, u, write y: 3MNe   bwd read g, u, dy, write dg, du: 5MNe
+fwd+bwd is the sum. RoPE rotates in place, which autograd allows only on computed tensors, so its
+backward and forward+backward rows time `clone` + op for every implementation (the clone's
+bytes, 4MNe, are counted there); its forward rows run under no_grad on the tensors directly.
+RoPE shapes: q and k (B, H, T, 128) with H = N / 128, T = 2048, B = M / T. Liger's RoPE uses the
+half-split layout, so it is also compared with fastlm's half-split mode.
+
+Without CUDA: a message, then each kernel against the float64 reference through Triton's
+interpreter at tiny sizes; exit code 1 only if a kernel that exists gives a wrong result.
+"""
+
+from __future__ import annotations
+
+import _common as common  # first: turns on Triton's interpreter when there is no CUDA
+
+import math
+import sys
+from dataclasses import dataclass
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from fastlm import reference
+
+DTYPE = torch.bfloat16
+EPS = 1e-5
+ROPE_THETA = 10000.0
+ROPE_HEAD_DIM = 128
+ROPE_SEQ = 2048
+
+FULL_SIZES = [(m, n) for m in (4096, 16384, 65536) for n in (2048, 4096, 8192)]
+QUICK_SIZES = [(16384, 4096)]
+QUICK_TIME_LIMIT_S = 80
+MODES = common.MODES
+EAGER, COMPILED = "reference", "torch.compile(reference)"
+
+
+@dataclass
+class Op:
+    """One op: its inputs, its implementations, and the bytes each mode moves (in units of MNe)."""
+
+    name: str
+    make_inputs: Callable[[int, int], tuple[torch.Tensor, ...]]
+    impls: Callable[[int, int], dict[str, Callable]]
+    traffic: dict[str, float]
+    forward_grad: bool = True  # False: the forward rows run under no_grad (in-place RoPE)
+
+
+def _randn(*shape, scale=1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device=common.DEVICE, dtype=torch.float32) * scale).to(DTYPE)
+
+
+def _leaf(*shape) -> torch.Tensor:
+    return _randn(*shape).requires_grad_()
+
+
+def _weight(n: int) -> torch.Tensor:
+    return (1 + _randn(n, scale=0.1)).requires_grad_()
+
+
+def _liger(module: str, name: str):
+    """A Liger-Kernel autograd Function, or None when Liger-Kernel is not importable."""
+    found = common.optional_module(f"liger_kernel.ops.{module}")
+    return getattr(found, name, None) if found else None
+
+
+# --------------------------------------------------------------------------------------------
+# The ops
+# --------------------------------------------------------------------------------------------
+
+
+def _rms_norm_math(x, weight):
+    """reference.RmsNorm.forward with the weight passed in (same operations, same dtypes)."""
+    in_dtype = x.dtype
+    x = x.to(torch.float32)
+    rms_inv = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + EPS)
+    return (x * rms_inv * weight).to(in_dtype)
+
+
+def rms_norm_impls(m: int, n: int) -> dict[str, Callable]:
+    from fastlm.kernels.rmsnorm import rms_norm
+
+    impls = {
+        "fastlm": lambda x, w: rms_norm(x, w, EPS),
+        EAGER: _rms_norm_math,
+        COMPILED: torch.compile(_rms_norm_math, dynamic=False),
+        "F.rms_norm": lambda x, w: F.rms_norm(x, (n,), w, EPS),
+    }
+    liger = _liger("rms_norm", "LigerRMSNormFunction")
+    if liger is not None:
+        # in_place=False: Liger would otherwise write dx into dy, which the timing loop reuses.
+        impls["liger"] = lambda x, w: liger.apply(x, w, EPS, 0.0, "llama", False)
+    return impls
+
+
+def _add_rms_norm_math(x, residual, weight):
+    summed = x + residual
+    return _rms_norm_math(summed, weight), summed
+
+
+def add_rms_norm_impls(m: int, n: int) -> dict[str, Callable]:
+    from fastlm.kernels.rmsnorm import add_rms_norm
+
+    def builtin(x, r, w):
+        summed = x + r
+        return F.rms_norm(summed, (n,), w, EPS), summed
+
+    impls = {
+        "fastlm": lambda x, r, w: add_rms_norm(x, r, w, EPS),
+        EAGER: _add_rms_norm_math,
+        COMPILED: torch.compile(_add_rms_norm_math, dynamic=False),
+        "x + r, F.rms_norm": builtin,
+    }
+    liger = _liger("fused_add_rms_norm", "LigerFusedAddRMSNormFunction")
+    if liger is not None:
+        def liger_add(x, r, w):
+            normed, summed = liger.apply(x, r, w, EPS, 0.0, "llama", False)
+            return normed, summed
+
+        impls["liger"] = liger_add
+    return impls
+
+
+def _rope_shape(m: int, n: int) -> tuple[int, int, int, int]:
+    t = min(m, ROPE_SEQ)
+    return m // t, n // ROPE_HEAD_DIM, t, ROPE_HEAD_DIM
+
+
+def _computed(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Clones when autograd is recording (in-place autograd needs computed tensors)."""
+    if torch.is_grad_enabled() and tensors[0].requires_grad:
+        return tuple(t.clone() for t in tensors)
+    return tensors
+
+
+def rope_impls(m: int, n: int) -> dict[str, Callable]:
+    from fastlm.kernels.rope import apply_rope_, rope_tables
+
+    b, h, t, d = _rope_shape(m, n)
+    positions = torch.arange(t, device=common.DEVICE)
+    cos, sin = rope_tables(ROPE_THETA, d, t, device=common.DEVICE)
+    rope = reference.RoPE(ROPE_THETA, d, t, device=common.DEVICE)
+
+    def reference_rope(q, k):
+        q, k = _computed(q, k)
+        return rope(q, positions), rope(k, positions)
+
+    def fastlm_rope(interleaved):
+        def run(q, k):
+            q, k = _computed(q, k)
+            return apply_rope_(q, k, cos, sin, positions, interleaved=interleaved)
+        return run
+
+    # Hugging Face tables: (1, T, D), each frequency repeated over the two halves.
+    hf_cos, hf_sin = (torch.cat((c, c), dim=-1)[None] for c in (cos, sin))
+
+    def half_split_math(q, k):
+        """The half-split layout's rotation, (a, b) -> (a cos - b sin, b cos + a sin)."""
+        def rotate(x):
+            a, b = x.chunk(2, dim=-1)
+            return (x.float() * hf_cos + torch.cat((-b, a), dim=-1).float() * hf_sin).to(x.dtype)
+        return rotate(q), rotate(k)
+
+    half_split = fastlm_rope(False)
+    half_split.error_reference = half_split_math
+    impls = {
+        "fastlm": fastlm_rope(True),
+        "fastlm half-split": half_split,
+        EAGER: reference_rope,
+        COMPILED: torch.compile(reference_rope, dynamic=False),
+    }
+    liger = _liger("rope", "LigerRopeFunction")
+    if liger is not None:
+        def liger_rope(q, k):
+            q, k = _computed(q, k)
+            return liger.apply(q, k, hf_cos, hf_sin)
+
+        liger_rope.error_reference = half_split_math
+        impls["liger (half-split)"] = liger_rope
+    return impls
+
+
+def _swiglu_math(gate, up):
+    return reference.SiLu()(gate) * up
+
+
+def swiglu_impls(m: int, n: int) -> dict[str, Callable]:
+    from fastlm.kernels.swiglu import swiglu
+
+    impls = {
+        "fastlm": swiglu,
+        EAGER: _swiglu_math,
+        COMPILED: torch.compile(_swiglu_math, dynamic=False),
+        "F.silu(g) * u": lambda gate, up: F.silu(gate) * up,
+    }
+    liger = _liger("swiglu", "LigerSiLUMulFunction")
+    if liger is not None:
+        impls["liger"] = liger.apply
+    return impls
+
+
+OPS = [
+    Op("rms_norm", lambda m, n: (_leaf(m, n), _weight(n)), rms_norm_impls,
+       {"fwd": 2, "bwd": 3, "fwd+bwd": 5}),
+    Op("add_rms_norm", lambda m, n: (_leaf(m, n), _leaf(m, n), _weight(n)), add_rms_norm_impls,
+       {"fwd": 4, "bwd": 4, "fwd+bwd": 8}),
+    Op("rope", lambda m, n: (_leaf(*_rope_shape(m, n)), _leaf(*_rope_shape(m, n))), rope_impls,
+       {"fwd": 4, "bwd": 4 + 4, "fwd+bwd": 8 + 4}, forward_grad=False),
+    Op("swiglu", lambda m, n: (_leaf(m, n), _leaf(m, n)), swiglu_impls,
+       {"fwd": 3, "bwd": 5, "fwd+bwd": 8}),
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Measuring
+# --------------------------------------------------------------------------------------------
+
+
+def bench_size(run: common.Run, op: Op, m: int, n: int, copy_gbs: float) -> None:
+    size = f"{m}x{n}"
+    try:
+        impls = op.impls(m, n)
+    except ImportError as exc:
+        run.note(f"{op.name}: fastlm kernel not available yet ({exc}); its rows are left out")
+        return
+    inputs = op.make_inputs(m, n)
+    times: dict[str, dict[str, common.Outcome]] = {}
+    errors: dict[str, common.Outcome] = {}
+    for name, fn in impls.items():
+        label = f"{op.name} {name} {size}"
+        times[name] = common.time_modes(run, fn, inputs, label, forward_grad=op.forward_grad)
+        errors[name] = run.measure(lambda: common.output_error(fn, impls[EAGER], inputs),
+                                   f"{label} check")
+    for mode in MODES:
+        gigabytes = op.traffic[mode] * m * n * DTYPE.itemsize / 1e9
+        for name, per_mode in times.items():
+            ms = per_mode[mode]
+            gbs = gigabytes / (ms.value * 1e-3) if ms.ok else None
+            run.rows.append({
+                "op": op.name, "mode": mode, "size": size, "impl": name, "ms": ms.cell(),
+                "GB/s": gbs, "% of copy": 100 * gbs / copy_gbs if gbs else None,
+                "vs reference": common.ratio(times[EAGER][mode], ms),
+                "vs compiled": common.ratio(times[COMPILED][mode], ms),
+                "rel err": errors[name].cell(),
+            })
+    del inputs
+    common.free_memory()
+
+
+def summary_lines(rows: list[dict], size: str) -> list[str]:
+    """One line per op and mode at `size`: fastlm's share of copy bandwidth and its speed-ups."""
+    lines = [f"kernels at {size} (bf16):"]
+    for op in OPS:
+        for mode in MODES:
+            at = {r["impl"]: r for r in rows if r["op"] == op.name and r["mode"] == mode
+                  and r["size"] == size}
+            ours = at.get("fastlm")
+            if ours is None:
+                continue
+            liger = next((r for name, r in at.items() if name.startswith("liger")), None)
+            parts = [f"{op.name} {mode}: fastlm {common.format_value(ours['ms'])} ms"]
+            if ours["% of copy"] is not None:
+                parts.append(f"{ours['% of copy']:.0f}% of copy")
+            for name, key in (("vs torch.compile", "vs compiled"), ("vs eager", "vs reference")):
+                if ours[key] is not None:
+                    parts.append(f"{ours[key]:.2f}x {name}")
+            if liger is not None and isinstance(liger["ms"], float) and isinstance(ours["ms"], float):
+                parts.append(f"{liger['ms'] / ours['ms']:.2f}x liger")
+            lines.append("- " + ", ".join(parts))
+    return lines
+
+
+# --------------------------------------------------------------------------------------------
+# Without CUDA: the interpreter check
+# --------------------------------------------------------------------------------------------
+
+
+def interpreter_check() -> int:
+    torch.manual_seed(0)
+
+    def leaf(*shape):
+        return torch.randn(*shape).requires_grad_()
+
+    def weight(n):
+        return (1 + 0.1 * torch.randn(n)).requires_grad_()
+
+    def rms_norm_check():
+        from fastlm.kernels.rmsnorm import rms_norm
+
+        return common.compare_with_reference(
+            "rms_norm", lambda x, w: rms_norm(x, w, EPS), _rms_norm_math, [leaf(5, 37), weight(37)])
+
+    def add_rms_norm_check():
+        from fastlm.kernels.rmsnorm import add_rms_norm
+
+        return common.compare_with_reference(
+            "add_rms_norm", lambda x, r, w: add_rms_norm(x, r, w, EPS), _add_rms_norm_math,
+            [leaf(5, 37), leaf(5, 37), weight(37)])
+
+    def rope_check():
+        from fastlm.kernels.rope import apply_rope_, rope_tables
+
+        d, t, offset = 16, 7, 3
+        positions = torch.arange(offset, offset + t)
+        cos, sin = rope_tables(ROPE_THETA, d, offset + t)
+        rope = reference.RoPE(ROPE_THETA, d, offset + t)
+        rope64 = rope.double()
+        rope64.cos_cached, rope64.sin_cached = rope.cos_cached.double(), rope.sin_cached.double()
+
+        def fastlm_rope(q, k):
+            return apply_rope_(q.clone(), k.clone(), cos, sin, positions)
+
+        def reference_rope(q, k):
+            return rope64(q, positions), rope64(k, positions)
+
+        return common.compare_with_reference("rope", fastlm_rope, reference_rope,
+                                             [leaf(2, 3, t, d), leaf(2, 1, t, d)])
+
+    def swiglu_check():
+        from fastlm.kernels.swiglu import swiglu
+
+        return common.compare_with_reference("swiglu", swiglu, _swiglu_math,
+                                             [leaf(5, 33), leaf(5, 33)])
+
+    rows = []
+    for name, check in (("rms_norm", rms_norm_check), ("add_rms_norm", add_rms_norm_check),
+                        ("rope", rope_check), ("swiglu", swiglu_check)):
+        rows += common.try_check(name, check)
+    return common.report_checks(rows)
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = common.parser(__doc__.split("\n\n")[0], quick_help=(
+        f"one size {QUICK_SIZES}, within a {QUICK_TIME_LIMIT_S} s time budget"))
+    p.add_argument("--ops", nargs="+", choices=[op.name for op in OPS],
+                   default=[op.name for op in OPS], help="which ops to measure")
+    args = p.parse_args(argv)
+    if not common.HAS_CUDA:
+        common.no_cuda_notice("benchmarks/kernels.py")
+        return interpreter_check()
+
+    common.raise_compile_limits()
+    run = common.Run("kernels", args, QUICK_TIME_LIMIT_S)
+    run.header()
+    copy = run.measure(lambda: common.copy_bandwidth_gbs(args.warmup_ms, args.rep_ms), "copy")
+    copy_gbs = copy.value or math.nan
+    print(f"device-to-device copy: {copy_gbs:.0f} GB/s (bytes read + written)\n")
+    run.env["copy_GB/s"] = copy_gbs
+    sizes = QUICK_SIZES if args.quick else FULL_SIZES
+    if common.optional_module("liger_kernel") is None:
+        run.note("Liger-Kernel is not installed: its rows are left out")
+    for op in (op for op in OPS if op.name in args.ops):
+        for m, n in sizes:
+            bench_size(run, op, m, n, copy_gbs)
+    columns = ["op", "mode", "size", "impl", "ms", "GB/s", "% of copy", "vs reference",
+               "vs compiled", "rel err"]
+    headline = "16384x4096" if (16384, 4096) in sizes else f"{sizes[-1][0]}x{sizes[-1][1]}"
+    run.finish(columns, summary=summary_lines(run.rows, headline),
+               plot={"x": "size", "y": "GB/s", "series": "impl", "panel": ("op", "mode"),
+                     "title": f"fastlm kernels, bf16, {run.env['gpu']}"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
