@@ -156,3 +156,21 @@ def test_bad_input_names_the_argument(device):
         model(torch.full((1, 4), CONFIG["vocab_size"], device=device))
     with pytest.raises(ValueError, match="targets"):
         model.loss(_tokens(device), _tokens(device, seq=12))
+
+
+def test_autocast_bf16_matches_reference(device):
+    """Under bf16 autocast the residual stream stays fp32 and the matmuls run in bf16, as in the
+    reference: the two agree to bf16 accuracy, gradients included."""
+    model, ref = _pair(device)
+    ref.float()
+    tokens, targets = _tokens(device), _tokens(device)
+    with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
+        loss = model.loss(tokens, targets)
+        expected = R.CrossEntropyLoss()(ref(tokens).float(), targets)
+    assert_close(loss, expected, torch.bfloat16, "autocast loss")
+    loss.backward()
+    expected.backward()
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.grad.dtype == p.dtype
+        assert_close(p.grad, ref_params[name].grad, torch.bfloat16, f"autocast grad of {name}")
