@@ -269,18 +269,19 @@ def _check_positions(token_positions: object, x: torch.Tensor, max_seq_len: int)
         raise ValueError(f"token_positions must have shape ({T},) or ({B}, {T}) to match a tensor "
                          f"of shape {tuple(x.shape)}, got {shape}")
     message = f"token_positions must lie in [0, {max_seq_len})"
-    if token_positions.device.type == "cpu":
+    on_host = token_positions.device.type == "cpu"
+    if on_host and not torch.compiler.is_compiling():
         if token_positions.numel() and (token_positions.min() < 0
                                         or token_positions.max() >= max_seq_len):
             raise ValueError(f"{message}, got values in [{int(token_positions.min())}, "
                              f"{int(token_positions.max())}]")
-        return token_positions.to(x.device)
-    if token_positions.device != x.device:
+    elif not on_host and token_positions.device != x.device:
         raise ValueError(f"token_positions is on {token_positions.device}, but the rotated tensor "
                          f"is on {x.device}")
-    in_range = ((token_positions >= 0) & (token_positions < max_seq_len)).all()
-    torch._assert_async(in_range, message)
-    return token_positions
+    else:  # on the device, or compiled: a data-dependent branch would break the graph
+        in_range = ((token_positions >= 0) & (token_positions < max_seq_len)).all()
+        torch._assert_async(in_range, message)
+    return token_positions.to(x.device)
 
 
 def _check_rotatable(name: str, t: object) -> None:
@@ -290,7 +291,7 @@ def _check_rotatable(name: str, t: object) -> None:
         raise ValueError(f"{name} must be (T, D), (B, T, D) or (B, H, T, D), got {tuple(t.shape)}")
     if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
         raise ValueError(f"{name} has elements sharing memory (an expand); rotate a copy")
-    if torch.is_grad_enabled() and t.requires_grad:
+    if torch.is_grad_enabled() and t.requires_grad and not torch.compiler.is_compiling():
         base = t._base
         if t.is_leaf or (base is not None and base.is_leaf and base.requires_grad):
             raise ValueError(f"{name} is a leaf tensor that requires grad (or a view of one); RoPE "
@@ -323,6 +324,13 @@ def _apply_rope(tensors: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.
         raise ValueError(f"cos is on {cos.device}, but {first_name} is on {first.device}")
     positions = _check_positions(token_positions, first, cos.shape[0])
     rotated = tuple(tensors.values())
+    if torch.compiler.is_compiling():
+        # Dynamo models neither `_base` nor a Function that dirties tensors it does not return:
+        # compiled code rotates with PyTorch ops (which inductor fuses into one kernel) and writes
+        # the result back in place, where ordinary in-place autograd on views takes over.
+        for t in rotated:
+            t.copy_(_rotate_torch(t, cos, sin, positions, interleaved, inverse=False))
+        return rotated
     roots = []
     for t in rotated:
         if not any(_root(t) is r for r in roots):
