@@ -250,8 +250,9 @@ def _grads_for(outputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
 
 
 def time_modes(run: Run, fn: Callable, inputs: Sequence[torch.Tensor], label: str, *,
-               forward_grad: bool = True) -> dict[str, Outcome]:
-    """Milliseconds of fn(*inputs)'s forward, backward and both, keyed by MODES.
+               forward_grad: bool = True, modes: Sequence[str] = MODES) -> dict[str, Outcome]:
+    """Milliseconds of fn(*inputs)'s forward, backward and both, keyed by mode (those of MODES
+    in `modes`).
 
     The forward records the autograd graph, as in training (under no_grad if not forward_grad);
     the backward reuses one graph (retain_graph) and one random output gradient; gradients of
@@ -277,7 +278,7 @@ def time_modes(run: Run, fn: Callable, inputs: Sequence[torch.Tensor], label: st
             run.args.warmup_ms, run.args.rep_ms, grad_to_none=leaves)
 
     return {mode: run.measure(timer, f"{label} {mode}")
-            for mode, timer in zip(MODES, (forward, backward, forward_backward))}
+            for mode, timer in zip(MODES, (forward, backward, forward_backward)) if mode in modes}
 
 
 def output_error(fn: Callable, reference_fn: Callable, inputs: Sequence[torch.Tensor]) -> float:

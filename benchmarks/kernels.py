@@ -1,11 +1,13 @@
-"""RMSNorm, residual add + RMSNorm, RoPE and SwiGLU: fastlm's kernels against the alternatives.
+"""RMSNorm, residual add + RMSNorm, RoPE, SwiGLU, cross-entropy and fused linear cross-entropy:
+fastlm's kernels against the alternatives.
 
-For each op, forward, backward and forward+backward in bf16 at LLaMA-like sizes (tokens x hidden),
-side by side with: the reference in eager mode (`fastlm.reference`), `torch.compile` of it,
-PyTorch's built-ins where there is one (F.rms_norm, F.silu(gate) * up), and Liger-Kernel when it
-is importable. Columns: milliseconds, GB/s, percent of a device-to-device copy measured in the
-same run, speed-ups against the eager and the compiled reference, and each output's relative
-error against the eager reference (a fast wrong kernel shows here).
+For each op, forward, backward and forward+backward in bf16 at LLaMA-like sizes (tokens x hidden;
+tokens x vocabulary for cross-entropy), side by side with: the reference in eager mode
+(`fastlm.reference`), `torch.compile` of it, PyTorch's built-ins where there is one (F.rms_norm,
+F.silu(gate) * up, F.cross_entropy), and Liger-Kernel when it is importable. Columns:
+milliseconds, GB/s, percent of a device-to-device copy measured in the same run, speed-ups
+against the eager and the compiled reference, and each output's relative error against the eager
+reference (a fast wrong kernel shows here; cross-entropy's against the reference in float32).
 
 Bytes are the fewest each op must move (M tokens, N hidden, e = 2 bytes; the weight and the RoPE
 tables are under 0.1% and left out):
@@ -13,11 +15,29 @@ tables are under 0.1% and left out):
   add_rms_norm  fwd read x, r, write y, h: 4MNe  bwd read h, dy, dh, write dx: 4MNe
   rope (q, k)   fwd read and write q, k: 4MNe  bwd the same on the gradients: 4MNe
   swiglu        fwd read g, u, write y: 3MNe   bwd read g, u, dy, write dg, du: 5MNe
-fwd+bwd is the sum. RoPE rotates in place, which autograd allows only on computed tensors, so its
-backward and forward+backward rows time `clone` + op for every implementation (the clone's
-bytes, 4MNe, are counted there); its forward rows run under no_grad on the tensors directly.
+  cross_entropy fwd read logits: MVe          bwd read logits, write dlogits: 2MVe
+(M tokens, V vocabulary entries.) fwd+bwd is the sum, except for cross-entropy: its gradient can
+be written while the logits are read once, so its fwd+bwd counts 2MVe (read logits, write
+dlogits). fastlm's forward does just that: its forward rows move 2MVe against the MVe counted,
+and its backward only scales the gradient. RoPE rotates in place, which autograd allows only on
+computed tensors, so its backward and forward+backward rows time `clone` + op for every
+implementation (the clone's bytes, 4MNe, are counted there); its forward rows run under no_grad
+on the tensors directly.
 RoPE shapes: q and k (B, H, T, 128) with H = N / 128, T = 2048, B = M / T. Liger's RoPE uses the
 half-split layout, so it is also compared with fastlm's half-split mode.
+
+Cross-entropy: logits (M, V) with V = 32000 and random targets, none ignored (the reference has
+no ignore_index); in bf16 the reference rounds the loss itself, hence the float32 check. Liger
+writes its gradient into the logits, as in training; every check runs before the timings.
+
+Fused linear cross-entropy (`linear_cross_entropy`, the loss of x @ w.T without the logits):
+x (M, C) and w (V, C) bf16, M = 16k, C = 768 or 2048 (size MxCxV), forward+backward only,
+against the logits materialised (x @ w.T, then F.cross_entropy), torch.compile of that (the
+"vs reference" and "vs compiled" columns compare with these two) and Liger's fused linear
+cross-entropy. `peak MiB` is torch.cuda.max_memory_allocated during one forward+backward minus
+what was allocated before it (the inputs), so it includes the gradients dx and dw themselves;
+`peak / logits` divides it by the logits' size MVe, which the fused op is meant to keep to a
+fraction. The loss is checked against the materialised one in float32.
 
 Without CUDA: a message, then each kernel against the float64 reference through Triton's
 interpreter at tiny sizes; exit code 1 only if a kernel that exists gives a wrong result.
@@ -27,6 +47,7 @@ from __future__ import annotations
 
 import _common as common  # first: turns on Triton's interpreter when there is no CUDA
 
+import inspect
 import math
 import sys
 from dataclasses import dataclass
@@ -43,22 +64,35 @@ ROPE_THETA = 10000.0
 ROPE_HEAD_DIM = 128
 ROPE_SEQ = 2048
 
-FULL_SIZES = [(m, n) for m in (4096, 16384, 65536) for n in (2048, 4096, 8192)]
-QUICK_SIZES = [(16384, 4096)]
+FULL_SIZES = tuple((m, n) for m in (4096, 16384, 65536) for n in (2048, 4096, 8192))
+QUICK_SIZES = ((16384, 4096),)
+VOCAB = 32000
+CROSS_ENTROPY_FULL_SIZES = ((4096, VOCAB), (16384, VOCAB))  # (M tokens, V)
+CROSS_ENTROPY_QUICK_SIZES = ((16384, VOCAB),)
+LINEAR_CE = "linear_cross_entropy"
+LINEAR_CE_FULL_SIZES = ((16384, 768), (16384, 2048))  # (M tokens, C features), V = VOCAB
+LINEAR_CE_QUICK_SIZES = ((16384, 768),)  # GPT-2 small's width, as in train.py
+IGNORE_INDEX = -100
 QUICK_TIME_LIMIT_S = 80
 MODES = common.MODES
 EAGER, COMPILED = "reference", "torch.compile(reference)"
+MATERIALISED = "x @ w.T, F.cross_entropy"
+MATERIALISED_COMPILED = f"torch.compile({MATERIALISED})"
 
 
 @dataclass
 class Op:
-    """One op: its inputs, its implementations, and the bytes each mode moves (in units of MNe)."""
+    """One op: its inputs, its implementations, the bytes each mode moves (in units of MNe) and
+    its sizes (M, N)."""
 
     name: str
     make_inputs: Callable[[int, int], tuple[torch.Tensor, ...]]
     impls: Callable[[int, int], dict[str, Callable]]
     traffic: dict[str, float]
     forward_grad: bool = True  # False: the forward rows run under no_grad (in-place RoPE)
+    full_sizes: tuple[tuple[int, int], ...] = FULL_SIZES
+    quick_sizes: tuple[tuple[int, int], ...] = QUICK_SIZES  # the first is the summary's
+    error_reference: Callable | None = None  # what outputs are checked against; None: EAGER
 
 
 def _randn(*shape, scale=1.0) -> torch.Tensor:
@@ -73,10 +107,24 @@ def _weight(n: int) -> torch.Tensor:
     return (1 + _randn(n, scale=0.1)).requires_grad_()
 
 
+def _size(*dims: int) -> str:
+    return "x".join(map(str, dims))
+
+
+def _targets(m: int, v: int) -> torch.Tensor:
+    return torch.randint(0, v, (m,), device=common.DEVICE)
+
+
 def _liger(module: str, name: str):
     """A Liger-Kernel autograd Function, or None when Liger-Kernel is not importable."""
     found = common.optional_module(f"liger_kernel.ops.{module}")
     return getattr(found, name, None) if found else None
+
+
+def _liger_loss(function, *args) -> torch.Tensor:
+    """The loss of a Liger loss Function: newer versions return (loss, z_loss, ...)."""
+    out = function.apply(*args)
+    return out[0] if isinstance(out, tuple) else out
 
 
 # --------------------------------------------------------------------------------------------
@@ -214,6 +262,53 @@ def swiglu_impls(m: int, n: int) -> dict[str, Callable]:
     return impls
 
 
+def _cross_entropy_math(logits, targets):
+    return reference.CrossEntropyLoss()(logits, targets)
+
+
+def _cross_entropy_fp32(logits, targets):
+    return _cross_entropy_math(logits.float(), targets)
+
+
+def cross_entropy_impls(m: int, v: int) -> dict[str, Callable]:
+    from fastlm.kernels.cross_entropy import cross_entropy
+
+    impls = {
+        "fastlm": cross_entropy,
+        EAGER: _cross_entropy_math,
+        COMPILED: torch.compile(_cross_entropy_math, dynamic=False),
+        "F.cross_entropy": F.cross_entropy,
+    }
+    liger = _liger("cross_entropy", "LigerCrossEntropyFunction")
+    if liger is not None:
+        # Newer versions take a class weight (no default) after the targets.
+        weight = (None,) if "weight" in inspect.signature(liger.forward).parameters else ()
+        impls["liger"] = lambda logits, targets: _liger_loss(liger, logits, targets, *weight)
+    return impls
+
+
+def _linear_cross_entropy_math(x, weight, targets):
+    return F.cross_entropy(x @ weight.T, targets)
+
+
+def _linear_cross_entropy_fp32(x, weight, targets):
+    return _linear_cross_entropy_math(x.float(), weight.float(), targets)
+
+
+def linear_cross_entropy_impls() -> dict[str, Callable]:
+    from fastlm.kernels.cross_entropy import linear_cross_entropy
+
+    impls = {
+        "fastlm": linear_cross_entropy,
+        MATERIALISED: _linear_cross_entropy_math,
+        MATERIALISED_COMPILED: torch.compile(_linear_cross_entropy_math, dynamic=False),
+    }
+    liger = _liger("fused_linear_cross_entropy", "LigerFusedLinearCrossEntropyFunction")
+    if liger is not None:
+        impls["liger"] = lambda x, weight, targets: _liger_loss(liger, x, weight, targets)
+    return impls
+
+
 OPS = [
     Op("rms_norm", lambda m, n: (_leaf(m, n), _weight(n)), rms_norm_impls,
        {"fwd": 2, "bwd": 3, "fwd+bwd": 5}),
@@ -223,6 +318,9 @@ OPS = [
        {"fwd": 4, "bwd": 4 + 4, "fwd+bwd": 8 + 4}, forward_grad=False),
     Op("swiglu", lambda m, n: (_leaf(m, n), _leaf(m, n)), swiglu_impls,
        {"fwd": 3, "bwd": 5, "fwd+bwd": 8}),
+    Op("cross_entropy", lambda m, v: (_leaf(m, v), _targets(m, v)), cross_entropy_impls,
+       {"fwd": 1, "bwd": 2, "fwd+bwd": 2}, full_sizes=CROSS_ENTROPY_FULL_SIZES,
+       quick_sizes=CROSS_ENTROPY_QUICK_SIZES, error_reference=_cross_entropy_fp32),
 ]
 
 
@@ -232,20 +330,21 @@ OPS = [
 
 
 def bench_size(run: common.Run, op: Op, m: int, n: int, copy_gbs: float) -> None:
-    size = f"{m}x{n}"
+    size = _size(m, n)
     try:
         impls = op.impls(m, n)
     except ImportError as exc:
         run.note(f"{op.name}: fastlm kernel not available yet ({exc}); its rows are left out")
         return
     inputs = op.make_inputs(m, n)
-    times: dict[str, dict[str, common.Outcome]] = {}
-    errors: dict[str, common.Outcome] = {}
-    for name, fn in impls.items():
-        label = f"{op.name} {name} {size}"
-        times[name] = common.time_modes(run, fn, inputs, label, forward_grad=op.forward_grad)
-        errors[name] = run.measure(lambda: common.output_error(fn, impls[EAGER], inputs),
-                                   f"{label} check")
+    reference_fn = op.error_reference or impls[EAGER]
+    # Every check before any timing: Liger's cross-entropy overwrites the logits it is timed on.
+    errors = {name: run.measure(lambda: common.output_error(fn, reference_fn, inputs),
+                                f"{op.name} {name} {size} check")
+              for name, fn in impls.items()}
+    times = {name: common.time_modes(run, fn, inputs, f"{op.name} {name} {size}",
+                                     forward_grad=op.forward_grad)
+             for name, fn in impls.items()}
     for mode in MODES:
         gigabytes = op.traffic[mode] * m * n * DTYPE.itemsize / 1e9
         for name, per_mode in times.items():
@@ -262,20 +361,72 @@ def bench_size(run: common.Run, op: Op, m: int, n: int, copy_gbs: float) -> None
     common.free_memory()
 
 
-def summary_lines(rows: list[dict], size: str) -> list[str]:
-    """One line per op and mode at `size`: fastlm's share of copy bandwidth and its speed-ups."""
-    lines = [f"kernels at {size} (bf16):"]
-    for op in OPS:
+def peak_extra_bytes(fn: Callable, inputs: tuple[torch.Tensor, ...]) -> float:
+    """Peak memory allocated during one forward+backward of fn(*inputs) beyond what was allocated
+    before it (the inputs); the leaves' gradients are counted, and set to None afterwards."""
+    leaves = [t for t in inputs if t.requires_grad]
+    for t in leaves:
+        t.grad = None
+    common.free_memory()
+    before = torch.cuda.memory_allocated()
+    peak = common.peak_memory_gib(lambda: fn(*inputs).backward()) * 2**30
+    for t in leaves:
+        t.grad = None
+    return peak - before
+
+
+def bench_linear_cross_entropy(run: common.Run, m: int, c: int) -> None:
+    """Forward+backward milliseconds and peak memory of the loss of x (m, c) @ w.T (VOCAB, c)."""
+    size = _size(m, c, VOCAB)
+    try:
+        impls = linear_cross_entropy_impls()
+    except ImportError as exc:
+        run.note(f"{LINEAR_CE}: fastlm kernel not available yet ({exc}); its rows are left out")
+        return
+    # w scaled so that the logits have unit variance, as in a trained model's output layer.
+    inputs = (_leaf(m, c), _randn(VOCAB, c, scale=c**-0.5).requires_grad_(), _targets(m, VOCAB))
+    logits_bytes = m * VOCAB * DTYPE.itemsize
+    results = {}
+    for name, fn in impls.items():
+        label = f"{LINEAR_CE} {name} {size}"
+        ms = common.time_modes(run, fn, inputs, label, modes=("fwd+bwd",))["fwd+bwd"]
+        error = run.measure(lambda: common.output_error(fn, _linear_cross_entropy_fp32, inputs),
+                            f"{label} check")
+        peak = run.measure(lambda: peak_extra_bytes(fn, inputs), f"{label} peak memory")
+        results[name] = ms, error, peak
+    for name, (ms, error, peak) in results.items():
+        run.rows.append({
+            "op": LINEAR_CE, "mode": "fwd+bwd", "size": size, "impl": name, "ms": ms.cell(),
+            "vs reference": common.ratio(results[MATERIALISED][0], ms),
+            "vs compiled": common.ratio(results[MATERIALISED_COMPILED][0], ms),
+            "rel err": error.cell(),
+            "peak MiB": peak.value / 2**20 if peak.ok else peak.status,
+            "peak / logits": common.ratio(peak, logits_bytes),
+        })
+    del inputs
+    common.free_memory()
+
+
+def summary_lines(rows: list[dict], headline_sizes: dict[str, str]) -> list[str]:
+    """One line per op and mode at its headline size (op name -> size): fastlm's time, share of
+    copy bandwidth or peak memory, and speed-ups."""
+    lines = ["kernels (bf16):"]
+    for op_name, size in headline_sizes.items():
         for mode in MODES:
-            at = {r["impl"]: r for r in rows if r["op"] == op.name and r["mode"] == mode
+            at = {r["impl"]: r for r in rows if r["op"] == op_name and r["mode"] == mode
                   and r["size"] == size}
             ours = at.get("fastlm")
             if ours is None:
                 continue
             liger = next((r for name, r in at.items() if name.startswith("liger")), None)
-            parts = [f"{op.name} {mode}: fastlm {common.format_value(ours['ms'])} ms"]
-            if ours["% of copy"] is not None:
+            parts = [f"{op_name} {mode} {size}: fastlm {common.format_value(ours['ms'])} ms"]
+            if ours.get("% of copy") is not None:
                 parts.append(f"{ours['% of copy']:.0f}% of copy")
+            if ours.get("peak / logits") is not None:
+                others = ", ".join(f"{name} {r['peak / logits']:.2f}x" for name, r in at.items()
+                                   if name != "fastlm" and r.get("peak / logits") is not None)
+                parts.append(f"peak memory {ours['peak / logits']:.2f}x the logits' size"
+                             + (f" ({others})" if others else ""))
             for name, key in (("vs torch.compile", "vs compiled"), ("vs eager", "vs reference")):
                 if ours[key] is not None:
                     parts.append(f"{ours[key]:.2f}x {name}")
@@ -337,9 +488,36 @@ def interpreter_check() -> int:
         return common.compare_with_reference("swiglu", swiglu, _swiglu_math,
                                              [leaf(5, 33), leaf(5, 33)])
 
+    # Two of the interpreter's vocabulary blocks (1024), the second partial; one ignored target.
+    vocab, tokens = 1500, 7
+    targets = torch.randint(0, vocab, (tokens,))
+    targets[2] = IGNORE_INDEX
+    counted = targets != IGNORE_INDEX
+
+    def reference_loss(logits):
+        return _cross_entropy_math(logits[counted], targets[counted])
+
+    def cross_entropy_check():
+        from fastlm.kernels.cross_entropy import cross_entropy
+
+        return common.compare_with_reference(
+            "cross_entropy", lambda logits: cross_entropy(logits, targets, IGNORE_INDEX),
+            reference_loss, [leaf(tokens, vocab)])
+
+    def linear_cross_entropy_check():
+        from fastlm.kernels.cross_entropy import linear_cross_entropy
+
+        def fused(x, w):  # chunks of 3 tokens: 3, 3 and a partial 1
+            return linear_cross_entropy(x, w, targets, IGNORE_INDEX, chunk_size=3)
+
+        return common.compare_with_reference(LINEAR_CE, fused, lambda x, w: reference_loss(x @ w.T),
+                                             [leaf(tokens, 24), leaf(vocab, 24)])
+
     rows = []
     for name, check in (("rms_norm", rms_norm_check), ("add_rms_norm", add_rms_norm_check),
-                        ("rope", rope_check), ("swiglu", swiglu_check)):
+                        ("rope", rope_check), ("swiglu", swiglu_check),
+                        ("cross_entropy", cross_entropy_check),
+                        (LINEAR_CE, linear_cross_entropy_check)):
         rows += common.try_check(name, check)
     return common.report_checks(rows)
 
@@ -350,10 +528,12 @@ def interpreter_check() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    op_names = [op.name for op in OPS] + [LINEAR_CE]
     p = common.parser(__doc__.split("\n\n")[0], quick_help=(
-        f"one size {QUICK_SIZES}, within a {QUICK_TIME_LIMIT_S} s time budget"))
-    p.add_argument("--ops", nargs="+", choices=[op.name for op in OPS],
-                   default=[op.name for op in OPS], help="which ops to measure")
+        f"one size per op ({QUICK_SIZES[0]}; cross-entropy {CROSS_ENTROPY_QUICK_SIZES[0]}, "
+        f"{LINEAR_CE} {LINEAR_CE_QUICK_SIZES[0]}), within a {QUICK_TIME_LIMIT_S} s time budget"))
+    p.add_argument("--ops", nargs="+", choices=op_names, default=op_names,
+                   help="which ops to measure")
     args = p.parse_args(argv)
     if not common.HAS_CUDA:
         common.no_cuda_notice("benchmarks/kernels.py")
@@ -366,16 +546,19 @@ def main(argv: list[str] | None = None) -> int:
     copy_gbs = copy.value or math.nan
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s (bytes read + written)\n")
     run.env["copy_GB/s"] = copy_gbs
-    sizes = QUICK_SIZES if args.quick else FULL_SIZES
     if common.optional_module("liger_kernel") is None:
         run.note("Liger-Kernel is not installed: its rows are left out")
     for op in (op for op in OPS if op.name in args.ops):
-        for m, n in sizes:
+        for m, n in op.quick_sizes if args.quick else op.full_sizes:
             bench_size(run, op, m, n, copy_gbs)
+    if LINEAR_CE in args.ops:
+        for m, c in LINEAR_CE_QUICK_SIZES if args.quick else LINEAR_CE_FULL_SIZES:
+            bench_linear_cross_entropy(run, m, c)
     columns = ["op", "mode", "size", "impl", "ms", "GB/s", "% of copy", "vs reference",
-               "vs compiled", "rel err"]
-    headline = "16384x4096" if (16384, 4096) in sizes else f"{sizes[-1][0]}x{sizes[-1][1]}"
-    run.finish(columns, summary=summary_lines(run.rows, headline),
+               "vs compiled", "rel err", "peak MiB", "peak / logits"]
+    headline_sizes = {op.name: _size(*op.quick_sizes[0]) for op in OPS}
+    headline_sizes[LINEAR_CE] = _size(*LINEAR_CE_QUICK_SIZES[0], VOCAB)
+    run.finish(columns, summary=summary_lines(run.rows, headline_sizes),
                plot={"x": "size", "y": "GB/s", "series": "impl", "panel": ("op", "mode"),
                      "title": f"fastlm kernels, bf16, {run.env['gpu']}"})
     return 0

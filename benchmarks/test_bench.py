@@ -16,9 +16,8 @@ import torch
 
 pytestmark = pytest.mark.skipif(not common.HAS_CUDA, reason="benchmarks need a CUDA device")
 
-KERNEL_SIZE = (16384, 4096)
 KERNEL_IMPLS = ["fastlm", "reference", "torch.compile(reference)", "F.rms_norm",
-                "x + r, F.rms_norm", "F.silu(g) * u", "liger"]
+                "x + r, F.rms_norm", "F.silu(g) * u", "F.cross_entropy", "liger"]
 ATTENTION_SEQS = [4096, 16384]
 ATTENTION_IMPLS = ["fastlm", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flash-attn",
                    "torch.compile(reference)"]
@@ -48,13 +47,14 @@ def _run_synchronised(benchmark, fn, forward_only: bool, inputs) -> None:
 
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
 @pytest.mark.parametrize("impl", KERNEL_IMPLS)
-@pytest.mark.parametrize("op_name", ["rms_norm", "add_rms_norm", "rope", "swiglu"])
+@pytest.mark.parametrize("op_name", ["rms_norm", "add_rms_norm", "rope", "swiglu",
+                                     "cross_entropy"])
 def test_kernel(benchmark, op_name, impl, mode):
     import kernels
 
     common.raise_compile_limits()
     op = next(op for op in kernels.OPS if op.name == op_name)
-    m, n = KERNEL_SIZE
+    m, n = op.quick_sizes[0]  # kernels.py --quick's size
     impls = op.impls(m, n)
     if impl not in impls:
         pytest.skip(f"{impl} is not an implementation of {op_name} here")
