@@ -1,0 +1,241 @@
+"""Corpus, tokenizers and batches for the training command.
+
+- The default corpus is the Python standard library's own source: every Python installation ships
+  it, so `python -m fastlm.train` needs no download. A deterministic subset (top-level `.py` files
+  in name order, up to `DEFAULT_CORPUS_BYTES`) keeps the run short.
+- `ByteTokenizer` (vocabulary 256, UTF-8 bytes) is the default; `load_tokenizer(path)` reads a
+  Hugging Face `tokenizers` JSON file instead (the package is imported only then).
+- Under torchrun each rank reads its own contiguous shard of the text, tokenizes only that, and
+  keeps the shard's last `val_fraction` as its held-out part.
+- Batches are a pure function of (seed, rank, step, micro-step): a resumed run draws exactly the
+  batches the uninterrupted run would have drawn, with no sampler state to save.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_CORPUS_BYTES = 2_000_000
+
+
+class DataError(ValueError):
+    """Bad user input about the corpus or tokenizer (the command prints it and exits with 2)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizers
+# --------------------------------------------------------------------------------------------
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids: vocabulary 256, no download, every text encodes."""
+
+    name = "bytes"
+    vocab_size = 256
+
+    def encode(self, text: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    def stream_decoder(self) -> StreamDecoder:
+        return _ByteStreamDecoder()
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` JSON file."""
+
+    def __init__(self, path: str | os.PathLike):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise DataError("--tokenizer needs the `tokenizers` package: "
+                            "pip install tokenizers") from None
+        self.path = Path(path)
+        try:
+            self._tokenizer = Tokenizer.from_file(str(self.path))
+        except Exception as error:  # the library raises bare Exceptions for unreadable files
+            raise DataError(f"cannot read tokenizer {self.path}: {error}") from None
+        # The file's digest names the tokenizer, so a checkpoint records exactly which one it used.
+        self.name = "hf-" + hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
+        self.vocab_size = self._tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> torch.Tensor:
+        return torch.tensor(self._tokenizer.encode(text).ids, dtype=torch.int32)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids)
+
+    def stream_decoder(self) -> StreamDecoder:
+        return _PrefixStreamDecoder(self)
+
+
+Tokenizer = ByteTokenizer | HFTokenizer
+
+
+def load_tokenizer(path: str | os.PathLike | None) -> Tokenizer:
+    """The byte tokenizer for `None`, else the Hugging Face tokenizer JSON at `path`."""
+    if path is None:
+        return ByteTokenizer()
+    if not Path(path).is_file():
+        raise DataError(f"tokenizer file not found: {path}")
+    return HFTokenizer(path)
+
+
+class StreamDecoder:
+    """Turns token ids arriving one at a time into text, never splitting a character."""
+
+    def push(self, token_id: int) -> str:
+        raise NotImplementedError
+
+    def flush(self) -> str:
+        return ""
+
+
+class _ByteStreamDecoder(StreamDecoder):
+    # An incremental UTF-8 decoder holds back the first bytes of a multibyte character until
+    # the rest arrive, and replaces bytes that can never form one.
+    def __init__(self):
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        return self._decoder.decode(bytes([token_id]))
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)
+
+
+class _PrefixStreamDecoder(StreamDecoder):
+    # Subword decoders merge pieces (spaces, byte fallbacks), so decode everything and emit what
+    # is new; a trailing U+FFFD is an unfinished character and waits for the next token.
+    def __init__(self, tokenizer: HFTokenizer):
+        self._tokenizer, self._ids, self._emitted = tokenizer, [], 0
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        text = self._tokenizer.decode(self._ids)
+        if text.endswith("\ufffd"):
+            return ""
+        new, self._emitted = text[self._emitted:], len(text)
+        return new
+
+    def flush(self) -> str:
+        text = self._tokenizer.decode(self._ids)
+        new, self._emitted = text[self._emitted:], len(text)
+        return new
+
+
+# --------------------------------------------------------------------------------------------
+# Corpus
+# --------------------------------------------------------------------------------------------
+
+
+def default_corpus_files(limit_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:
+    """Top-level standard-library `.py` files in name order, up to `limit_bytes` in all."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files, total = [], 0
+    for path in sorted(stdlib.glob("*.py")):
+        if total >= limit_bytes:
+            break
+        files.append(path)
+        total += path.stat().st_size
+    if not files:
+        raise DataError(f"no Python sources found in {stdlib} for the default corpus; pass --data")
+    return files
+
+
+def corpus_files(path: str | os.PathLike | None) -> list[Path]:
+    """The files of `--data`: one file, or every non-hidden file below a folder in name order."""
+    if path is None:
+        return default_corpus_files()
+    root = Path(path)
+    if root.is_file():
+        return [root]
+    if not root.is_dir():
+        raise DataError(f"--data: no such file or folder: {root}")
+    def hidden(p: Path) -> bool:
+        return any(part.startswith(".") for part in p.relative_to(root).parts)
+
+    return sorted(p for p in root.rglob("*") if p.is_file() and not hidden(p))
+
+
+def read_text(files: list[Path]) -> str:
+    """The files' text joined by newlines, skipping binary files (those with a NUL byte)."""
+    parts = []
+    for path in files:
+        raw = path.read_bytes()
+        if b"\0" in raw:
+            continue
+        parts.append(raw.decode("utf-8", errors="replace"))
+    return "\n".join(parts)
+
+
+@dataclass
+class TokenSplit:
+    """One rank's training and held-out tokens (uint8 for bytes, int32 for subwords)."""
+
+    train: torch.Tensor
+    val: torch.Tensor
+
+
+def load_split(data: str | os.PathLike | None, tokenizer: Tokenizer, context_length: int,
+               val_fraction: float, rank: int = 0, world_size: int = 1) -> TokenSplit:
+    """Read the corpus, tokenize this rank's shard and split it into training and held-out tokens.
+
+    Both parts must hold more than `context_length` tokens (one window plus its next token).
+    """
+    if not 0 < val_fraction < 1:
+        raise DataError(f"--val-fraction must lie in (0, 1), got {val_fraction}")
+    text = read_text(corpus_files(data))
+    if not text.strip():
+        raise DataError(f"the corpus at {data} is empty" if data else "the default corpus is empty")
+    shard = len(text) // world_size
+    tokens = tokenizer.encode(text[rank * shard:(rank + 1) * shard])
+    n_val = int(len(tokens) * val_fraction)
+    split = TokenSplit(train=tokens[:len(tokens) - n_val], val=tokens[len(tokens) - n_val:])
+    shortest = min(len(split.train), len(split.val))
+    if shortest <= context_length:
+        per_rank = f" per rank ({world_size} ranks)" if world_size > 1 else ""
+        raise DataError(f"the corpus is too small: {len(tokens)} tokens{per_rank}, split "
+                        f"{len(split.train)}/{len(split.val)} for training/held-out, but each part "
+                        f"needs more than --context-length={context_length}")
+    return split
+
+
+# --------------------------------------------------------------------------------------------
+# Batches
+# --------------------------------------------------------------------------------------------
+
+
+def batch_at(tokens: torch.Tensor, context_length: int,
+             offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token targets [batch, context] starting at `offsets`."""
+    index = offsets[:, None] + torch.arange(context_length + 1)  # (B, T + 1)
+    window = tokens[index].long()
+    return window[:, :-1], window[:, 1:]
+
+
+def training_batch(tokens: torch.Tensor, batch_size: int, context_length: int, seed: int,
+                   rank: int, step: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows of the training tokens, determined by (seed, rank, step, micro_step)."""
+    # Hashes of int tuples do not depend on PYTHONHASHSEED, so every process draws the same.
+    generator = torch.Generator().manual_seed(hash((seed, rank, step, micro_step)) & (2**63 - 1))
+    offsets = torch.randint(0, len(tokens) - context_length, (batch_size,), generator=generator)
+    return batch_at(tokens, context_length, offsets)
+
+
+def eval_batches(tokens: torch.Tensor, batch_size: int, context_length: int,
+                 num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The same held-out windows every time, spread evenly over the held-out tokens."""
+    count = batch_size * num_batches
+    offsets = torch.linspace(0, len(tokens) - context_length - 1, count).long()
+    return [batch_at(tokens, context_length, chunk)
+            for chunk in offsets.split(batch_size)]

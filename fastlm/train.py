@@ -1,0 +1,653 @@
+"""`python -m fastlm.train`: train a decoder-only language model, on a CPU, a GPU or many.
+
+With no arguments it trains the `tiny` preset on the Python standard library's own sources
+(byte tokens) for about a minute on a CPU, checkpointing to `checkpoints/tiny`. The progress
+bar and notes go to stderr; stdout gets one JSON line (the run's summary) at the end.
+
+    python -m fastlm.train                                    # tiny preset, default corpus
+    python -m fastlm.train --data my_texts/ --preset gpt2-small --compile
+    torchrun --nproc_per_node=8 -m fastlm.train --preset gpt2-medium [--fsdp]
+
+Exit status: 0 done, 2 bad input (one line on stderr, no checkpoint touched), 130 interrupted
+(Ctrl-C: the last finished step was checkpointed first; `--resume` continues it exactly).
+
+Losses of a resumed run are those of the uninterrupted run: the weights, the optimizer state and
+the step are restored, and each step's batches depend only on (seed, rank, step), not on a
+sampler's state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from tqdm import tqdm
+
+import fastlm
+from fastlm import checkpoint, reference
+from fastlm.checkpoint import CheckpointError
+from fastlm.data import (DataError, TokenSplit, eval_batches, load_split, load_tokenizer,
+                         training_batch)
+
+MODEL_FIELDS = ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff",
+                "rope_theta")
+
+# max_context is the longest --context-length a preset accepts; each preset's training defaults
+# suit its size (tiny: loss 5.6 -> 1.4 nats per byte in about a minute on two CPU cores).
+PRESETS = {
+    "tiny": dict(d_model=128, num_layers=4, num_heads=4, d_ff=384, context_length=128,
+                 max_context=512, batch_size=16, steps=400, lr=3e-3, eval_every=100,
+                 save_every=200),
+    "gpt2-small": dict(d_model=768, num_layers=12, num_heads=12, d_ff=2048, context_length=1024,
+                       max_context=1024, batch_size=16, steps=5000, lr=6e-4, eval_every=250,
+                       save_every=1000),
+    "gpt2-medium": dict(d_model=1024, num_layers=24, num_heads=16, d_ff=2816,
+                        context_length=1024, max_context=1024, batch_size=8, steps=5000, lr=3e-4,
+                        eval_every=250, save_every=1000),
+}
+
+LOSS_CURVE = "loss.png"
+
+# Dense bf16 peak FLOP/s from the vendors' spec sheets (SXM parts), by device-name substring.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+
+class ConfigError(ValueError):
+    """Bad command-line input (printed as one line, exit status 2)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------
+
+
+def default_model_name() -> str:
+    return "fastlm" if hasattr(fastlm, "Transformer") else "reference"
+
+
+def build_model(name: str, config: dict, device: torch.device | str | None = None) -> nn.Module:
+    """`fastlm.Transformer` or `reference.Transformer` from a configuration (MODEL_FIELDS)."""
+    fields = {key: config[key] for key in MODEL_FIELDS}
+    if name == "reference":
+        return reference.Transformer(**fields, device=device)
+    if name != "fastlm":
+        raise ConfigError(f"--model must be fastlm or reference, got {name!r}")
+    if not hasattr(fastlm, "Transformer"):
+        raise ConfigError("--model fastlm needs fastlm.Transformer, which this version of fastlm "
+                          "does not have yet; use --model reference")
+    return fastlm.Transformer(**fields, device=device)
+
+
+class NextTokenLoss(nn.Module):
+    """The model and its loss in one forward, so DDP and FSDP see the whole computation.
+
+    A model with `loss(token_ids, targets)` (fastlm's fused linear cross-entropy) computes it
+    itself; otherwise the logits go through the reference cross-entropy in float32.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.cross_entropy = reference.CrossEntropyLoss()
+
+    def forward(self, token_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if hasattr(self.model, "loss"):
+            return self.model.loss(token_ids, targets)
+        return self.cross_entropy(self.model(token_ids).float(), targets)
+
+
+def flops_per_token(model: nn.Module, config: dict) -> float:
+    """Training FLOPs per token, PaLM's convention: 6 per weight used in a matmul (the embedding
+    lookup is not one) plus 12 * layers * d_model * context for attention scores and values
+    (the full square, although causal attention needs only half of it)."""
+    embedding = config["vocab_size"] * config["d_model"]
+    matmul_weights = sum(p.numel() for p in model.parameters()) - embedding
+    attention = 12 * config["num_layers"] * config["d_model"] * config["context_length"]
+    return 6 * matmul_weights + attention
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    presets = "\n".join(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in preset.items())
+                        for name, preset in PRESETS.items())
+    parser = argparse.ArgumentParser(
+        prog="python -m fastlm.train", description=__doc__.split("\n\n")[0],
+        epilog=f"presets:\n{presets}", formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", help="text file or folder (default: the Python standard "
+                        "library's sources, a few MB)")
+    parser.add_argument("--tokenizer", help="Hugging Face tokenizers JSON (default: UTF-8 bytes)")
+    parser.add_argument("--model", choices=("fastlm", "reference"), default=default_model_name(),
+                        help="default: %(default)s; both write the same checkpoints")
+    parser.add_argument("--preset", choices=list(PRESETS), default="tiny",
+                        help="model size and training defaults (listed below); default: tiny")
+    parser.add_argument("--out", help="checkpoint folder (default: checkpoints/PRESET)")
+    parser.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start afresh even though --out holds a checkpoint")
+
+    model = parser.add_argument_group("model (default: the preset's)")
+    model.add_argument("--vocab-size", type=int, help="at least the tokenizer's vocabulary")
+    model.add_argument("--context-length", type=int)
+    model.add_argument("--d-model", type=int)
+    model.add_argument("--num-layers", type=int)
+    model.add_argument("--num-heads", type=int)
+    model.add_argument("--d-ff", type=int)
+    model.add_argument("--rope-theta", type=float, default=10000.0, help="default: %(default)s")
+
+    optim = parser.add_argument_group("optimisation (default: the preset's)")
+    optim.add_argument("--steps", type=int, help="optimizer steps in all (a resumed run included)")
+    optim.add_argument("--batch-size", type=int, help="sequences per micro-batch and rank")
+    optim.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (1)")
+    optim.add_argument("--lr", type=float, help="peak learning rate")
+    optim.add_argument("--min-lr", type=float, help="final learning rate (default: lr / 10)")
+    optim.add_argument("--warmup", type=int, help="warm-up steps (default: steps / 20)")
+    optim.add_argument("--weight-decay", type=float, default=0.1, help="default: %(default)s")
+    optim.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.95),
+                       help="AdamW's (0.9 0.95)")
+    optim.add_argument("--grad-clip", type=float, default=1.0,
+                       help="max global gradient norm (1.0)")
+    optim.add_argument("--seed", type=int, default=0, help="initial weights and batches (0)")
+
+    run = parser.add_argument_group("run")
+    run.add_argument("--val-fraction", type=float, default=0.05,
+                     help="held-out share of the corpus (0.05)")
+    run.add_argument("--eval-every", type=int, help="steps between held-out evaluations")
+    run.add_argument("--eval-batches", type=int, default=4,
+                     help="held-out batches per evaluation (4)")
+    run.add_argument("--save-every", type=int,
+                     help="steps between checkpoints (0: only at the end)")
+    run.add_argument("--device", help="default: cuda (this rank's GPU) when there is one, else cpu")
+    run.add_argument("--compile", action="store_true", help="torch.compile the model and loss")
+    run.add_argument("--fsdp", action="store_true", help="under torchrun, FSDP2 instead of DDP")
+    run.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, for the MFU "
+                     f"(default: known for {', '.join(PEAK_BF16_FLOPS)})")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+
+    preset = PRESETS[args.preset]
+    for key, value in preset.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    args.out = args.out or os.path.join("checkpoints", args.preset)
+    args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
+    args.warmup = args.steps // 20 if args.warmup is None else args.warmup
+    return args
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """ConfigError for values the model or the loop cannot use."""
+    positive = ("context_length", "d_model", "num_layers", "num_heads", "d_ff", "steps",
+                "batch_size", "grad_accum", "eval_every", "eval_batches")
+    for key in positive:
+        if getattr(args, key) < 1:
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(f"{flag} must be at least 1, got {getattr(args, key)}")
+    if args.context_length > args.max_context:
+        raise ConfigError(f"--context-length {args.context_length} is longer than preset "
+                          f"{args.preset} allows ({args.max_context})")
+    if args.d_model % args.num_heads or (args.d_model // args.num_heads) % 2:
+        raise ConfigError(f"--d-model {args.d_model} must split into --num-heads {args.num_heads} "
+                          "heads of even size (RoPE rotates pairs)")
+    if args.lr <= 0 or args.min_lr < 0:
+        raise ConfigError(f"--lr must be positive and --min-lr non-negative, "
+                          f"got {args.lr} and {args.min_lr}")
+    if not 0 <= args.warmup < args.steps:
+        raise ConfigError(f"--warmup must lie in [0, --steps={args.steps}), got {args.warmup}")
+    if args.save_every < 0:
+        raise ConfigError(f"--save-every must be non-negative, got {args.save_every}")
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume and --overwrite exclude each other")
+
+
+def model_config(args: argparse.Namespace, tokenizer) -> dict:
+    """The configuration a checkpoint must match: the model's fields and the tokenizer."""
+    vocab_size = tokenizer.vocab_size if args.vocab_size is None else args.vocab_size
+    if vocab_size < tokenizer.vocab_size:
+        raise ConfigError(f"--vocab-size {vocab_size} is smaller than the tokenizer's "
+                          f"vocabulary ({tokenizer.vocab_size})")
+    config = {key: getattr(args, key) for key in MODEL_FIELDS if key != "vocab_size"}
+    return {**config, "vocab_size": vocab_size, "tokenizer": tokenizer.name}
+
+
+# Settings that shape the loss curve: a resumed run that changes one continues another curve.
+CURVE_SETTINGS = ("data", "tokenizer", "batch_size", "grad_accum", "lr", "min_lr", "warmup",
+                  "steps", "weight_decay", "betas", "grad_clip", "seed", "val_fraction")
+
+
+def curve_settings(args: argparse.Namespace, world_size: int) -> dict:
+    settings = {key: getattr(args, key) for key in CURVE_SETTINGS}
+    settings["betas"] = list(settings["betas"])
+    return {**settings, "world_size": world_size}
+
+
+# --------------------------------------------------------------------------------------------
+# Distributed set-up
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """Where this process trains: its rank among `world_size` and its device."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def mean(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` averaged over the ranks (gloo has no AVG, so SUM and divide)."""
+        if self.world_size > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.SUM)
+            values = values / self.world_size
+        return values
+
+
+def start_run(args: argparse.Namespace) -> Run:
+    """Join torchrun's process group when there is one (nccl on CUDA, gloo on CPU)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        if device.index is None:  # each rank on its own GPU
+            device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if device.type == "cpu":
+        # The embedding's backward otherwise adds rows in thread order: with this, reruns and
+        # resumed runs are bitwise equal, at no measurable cost. main() restores the setting.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    if world_size == 1:
+        if args.fsdp:
+            raise ConfigError("--fsdp shards over several processes: start with torchrun")
+        return Run(0, 1, device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Run(dist.get_rank(), world_size, device)
+
+
+def distribute(loss_module: NextTokenLoss, run: Run, fsdp: bool) -> nn.Module:
+    """DDP, or FSDP2 with one unit per transformer block, when there are several ranks."""
+    if run.world_size == 1:
+        return loss_module
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in loss_module.model.blocks:
+            fully_shard(block)
+        return fully_shard(loss_module)
+    device_ids = [run.device.index] if run.device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(loss_module, device_ids=device_ids)
+
+
+def gradient_sync(module: nn.Module, enabled: bool):
+    """A context that skips the gradient all-reduce on all but the last micro-batch."""
+    if enabled or isinstance(module, NextTokenLoss):
+        return contextlib.nullcontext()
+    if isinstance(module, nn.parallel.DistributedDataParallel):
+        return module.no_sync()
+    module.set_requires_gradient_sync(False)  # FSDP2: re-enabled before the last micro-batch
+    return contextlib.nullcontext()
+
+
+def make_optimizer(parameters, args: argparse.Namespace,
+                   device: torch.device) -> torch.optim.Optimizer:
+    """PyTorch's fused AdamW on CUDA (foreach under FSDP), the reference AdamW elsewhere."""
+    hyper = dict(lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay)
+    if device.type == "cuda":
+        return torch.optim.AdamW(parameters, **hyper, **({} if args.fsdp else {"fused": True}))
+    return reference.AdamW(parameters, **hyper)
+
+
+def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's class, which fixes the layout of its state."""
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+
+
+def clip_gradients(module: nn.Module, max_norm: float, fsdp: bool) -> None:
+    if fsdp:  # sharded gradients: PyTorch's clip reduces the norm over the ranks
+        torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
+    else:
+        reference.gradient_clip(module.parameters(), max_norm)
+
+
+def state_dict_options(**kwargs):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kwargs)
+
+
+def full_state(loss_module: NextTokenLoss, optimizer: torch.optim.Optimizer):
+    """Unsharded weights and optimizer state (a collective under FSDP: every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    options = state_dict_options(cpu_offload=True)
+    weights = get_model_state_dict(loss_module.model, options=options)
+    return weights, get_optimizer_state_dict(loss_module, optimizer, options=options)
+
+
+def load_optimizer(loss_module: NextTokenLoss, optimizer: torch.optim.Optimizer,
+                   state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(loss_module, optimizer, state, options=state_dict_options())
+
+
+# --------------------------------------------------------------------------------------------
+# Reporting
+# --------------------------------------------------------------------------------------------
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: the most memory PyTorch allocated; CPU: the process's peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def peak_flops(args: argparse.Namespace, device: torch.device) -> float | None:
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def plot_losses(path: Path, train_losses: list[float], val_losses: list[list[float]]) -> str | None:
+    """Write the loss-curve PNG; a note instead when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed, so no loss-curve PNG (pip install matplotlib)"
+    figure, axes = plt.subplots(figsize=(7, 4))
+    axes.plot(range(1, len(train_losses) + 1), train_losses, label="training", linewidth=0.8)
+    if val_losses:
+        steps, losses = zip(*val_losses)
+        axes.plot(steps, losses, "o-", label="held-out")
+    axes.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="fastlm.train")
+    axes.legend()
+    axes.grid(alpha=0.3)
+    checkpoint.atomic_write(path, lambda temporary: figure.savefig(temporary, format="png"))
+    plt.close(figure)
+    return None
+
+
+class Throughput:
+    """Tokens per second over this run's steps after the first, which pays for compilation and
+    warm-up (over the first alone while there is no other)."""
+
+    def __init__(self, tokens_per_step: int):
+        self.tokens_per_step = tokens_per_step
+        self.step_seconds: list[float] = []
+
+    def add(self, seconds: float) -> None:
+        self.step_seconds.append(seconds)
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.step_seconds)
+
+    @property
+    def tokens_per_second(self) -> float:
+        timed = self.step_seconds[1:] or self.step_seconds
+        return len(timed) * self.tokens_per_step / sum(timed) if timed else 0.0
+
+
+class StopRequest:
+    """Ctrl-C asks the loop to stop after the current step (which is then checkpointed); a
+    second Ctrl-C interrupts at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):  # runs between bytecodes of the main thread
+        self.requested = True
+        signal.signal(signal.SIGINT, self._previous)
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self._previous)
+
+
+# --------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------
+
+
+class Trainer:
+    """This rank's share of a run: the model (wrapped for DDP or FSDP), optimizer, data and the
+    loss history, which a checkpoint restores whole."""
+
+    def __init__(self, args: argparse.Namespace, run: Run, config: dict, split: TokenSplit,
+                 saved: dict | None):
+        self.args, self.run, self.config, self.split = args, run, config, split
+        torch.manual_seed(args.seed)  # the same initial weights on every rank
+        self.model = build_model(args.model, config, run.device)
+        if saved is not None:
+            self.model.load_state_dict(checkpoint.load_weights(args.out))
+        self.loss_module = NextTokenLoss(self.model)
+        self.wrapped = distribute(self.loss_module, run, args.fsdp)
+        self.optimizer = make_optimizer(self.wrapped.parameters(), args, run.device)
+        if saved is not None:
+            if saved["optimizer_kind"] != optimizer_kind(self.optimizer):
+                raise CheckpointError(f"{args.out} holds {saved['optimizer_kind']} state, but "
+                                      f"this run uses {optimizer_kind(self.optimizer)} "
+                                      "(another device?)")
+            load_optimizer(self.loss_module, self.optimizer, saved["optimizer"])
+        self.loss_fn = torch.compile(self.wrapped) if args.compile else self.wrapped
+        self.step = saved["step"] if saved else 0
+        self.train_losses: list[float] = list(saved["train_losses"]) if saved else []
+        self.val_losses: list[list[float]] = list(saved["val_losses"]) if saved else []
+        self.validation = eval_batches(split.val, args.batch_size, args.context_length,
+                                       args.eval_batches)
+
+    def autocast(self):
+        if self.run.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def loss(self, token_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with self.autocast():
+            return self.loss_fn(token_ids.to(self.run.device), targets.to(self.run.device))
+
+    def train_step(self, stop: StopRequest) -> tuple[float, bool]:
+        """One optimizer step; its loss averaged over micro-batches and ranks, and whether any
+        rank asked to stop (one collective for both keeps the ranks stopping together)."""
+        args = self.args
+        lr = reference.cos_lr_scheduler(self.step + 1, args.lr, args.min_lr, args.warmup,
+                                        args.steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.run.device)
+        for micro in range(args.grad_accum):
+            last = micro == args.grad_accum - 1
+            if last and args.fsdp:
+                self.wrapped.set_requires_gradient_sync(True)
+            token_ids, targets = training_batch(self.split.train, args.batch_size,
+                                                args.context_length, args.seed, self.run.rank,
+                                                self.step, micro)
+            with gradient_sync(self.wrapped, last):
+                loss = self.loss(token_ids, targets)
+                (loss / args.grad_accum).backward()
+            total += loss.detach().float()
+        clip_gradients(self.wrapped, args.grad_clip, args.fsdp)
+        self.optimizer.step()
+        self.step += 1
+        flags = torch.tensor(float(stop.requested), device=self.run.device)
+        loss, stopping = self.run.mean(torch.stack([total / args.grad_accum, flags])).tolist()
+        self.train_losses.append(loss)
+        return loss, stopping > 0
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss on the fixed held-out batches (all ranks), recorded in the history."""
+        self.loss_fn.eval()
+        total = sum(self.loss(token_ids, targets).float() for token_ids, targets in self.validation)
+        self.loss_fn.train()
+        loss = self.run.mean(total / len(self.validation)).item()
+        self.val_losses.append([self.step, loss])
+        return loss
+
+    def save(self) -> str | None:
+        """Checkpoint and loss curve (rank 0 writes; under FSDP every rank gathers); a note
+        when the curve cannot be drawn."""
+        weights, optimizer_state = full_state(self.loss_module, self.optimizer)
+        if not self.run.is_main:
+            return None
+        state = {"optimizer": optimizer_state,
+                 "optimizer_kind": optimizer_kind(self.optimizer),
+                 "train_losses": self.train_losses,
+                 "val_losses": self.val_losses,
+                 "settings": curve_settings(self.args, self.run.world_size)}
+        out = Path(self.args.out)
+        checkpoint.save(out, weights, self.config, self.step, state, self.args.tokenizer)
+        return plot_losses(out / LOSS_CURVE, self.train_losses, self.val_losses)
+
+
+def prepare(args: argparse.Namespace, run: Run, say) -> Trainer:
+    """Check the checkpoint folder against the configuration before reading any data, then
+    build the trainer (restored from the checkpoint with --resume)."""
+    tokenizer = load_tokenizer(args.tokenizer)
+    config = model_config(args, tokenizer)
+    out = Path(args.out)
+    if checkpoint.exists(out) and not (args.resume or args.overwrite):
+        raise CheckpointError(f"{out} already holds a checkpoint: pass --resume to continue it, "
+                              "--overwrite to replace it, or another --out")
+    saved = None
+    if args.resume:
+        checkpoint.check_config(checkpoint.load_config(out), config, out)
+        saved = checkpoint.load_state(out)
+        changed = [key for key, value in curve_settings(args, run.world_size).items()
+                   if saved["settings"].get(key) != value]
+        if changed:
+            say(f"note: resuming with other {', '.join(changed)} than the checkpoint's run: "
+                "the loss curve will differ from an uninterrupted one")
+    split = load_split(args.data, tokenizer, args.context_length, args.val_fraction,
+                       run.rank, run.world_size)
+    return Trainer(args, run, config, split, saved)
+
+
+def train(args: argparse.Namespace) -> int:
+    check_args(args)
+    run = start_run(args)
+
+    def say(message: str) -> None:
+        if run.is_main:
+            tqdm.write(message, file=sys.stderr)
+
+    trainer = prepare(args, run, say)
+    parameters = sum(p.numel() for p in trainer.model.parameters())
+    tokens_per_step = args.batch_size * args.context_length * args.grad_accum * run.world_size
+    work_per_token = flops_per_token(trainer.model, trainer.config)
+    peak = peak_flops(args, run.device)
+    say(f"fastlm.train: {args.model} model, {parameters / 1e6:.2f}M parameters, preset "
+        f"{args.preset}, {len(trainer.split.train) * run.world_size / 1e6:.2f}M training tokens, "
+        f"{run.world_size} x {run.device.type}" + (", FSDP" if args.fsdp else ""))
+    if peak:
+        say(f"MFU counts {work_per_token / 1e6:.1f} MFLOP/token (PaLM convention) against "
+            f"{peak / 1e12:.0f} TFLOP/s dense bf16 per GPU")
+
+    def mfu(tokens_per_second: float) -> float | None:
+        return work_per_token * tokens_per_second / (peak * run.world_size) if peak else None
+
+    throughput = Throughput(tokens_per_step)
+    interrupted, plot_note = False, None
+    progress = tqdm(total=args.steps, initial=trainer.step, desc="training", file=sys.stderr,
+                    disable=args.no_progress or not run.is_main, dynamic_ncols=True,
+                    mininterval=0.5)
+    with StopRequest() as stop:
+        while trainer.step < args.steps:
+            started = time.perf_counter()
+            loss, interrupted = trainer.train_step(stop)
+            throughput.add(time.perf_counter() - started)
+            step = trainer.step
+            postfix = {"loss": f"{loss:.3f}", "tok/s": f"{throughput.tokens_per_second:,.0f}"}
+            if peak:
+                postfix["mfu"] = f"{mfu(throughput.tokens_per_second):.1%}"
+            progress.set_postfix(postfix, refresh=False)
+            progress.update()
+            if step % args.eval_every == 0 or step == args.steps:
+                say(f"step {step}: held-out loss {trainer.evaluate():.4f}")
+            periodic_save = args.save_every and step % args.save_every == 0
+            if interrupted or step == args.steps or periodic_save:
+                plot_note = trainer.save()
+            if interrupted:
+                say(f"interrupted: checkpoint of step {step} saved in {args.out}; "
+                    "--resume continues it")
+                break
+    progress.close()
+    if plot_note:
+        say(f"note: {plot_note}")
+    if not trainer.val_losses:  # interrupted before the first evaluation, or nothing to train
+        trainer.evaluate()
+
+    if run.is_main:
+        curve = Path(args.out) / LOSS_CURVE
+        summary = {
+            "initial_loss": trainer.train_losses[0] if trainer.train_losses else None,
+            "final_loss": trainer.train_losses[-1] if trainer.train_losses else None,
+            "val_loss": trainer.val_losses[-1][1],
+            "tokens_per_second": round(throughput.tokens_per_second, 1),
+            "peak_memory_bytes": peak_memory_bytes(run.device),
+            "checkpoint": str(args.out),
+            "loss_curve": str(curve) if curve.is_file() else None,
+            "mfu": mfu(throughput.tokens_per_second),
+            "steps": trainer.step,
+            "train_seconds": round(throughput.total_seconds, 2),
+            "parameters": parameters,
+            "model": args.model,
+            "preset": args.preset,
+            "device": run.device.type,
+            "world_size": run.world_size,
+            "interrupted": interrupted,
+        }
+        print(json.dumps(summary), flush=True)
+    return 130 if interrupted else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse `argv`, train, and return the exit status; bad input is one line on stderr."""
+    args = parse_args(argv)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    deterministic_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        return train(args)
+    except (ConfigError, DataError, CheckpointError) as error:
+        print(f"fastlm.train: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before training started: nothing saved
+        print("fastlm.train: interrupted before a checkpoint could be saved", file=sys.stderr)
+        return 130
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=deterministic_warn_only)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
