@@ -627,6 +627,10 @@ def train(args: argparse.Namespace) -> int:
             "interrupted": interrupted,
         }
         print(json.dumps(summary), flush=True)
+    if run.world_size > 1:
+        # Leave together: a rank that tears down its gloo connections while rank 0 is still
+        # writing the checkpoint can abort ("terminate called without an active exception").
+        dist.barrier()
     return 130 if interrupted else 0
 
 
