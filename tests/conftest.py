@@ -26,6 +26,15 @@ def device() -> str:
     return DEVICE
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread: on a shared two-core machine two threads can be ten times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def fresh_seed(request):
     """A new random seed for each test, reported when the test fails.

@@ -24,6 +24,14 @@ def _tokens(device, batch=2, seq=13):
     return torch.randint(0, CONFIG["vocab_size"], (batch, seq), device=device)
 
 
+def _assert_grads_match(model, ref, dtype, what="grad"):
+    """Every parameter's gradient against the reference's, named in the failure."""
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.dtype == p.dtype, name
+        assert_close(p.grad, ref_params[name].grad, dtype, f"{what} of {name}")
+
+
 def test_state_dict_interchange_both_ways(device):
     ref = R.Transformer(**CONFIG, device=device)
     model = fastlm.Transformer(**CONFIG, device=device)
@@ -71,9 +79,7 @@ def test_loss_and_every_gradient_match_reference(device):
     assert_close(loss, expected, torch.float32, "loss")
     loss.backward()
     expected.backward()
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        assert_close(p.grad, ref_params[name].grad, torch.float32, f"grad of {name}")
+    _assert_grads_match(model, ref, torch.float32)
 
 
 def test_loss_ignore_index(device):
@@ -170,10 +176,7 @@ def test_autocast_bf16_matches_reference(device):
     assert_close(loss, expected, torch.bfloat16, "autocast loss")
     loss.backward()
     expected.backward()
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        assert p.grad.dtype == p.dtype
-        assert_close(p.grad, ref_params[name].grad, torch.bfloat16, f"autocast grad of {name}")
+    _assert_grads_match(model, ref, torch.bfloat16, "autocast grad")
 
 
 def test_compiles_without_graph_breaks(device, monkeypatch):
@@ -190,6 +193,4 @@ def test_compiles_without_graph_breaks(device, monkeypatch):
     assert_close(loss, expected, torch.float32, "compiled loss")
     loss.backward()
     expected.backward()
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        assert_close(p.grad, ref_params[name].grad, torch.float32, f"compiled grad of {name}")
+    _assert_grads_match(model, ref, torch.float32, "compiled grad")
