@@ -20,7 +20,7 @@ import torch
 from fastlm import checkpoint, sampling
 from fastlm.checkpoint import CheckpointError
 from fastlm.data import DataError, load_tokenizer
-from fastlm.train import MODEL_FIELDS, ConfigError, build_model, default_model_name
+from fastlm.train import MODEL_FIELDS, ConfigError, build_model
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top-p", type=float, help="sample among the likeliest tokens whose "
                         "probabilities add up to p")
     parser.add_argument("--seed", type=int, default=0, help="default: %(default)s")
-    parser.add_argument("--model", choices=("fastlm", "reference"), default=default_model_name(),
+    parser.add_argument("--model", choices=("fastlm", "reference"), default="fastlm",
                         help="default: %(default)s; both load the same checkpoints")
     parser.add_argument("--device", default="cpu", help="default: %(default)s")
     return parser.parse_args(argv)

@@ -72,10 +72,6 @@ class ConfigError(ValueError):
 # --------------------------------------------------------------------------------------------
 
 
-def default_model_name() -> str:
-    return "fastlm" if hasattr(fastlm, "Transformer") else "reference"
-
-
 def build_model(name: str, config: dict, device: torch.device | str | None = None) -> nn.Module:
     """`fastlm.Transformer` or `reference.Transformer` from a configuration (MODEL_FIELDS)."""
     fields = {key: config[key] for key in MODEL_FIELDS}
@@ -83,9 +79,6 @@ def build_model(name: str, config: dict, device: torch.device | str | None = Non
         return reference.Transformer(**fields, device=device)
     if name != "fastlm":
         raise ConfigError(f"--model must be fastlm or reference, got {name!r}")
-    if not hasattr(fastlm, "Transformer"):
-        raise ConfigError("--model fastlm needs fastlm.Transformer, which this version of fastlm "
-                          "does not have yet; use --model reference")
     return fastlm.Transformer(**fields, device=device)
 
 
@@ -131,7 +124,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--data", help="text file or folder (default: the Python standard "
                         "library's sources, a few MB)")
     parser.add_argument("--tokenizer", help="Hugging Face tokenizers JSON (default: UTF-8 bytes)")
-    parser.add_argument("--model", choices=("fastlm", "reference"), default=default_model_name(),
+    parser.add_argument("--model", choices=("fastlm", "reference"), default="fastlm",
                         help="default: %(default)s; both write the same checkpoints")
     parser.add_argument("--preset", choices=list(PRESETS), default="tiny",
                         help="model size and training defaults (listed below); default: tiny")

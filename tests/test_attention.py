@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves
 
 from fastlm.kernels.attention import _attention_backward, _attention_forward, flash_attention
 from fastlm.reference import ScaledDotProductAttention
-from fastlm.testing import TOLERANCE, assert_close, relative_error
+from fastlm.testing import TOLERANCE, assert_close
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -105,8 +105,6 @@ def test_cli_streams_and_errors_without_traceback(trained):
 
 
 def test_fastlm_model_generates_like_the_reference(trained, capsys):
-    if not hasattr(fastlm, "Transformer"):
-        pytest.skip("fastlm.Transformer is not there yet")
     args = ["--checkpoint", trained, "--prompt", "abca", "--max-new-tokens", "6",
             "--temperature", "0"]
     status, with_fastlm, err = generate(capsys, *args, "--model", "fastlm")

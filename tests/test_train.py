@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import fastlm
 import fastlm.train as train_cli
 from fastlm import checkpoint
 
@@ -103,22 +102,12 @@ def test_resume_after_ctrl_c_matches_uninterrupted_run(corpus, tmp_path, capsys,
 
 
 def test_fastlm_model_trains(corpus, tmp_path, capsys):
-    if not hasattr(fastlm, "Transformer"):
-        pytest.skip("fastlm.Transformer is not there yet")
     argv = ["--data", corpus, *TOY, "--model", "fastlm", "--d-model", "16", "--num-layers", "1",
             "--context-length", "8", "--batch-size", "2", "--steps", "2", "--eval-batches", "1",
             "--out", tmp_path / "fastlm"]
     status, summary, err = run_main(argv, capsys)
     assert status == 0, err
     assert summary["model"] == "fastlm" and summary["final_loss"] < 6
-
-
-def test_fastlm_model_missing_is_one_line(corpus, tmp_path, capsys):
-    if hasattr(fastlm, "Transformer"):
-        pytest.skip("fastlm.Transformer exists")
-    status, _, err = run_main(["--data", corpus, *TOY, "--model", "fastlm", "--steps", "1",
-                               "--out", tmp_path / "x"], capsys)
-    assert status == 2 and "fastlm.Transformer" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.fixture
