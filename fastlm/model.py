@@ -8,8 +8,7 @@ load both ways with `strict=True`. What changes is how the math runs:
   (no transposing copies, no [T x T] matrix);
 - the residual stream travels as (residual, delta) between sub-layers, so each residual add is fused
   with the RMSNorm that follows it;
-- the feed-forward (`fastlm.SwiGlu`) multiplies by W1|W3 in one GEMM and applies the packed SwiGLU
-  kernel;
+- the feed-forward (`fastlm.SwiGlu`) applies silu(gate) * up, and its backward, in one kernel each;
 - `loss()` runs the final norm's output through fused linear cross-entropy: the [tokens x vocab]
   logits never exist at once;
 - generation uses a KV cache (`make_kv_cache`) read by flash attention with fewer queries than keys.

@@ -3,7 +3,9 @@
 - `TOLERANCE[dtype]`: the largest relative error ||out - ref|| / ||ref|| accepted for a kernel
   computing in that dtype (fp32 bounded by the interpreter and by tf32 dots on a GPU).
 - `assert_close(out, ref, dtype, name)`: relative error against a float64 reference.
-- `poison_like` / `poison_`: outputs filled with NaN before a launch, so unwritten elements show.
+
+Kernel outputs are poisoned (NaN-filled) by `fastlm.kernels._common.empty` when the test suite sets
+`POISON_OUTPUTS`, so an element a kernel never wrote fails these comparisons.
 """
 
 from __future__ import annotations
@@ -39,13 +41,3 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, name:
     err = relative_error(out, ref)
     bound = scale * TOLERANCE[dtype]
     assert err <= bound, f"{name}: relative error {err:.3e} > {bound:.1e} ({dtype})"
-
-
-def poison_(t: torch.Tensor) -> torch.Tensor:
-    """Fill a floating tensor with NaN in place and return it."""
-    return t.fill_(float("nan"))
-
-
-def poison_like(t: torch.Tensor, **kwargs) -> torch.Tensor:
-    """A NaN-filled tensor like `t`."""
-    return torch.full_like(t, float("nan"), **kwargs)

@@ -233,6 +233,9 @@ def test_torch_compile(device):
     compiled = torch.compile(lambda x, r, w: add_rms_norm(x, r, w)[0] + rms_norm(x, w))
     out = compiled(x, residual, weight)
     out.backward(torch.ones_like(out))
-    x64, r64, w64 = x.double(), residual.double(), weight.double()
-    assert_close(out, rms_norm64(x64 + r64, w64) + rms_norm64(x64, w64), torch.bfloat16, "compiled")
-    assert x.grad is not None and weight.grad is not None
+    x64, r64, w64 = (t.detach().double().requires_grad_() for t in (x, residual, weight))
+    expected = rms_norm64(x64 + r64, w64) + rms_norm64(x64, w64)
+    expected.backward(torch.ones_like(expected))
+    assert_close(out, expected, torch.bfloat16, "compiled")
+    assert_close(x.grad, x64.grad, torch.bfloat16, "compiled dx")
+    assert_close(weight.grad, w64.grad, torch.bfloat16, "compiled dweight")

@@ -301,5 +301,5 @@ def test_cuda_positions_checked_on_device():
     ok = subprocess.run([sys.executable, "-c", script.format(offset=4)], capture_output=True)
     assert ok.returncode == 0, ok.stderr.decode()
     bad = subprocess.run([sys.executable, "-c", script.format(offset=5)], capture_output=True)
-    assert bad.returncode != 0
+    assert bad.returncode != 0 and b"assert" in bad.stderr.lower(), bad.stderr.decode()
 

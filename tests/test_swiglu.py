@@ -140,8 +140,12 @@ def test_bad_arguments_raise(device):
         swiglu(gate.double(), gate.double())
     with pytest.raises(TypeError, match="up must be a torch.Tensor"):
         swiglu(gate, 1.0)
-    with pytest.raises(ValueError, match="gate_up must have an even last dim"):
+    with pytest.raises(ValueError, match="gate_up must have an even, non-empty last dim"):
         swiglu_packed(torch.randn(4, 7, device=device))
+    with pytest.raises(ValueError, match="gate_up must have an even, non-empty last dim"):
+        swiglu_packed(torch.randn(4, 0, device=device))
+    with pytest.raises(ValueError, match="gate must have a non-empty last dim"):
+        swiglu(torch.randn(4, 0, device=device), torch.randn(4, 0, device=device))
 
 
 @settings(max_examples=10, deadline=None)

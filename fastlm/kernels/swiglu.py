@@ -169,8 +169,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     check_match("up", up, "gate", gate)
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape")
-    if gate.dim() == 0:
-        raise ValueError("gate must have at least one dim")
+    if gate.dim() == 0 or gate.shape[-1] == 0:
+        raise ValueError(f"gate must have a non-empty last dim, got {tuple(gate.shape)}")
     return _SwiGluFunction.apply(gate, up)
 
 
@@ -181,8 +181,8 @@ def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
     (..., 2 * d_ff) tensor.
     """
     check_float("gate_up", gate_up)
-    if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
-        raise ValueError(f"gate_up must have an even last dim (gate | up), got "
+    if gate_up.dim() == 0 or gate_up.shape[-1] == 0 or gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up must have an even, non-empty last dim (gate | up), got "
                          f"{tuple(gate_up.shape)}")
     return _SwiGluPackedFunction.apply(gate_up)
 
@@ -196,8 +196,9 @@ class SwiGlu(nn.Module):
     """w2(silu(w1 x) * w3 x): `fastlm.reference.SwiGlu`'s parameters and state_dict keys
     (w1.w, w2.w, w3.w), with the activation and its backward in one kernel each.
 
-    w1 and w3 run as one GEMM against their concatenation (a copy of the weights, small next to the
-    activations), whose [..., 2 d_ff] output the packed kernel reads as gate and up halves.
+    w1 and w3 stay two GEMMs: one GEMM against their concatenation would copy the weights every
+    step and keep that copy alive for the backward (2 d_ff d_model elements per layer). A model
+    that stores a fused W1|W3 weight can call `swiglu_packed` on its output instead.
     """
 
     def __init__(self, d_model: int, d_ff: int, device=None, dtype=None):
@@ -209,5 +210,4 @@ class SwiGlu(nn.Module):
         self.w3 = Linear(d_model, d_ff, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, torch.cat([self.w1.w, self.w3.w]))  # (..., 2 d_ff)
-        return F.linear(swiglu_packed(gate_up), self.w2.w)
+        return F.linear(swiglu(F.linear(x, self.w1.w), F.linear(x, self.w3.w)), self.w2.w)
