@@ -163,6 +163,10 @@ class Transformer(nn.Module):
                kv_cache: KVCache | None = None) -> torch.Tensor:
         """The final norm's output [B, T, C]: what out_linear turns into logits."""
         _check_tokens(token_ids, self.vocab_size, self.context_length, kv_cache)
+        if token_positions is None:  # built once here rather than in every layer
+            start = kv_cache.length if kv_cache is not None else 0
+            token_positions = torch.arange(start, start + token_ids.shape[-1],
+                                           device=token_ids.device)
         residual, delta = self.embedding(token_ids), None  # (B, T, C)
         for layer, block in enumerate(self.blocks):
             residual, delta = block.residual_forward(residual, delta, token_positions, kv_cache,
@@ -195,14 +199,15 @@ class Transformer(nn.Module):
 
 def _check_tokens(token_ids: torch.Tensor, vocab_size: int, context_length: int,
                   kv_cache: KVCache | None) -> None:
-    """The reference's token checks. Under torch.compile the value range is not checked (it would
-    need a host sync in the compiled step); shapes always are."""
+    """The reference's checks, ValueError naming token_ids, without a host sync on the hot path:
+    token values are read back only from CPU tensors. On a GPU, and under torch.compile, an id
+    outside the vocabulary trips a device-side assert instead (a RuntimeError at the next
+    synchronisation; F.embedding would otherwise read out of bounds)."""
     if kv_cache is not None and kv_cache.length + token_ids.shape[-1] > context_length:
         raise ValueError(f"token_ids: {kv_cache.length} cached + {token_ids.shape[-1]} new tokens "
                          f"exceed context_length={context_length}")
-    if torch.compiler.is_compiling():
-        if token_ids.shape[-1] > context_length:
-            raise ValueError(f"token_ids has {token_ids.shape[-1]} tokens, more than "
-                             f"context_length={context_length}")
-        return
-    reference.check_token_input(token_ids, vocab_size, context_length)
+    on_host = token_ids.device.type == "cpu" and not torch.compiler.is_compiling()
+    reference.check_token_input(token_ids, vocab_size, context_length, check_values=on_host)
+    if not on_host:
+        in_vocab = ((token_ids >= 0) & (token_ids < vocab_size)).all()
+        torch._assert_async(in_vocab, f"token_ids must lie in [0, {vocab_size})")

@@ -218,15 +218,19 @@ class TransformerBlock(nn.Module):
         return x + self.ffe(self.rms_norm2(x))
 
 
-def check_token_input(token_ids: torch.Tensor, vocab_size: int, context_length: int) -> None:
-    """ValueError for a sequence longer than the context or a token id outside the vocabulary."""
+def check_token_input(token_ids: torch.Tensor, vocab_size: int, context_length: int,
+                      check_values: bool = True) -> None:
+    """ValueError for a sequence longer than the context or (unless check_values is False: the
+    check reads the ids back to the host) a token id outside the vocabulary."""
     if token_ids.dim() != 2 or token_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"token_ids must be an integer tensor of shape (batch, seq), "
                          f"got {tuple(token_ids.shape)} {token_ids.dtype}")
     if token_ids.shape[-1] > context_length:
         raise ValueError(f"token_ids has {token_ids.shape[-1]} tokens, more than "
                          f"context_length={context_length}")
-    if token_ids.numel() and (token_ids.min() < 0 or token_ids.max() >= vocab_size):
+    if not check_values or not token_ids.numel():
+        return
+    if token_ids.min() < 0 or token_ids.max() >= vocab_size:
         raise ValueError(f"token_ids must lie in [0, {vocab_size}), got values in "
                          f"[{int(token_ids.min())}, {int(token_ids.max())}]")
 

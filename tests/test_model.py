@@ -88,8 +88,12 @@ def test_loss_ignore_index(device):
     targets[0, :5] = -100
     targets[1, -2:] = -100
     keep = targets != -100
+    loss = model.loss(tokens, targets)
     expected = R.CrossEntropyLoss()(ref(tokens)[keep], targets[keep])
-    assert_close(model.loss(tokens, targets), expected, torch.float32, "loss with ignore_index")
+    assert_close(loss, expected, torch.float32, "loss with ignore_index")
+    loss.backward()
+    expected.backward()
+    _assert_grads_match(model, ref, torch.float32, "grad with ignore_index")
 
 
 def test_torch_backend_gives_the_same_logits(device, monkeypatch):
@@ -122,20 +126,26 @@ def test_training_curves_match_reference(device):
     assert relative_error(ours, theirs) < 1e-3, (ours, theirs)
 
 
-def test_kv_cache_generation_matches_full_recompute(device):
-    model = fastlm.Transformer(**CONFIG, device=device)
-    prompt = _tokens(device, batch=1, seq=5)[0]
+class _WithoutCache(torch.nn.Module):
+    """The same model seen without make_kv_cache: generate() recomputes the whole window."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.context_length = model.context_length
+
+    def forward(self, token_ids):
+        return self.model(token_ids)
+
+
+@pytest.mark.parametrize("context_length", [24, 8])  # 8: generation slides past the context
+def test_kv_cache_generation_matches_full_recompute(device, context_length):
+    model = fastlm.Transformer(**{**CONFIG, "context_length": context_length}, device=device)
+    prompt = _tokens(device, batch=1, seq=6)[0]
     cached = fastlm.generate(model, prompt, max_new_tokens=8, temperature=0.0)
-
-    class NoCache(torch.nn.Module):  # the same model seen without make_kv_cache
-        context_length = model.context_length
-
-        def forward(self, token_ids):
-            return model(token_ids)
-
-    recomputed = fastlm.generate(NoCache(), prompt, max_new_tokens=8, temperature=0.0)
+    recomputed = fastlm.generate(_WithoutCache(model), prompt, max_new_tokens=8, temperature=0.0)
     assert torch.equal(cached, recomputed), (cached, recomputed)
-    assert cached.shape == (13,)
+    assert cached.shape == (14,)
 
 
 def test_kv_cache_logits_match_full_forward(device):
@@ -146,12 +156,6 @@ def test_kv_cache_logits_match_full_forward(device):
              model(tokens[:, 8:], kv_cache=cache)]
     assert cache.length == 9
     assert_close(torch.cat(steps, dim=1), model(tokens), torch.float32, "cached logits")
-
-
-def test_generation_slides_past_the_context(device):
-    model = fastlm.Transformer(**{**CONFIG, "context_length": 8}, device=device)
-    out = fastlm.generate(model, _tokens(device, batch=1, seq=6), max_new_tokens=5, temperature=0.0)
-    assert out.shape == (1, 11)
 
 
 def test_bad_input_names_the_argument(device):
