@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
+import triton.language as tl
 
 from fastlm.backend import interpreting
 
@@ -54,10 +56,32 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(-1, x.shape[-1])
 
 
-def upcast_dots(dtype: torch.dtype) -> bool:
-    """Whether a kernel must upcast its tl.dot operands to fp32: bf16 dots are wrong in Triton's
-    interpreter (it multiplies the uint16 bit patterns; triton-lang/triton#11584)."""
+def interpreter_bf16(dtype: torch.dtype) -> bool:
+    """Whether a kernel must work around Triton's interpreter for bf16, which gets two things
+    wrong: `tl.dot` multiplies the uint16 bit patterns (triton-lang/triton#11584), so dot operands
+    are upcast to fp32; and fp32 -> bf16 casts truncate instead of rounding to nearest even, so
+    stores round by hand (`round_to`) to give the numbers a GPU and PyTorch give."""
     return interpreting() and dtype == torch.bfloat16
+
+
+#: The name the attention kernel uses for the same predicate (its dot operands).
+upcast_dots = interpreter_bf16
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """x (fp32) rounded to `dtype`, to nearest even.
+
+    Under BF16_BY_HAND (set from `interpreter_bf16`) the rounding is done on the bits: add half an
+    ulp of bf16 (ties to even) and keep the high 16 bits; elsewhere the cast rounds by itself.
+    """
+    if BF16_BY_HAND:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits += 0x7FFF + ((bits >> 16) & 1)
+        rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        rounded = x.to(dtype)
+    return rounded
 
 
 @functools.cache

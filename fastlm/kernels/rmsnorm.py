@@ -35,28 +35,11 @@ import triton
 import triton.language as tl
 
 from fastlm.backend import interpreting, use_triton
-from fastlm.kernels._common import as_rows, check_float, check_match, device_sms, empty
+from fastlm.kernels._common import (as_rows, check_float, check_match, device_sms, empty,
+                                    interpreter_bf16, round_to)
 
 #: The largest hidden size the kernels take: a row lives in one block of registers.
 MAX_HIDDEN = 65536
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr, BF16_BY_HAND: tl.constexpr):
-    """x (fp32) rounded to `dtype`, to nearest even.
-
-    Triton's interpreter truncates fp32 -> bf16 casts (it ignores the rounding mode), so the tests
-    would not see the numbers a GPU gives, nor PyTorch's `x + residual` bit for bit. Under
-    BF16_BY_HAND the rounding is done on the bits: add half an ulp of bf16 (ties to even), keep
-    the high 16 bits.
-    """
-    if BF16_BY_HAND:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits += 0x7FFF + ((bits >> 16) & 1)
-        rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        rounded = x.to(dtype)
-    return rounded
 
 
 @triton.jit
@@ -80,7 +63,7 @@ def _rms_norm_fwd(
         r = tl.load(R + row_start * stride_rm + cols[None, :], mask=mask, other=0.0)
         # Round the sum to the input dtype before normalising: the stream the model carries on is
         # the rounded one, and the norm must see the same values the next block adds to.
-        x = _round(x.to(tl.float32) + r.to(tl.float32), S.dtype.element_ty, BF16_BY_HAND)
+        x = round_to(x.to(tl.float32) + r.to(tl.float32), S.dtype.element_ty, BF16_BY_HAND)
         tl.store(S + row_start * stride_sm + cols[None, :], x, mask=mask)
     x = x.to(tl.float32)
 
@@ -89,7 +72,7 @@ def _rms_norm_fwd(
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
     # Same order as the reference: (x * rstd) * g, all in fp32.
     y = (x * rstd[:, None]) * w[None, :]
-    y = _round(y, Y.dtype.element_ty, BF16_BY_HAND)
+    y = round_to(y, Y.dtype.element_ty, BF16_BY_HAND)
     tl.store(Y + row_start * stride_ym + cols[None, :], y, mask=mask)
     tl.store(Rstd + rows, rstd, mask=row_mask)
 
@@ -132,7 +115,7 @@ def _rms_norm_bwd(
             # The residual stream's own gradient joins here, so dx and dresidual leave in one store.
             ds = tl.load(DS + row_start * stride_dsm + cols[None, :], mask=mask, other=0.0)
             dx += ds.to(tl.float32)
-        dx = _round(dx, DX.dtype.element_ty, BF16_BY_HAND)
+        dx = round_to(dx, DX.dtype.element_ty, BF16_BY_HAND)
         tl.store(DX + row_start * stride_dxm + cols[None, :], dx, mask=mask)
         dw_acc += dy * x_hat
 
@@ -165,10 +148,6 @@ def _backward_programs(x: torch.Tensor, num_tiles: int, num_warps: int) -> int:
     return max(1, min(num_tiles, device_sms(x) * per_sm))
 
 
-def _bf16_by_hand(x: torch.Tensor) -> bool:
-    return interpreting() and x.dtype == torch.bfloat16
-
-
 def _check_hidden(x: torch.Tensor) -> None:
     if x.shape[-1] > MAX_HIDDEN:
         raise ValueError(f"x has hidden size {x.shape[-1]}; the Triton kernels take at most "
@@ -193,7 +172,7 @@ def _rms_norm_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: to
         x, r, s, y, weight, rstd,
         x.stride(0), r.stride(0), s.stride(0), y.stride(0),
         M, N, eps,
-        HAS_RESIDUAL=residual is not None, BF16_BY_HAND=_bf16_by_hand(x),
+        HAS_RESIDUAL=residual is not None, BF16_BY_HAND=interpreter_bf16(x.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     return y, summed, rstd
@@ -215,7 +194,7 @@ def _rms_norm_backward(dy: torch.Tensor, d_summed: torch.Tensor | None, x: torch
         dy, ds, x, weight, rstd, dx, dw_partial,
         dy.stride(0), ds.stride(0), x.stride(0), dx.stride(0),
         M, N,
-        HAS_DRESIDUAL=d_summed is not None, BF16_BY_HAND=_bf16_by_hand(x),
+        HAS_DRESIDUAL=d_summed is not None, BF16_BY_HAND=interpreter_bf16(x.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     return dx, dw_partial.sum(0).to(weight.dtype)

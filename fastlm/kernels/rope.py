@@ -24,7 +24,8 @@ import triton.language as tl
 from torch import nn
 
 from fastlm.backend import interpreting, use_triton
-from fastlm.kernels._common import check_float, check_match, empty_like
+from fastlm.kernels._common import (check_float, check_match, empty_like, interpreter_bf16,
+                                    round_to)
 
 # --------------------------------------------------------------------------------------------
 # Kernels
@@ -34,7 +35,8 @@ from fastlm.kernels._common import check_float, check_match, empty_like
 @triton.jit
 def _rotate_heads(X, Y, x_tokens, y_tokens, stride_xh, stride_xd, stride_yh, stride_yd, n_heads,
                   token_mask, cos, sin, pair, pair_mask,
-                  PAIR_STEP: tl.constexpr, PAIR_GAP: tl.constexpr, BLOCK_H: tl.constexpr):
+                  PAIR_STEP: tl.constexpr, PAIR_GAP: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BF16_BY_HAND: tl.constexpr):
     """Rotate every head of a block of tokens from X into Y (which may be X).
 
     x_tokens, y_tokens: (BLOCK_T,) offsets of each token's head 0; cos, sin: (BLOCK_T, BLOCK_HALF).
@@ -51,7 +53,7 @@ def _rotate_heads(X, Y, x_tokens, y_tokens, stride_xh, stride_xd, stride_yh, str
         x1, x2 = tl.split(tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32))
         y = tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin)
         y_ptrs = Y + y_tokens[:, None, None, None] + heads * stride_yh + member * stride_yd
-        tl.store(y_ptrs, y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(y_ptrs, round_to(y, Y.dtype.element_ty, BF16_BY_HAND), mask=mask)
 
 
 @triton.jit
@@ -63,7 +65,8 @@ def _rope_kernel(Q, K, QOut, KOut, COS, SIN, POS,
                  stride_pb, stride_pt,
                  T, HQ, HK, MAX_SEQ_LEN,
                  HALF: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                 BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BF16_BY_HAND: tl.constexpr):
     """One program per (batch, block of BLOCK_T tokens): all heads of q and of k there."""
     pid = tl.program_id(0)
     n_token_blocks = tl.cdiv(T, BLOCK_T)
@@ -89,10 +92,12 @@ def _rope_kernel(Q, K, QOut, KOut, COS, SIN, POS,
     PAIR_GAP: tl.constexpr = 1 if INTERLEAVED else HALF
     _rotate_heads(Q, QOut, b * stride_qb + t * stride_qt, b * stride_qob + t * stride_qot,
                   stride_qh, stride_qd, stride_qoh, stride_qod, HQ,
-                  token_mask, cos, sin, pair, pair_mask, PAIR_STEP, PAIR_GAP, BLOCK_H)
+                  token_mask, cos, sin, pair, pair_mask, PAIR_STEP, PAIR_GAP, BLOCK_H,
+                  BF16_BY_HAND)
     _rotate_heads(K, KOut, b * stride_kb + t * stride_kt, b * stride_kob + t * stride_kot,
                   stride_kh, stride_kd, stride_koh, stride_kod, HK,
-                  token_mask, cos, sin, pair, pair_mask, PAIR_STEP, PAIR_GAP, BLOCK_H)
+                  token_mask, cos, sin, pair, pair_mask, PAIR_STEP, PAIR_GAP, BLOCK_H,
+                  BF16_BY_HAND)
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,7 +147,8 @@ def _launch(xs: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...], cos: t
         stride_pb, positions.stride(-1),
         T, HQ, n_k_heads, cos.shape[0],
         HALF=half, INTERLEAVED=interleaved, INVERSE=inverse,
-        BLOCK_T=block_t, BLOCK_HALF=block_half, BLOCK_H=block_h, num_warps=num_warps,
+        BLOCK_T=block_t, BLOCK_HALF=block_half, BLOCK_H=block_h,
+        BF16_BY_HAND=interpreter_bf16(q_out.dtype), num_warps=num_warps,
     )
 
 

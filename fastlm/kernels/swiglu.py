@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastlm.backend import interpreting, use_triton
-from fastlm.kernels._common import as_rows, check_float, check_match, empty
+from fastlm.kernels._common import (as_rows, check_float, check_match, empty, interpreter_bf16,
+                                    round_to)
 from fastlm.reference import Linear
 
 # --------------------------------------------------------------------------------------------
@@ -33,7 +34,7 @@ from fastlm.reference import Linear
 
 @triton.jit
 def _swiglu_fwd_kernel(G, U, Y, stride_gm, stride_um, stride_ym, M, N,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BF16_BY_HAND: tl.constexpr):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -41,12 +42,14 @@ def _swiglu_fwd_kernel(G, U, Y, stride_gm, stride_um, stride_ym, M, N,
     up = tl.load(U + rows[:, None] * stride_um + cols[None, :], mask=mask, other=0.0)
     gate, up = gate.to(tl.float32), up.to(tl.float32)
     y = gate * tl.sigmoid(gate) * up
-    tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + rows[:, None] * stride_ym + cols[None, :],
+             round_to(y, Y.dtype.element_ty, BF16_BY_HAND), mask=mask)
 
 
 @triton.jit
 def _swiglu_bwd_kernel(DY, G, U, DG, DU, stride_dym, stride_gm, stride_um, stride_dgm, stride_dum,
-                       M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                       M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BF16_BY_HAND: tl.constexpr):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -57,10 +60,10 @@ def _swiglu_bwd_kernel(DY, G, U, DG, DU, stride_dym, stride_gm, stride_um, strid
     sig = tl.sigmoid(gate)
     d_gate = dy * up * sig * (1.0 + gate * (1.0 - sig))
     d_up = dy * gate * sig
-    tl.store(DG + rows[:, None] * stride_dgm + cols[None, :], d_gate.to(DG.dtype.element_ty),
-             mask=mask)
-    tl.store(DU + rows[:, None] * stride_dum + cols[None, :], d_up.to(DU.dtype.element_ty),
-             mask=mask)
+    tl.store(DG + rows[:, None] * stride_dgm + cols[None, :],
+             round_to(d_gate, DG.dtype.element_ty, BF16_BY_HAND), mask=mask)
+    tl.store(DU + rows[:, None] * stride_dum + cols[None, :],
+             round_to(d_up, DU.dtype.element_ty, BF16_BY_HAND), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -86,7 +89,7 @@ def _forward_rows(gate: torch.Tensor, up: torch.Tensor, y: torch.Tensor) -> None
     if use_triton(gate):
         grid, config = _launch_config(M, N)
         _swiglu_fwd_kernel[grid](gate, up, y, gate.stride(0), up.stride(0), y.stride(0), M, N,
-                                 **config)
+                                 BF16_BY_HAND=interpreter_bf16(y.dtype), **config)
         return
     gate32 = gate.to(torch.float32)
     y.copy_(gate32 * torch.sigmoid(gate32) * up.to(torch.float32))
@@ -100,7 +103,8 @@ def _backward_rows(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d_gat
     if use_triton(gate):
         grid, config = _launch_config(M, N)
         _swiglu_bwd_kernel[grid](dy, gate, up, d_gate, d_up, dy.stride(0), gate.stride(0),
-                                 up.stride(0), d_gate.stride(0), d_up.stride(0), M, N, **config)
+                                 up.stride(0), d_gate.stride(0), d_up.stride(0), M, N,
+                                 BF16_BY_HAND=interpreter_bf16(d_gate.dtype), **config)
         return
     dy32, gate32, up32 = dy.to(torch.float32), gate.to(torch.float32), up.to(torch.float32)
     sig = torch.sigmoid(gate32)
