@@ -1,7 +1,8 @@
 """flash_attention against float64 attention (fastlm.reference), forward and every gradient.
 
 Interpreter block sizes (64x32 forward, 32x64 dK/dV, 64x32 dQ) make 77, 130 and 257 partial-block
-lengths, and causal runs with Nq < Nk put the diagonal anywhere inside a block.
+lengths, and causal runs with Nq < Nk put the diagonal anywhere inside a block. Cases with several
+batches, heads and blocks check how each kernel splits its 1-D grid into (block, batch * head).
 """
 
 import math
@@ -80,7 +81,8 @@ def check_against_reference(q, k, v, causal, softmax_scale=None):
 
 
 # (B, Hq, Hkv, Nq, Nk, D, causal, dtype): every N, D and dtype appears, with and without the causal
-# mask, grouped (Hq > Hkv) and multi-query (Hkv = 1) heads, and Nq < Nk (decoding, chunked prefill).
+# mask, grouped (Hq > Hkv) and multi-query (Hkv = 1) heads, Nq < Nk (decoding, chunked prefill), and
+# several batches, heads and blocks at once (the 1-D grids' decomposition).
 CASES = [
     (1, 2, 2, 1, 1, 16, True, torch.float32),
     (2, 2, 1, 17, 17, 32, True, torch.float16),
@@ -97,6 +99,7 @@ CASES = [
     (1, 2, 1, 130, 130, 64, False, torch.float16),
     (1, 2, 2, 77, 77, 96, False, torch.bfloat16),
     (1, 2, 2, 64, 64, 8, True, torch.float32),
+    (2, 3, 1, 130, 130, 16, True, torch.float16),
 ]
 
 
@@ -139,16 +142,42 @@ def test_large_scores_do_not_overflow(device, dtype):
         assert err <= TOLERANCE[dtype], f"{name}: error {err:.2e} of the cancelling terms' size ({dtype})"
 
 
+class _CopyRecorder(TorchDispatchMode):
+    """The ops that read `base`'s memory into other memory while active: clone (`.contiguous()`),
+    copy_, _to_copy and the like. Not recorded: views of `base` (they return its own memory) and
+    factories like new_empty (they read only its dtype and device; the interpreter's launch uses it)."""
+
+    def __init__(self, base: torch.Tensor):
+        super().__init__()
+        self.base_ptr = base.untyped_storage().data_ptr()
+        self.copies = []
+
+    def _in_base(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == self.base_ptr
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        reads_base = any(self._in_base(t) for t in tree_leaves((args, kwargs)))
+        factory = name.startswith("new_") or name.endswith("_like")
+        if reads_base and not factory and not any(self._in_base(t) for t in tree_leaves(out)):
+            self.copies.append(str(func))
+        return out
+
+
 def test_strided_inputs_need_no_copy(device):
     """q, k, v as slices of one fused (B, N, 3, H, D) projection viewed as (B, H, N, D), and head dims
-    with stride 2: bitwise the same results as contiguous copies, gradients included."""
+    with stride 4, are read in place: no torch op copies their memory, forward or backward (the
+    kernels get the strides). The results are bitwise those of contiguous copies."""
     B, N, H, D = 2, 77, 2, 32
     qkv = torch.randn(B, N, 3, H, D, device=device, dtype=torch.float16, requires_grad=True)
     q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, N, D), token-major memory
-    o = flash_attention(q, k, v, causal=True)
+    do = torch.randn(B, N, H, D, device=device, dtype=torch.float16).transpose(1, 2)
+    with _CopyRecorder(qkv) as recorder:
+        o = flash_attention(q, k, v, causal=True)
+        (dqkv,) = torch.autograd.grad(o, qkv, do)
+    assert not recorder.copies, f"q, k, v were copied by {recorder.copies}"
     assert o.transpose(1, 2).is_contiguous(), "o should keep q's [B, N, H, D] memory layout"
-    do = torch.randn_like(o)
-    (dqkv,) = torch.autograd.grad(o, qkv, do)
 
     contiguous = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
     o_contiguous = flash_attention(*contiguous, causal=True)
@@ -160,9 +189,11 @@ def test_strided_inputs_need_no_copy(device):
     wide = torch.randn(1, 2, 130, 4 * D, device=device)
     q, k, v = wide[..., 0::4], wide[..., 1::4], wide[..., 2::4]
     assert q.stride(-1) == 4
-    assert torch.equal(flash_attention(q, k, v, causal=False, allow_tf32=False),
-                       flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=False,
-                                       allow_tf32=False))
+    with _CopyRecorder(wide) as recorder:
+        o = flash_attention(q, k, v, causal=False, allow_tf32=False)
+    assert not recorder.copies, f"q, k, v with strided head dims were copied by {recorder.copies}"
+    assert torch.equal(o, flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=False,
+                                          allow_tf32=False))
 
 
 def test_backward_is_deterministic(device):
@@ -215,8 +246,15 @@ class _AllocationRecorder(TorchDispatchMode):
 def _bytes_touched(device, N: int, causal: bool) -> tuple[int, int]:
     q, k, v = make_inputs(1, 2, 1, N, N, 16, torch.float16, device)
     do = torch.randn(1, 2, N, 16, device=device, dtype=torch.float16)
+
+    def forward_backward():
+        return torch.autograd.grad(flash_attention(q, k, v, causal), (q, k, v), do)
+
+    # Once outside the recorder: on CUDA the first call autotunes, and the autotuner's timing
+    # allocates a 256 MiB buffer (to flush L2) that is not the kernels' memory.
+    forward_backward()
     with _AllocationRecorder() as recorder:
-        flash_attention(q, k, v, causal).backward(do)
+        forward_backward()
     return sum(recorder.storages.values()), max(recorder.storages.values())
 
 
@@ -306,6 +344,21 @@ def test_fp32_tf32_and_full_precision(device):
     ref = reference_attention(q, k, v, True)
     assert_close(flash_attention(q, k, v), ref, torch.float16, "o (tf32)")
     assert_close(flash_attention(q, k, v, allow_tf32=False), ref, torch.float32, "o (ieee)")
+
+
+@pytest.mark.cuda
+def test_more_batch_heads_than_cuda_grid_axes_1_and_2_hold(device):
+    """B * H = 65600 batch-heads, more than CUDA's 65535 cap on grid axes 1 and 2: the kernels launch
+    because their grids are 1-D. The batches past the cap are also checked on their own, so an error
+    there cannot hide in the norm of the whole tensor."""
+    B, H, N, D = 4100, 16, 16, 16
+    q, k, v = make_inputs(B, H, H, N, N, D, torch.float16, device)  # Hkv = H: dK/dV's grid is as large
+    o, do, grads = run(q, k, v, causal=True)
+    ref_o, ref_grads = reference_run(q, k, v, do, causal=True)
+    past_cap = slice(65535 // H, None)
+    for name, out, ref in zip(("o", "dq", "dk", "dv"), (o, *grads), (ref_o, *ref_grads)):
+        assert_close(out, ref, torch.float16, name)
+        assert_close(out[past_cap], ref[past_cap], torch.float16, f"{name} of batch-heads past 65535")
 
 
 @pytest.mark.cuda

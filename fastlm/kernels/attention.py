@@ -25,7 +25,15 @@ Backward, with dO, recomputing P = 2^(t - LSE) block by block:
 
 One program per (key block, batch * key/value head) computes dK and dV, looping over the G query
 heads of its group, so grouped heads need no atomics; another kernel, one program per (query block,
-batch * query head), computes dQ. Every sum has a fixed order: gradients are bitwise deterministic.
+batch * query head), computes dQ. Every grid is 1-D, block index fastest (`_block_start_and_batch_head`).
+
+Determinism: no atomics, and every sum has an order fixed by the block sizes, so with the same
+(BLOCK_M, BLOCK_N) configs the output and gradients are bitwise reproducible. In one process each
+kernel's config is chosen once per tuning key (`_TUNING_KEY` and the dtypes) and kept: repeated calls
+are bitwise equal. Across processes they need not be: on CUDA the autotuner picks configs by timing,
+so another run, GPU or Triton version may pick other block sizes and round differently (equal to
+rounding, not bitwise). TRITON_CACHE_AUTOTUNING=1 makes later processes on the same machine reuse the
+timings stored on disk. The interpreter has a single config.
 
 Precision: fp16/bf16 dots accumulate in fp32. fp32 inputs use TF32 dots on a GPU by default
 (`allow_tf32=False` asks for full fp32 dots); Triton's interpreter computes fp32 dots exactly.
@@ -111,6 +119,25 @@ def _store_tile(ptrs, tile, rows, n_rows, cols, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _block_start_and_batch_head(n_rows, BLOCK: tl.constexpr, LAST_BLOCK_FIRST: tl.constexpr):
+    """First row of this program's block and its batch * head, in a 1-D grid of
+    cdiv(n_rows, BLOCK) * (B * H) programs.
+
+    One grid axis because CUDA caps the second and third at 65535, and B * H can exceed that
+    (e.g. batch 2048 x 32 heads at a short context). The block varies fastest, so the programs
+    running together read one head's K and V, which stay in L2. LAST_BLOCK_FIRST reverses the
+    blocks of each head: causal query blocks' work grows with their index, and launching the
+    longest ones first leaves the short ones to fill the last wave.
+    """
+    num_blocks = tl.cdiv(n_rows, BLOCK)
+    pid = tl.program_id(0)
+    block = pid % num_blocks
+    if LAST_BLOCK_FIRST:
+        block = num_blocks - 1 - block
+    return block * BLOCK, pid // num_blocks
+
+
+@triton.jit
 def _fwd_key_blocks(acc, m_i, l_i, q, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
                     offs_m, offs_d, lo, hi, n_k, causal_shift, qk_scale,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -159,8 +186,7 @@ def _attention_fwd_kernel(
     TO_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
-    batch_head = tl.program_id(1)
+    start_m, batch_head = _block_start_and_batch_head(n_q, BLOCK_M, CAUSAL)
     batch = (batch_head // num_heads).to(tl.int64)
     head = (batch_head % num_heads).to(tl.int64)
     kv_head = head // group
@@ -213,10 +239,10 @@ def _attention_bwd_delta_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """Delta = rowsum(O * dO) in fp32, one value per query row."""
-    batch_head = tl.program_id(1)
+    start_m, batch_head = _block_start_and_batch_head(n_q, BLOCK_M, False)
     batch = (batch_head // num_heads).to(tl.int64)
     head = (batch_head % num_heads).to(tl.int64)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     rows = offs_m.to(tl.int64)[:, None]
     o = _load_tile(O + batch * stride_ob + head * stride_oh + rows * stride_om + offs_d[None, :] * stride_od,
@@ -276,8 +302,8 @@ def _attention_bwd_dkdv_kernel(
     TO_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    start_n = tl.program_id(0) * BLOCK_N
-    batch_kv_head = tl.program_id(1)
+    # In order: the first key blocks, seen by the most causal queries, are already the longest.
+    start_n, batch_kv_head = _block_start_and_batch_head(n_k, BLOCK_N, False)
     batch = (batch_kv_head // num_kv_heads).to(tl.int64)
     kv_head = (batch_kv_head % num_kv_heads).to(tl.int64)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -371,8 +397,7 @@ def _attention_bwd_dq_kernel(
     TO_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
-    batch_head = tl.program_id(1)
+    start_m, batch_head = _block_start_and_batch_head(n_q, BLOCK_M, CAUSAL)
     batch = (batch_head // num_heads).to(tl.int64)
     head = (batch_head % num_heads).to(tl.int64)
     kv_head = head // group
@@ -421,6 +446,12 @@ def _empty_heads_like(t: torch.Tensor, dtype=None) -> torch.Tensor:
     return empty((B, H, N, D), device=t.device, dtype=dtype)
 
 
+def _grid(n_rows: int, block: str, batch_heads: int):
+    """The 1-D grid `_block_start_and_batch_head` decomposes: cdiv(n_rows, BLOCK) * (B * H) programs,
+    BLOCK the launch's (possibly autotuned) block size named `block`."""
+    return lambda meta: (triton.cdiv(n_rows, meta[block]) * batch_heads,)
+
+
 def _bucket(n: int) -> int:
     return triton.next_power_of_2(n)
 
@@ -444,11 +475,7 @@ def _attention_forward(q, k, v, causal: bool, softmax_scale: float, allow_tf32: 
     Hkv, Nk = k.shape[1], k.shape[2]
     o = _empty_heads_like(q)
     lse = empty((B, Hq, Nq), device=q.device, dtype=torch.float32)
-
-    def grid(meta):
-        return triton.cdiv(Nq, meta["BLOCK_M"]), B * Hq
-
-    _attention_fwd_kernel[grid](
+    _attention_fwd_kernel[_grid(Nq, "BLOCK_M", B * Hq)](
         q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         Hq, Hq // Hkv, Nq, Nk, softmax_scale * LOG2_E, _bucket(Nq), _bucket(Nk),
         **_kernel_flags(q, causal, allow_tf32),
@@ -464,27 +491,19 @@ def _attention_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float,
     flags = _kernel_flags(q, causal, allow_tf32)
     delta = empty((B, Hq, Nq), device=q.device, dtype=torch.float32)
     delta_block = 32 if interpreting() else 64
-    _attention_bwd_delta_kernel[(triton.cdiv(Nq, delta_block), B * Hq)](
+    _attention_bwd_delta_kernel[_grid(Nq, "BLOCK_M", B * Hq)](
         o, do, delta, *o.stride(), *do.stride(), Hq, Nq,
         HEAD_DIM=D, BLOCK_D=flags["BLOCK_D"], BLOCK_M=delta_block,
     )
 
     dq, dk, dv = _empty_heads_like(q), _empty_heads_like(k), _empty_heads_like(v)
     scales = (softmax_scale, softmax_scale * LOG2_E, _bucket(Nq), _bucket(Nk))
-
-    def dkdv_grid(meta):
-        return triton.cdiv(Nk, meta["BLOCK_N"]), B * Hkv
-
-    _attention_bwd_dkdv_kernel[dkdv_grid](
+    _attention_bwd_dkdv_kernel[_grid(Nk, "BLOCK_N", B * Hkv)](
         q, k, v, do, dk, dv, lse, delta,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
         Hkv, group, Nq, Nk, *scales, **flags,
     )
-
-    def dq_grid(meta):
-        return triton.cdiv(Nq, meta["BLOCK_M"]), B * Hq
-
-    _attention_bwd_dq_kernel[dq_grid](
+    _attention_bwd_dq_kernel[_grid(Nq, "BLOCK_M", B * Hq)](
         q, k, v, do, dq, lse, delta,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         Hq, group, Nq, Nk, *scales, **flags,
