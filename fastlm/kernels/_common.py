@@ -64,10 +64,6 @@ def interpreter_bf16(dtype: torch.dtype) -> bool:
     return interpreting() and dtype == torch.bfloat16
 
 
-#: The name the attention kernel uses for the same predicate (its dot operands).
-upcast_dots = interpreter_bf16
-
-
 @triton.jit
 def round_to(x, dtype: tl.constexpr, BF16_BY_HAND: tl.constexpr):
     """x (fp32) rounded to `dtype`, to nearest even.

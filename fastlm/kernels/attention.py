@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +51,7 @@ import triton
 import triton.language as tl
 
 from fastlm.backend import interpreting, use_triton
-from fastlm.kernels._common import check_float, check_match, empty, upcast_dots
+from fastlm.kernels._common import check_float, check_match, empty, interpreter_bf16
 
 LOG2_E = 1.4426950408889634
 
@@ -61,10 +62,17 @@ MAX_HEAD_DIM = 256
 def _configs(interpreter_blocks: dict, cuda: list[tuple[dict, int, int]]) -> list[triton.Config]:
     """One small config under the interpreter (autotuning there runs every config); the CUDA list,
     as (block sizes, num_warps, num_stages), otherwise. Configs a head dim or dtype cannot fit in
-    shared memory fail to compile and are skipped by the autotuner."""
+    shared memory fail to compile and are skipped by the autotuner.
+
+    FASTLM_AUTOTUNE=0 (read at import) keeps only the last CUDA config, the smallest, which every
+    head dim and dtype fits: for test runs, where tuning each new shape would compile every config.
+    """
     if interpreting():
         return [triton.Config(interpreter_blocks, num_warps=4, num_stages=1)]
-    return [triton.Config(blocks, num_warps=warps, num_stages=stages) for blocks, warps, stages in cuda]
+    if os.environ.get("FASTLM_AUTOTUNE", "1") == "0":
+        cuda = cuda[-1:]
+    return [triton.Config(blocks, num_warps=warps, num_stages=stages)
+            for blocks, warps, stages in cuda]
 
 
 # Hopper-first: 128-row query blocks with 64/128-key blocks, 3-4 stages. The last configs are the
@@ -464,7 +472,7 @@ def _kernel_flags(q: torch.Tensor, causal: bool, allow_tf32: bool) -> dict:
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         CAUSAL=causal,
-        TO_FP32=upcast_dots(q.dtype),
+        TO_FP32=interpreter_bf16(q.dtype),
         DOT_PRECISION="ieee" if full_fp32 else "tf32",
     )
 
