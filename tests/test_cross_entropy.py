@@ -1,5 +1,7 @@
 """cross_entropy and linear_cross_entropy against fastlm.reference.CrossEntropyLoss in float64."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,16 +12,17 @@ from torch.utils._pytree import tree_leaves
 
 from fastlm.kernels.cross_entropy import (
     MAX_BLOCK_V,
-    CrossEntropyLoss as FusedCrossEntropyLoss,
     cross_entropy,
     default_chunk_size,
     linear_cross_entropy,
 )
+from fastlm.kernels.cross_entropy import CrossEntropyLoss as FusedCrossEntropyLoss
 from fastlm.reference import CrossEntropyLoss
 from fastlm.testing import assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 IGNORE = -100
+GRAD_MODES = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
 
 #: 5000 spans several vocabulary blocks on a GPU too (MAX_BLOCK_V), 1337 and 1000 several in the
 #: interpreter, 50 a single partial block.
@@ -55,6 +58,29 @@ def linear_reference(x, weight, targets, grad_output=1.0):
     return reference_loss_and_grads([x, weight], lambda x, w: x @ w.T, targets, grad_output)
 
 
+#: Inference mode skips the autograd keys, so matmul reaches the recorder before it becomes mm.
+MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_, torch.ops.aten.matmul)
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records the largest tensor an op allocates (views and in-place results are not
+    allocations) and how many matmuls run."""
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes = 0
+        self.matmuls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.matmuls += func.overloadpacket in MATMULS
+        if all(result.alias_info is None for result in func._schema.returns):
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.nbytes = max(self.nbytes, t.untyped_storage().nbytes())
+        return out
+
+
 def check_cross_entropy(logits, targets, dtype, **kwargs):
     logits = logits.detach().requires_grad_()
     grad_output = torch.rand((), device=logits.device) + 0.5
@@ -81,6 +107,45 @@ def test_cross_entropy_large_logits(device, dtype, centre, spread):
     vocab = 1337
     logits = (centre + spread * torch.randn(6, vocab, device=device)).to(dtype)
     check_cross_entropy(logits, random_targets((6,), vocab, device), dtype)
+
+
+# The interpreter's NumPy warns at the log(0) and -inf - (-inf) of the rows made only of -inf.
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cross_entropy_masked_logits(device, backend, dtype):
+    """-inf logits (a masked vocabulary). The first MAX_BLOCK_V logits of every row are -inf: one
+    whole block on a GPU, four in the interpreter, where the online running max stays -inf and
+    exp(-inf - (-inf)) would be NaN. Where PyTorch is finite, so are we, with its numbers."""
+    vocab = MAX_BLOCK_V + 904
+    logits = (2 * torch.randn(5, vocab, device=device)).to(dtype)
+    targets = torch.randint(MAX_BLOCK_V, vocab, (5,), device=device)
+    logits[:, :MAX_BLOCK_V] = float("-inf")
+    logits[1] = float("-inf")  # all but the target: probability 1, loss 0, gradient 0
+    logits[1, targets[1]] = 0.5
+    logits[2][torch.rand(vocab, device=device) < 0.5] = float("-inf")  # scattered too
+    logits[2, targets[2]] = 1.0
+    logits[3] = float("-inf")  # no softmax at all, but ignored: adds nothing, zero gradient
+    targets[3] = IGNORE
+    check_cross_entropy(logits, targets, dtype)
+
+    logits = logits.detach().requires_grad_()
+    cross_entropy(logits, targets).backward()
+    assert (logits.grad[1] == 0).all() and (logits.grad[3] == 0).all()
+
+    # PyTorch's non-finite cases: the target's own logit -inf gives +inf (finite gradients), a
+    # counted row of only -inf gives NaN.
+    logits = (2 * torch.randn(2, vocab, device=device)).to(dtype)
+    logits[:, :MAX_BLOCK_V] = float("-inf")
+    targets = torch.tensor([3, IGNORE], device=device)
+    logits64 = logits.double().requires_grad_()
+    expected = F.cross_entropy(logits64, targets, ignore_index=IGNORE)
+    expected.backward()
+    logits.requires_grad_()
+    loss = cross_entropy(logits, targets)
+    loss.backward()
+    assert loss.item() == expected.item() == float("inf")
+    assert_close(logits.grad, logits64.grad, dtype, "dlogits")
+    assert torch.isnan(cross_entropy(torch.full((1, vocab), float("-inf"), device=device), targets[:1]))
 
 
 @pytest.mark.parametrize("layout", ["column_stride", "row_slice", "transposed"])
@@ -173,10 +238,27 @@ def test_inplace_backward(device, backend):
     leaf = torch.randn(6, 500, device=device, requires_grad=True)
     with pytest.raises(ValueError, match="leaf"):
         cross_entropy(leaf, targets, inplace_backward=True)
-    with torch.no_grad():  # no gradient needed: nothing is overwritten
-        loss = cross_entropy(saved, targets, inplace_backward=True)
-    assert torch.equal(saved, (hidden @ weight.T).detach())
-    assert_close(loss, F.cross_entropy(saved.double(), targets), torch.float32, "no-grad loss")
+
+
+@pytest.mark.parametrize("grad_mode", GRAD_MODES)
+@pytest.mark.parametrize("inplace_backward", [False, True])
+def test_cross_entropy_without_grad_mode(device, backend, grad_mode, inplace_backward):
+    """Under no_grad / inference_mode no gradient is computed although logits require grad
+    (autograd.Function's needs_input_grad does not see grad mode): no (N, V) buffer is allocated,
+    and inplace_backward leaves the logits, a non-leaf or a leaf, as they were."""
+    hidden = torch.randn(6, 32, device=device)
+    weight = torch.randn(500, 32, device=device, requires_grad=True)
+    targets = random_targets((6,), 500, device)
+    logits = hidden @ weight.T
+    saved = logits.detach().clone()
+    expected = F.cross_entropy(saved.double(), targets, ignore_index=IGNORE)
+    for tensor in [logits, saved.clone().requires_grad_()]:
+        with GRAD_MODES[grad_mode](), OpRecorder() as recorder:
+            loss = cross_entropy(tensor, targets, inplace_backward=inplace_backward)
+        assert torch.equal(tensor.detach(), saved), "logits were overwritten with no gradient to compute"
+        assert recorder.nbytes < saved.numel() * saved.element_size(), "a gradient buffer was allocated"
+        assert not loss.requires_grad
+        assert_close(loss, expected, torch.float32, "loss")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -198,17 +280,35 @@ def test_linear_cross_entropy_matches_reference(device, backend, dtype, chunk_si
     assert_close(weight.grad, ref_dweight, dtype, "dweight")
 
 
-def test_linear_cross_entropy_frozen_inputs(device, backend):
-    """Only the gradients asked for are computed; no_grad gives the same loss."""
-    x = torch.randn(10, 8, device=device)
-    weight = torch.randn(90, 8, device=device, requires_grad=True)
-    targets = random_targets((10,), 90, device)
-    loss = linear_cross_entropy(x, weight, targets, chunk_size=3)
-    loss.backward()
-    ref_loss, (_, ref_dweight) = linear_reference(x, weight, targets)
-    assert_close(weight.grad, ref_dweight, torch.float32, "dweight")
-    with torch.no_grad():
-        assert torch.equal(linear_cross_entropy(x, weight, targets, chunk_size=3), loss.detach())
+@pytest.mark.parametrize("grad_mode", ["enabled", *GRAD_MODES])
+def test_linear_cross_entropy_frozen_inputs(device, backend, grad_mode):
+    """Only the gradients asked for are computed: besides each chunk's logits, one matmul per
+    chunk for each input that requires grad, and none under no_grad / inference_mode (which
+    autograd.Function's needs_input_grad does not see), where no fp32 (V, C) dweight exists either."""
+    n_tokens, n_features, vocab, chunk_size = 10, 8, 90, 3
+    n_chunks = 4
+    grad_context = GRAD_MODES.get(grad_mode, contextlib.nullcontext)
+    x_values = torch.randn(n_tokens, n_features, device=device)
+    weight_values = torch.randn(vocab, n_features, device=device)
+    targets = random_targets((n_tokens,), vocab, device)
+    ref_loss, (ref_dx, ref_dweight) = linear_reference(x_values, weight_values, targets)
+    for need_dx, need_dweight in [(False, True), (True, False), (True, True)]:
+        x = x_values.clone().requires_grad_(need_dx)
+        weight = weight_values.clone().requires_grad_(need_dweight)
+        with grad_context(), OpRecorder() as recorder:
+            loss = linear_cross_entropy(x, weight, targets, chunk_size=chunk_size)
+        assert_close(loss, ref_loss, torch.float32, "loss")
+        if grad_mode != "enabled":
+            assert recorder.matmuls == n_chunks, "a gradient was computed under " + grad_mode
+            assert recorder.nbytes <= chunk_size * vocab * 4, "a gradient buffer was allocated"
+            assert not loss.requires_grad
+            continue
+        assert recorder.matmuls == n_chunks * (1 + need_dx + need_dweight)
+        loss.backward()
+        if need_dx:
+            assert_close(x.grad, ref_dx, torch.float32, "dx")
+        if need_dweight:
+            assert_close(weight.grad, ref_dweight, torch.float32, "dweight")
 
 
 def test_linear_cross_entropy_under_autocast(device):
@@ -226,21 +326,6 @@ def test_linear_cross_entropy_under_autocast(device):
     assert_close(weight.grad, ref_dweight, torch.bfloat16, "dweight")
 
 
-class LargestStorage(TorchDispatchMode):
-    """Records the most bytes behind any tensor an op returns (an allocation, or a view of one)."""
-
-    def __init__(self):
-        super().__init__()
-        self.nbytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.nbytes = max(self.nbytes, t.untyped_storage().nbytes())
-        return out
-
-
 def test_linear_cross_entropy_never_holds_all_logits(device, backend):
     n_tokens, n_features, vocab, chunk_size = 64, 8, 400, 12
     x = torch.randn(n_tokens, n_features, device=device, requires_grad=True)
@@ -248,14 +333,61 @@ def test_linear_cross_entropy_never_holds_all_logits(device, backend):
     targets = random_targets((n_tokens,), vocab, device)
     fp32 = 4
 
-    with LargestStorage() as unfused:  # the tracker sees the logits of the plain computation
+    with OpRecorder() as unfused:  # the tracker sees the logits of the plain computation
         F.cross_entropy(x @ weight.T, targets).backward()
     assert unfused.nbytes >= n_tokens * vocab * fp32
 
-    with LargestStorage() as fused:
+    with OpRecorder() as fused:
         linear_cross_entropy(x, weight, targets, chunk_size=chunk_size).backward()
     largest_allowed = max(chunk_size * vocab, vocab * n_features, n_tokens * n_features) * fp32
     assert fused.nbytes <= largest_allowed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_scales_in_place(device, dtype):
+    """The backward scales the saved gradients in place: it allocates nothing the size of the
+    logits (N, V) (a scaled copy would double the peak while the saved one lives), nor an fp32
+    (V, C): for linear_cross_entropy only dweight rounded to an fp16/bf16 weight's dtype."""
+    n_tokens, n_features, vocab = 32, 8, 1337
+    hidden = torch.randn(n_tokens, n_features, device=device).to(dtype)
+    weight = torch.randn(vocab, n_features, device=device).to(dtype).requires_grad_()
+    targets = random_targets((n_tokens,), vocab, device)
+    weight_bytes = vocab * n_features * dtype.itemsize
+
+    loss = cross_entropy(hidden @ weight.T, targets)
+    with OpRecorder() as recorder:
+        loss.backward()
+    assert recorder.nbytes <= weight_bytes  # the matmul's dweight only
+
+    x = hidden.clone().requires_grad_()
+    loss = linear_cross_entropy(x, weight, targets, chunk_size=10)
+    with OpRecorder() as recorder:
+        loss.backward()
+    if dtype == torch.float32:  # scalars only: nothing of dx's size (N, C), let alone dweight's
+        assert recorder.nbytes < n_tokens * n_features * 4
+    else:
+        assert recorder.nbytes == weight_bytes
+
+
+def test_second_backward_raises(device, backend):
+    """The first backward scales the saved gradient in place, so a second one through the same
+    graph (retain_graph=True) raises instead of scaling it twice; the first is correct."""
+    logits = torch.randn(4, 300, device=device, requires_grad=True)
+    x = torch.randn(4, 16, device=device, requires_grad=True)
+    weight = torch.randn(300, 16, device=device, requires_grad=True)
+    targets = random_targets((4,), 300, device)
+    for inputs, loss in [
+        ([logits], cross_entropy(logits, targets)),
+        ([x, weight], linear_cross_entropy(x, weight, targets, chunk_size=3)),
+    ]:
+        grads = torch.autograd.grad(loss, inputs, retain_graph=True)
+        _, ref_grads = reference_loss_and_grads(
+            inputs, (lambda t: t) if len(inputs) == 1 else (lambda x, w: x @ w.T), targets, 1.0
+        )
+        for grad, ref_grad in zip(grads, ref_grads):
+            assert_close(grad, ref_grad, torch.float32, "gradient of the first backward")
+        with pytest.raises(RuntimeError, match="second backward"):
+            torch.autograd.grad(loss, inputs)
 
 
 def test_default_chunk_size():

@@ -9,13 +9,24 @@ For a row of logits x (V entries) and its target t:
 and the mean over the n_valid rows whose target is not `ignore_index` (PyTorch's
 F.cross_entropy with reduction='mean'). Where every target is ignored the mean is 0, not
 PyTorch's NaN (0/0), so a batch made only of padding adds nothing to a training step.
+Logits may be -inf (a masked vocabulary); a counted row whose logits are all -inf has no softmax
+and gives NaN, as in PyTorch.
 
 The row kernel makes two passes over a row: the first keeps a running max m and a running
 sum s of exp(x - m) (rescaled by exp(m_old - m_new) as m grows, so logits of any magnitude
-stay finite) and picks x_t; the second writes softmax - onehot. The gradient is written
-*unscaled* in the forward: the backward multiplies by grad_output / n_valid in fp32, so fp16
-values of size softmax / n_valid (below fp16's range at long sequences) never exist before a
-GradScaler's factor has been applied. The backward is therefore a single scale.
+stay finite; while m is still -inf, after leading blocks of -inf logits, the exponents are
+taken relative to 0 instead, as exp(-inf - (-inf)) is NaN) and picks x_t; the second writes
+softmax - onehot. The gradient is written *unscaled* in the forward: the backward multiplies by
+grad_output / n_valid in fp32, so fp16 values of size softmax / n_valid (below fp16's range at
+long sequences) never exist before a GradScaler's factor has been applied. The backward is
+therefore a single scale, done in place on the saved gradient so that no second (N, V) tensor
+exists; a graph can thus be backpropagated through once only (a second backward, after
+retain_graph=True, raises RuntimeError rather than scale twice).
+
+Whether a gradient is needed is decided in the public functions, from grad mode and each input's
+requires_grad (inside autograd.Function.forward grad mode is always off, and needs_input_grad
+ignores torch.no_grad): under no_grad or inference_mode the loss takes a forward-only path that
+writes no gradient, allocates no buffer for one and never overwrites logits.
 
 Fused linear cross-entropy (x (N, C), weight (V, C), logits = x @ weight^T): tokens go through
 in chunks of rows; for each chunk the logits (chunk, V) are computed with a torch matmul in x's
@@ -25,8 +36,8 @@ dtype, the row kernel overwrites them with dlogits, and at once
     dweight   += dlogits^T @ x[chunk]                 (V, C), fp32 across chunks
 
 so the (N, V) logits never exist at once; dx and dweight are kept for the backward, which
-scales them by grad_output / n_valid. Targets outside [0, V) other than ignore_index give a
-NaN loss (found on the device: checking on the host would need a sync).
+scales them in place by grad_output / n_valid. Targets outside [0, V) other than ignore_index
+give a NaN loss (found on the device: checking on the host would need a sync).
 """
 
 from __future__ import annotations
@@ -35,8 +46,8 @@ import math
 
 import torch
 import triton
-from torch import nn
 import triton.language as tl
+from torch import nn
 
 from fastlm.backend import interpreting, use_triton
 from fastlm.kernels._common import as_rows, check_float, check_match, empty
@@ -74,7 +85,10 @@ def _cross_entropy_fwd_kernel(
         mask = cols < n_cols
         x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
         new_max = tl.maximum(running_max, tl.max(x, axis=0))
-        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+        # Every logit so far -inf (masked): new_max is -inf and exp(-inf - (-inf)) would be NaN.
+        # Any finite reference works while the sum is 0, so take 0 until a finite logit is seen.
+        max_ref = tl.where(new_max == float("-inf"), 0.0, new_max)
+        running_sum = running_sum * tl.exp(running_max - max_ref) + tl.sum(tl.exp(x - max_ref), axis=0)
         running_max = new_max
     lse = running_max + tl.log(running_sum)
 
@@ -153,78 +167,112 @@ def _count_valid(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
     return (targets != ignore_index).sum().clamp_min(1)
 
 
+def _mean_loss(rows: torch.Tensor, flat_targets: torch.Tensor, ignore_index: int,
+               dlogits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean loss of rows (N, V) and n_valid; softmax - onehot into dlogits unless it is None."""
+    row_loss = empty((rows.shape[0],), device=rows.device, dtype=torch.float32)
+    _cross_entropy_rows(rows, flat_targets, ignore_index, row_loss, dlogits)
+    n_valid = _count_valid(flat_targets, ignore_index)
+    return row_loss.sum() / n_valid, n_valid
+
+
+def _linear_cross_entropy_chunks(x, weight, targets, ignore_index, chunk_size, need_dx, need_dweight):
+    """The mean loss of x (..., C) @ weight^T and n_valid, chunk by chunk, with the unscaled
+    dx (N, C) and fp32 dweight (V, C) (sums of softmax - onehot terms) where asked for, else None."""
+    n_features = x.shape[-1]
+    rows = x.reshape(-1, n_features)  # (N, C)
+    flat_targets = targets.reshape(-1).contiguous()
+    n_rows = rows.shape[0]
+    write_grad = need_dx or need_dweight
+
+    row_loss = empty((n_rows,), device=x.device, dtype=torch.float32)
+    dx = empty((n_rows, n_features), device=x.device, dtype=x.dtype) if need_dx else None
+    # fp32 across chunks; within a chunk the matmul accumulates in fp32 and rounds once.
+    dweight = torch.zeros(weight.shape, device=x.device, dtype=torch.float32) if need_dweight else None
+    for start in range(0, n_rows, chunk_size):
+        end = min(start + chunk_size, n_rows)
+        x_chunk = rows[start:end]
+        logits = x_chunk @ weight.T  # (chunk, V), the only logits alive
+        _cross_entropy_rows(logits, flat_targets[start:end], ignore_index, row_loss[start:end],
+                            logits if write_grad else None)
+        if need_dx:
+            torch.mm(logits, weight, out=dx[start:end])
+        if need_dweight:
+            if dweight.dtype == logits.dtype:
+                dweight.addmm_(logits.T, x_chunk)
+            else:
+                dweight += logits.T @ x_chunk
+        del logits
+
+    n_valid = _count_valid(flat_targets, ignore_index)
+    return row_loss.sum() / n_valid, n_valid, dx, dweight
+
+
 def _grad_scale(grad_output: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
     return grad_output.float() / n_valid
 
 
+def _claim_saved_gradients(ctx, op_name: str) -> None:
+    """The backward scales the saved gradients in place, so only the first backward may use them."""
+    if ctx.gradients_scaled:
+        raise RuntimeError(
+            f"{op_name}: a second backward through the same graph (retain_graph=True). The first "
+            "scaled the saved gradient in place (a copy would double the peak memory), so it cannot "
+            "be used again: compute the loss again for each backward."
+        )
+    ctx.gradients_scaled = True
+
+
 class _CrossEntropy(torch.autograd.Function):
+    """Applied only when logits need a gradient: cross_entropy decides, as grad mode is off in here."""
+
     @staticmethod
     def forward(ctx, logits, targets, ignore_index, inplace_backward):
         rows = as_rows(logits)  # (N, V)
-        flat_targets = targets.reshape(-1).contiguous()
-        row_loss = empty((rows.shape[0],), device=rows.device, dtype=torch.float32)
-        dlogits = None
-        if ctx.needs_input_grad[0]:
-            dlogits = rows if inplace_backward else empty(rows.shape, device=rows.device, dtype=rows.dtype)
-        _cross_entropy_rows(rows, flat_targets, ignore_index, row_loss, dlogits)
+        dlogits = rows if inplace_backward else empty(rows.shape, device=rows.device, dtype=rows.dtype)
+        loss, n_valid = _mean_loss(rows, targets.reshape(-1).contiguous(), ignore_index, dlogits)
         if dlogits is rows and rows.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr():
             # logits now hold the gradient: any other node that saved them must fail loudly. Save
             # logits themselves: a view of them made here (rows) would not survive the version bump.
             torch.autograd.graph.increment_version(logits)
             dlogits = logits
-        n_valid = _count_valid(flat_targets, ignore_index)
         ctx.save_for_backward(dlogits, n_valid)
         ctx.logits_shape = logits.shape
-        return row_loss.sum() / n_valid
+        ctx.gradients_scaled = False
+        return loss
 
     @staticmethod
     def backward(ctx, grad_output):
+        _claim_saved_gradients(ctx, "cross_entropy")
         dlogits, n_valid = ctx.saved_tensors
-        grad_logits = dlogits * _grad_scale(grad_output, n_valid)
+        # In place: dlogits * scale would be a second (N, V) tensor while the saved one lives.
+        grad_logits = dlogits.mul_(_grad_scale(grad_output, n_valid))
         return grad_logits.view(ctx.logits_shape), None, None, None
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
+    """Applied only when x or weight needs a gradient; need_dx and need_dweight come from
+    linear_cross_entropy, where grad mode is visible (needs_input_grad ignores torch.no_grad)."""
+
     @staticmethod
-    def forward(ctx, x, weight, targets, ignore_index, chunk_size):
-        n_features = x.shape[-1]
-        rows = x.reshape(-1, n_features)  # (N, C)
-        flat_targets = targets.reshape(-1).contiguous()
-        n_rows = rows.shape[0]
-        need_dx, need_dweight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        write_grad = need_dx or need_dweight
-
-        row_loss = empty((n_rows,), device=x.device, dtype=torch.float32)
-        dx = empty((n_rows, n_features), device=x.device, dtype=x.dtype) if need_dx else None
-        # fp32 across chunks; within a chunk the matmul accumulates in fp32 and rounds once.
-        dweight = torch.zeros(weight.shape, device=x.device, dtype=torch.float32) if need_dweight else None
-        for start in range(0, n_rows, chunk_size):
-            end = min(start + chunk_size, n_rows)
-            x_chunk = rows[start:end]
-            logits = x_chunk @ weight.T  # (chunk, V), the only logits alive
-            _cross_entropy_rows(logits, flat_targets[start:end], ignore_index, row_loss[start:end],
-                                logits if write_grad else None)
-            if need_dx:
-                torch.mm(logits, weight, out=dx[start:end])
-            if need_dweight:
-                if dweight.dtype == logits.dtype:
-                    dweight.addmm_(logits.T, x_chunk)
-                else:
-                    dweight += logits.T @ x_chunk
-            del logits
-
-        n_valid = _count_valid(flat_targets, ignore_index)
+    def forward(ctx, x, weight, targets, ignore_index, chunk_size, need_dx, need_dweight):
+        loss, n_valid, dx, dweight = _linear_cross_entropy_chunks(
+            x, weight, targets, ignore_index, chunk_size, need_dx, need_dweight
+        )
         ctx.save_for_backward(dx, dweight, n_valid)
         ctx.x_shape, ctx.weight_dtype = x.shape, weight.dtype
-        return row_loss.sum() / n_valid
+        ctx.gradients_scaled = False
+        return loss
 
     @staticmethod
     def backward(ctx, grad_output):
+        _claim_saved_gradients(ctx, "linear_cross_entropy")
         dx, dweight, n_valid = ctx.saved_tensors
         scale = _grad_scale(grad_output, n_valid)
-        grad_x = (dx * scale).view(ctx.x_shape) if dx is not None else None
-        grad_weight = (dweight * scale).to(ctx.weight_dtype) if dweight is not None else None
-        return grad_x, grad_weight, None, None, None
+        grad_x = dx.mul_(scale).view(ctx.x_shape) if dx is not None else None
+        # Scaled in fp32, rounded once; for an fp16/bf16 weight its gradient is the one new tensor.
+        grad_weight = dweight.mul_(scale).to(ctx.weight_dtype) if dweight is not None else None
+        return grad_x, grad_weight, None, None, None, None, None
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, *,
@@ -236,12 +284,16 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
     [0, V) gives NaN instead of an error (no host sync). Logits may be fp32, fp16 or bf16 and
     strided; the loss is fp32. Targets are int64 (or int32) with logits' leading shape.
 
-    The gradient is computed in the forward into a buffer the size of logits. With
-    `inplace_backward=True` it is written into `logits` itself instead, saving that buffer:
-    when a gradient is needed and logits' last dim has a unit stride, logits are overwritten and
-    must not be used afterwards (otherwise they are copied first and left as they were).
-    A leaf that requires grad is refused; any other autograd node that saved `logits` raises at
-    its backward, as after any in-place op (the version counter is bumped).
+    When a gradient is needed (grad mode on and logits.requires_grad) it is computed in the
+    forward into a buffer the size of logits, and the backward scales that buffer in place, so
+    the graph supports one backward (a second, after retain_graph=True, raises RuntimeError).
+    With `inplace_backward=True` the gradient is written into `logits` itself instead, saving
+    that buffer: when a gradient is needed and logits' last dim has a unit stride, logits are
+    overwritten and must not be used afterwards (otherwise they are copied first and left as
+    they were). A leaf that requires grad is refused; any other autograd node that saved
+    `logits` raises at its backward, as after any in-place op (the version counter is bumped).
+    Without a gradient (torch.no_grad, inference_mode, or logits that do not require grad) only
+    the loss is computed: no buffer, and logits are never written.
     """
     check_float("logits", logits)
     if logits.ndim == 0 or logits.shape[-1] == 0:
@@ -250,7 +302,11 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
         )
     _check_targets(targets, logits.shape[:-1], logits.device, "logits")
     _check_ignore_index(ignore_index)
-    if inplace_backward and logits.is_leaf and logits.requires_grad and torch.is_grad_enabled():
+    # Decided here: inside the Function grad mode is always off and needs_input_grad ignores no_grad.
+    if not (logits.requires_grad and torch.is_grad_enabled()):
+        loss, _ = _mean_loss(as_rows(logits), targets.reshape(-1).contiguous(), ignore_index, None)
+        return loss
+    if inplace_backward and logits.is_leaf:
         raise ValueError("inplace_backward=True would overwrite logits, a leaf tensor that requires grad")
     return _CrossEntropy.apply(logits, targets, ignore_index, bool(inplace_backward))
 
@@ -272,8 +328,11 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     `default_chunk_size`, at most 128 MiB of logits per chunk); each chunk's logits are computed
     in x's dtype and turned into its dx and its share of dweight in the forward, so the peak
     extra memory is one chunk's logits plus dx (x's size), an fp32 dweight (V, C) and, for
-    fp16/bf16, one (V, C) partial product. The mean, ignore_index, all-ignored and out-of-vocabulary
-    rules are cross_entropy's; the loss is fp32, the gradients have x's and weight's dtypes.
+    fp16/bf16, one (V, C) partial product. Only the gradients needed are computed (those of the
+    inputs that require grad, none under torch.no_grad or inference_mode), and the backward
+    scales them in place, so the graph supports one backward (see cross_entropy). The mean,
+    ignore_index, all-ignored and out-of-vocabulary rules are cross_entropy's; the loss is fp32,
+    the gradients have x's and weight's dtypes.
 
     Under autocast, x and weight are cast to the autocast dtype first, as a linear layer would be.
     """
@@ -298,7 +357,11 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
         chunk_size = default_chunk_size(n_tokens, weight.shape[0], x.dtype)
     elif not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    return _LinearCrossEntropy.apply(x, weight, targets, ignore_index, chunk_size)
+    grad_enabled = torch.is_grad_enabled()
+    need_dx, need_dweight = x.requires_grad and grad_enabled, weight.requires_grad and grad_enabled
+    if not (need_dx or need_dweight):
+        return _linear_cross_entropy_chunks(x, weight, targets, ignore_index, chunk_size, False, False)[0]
+    return _LinearCrossEntropy.apply(x, weight, targets, ignore_index, chunk_size, need_dx, need_dweight)
 
 
 class CrossEntropyLoss(nn.Module):
