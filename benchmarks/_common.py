@@ -9,7 +9,8 @@ large buffer before every timed call, so inputs never sit in the L2 cache (60 MB
 between runs and need no rotation. A failing measurement never stops a run: out of memory shows
 as `OOM` (and the memory is freed), a shape a kernel does not support as `unsupported`, a piece
 that is not importable as `n/a`, anything else as `error` with its message in the notes, and rows
-past the time budget as `skipped`.
+past the time budget as `skipped`. Rows go to the CSV as they are measured, and Ctrl-C or SIGINT
+(gpu_check.sh's time limit) ends the measuring early but still writes the tables.
 
 `python benchmarks/_common.py --out DIR` writes the environment (GPU, versions, commit) to
 DIR/env.json and prints it.
@@ -18,6 +19,7 @@ DIR/env.json and prints it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import gc
@@ -309,22 +311,41 @@ class Deadline:
 
 
 class Run:
-    """One benchmark run: its arguments, time budget, rows and notes, and where they go."""
+    """One benchmark run: its arguments, time budget, rows and notes, and where they go.
 
-    def __init__(self, name: str, args: argparse.Namespace, quick_time_limit: float):
+    Rows are added as they are measured and, with --out, appended to NAME.csv at once, so a run
+    that is killed still leaves what it measured there. Derived columns (speed-ups: `add_ratios`)
+    are filled in once the measuring is over; `finish()` then rewrites the CSV complete.
+    """
+
+    def __init__(self, name: str, args: argparse.Namespace, quick_time_limit: float,
+                 columns: Sequence[str]):
         self.name = name
         self.args = args
+        self.columns = list(columns)
         limit = args.time_limit if args.time_limit is not None else (
             quick_time_limit if args.quick else None)
         self.deadline = Deadline(limit)
         self.rows: list[dict] = []
         self.notes: list[str] = []
         self.failures: dict[tuple[str, str], list[str]] = {}  # (status, message) -> labels
+        self.interrupted = False
         self.env = environment()
+        self.csv_path = None
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            self.csv_path = args.out / f"{name}.csv"
+            write_csv(self.csv_path, [], self.columns)
 
     def note(self, text: str) -> None:
         if text not in self.notes:
             self.notes.append(text)
+
+    def add(self, row: dict) -> None:
+        """Keep a measured row, and append it to the CSV at once."""
+        self.rows.append(row)
+        if self.csv_path is not None:
+            write_csv(self.csv_path, [row], self.columns, append=True)
 
     def measure(self, fn: Callable[[], object], label: str) -> Outcome:
         """fn's value unless the budget is spent; failures become status cells and notes."""
@@ -336,16 +357,21 @@ class Run:
             self.failures.setdefault((outcome.status, outcome.message), []).append(label)
         return outcome
 
+    @contextlib.contextmanager
+    def interruptible(self):
+        """Measure in the with-block; Ctrl-C or SIGINT (gpu_check.sh's time limit sends it) ends
+        the block early and leaves the rows measured so far for `finish()`."""
+        try:
+            yield
+        except KeyboardInterrupt:
+            self.interrupted = True
+            self.note(f"interrupted (SIGINT) after {self.deadline.elapsed():.0f} s: "
+                      "the measurements after the last row are missing")
+
     def failure_notes(self) -> list[str]:
         """One note per distinct failure message, naming the first case and the count."""
         return [f"{status} in {len(labels)} measurement(s), first {labels[0]}: {message}"
                 for (status, message), labels in self.failures.items()]
-
-    def bench(self, fn: Callable[[], object], label: str,
-              grad_to_none: Sequence[torch.Tensor] | None = None) -> Outcome:
-        """Median ms of fn through do_bench, guarded."""
-        return self.measure(lambda: do_bench_ms(fn, self.args.warmup_ms, self.args.rep_ms,
-                                                grad_to_none), label)
 
     def header(self) -> None:
         env = self.env
@@ -354,10 +380,16 @@ class Run:
               + (" (+ uncommitted changes)" if env["uncommitted_changes"] else ""))
         print()
 
-    def finish(self, columns: Sequence[str], *, plot: dict | None = None,
-               summary: Iterable[str] = ()) -> None:
-        """Markdown table and notes on stdout; CSV, JSON, PNG and summary lines to --out."""
-        print(markdown_table(self.rows, columns))
+    def finish(self, *, group_by: Sequence[str] = (), plot: dict | None = None,
+               summary: Iterable[str] = ()) -> int:
+        """Markdown table and notes on stdout; CSV, JSON, PNG and summary lines to --out.
+
+        Rows with equal `group_by` fields are put together (groups in the order they were first
+        measured). Returns the exit code: 130 if the run was interrupted, else 0.
+        """
+        if group_by:
+            self.rows = grouped(self.rows, group_by)
+        print(markdown_table(self.rows, self.columns))
         summary = list(summary)
         if summary:
             print("\n" + "\n".join(summary))
@@ -366,19 +398,18 @@ class Run:
             print(f"- {text}")
         print(f"\n({self.deadline.elapsed():.0f} s)")
         out = self.args.out
-        if out is None:
-            return
-        out.mkdir(parents=True, exist_ok=True)
-        write_csv(out / f"{self.name}.csv", self.rows, columns)
-        (out / f"{self.name}.json").write_text(json.dumps(
-            {"env": self.env, "args": {k: str(v) for k, v in vars(self.args).items()},
-             "rows": self.rows, "notes": self.notes}, indent=1, default=str))
-        (out / f"{self.name}_summary.md").write_text("\n".join(summary) + "\n")
-        if plot is not None:
-            message = plot_lines(out / f"{self.name}.png", self.rows, **plot)
-            if message:
-                print(message)
-        print(f"wrote {out}/{self.name}.{{csv,json,png}} and {self.name}_summary.md")
+        if out is not None:
+            write_csv(self.csv_path, self.rows, self.columns)
+            (out / f"{self.name}.json").write_text(json.dumps(
+                {"env": self.env, "args": {k: str(v) for k, v in vars(self.args).items()},
+                 "rows": self.rows, "notes": self.notes}, indent=1, default=str))
+            (out / f"{self.name}_summary.md").write_text("\n".join(summary) + "\n")
+            if plot is not None:
+                message = plot_lines(out / f"{self.name}.png", self.rows, **plot)
+                if message:
+                    print(message)
+            print(f"wrote {out}/{self.name}.{{csv,json,png}} and {self.name}_summary.md")
+        return 130 if self.interrupted else 0
 
 
 def ratio(numerator: Outcome | float | None, denominator: Outcome | float | None) -> float | None:
@@ -386,6 +417,28 @@ def ratio(numerator: Outcome | float | None, denominator: Outcome | float | None
     a = numerator.value if isinstance(numerator, Outcome) else numerator
     b = denominator.value if isinstance(denominator, Outcome) else denominator
     return a / b if a is not None and b else None
+
+
+def add_ratios(rows: Sequence[dict], column: str, baseline: str, *, key: Sequence[str],
+               value: str, higher_is_better: bool = False) -> None:
+    """Set each row's `column` to its `value` compared with the row of impl `baseline` with
+    the same `key` fields: baseline / row (a speed-up when value is a time), or row / baseline
+    with higher_is_better (tokens/s). None where either is not a number."""
+    def number(row):
+        return row.get(value) if isinstance(row.get(value), (int, float)) else None
+
+    baselines = {tuple(r[k] for k in key): number(r) for r in rows if r["impl"] == baseline}
+    for row in rows:
+        base = baselines.get(tuple(row[k] for k in key))
+        row[column] = ratio(number(row), base) if higher_is_better else ratio(base, number(row))
+
+
+def grouped(rows: Sequence[dict], key: Sequence[str]) -> list[dict]:
+    """rows with equal `key` fields together, groups in order of first appearance (stable)."""
+    order: dict[tuple, int] = {}
+    for row in rows:
+        order.setdefault(tuple(row[k] for k in key), len(order))
+    return sorted(rows, key=lambda row: order[tuple(row[k] for k in key)])
 
 
 # --------------------------------------------------------------------------------------------
@@ -419,10 +472,13 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def write_csv(path: Path, rows: Sequence[dict], columns: Sequence[str]) -> None:
-    with path.open("w", newline="") as f:
+def write_csv(path: Path, rows: Sequence[dict], columns: Sequence[str], *,
+              append: bool = False) -> None:
+    """rows as CSV with a header line, or appended to the file without one."""
+    with path.open("a" if append else "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
-        writer.writeheader()
+        if not append:
+            writer.writeheader()
         writer.writerows(rows)
 
 

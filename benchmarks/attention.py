@@ -38,6 +38,9 @@ FILL_TOKENS = 16384  # B x N of the configuration that fills the GPU
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 QUICK_TIME_LIMIT_S = 160
 EAGER, COMPILED, SDPA_FLASH = "reference", "torch.compile(reference)", "sdpa-flash"
+COLUMNS = ["dtype", "D", "B", "H", "N", "mode", "impl", "ms", "TFLOP/s", "vs sdpa-flash",
+           "vs reference", "rel err"]
+SHAPE_AND_MODE = ("dtype", "D", "B", "N", "mode")  # the columns that make rows comparable
 
 
 @dataclass(frozen=True)
@@ -161,27 +164,26 @@ def bench_shape(run: common.Run, impls: dict[str, Callable], shape: Shape) -> No
     if not made.ok:
         return
     inputs = made.value
-    times, errors = {}, {}
     for name, fn in impls.items():
         label = f"{name} {shape}"
-        times[name] = common.time_modes(run, fn, inputs, label)
-        errors[name] = run.measure(lambda: common.output_error(fn, _sdpa_default, inputs),
-                                   f"{label} check")
-    for mode in common.MODES:
-        flops = FLOP_FACTOR[mode] * shape.forward_flops()
-        for name, per_mode in times.items():
-            ms = per_mode[mode]
-            run.rows.append({
-                "dtype": shape.dtype, "D": shape.head_dim, "B": shape.batch, "H": shape.heads,
-                "N": shape.seq, "batch": "1" if shape.batch == 1 else "fill", "mode": mode,
-                "impl": name, "ms": ms.cell(),
-                "TFLOP/s": flops / (ms.value * 1e-3) / 1e12 if ms.ok else None,
-                "vs sdpa-flash": common.ratio(times.get(SDPA_FLASH, {}).get(mode), ms),
-                "vs reference": common.ratio(times[EAGER][mode], ms),
-                "rel err": errors[name].cell(),
-            })
+        times = common.time_modes(run, fn, inputs, label)
+        error = run.measure(lambda: common.output_error(fn, _sdpa_default, inputs),
+                            f"{label} check")
+        for mode, ms in times.items():
+            flops = FLOP_FACTOR[mode] * shape.forward_flops()
+            run.add({"dtype": shape.dtype, "D": shape.head_dim, "B": shape.batch,
+                     "H": shape.heads, "N": shape.seq, "batch": "1" if shape.batch == 1 else "fill",
+                     "mode": mode, "impl": name, "ms": ms.cell(),
+                     "TFLOP/s": flops / (ms.value * 1e-3) / 1e12 if ms.ok else None,
+                     "rel err": error.cell()})
     del inputs, made
     common.free_memory()
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """'vs sdpa-flash' and 'vs reference': the baseline's ms / the row's for the same shape."""
+    for column, baseline in (("vs sdpa-flash", SDPA_FLASH), ("vs reference", EAGER)):
+        common.add_ratios(rows, column, baseline, key=SHAPE_AND_MODE, value="ms")
 
 
 def summary_lines(rows: list[dict]) -> list[str]:
@@ -189,7 +191,7 @@ def summary_lines(rows: list[dict]) -> list[str]:
     lines = ["attention, causal, bf16, D = 128 (fastlm TFLOP/s; speed-up = other's ms / fastlm's):"]
     ours = [r for r in rows if r["impl"] == "fastlm" and r["dtype"] == "bf16" and r["D"] == 128]
     for r in ours:
-        same = {o["impl"]: o for o in rows if all(o[k] == r[k] for k in ("dtype", "D", "B", "N", "mode"))}
+        same = {o["impl"]: o for o in rows if all(o[k] == r[k] for k in SHAPE_AND_MODE)}
         parts = [f"N={r['N']} B={r['B']} {r['mode']}: "
                  + (f"{r['TFLOP/s']:.0f} TFLOP/s" if r["TFLOP/s"] else str(r["ms"]))]
         for other in (SDPA_FLASH, "sdpa-cudnn", "flash-attn", COMPILED, EAGER):
@@ -260,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         return interpreter_check()
 
     common.raise_compile_limits()
-    run = common.Run("attention", args, QUICK_TIME_LIMIT_S)
+    run = common.Run("attention", args, QUICK_TIME_LIMIT_S, COLUMNS)
     run.header()
     impls, notes = implementations()
     for text in notes:
@@ -271,15 +273,14 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown --impls {sorted(unknown)}; available: {list(impls)}")
         keep = set(args.impls) | {EAGER}  # the reference column is the speed-up baseline
         impls = {name: fn for name, fn in impls.items() if name in keep}
-    for shape in quick_shapes() if args.quick else full_shapes():
-        bench_shape(run, impls, shape)
-    columns = ["dtype", "D", "B", "H", "N", "mode", "impl", "ms", "TFLOP/s", "vs sdpa-flash",
-               "vs reference", "rel err"]
-    run.finish(columns, summary=summary_lines(run.rows),
-               plot={"x": "N", "y": "TFLOP/s", "series": "impl", "logx": True,
-                     "panel": ("dtype", "D", "batch", "mode"),
-                     "title": f"causal attention, {run.env['gpu']}"})
-    return 0
+    with run.interruptible():
+        for shape in quick_shapes() if args.quick else full_shapes():
+            bench_shape(run, impls, shape)
+    add_speedups(run.rows)
+    return run.finish(group_by=SHAPE_AND_MODE, summary=summary_lines(run.rows),
+                      plot={"x": "N", "y": "TFLOP/s", "series": "impl", "logx": True,
+                            "panel": ("dtype", "D", "batch", "mode"),
+                            "title": f"causal attention, {run.env['gpu']}"})
 
 
 if __name__ == "__main__":

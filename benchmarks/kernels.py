@@ -15,14 +15,16 @@ tables are under 0.1% and left out):
   add_rms_norm  fwd read x, r, write y, h: 4MNe  bwd read h, dy, dh, write dx: 4MNe
   rope (q, k)   fwd read and write q, k: 4MNe  bwd the same on the gradients: 4MNe
   swiglu        fwd read g, u, write y: 3MNe   bwd read g, u, dy, write dg, du: 5MNe
-  cross_entropy fwd read logits: MVe          bwd read logits, write dlogits: 2MVe
+  cross_entropy fwd read logits: MVe          (no backward-alone row)
 (M tokens, V vocabulary entries.) fwd+bwd is the sum, except for cross-entropy: its gradient can
 be written while the logits are read once, so its fwd+bwd counts 2MVe (read logits, write
 dlogits). fastlm's forward does just that: its forward rows move 2MVe against the MVe counted,
-and its backward only scales the gradient. RoPE rotates in place, which autograd allows only on
-computed tensors, so its backward and forward+backward rows time `clone` + op for every
-implementation (the clone's bytes, 4MNe, are counted there); its forward rows run under no_grad
-on the tensors directly.
+and its backward only scales the gradient in place, which cannot be repeated on one retained
+graph, so cross-entropy is compared on fwd and fwd+bwd only. RoPE rotates in place, which autograd allows only on
+computed tensors, so with autograd on every implementation runs on clones of q and k: the
+forward+backward rows time the clone too and count its 4MNe (12MNe in all), while the backward
+rows time only `backward()`, where the clone's backward passes the gradient on without a kernel
+(4MNe); the forward rows run under no_grad on the tensors directly.
 RoPE shapes: q and k (B, H, T, 128) with H = N / 128, T = 2048, B = M / T. Liger's RoPE uses the
 half-split layout, so it is also compared with fastlm's half-split mode.
 
@@ -78,12 +80,14 @@ MODES = common.MODES
 EAGER, COMPILED = "reference", "torch.compile(reference)"
 MATERIALISED = "x @ w.T, F.cross_entropy"
 MATERIALISED_COMPILED = f"torch.compile({MATERIALISED})"
+COLUMNS = ["op", "mode", "size", "impl", "ms", "GB/s", "% of copy", "vs reference", "vs compiled",
+           "rel err", "peak MiB", "peak / logits"]
 
 
 @dataclass
 class Op:
-    """One op: its inputs, its implementations, the bytes each mode moves (in units of MNe) and
-    its sizes (M, N)."""
+    """One op: its inputs, its implementations, the bytes each mode moves (in units of MNe; the
+    modes it is timed in) and its sizes (M, N)."""
 
     name: str
     make_inputs: Callable[[int, int], tuple[torch.Tensor, ...]]
@@ -175,12 +179,8 @@ def add_rms_norm_impls(m: int, n: int) -> dict[str, Callable]:
         "x + r, F.rms_norm": builtin,
     }
     liger = _liger("fused_add_rms_norm", "LigerFusedAddRMSNormFunction")
-    if liger is not None:
-        def liger_add(x, r, w):
-            normed, summed = liger.apply(x, r, w, EPS, 0.0, "llama", False)
-            return normed, summed
-
-        impls["liger"] = liger_add
+    if liger is not None:  # returns (normed, summed), as fastlm's
+        impls["liger"] = lambda x, r, w: liger.apply(x, r, w, EPS, 0.0, "llama", False)
     return impls
 
 
@@ -315,11 +315,14 @@ OPS = [
     Op("add_rms_norm", lambda m, n: (_leaf(m, n), _leaf(m, n), _weight(n)), add_rms_norm_impls,
        {"fwd": 4, "bwd": 4, "fwd+bwd": 8}),
     Op("rope", lambda m, n: (_leaf(*_rope_shape(m, n)), _leaf(*_rope_shape(m, n))), rope_impls,
-       {"fwd": 4, "bwd": 4 + 4, "fwd+bwd": 8 + 4}, forward_grad=False),
+       {"fwd": 4, "bwd": 4, "fwd+bwd": 4 + 4 + 4},  # fwd+bwd: clone, rotation, backward
+       forward_grad=False),
     Op("swiglu", lambda m, n: (_leaf(m, n), _leaf(m, n)), swiglu_impls,
        {"fwd": 3, "bwd": 5, "fwd+bwd": 8}),
     Op("cross_entropy", lambda m, v: (_leaf(m, v), _targets(m, v)), cross_entropy_impls,
-       {"fwd": 1, "bwd": 2, "fwd+bwd": 2}, full_sizes=CROSS_ENTROPY_FULL_SIZES,
+       # No backward-alone row: fastlm's gradient is written in the forward, its backward is
+       # one in-place scale and refuses a second pass over a retained graph.
+       {"fwd": 1, "fwd+bwd": 2}, full_sizes=CROSS_ENTROPY_FULL_SIZES,
        quick_sizes=CROSS_ENTROPY_QUICK_SIZES, error_reference=_cross_entropy_fp32),
 ]
 
@@ -342,21 +345,15 @@ def bench_size(run: common.Run, op: Op, m: int, n: int, copy_gbs: float) -> None
     errors = {name: run.measure(lambda: common.output_error(fn, reference_fn, inputs),
                                 f"{op.name} {name} {size} check")
               for name, fn in impls.items()}
-    times = {name: common.time_modes(run, fn, inputs, f"{op.name} {name} {size}",
-                                     forward_grad=op.forward_grad)
-             for name, fn in impls.items()}
-    for mode in MODES:
-        gigabytes = op.traffic[mode] * m * n * DTYPE.itemsize / 1e9
-        for name, per_mode in times.items():
-            ms = per_mode[mode]
+    for name, fn in impls.items():
+        times = common.time_modes(run, fn, inputs, f"{op.name} {name} {size}",
+                                  forward_grad=op.forward_grad, modes=tuple(op.traffic))
+        for mode, ms in times.items():
+            gigabytes = op.traffic[mode] * m * n * DTYPE.itemsize / 1e9
             gbs = gigabytes / (ms.value * 1e-3) if ms.ok else None
-            run.rows.append({
-                "op": op.name, "mode": mode, "size": size, "impl": name, "ms": ms.cell(),
-                "GB/s": gbs, "% of copy": 100 * gbs / copy_gbs if gbs else None,
-                "vs reference": common.ratio(times[EAGER][mode], ms),
-                "vs compiled": common.ratio(times[COMPILED][mode], ms),
-                "rel err": errors[name].cell(),
-            })
+            run.add({"op": op.name, "mode": mode, "size": size, "impl": name, "ms": ms.cell(),
+                     "GB/s": gbs, "% of copy": 100 * gbs / copy_gbs if gbs else None,
+                     "rel err": errors[name].cell()})
     del inputs
     common.free_memory()
 
@@ -386,25 +383,29 @@ def bench_linear_cross_entropy(run: common.Run, m: int, c: int) -> None:
     # w scaled so that the logits have unit variance, as in a trained model's output layer.
     inputs = (_leaf(m, c), _randn(VOCAB, c, scale=c**-0.5).requires_grad_(), _targets(m, VOCAB))
     logits_bytes = m * VOCAB * DTYPE.itemsize
-    results = {}
     for name, fn in impls.items():
         label = f"{LINEAR_CE} {name} {size}"
         ms = common.time_modes(run, fn, inputs, label, modes=("fwd+bwd",))["fwd+bwd"]
         error = run.measure(lambda: common.output_error(fn, _linear_cross_entropy_fp32, inputs),
                             f"{label} check")
         peak = run.measure(lambda: peak_extra_bytes(fn, inputs), f"{label} peak memory")
-        results[name] = ms, error, peak
-    for name, (ms, error, peak) in results.items():
-        run.rows.append({
-            "op": LINEAR_CE, "mode": "fwd+bwd", "size": size, "impl": name, "ms": ms.cell(),
-            "vs reference": common.ratio(results[MATERIALISED][0], ms),
-            "vs compiled": common.ratio(results[MATERIALISED_COMPILED][0], ms),
-            "rel err": error.cell(),
-            "peak MiB": peak.value / 2**20 if peak.ok else peak.status,
-            "peak / logits": common.ratio(peak, logits_bytes),
-        })
+        run.add({"op": LINEAR_CE, "mode": "fwd+bwd", "size": size, "impl": name,
+                 "ms": ms.cell(), "rel err": error.cell(),
+                 "peak MiB": peak.value / 2**20 if peak.ok else peak.status,
+                 "peak / logits": common.ratio(peak, logits_bytes)})
     del inputs
     common.free_memory()
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """'vs reference' and 'vs compiled': the baseline's ms / the row's at the same op, mode and
+    size; the baselines of linear_cross_entropy are the materialised logits, eager and compiled."""
+    fused = [r for r in rows if r["op"] == LINEAR_CE]
+    others = [r for r in rows if r["op"] != LINEAR_CE]
+    for subset, eager, compiled in ((others, EAGER, COMPILED),
+                                    (fused, MATERIALISED, MATERIALISED_COMPILED)):
+        for column, baseline in (("vs reference", eager), ("vs compiled", compiled)):
+            common.add_ratios(subset, column, baseline, key=("op", "mode", "size"), value="ms")
 
 
 def summary_lines(rows: list[dict], headline_sizes: dict[str, str]) -> list[str]:
@@ -540,28 +541,28 @@ def main(argv: list[str] | None = None) -> int:
         return interpreter_check()
 
     common.raise_compile_limits()
-    run = common.Run("kernels", args, QUICK_TIME_LIMIT_S)
+    run = common.Run("kernels", args, QUICK_TIME_LIMIT_S, COLUMNS)
     run.header()
-    copy = run.measure(lambda: common.copy_bandwidth_gbs(args.warmup_ms, args.rep_ms), "copy")
-    copy_gbs = copy.value or math.nan
-    print(f"device-to-device copy: {copy_gbs:.0f} GB/s (bytes read + written)\n")
-    run.env["copy_GB/s"] = copy_gbs
     if common.optional_module("liger_kernel") is None:
         run.note("Liger-Kernel is not installed: its rows are left out")
-    for op in (op for op in OPS if op.name in args.ops):
-        for m, n in op.quick_sizes if args.quick else op.full_sizes:
-            bench_size(run, op, m, n, copy_gbs)
-    if LINEAR_CE in args.ops:
-        for m, c in LINEAR_CE_QUICK_SIZES if args.quick else LINEAR_CE_FULL_SIZES:
-            bench_linear_cross_entropy(run, m, c)
-    columns = ["op", "mode", "size", "impl", "ms", "GB/s", "% of copy", "vs reference",
-               "vs compiled", "rel err", "peak MiB", "peak / logits"]
+    with run.interruptible():
+        copy = run.measure(lambda: common.copy_bandwidth_gbs(args.warmup_ms, args.rep_ms), "copy")
+        copy_gbs = copy.value or math.nan
+        print(f"device-to-device copy: {copy_gbs:.0f} GB/s (bytes read + written)\n")
+        run.env["copy_GB/s"] = copy_gbs
+        for op in (op for op in OPS if op.name in args.ops):
+            for m, n in op.quick_sizes if args.quick else op.full_sizes:
+                bench_size(run, op, m, n, copy_gbs)
+        if LINEAR_CE in args.ops:
+            for m, c in LINEAR_CE_QUICK_SIZES if args.quick else LINEAR_CE_FULL_SIZES:
+                bench_linear_cross_entropy(run, m, c)
+    add_speedups(run.rows)
     headline_sizes = {op.name: _size(*op.quick_sizes[0]) for op in OPS}
     headline_sizes[LINEAR_CE] = _size(*LINEAR_CE_QUICK_SIZES[0], VOCAB)
-    run.finish(columns, summary=summary_lines(run.rows, headline_sizes),
-               plot={"x": "size", "y": "GB/s", "series": "impl", "panel": ("op", "mode"),
-                     "title": f"fastlm kernels, bf16, {run.env['gpu']}"})
-    return 0
+    return run.finish(group_by=("op", "size", "mode"),
+                      summary=summary_lines(run.rows, headline_sizes),
+                      plot={"x": "size", "y": "GB/s", "series": "impl", "panel": ("op", "mode"),
+                            "title": f"fastlm kernels, bf16, {run.env['gpu']}"})
 
 
 if __name__ == "__main__":

@@ -5,14 +5,23 @@ Model: vocab 32000, d_model 768, 12 layers, 12 heads, d_ff 2048, RoPE theta 1000
 autocast (fp32 parameters), backward, `torch.optim.AdamW(fused=True)` step (the same optimizer for
 every row, so rows differ only in the model), gradients set to None.
 
-Rows: the reference (`fastlm.reference.Transformer`, loss by `reference.CrossEntropyLoss` on its
-logits) in eager mode and under `torch.compile`; the reference with its attention replaced by
-F.scaled_dot_product_attention(is_causal=True), compiled (what users pick today); and
-`fastlm.Transformer` (its fused `loss()`), eager and compiled, loaded from the reference's
-state_dict. Columns: tokens/s and its ratio to the eager reference and to the compiled SDPA
-reference; peak memory (torch.cuda.max_memory_allocated over the timed steps: parameters,
-gradients, optimizer state and activations) and its ratio to the eager reference; the first
-step's loss (every row starts from the same weights and data, so these should agree).
+The batch is fixed at 16384 tokens per step (--tokens) rather than grown until memory is full,
+so every row does the same work: the largest batch that fits differs per row, the eager reference
+keeping B x H x N^2 attention scores per layer. 16384 tokens already fill the chip: the narrowest
+matmul of a step (16384 x 768, the attention output projection) is 768 tiles of 128 x 128, almost
+six per SM of an H100 or H200 (132 SMs), and attention has B x H x N / 128 = 1536 query blocks of
+128 rows at either sequence length.
+
+Rows, in the order they are measured (a spent time budget skips the last ones):
+`fastlm.Transformer` (its fused `loss()`, loaded from the reference's state_dict) compiled, and
+the reference with its attention replaced by F.scaled_dot_product_attention(is_causal=True),
+compiled (what users pick today): the headline comparison; then fastlm eager, and the reference
+(`fastlm.reference.Transformer`) eager and compiled. The reference's loss is
+`reference.CrossEntropyLoss` on its logits cast to float32, as fastlm.train computes it.
+Columns: tokens/s and its ratio to the eager reference and to the compiled SDPA reference; peak
+memory (torch.cuda.max_memory_allocated over the timed steps: parameters, gradients, optimizer
+state and activations) and its ratio to the eager reference; the first step's loss (every row
+starts from the same weights and data, so these should agree).
 
 Without CUDA: a message, then a tiny model's loss and gradients, fastlm against the float64
 reference, through Triton's interpreter, and one step of the benchmark's step function; exit
@@ -55,6 +64,10 @@ QUICK_TIME_LIMIT_S = 85
 REF_EAGER, REF_COMPILED = "reference", "torch.compile(reference)"
 SDPA_COMPILED = "torch.compile(reference + SDPA)"
 FASTLM_EAGER, FASTLM_COMPILED = "fastlm", "torch.compile(fastlm)"
+# The headline comparison first, so that a spent time budget skips the least needed rows.
+KINDS = [FASTLM_COMPILED, SDPA_COMPILED, FASTLM_EAGER, REF_EAGER, REF_COMPILED]
+COLUMNS = ["seq", "batch", "layers", "impl", "ms/step", "tokens/s", "vs reference",
+           "vs compiled SDPA", "peak GiB", "memory vs reference", "first loss"]
 
 
 class SdpaAttention(torch.nn.Module):
@@ -65,6 +78,12 @@ class SdpaAttention(torch.nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def reference_loss(model: torch.nn.Module, ids: torch.Tensor,
+                   targets: torch.Tensor) -> torch.Tensor:
+    """The reference model's loss, on float32 logits as in fastlm.train."""
+    return reference.CrossEntropyLoss()(model(ids).float(), targets)
+
+
 def build(kind: str, config: Config, seq: int) -> tuple[torch.nn.Module, Callable]:
     """(model, loss_fn(model, ids, targets)) for a row; every model has the same weights."""
     torch.manual_seed(0)
@@ -73,9 +92,6 @@ def build(kind: str, config: Config, seq: int) -> tuple[torch.nn.Module, Callabl
         if kind == SDPA_COMPILED:
             for block in ref.blocks:
                 block.mult_head_atten.attention = SdpaAttention()
-
-        def reference_loss(model, ids, targets):
-            return reference.CrossEntropyLoss()(model(ids), targets)
         return ref, reference_loss
     model = fastlm.Transformer(**config.kwargs(seq), device=common.DEVICE)
     model.load_state_dict(ref.state_dict())
@@ -125,39 +141,30 @@ def measure(kind: str, config: Config, seq: int, batch: int, warmup: int,
 
 
 def bench(run: common.Run, config: Config, seqs: list[int], tokens: int) -> None:
-    kinds = [REF_EAGER, REF_COMPILED, SDPA_COMPILED, FASTLM_EAGER, FASTLM_COMPILED]
-    # Measured in the order of the design targets' comparisons, so that a spent time budget
-    # skips the least needed rows; shown in table order.
-    priority = [FASTLM_EAGER, REF_EAGER, SDPA_COMPILED, FASTLM_COMPILED, REF_COMPILED]
     for seq in seqs:
         batch = max(1, tokens // seq)
-        results = {}
-        for kind in priority:
-            results[kind] = run.measure(
+        for kind in KINDS:
+            outcome = run.measure(
                 lambda: measure(kind, config, seq, batch, run.args.warmup_steps, run.args.steps),
                 f"{kind} seq={seq}")
             torch._dynamo.reset()  # drop compiled graphs (and what their guards hold)
             common.free_memory()
-
-        def tokens_per_s(kind):
-            outcome = results[kind]
-            return batch * seq / (outcome.value.ms * 1e-3) if outcome.ok else None
-
-        for kind in kinds:
-            outcome = results[kind]
             value = outcome.value
-            run.rows.append({
-                "seq": seq, "batch": batch, "layers": config.num_layers, "impl": kind,
-                "ms/step": value.ms if value else outcome.status,
-                "tokens/s": tokens_per_s(kind),
-                "vs reference": common.ratio(tokens_per_s(kind), tokens_per_s(REF_EAGER)),
-                "vs compiled SDPA": common.ratio(tokens_per_s(kind), tokens_per_s(SDPA_COMPILED)),
-                "peak GiB": value.peak_gib if value else outcome.status,
-                "memory vs reference": common.ratio(
-                    value.peak_gib if value else None,
-                    results[REF_EAGER].value.peak_gib if results[REF_EAGER].ok else None),
-                "first loss": value.first_loss if value else None,
-            })
+            run.add({"seq": seq, "batch": batch, "layers": config.num_layers, "impl": kind,
+                     "ms/step": value.ms if value else outcome.status,
+                     "tokens/s": batch * seq / (value.ms * 1e-3) if value else None,
+                     "peak GiB": value.peak_gib if value else outcome.status,
+                     "first loss": value.first_loss if value else None})
+
+
+def add_comparisons(rows: list[dict]) -> None:
+    """Throughput against the eager and the compiled SDPA reference, memory against the eager
+    reference, at the same sequence length; each the row's value / the baseline's."""
+    for column, baseline, value in (("vs reference", REF_EAGER, "tokens/s"),
+                                    ("vs compiled SDPA", SDPA_COMPILED, "tokens/s"),
+                                    ("memory vs reference", REF_EAGER, "peak GiB")):
+        common.add_ratios(rows, column, baseline, key=("seq",), value=value,
+                          higher_is_better=True)
 
 
 def summary_lines(rows: list[dict]) -> list[str]:
@@ -196,8 +203,7 @@ def interpreter_check() -> int:
     rows = []
 
     def reference_step():
-        step = make_step(ref, lambda m, i, t: reference.CrossEntropyLoss()(m(i), t), ids, targets,
-                         autocast=False)
+        step = make_step(ref, reference_loss, ids, targets, autocast=False)
         loss = float(step())
         status = "ok" if torch.isfinite(torch.tensor(loss)) else "FAIL (loss not finite)"
         return [("reference training step (benchmark's step function)", status, None, None)]
@@ -243,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         "time budget"))
     p.add_argument("--seqs", type=int, nargs="+", default=None,
                    help="sequence lengths (default 1024 2048; --quick: 1024)")
-    p.add_argument("--tokens", type=int, default=16384, help="tokens per step (batch x seq)")
+    p.add_argument("--tokens", type=int, default=16384,
+                   help="tokens per step, batch x seq (default 16384, the same for every row; "
+                        "train.py's docstring says why)")
     p.add_argument("--layers", type=int, default=None,
                    help=f"transformer blocks (default 12; --quick: {QUICK_LAYERS})")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 10; --quick: 3)")
@@ -259,15 +267,14 @@ def main(argv: list[str] | None = None) -> int:
     layers = args.layers or (QUICK_LAYERS if args.quick else Config.num_layers)
     config = Config(num_layers=layers)
     common.raise_compile_limits()
-    run = common.Run("train", args, QUICK_TIME_LIMIT_S)
+    run = common.Run("train", args, QUICK_TIME_LIMIT_S, COLUMNS)
     run.header()
-    bench(run, config, args.seqs, args.tokens)
-    columns = ["seq", "batch", "layers", "impl", "ms/step", "tokens/s", "vs reference",
-               "vs compiled SDPA", "peak GiB", "memory vs reference", "first loss"]
-    run.finish(columns, summary=summary_lines(run.rows),
-               plot={"x": "impl", "y": "tokens/s", "series": "seq", "panel": ("layers",),
-                     "title": f"training step, {run.env['gpu']}"})
-    return 0
+    with run.interruptible():
+        bench(run, config, args.seqs, args.tokens)
+    add_comparisons(run.rows)
+    return run.finish(summary=summary_lines(run.rows),
+                      plot={"x": "impl", "y": "tokens/s", "series": "seq", "panel": ("layers",),
+                            "title": f"training step, {run.env['gpu']}"})
 
 
 if __name__ == "__main__":
