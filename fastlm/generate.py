@@ -44,14 +44,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def check_args(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens must be non-negative, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise ConfigError(f"--temperature must be non-negative, got {args.temperature}")
-    if args.top_k is not None and args.top_k < 1:
-        raise ConfigError(f"--top-k must be at least 1, got {args.top_k}")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise ConfigError(f"--top-p must lie in (0, 1], got {args.top_p}")
     if not args.prompt:
         raise ConfigError("--prompt must not be empty")
+    # The sampler checks temperature, top-k and top-p itself; one draw from dummy logits (with
+    # a generator of its own) runs those checks before anything streams, so a bad value is a
+    # one-line error and no text.
+    try:
+        sampling.sample_next(torch.zeros(1, 2), args.temperature, args.top_k, args.top_p,
+                             torch.Generator().manual_seed(0))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def load_model(folder, model_name: str, device: str) -> tuple[torch.nn.Module, object]:

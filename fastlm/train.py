@@ -57,7 +57,7 @@ PRESETS = {
                         eval_every=250, save_every=1000),
 }
 
-LOSS_CURVE = "loss.png"
+LOSS_CURVE = checkpoint.LOSS_CURVE
 
 # Dense bf16 peak FLOP/s from the vendors' spec sheets (SXM parts), by device-name substring.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
@@ -153,7 +153,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     optim.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.95),
                        help="AdamW's (0.9 0.95)")
     optim.add_argument("--grad-clip", type=float, default=1.0,
-                       help="max global gradient norm (1.0)")
+                       help="max global gradient norm; 0: no clipping (1.0)")
     optim.add_argument("--seed", type=int, default=0, help="initial weights and batches (0)")
 
     run = parser.add_argument_group("run")
@@ -201,6 +201,9 @@ def check_args(args: argparse.Namespace) -> None:
                           f"got {args.lr} and {args.min_lr}")
     if not 0 <= args.warmup < args.steps:
         raise ConfigError(f"--warmup must lie in [0, --steps={args.steps}), got {args.warmup}")
+    if args.grad_clip < 0:
+        raise ConfigError(f"--grad-clip must be non-negative (0: no clipping), "
+                          f"got {args.grad_clip}")
     if args.save_every < 0:
         raise ConfigError(f"--save-every must be non-negative, got {args.save_every}")
     if args.resume and args.overwrite:
@@ -261,6 +264,9 @@ def start_run(args: argparse.Namespace) -> Run:
     if device.type == "cuda":
         if device.index is None:  # each rank on its own GPU
             device = torch.device("cuda", local_rank)
+        if device.index >= torch.cuda.device_count():
+            raise ConfigError(f"{device} does not exist ({torch.cuda.device_count()} GPUs): start "
+                              "at most one process per GPU, or pass --device cpu")
         torch.cuda.set_device(device)
     if device.type == "cpu":
         # The embedding's backward otherwise adds rows in thread order: with this, reruns and
@@ -285,7 +291,9 @@ def distribute(loss_module: NextTokenLoss, run: Run, fsdp: bool) -> nn.Module:
             fully_shard(block)
         return fully_shard(loss_module)
     device_ids = [run.device.index] if run.device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(loss_module, device_ids=device_ids)
+    # The buffers (RoPE tables, causal masks) are constants: no broadcast before each forward.
+    return nn.parallel.DistributedDataParallel(loss_module, device_ids=device_ids,
+                                               broadcast_buffers=False)
 
 
 def gradient_sync(module: nn.Module, enabled: bool):
@@ -312,9 +320,14 @@ def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
     return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
-def clip_gradients(module: nn.Module, max_norm: float, fsdp: bool) -> None:
-    if fsdp:  # sharded gradients: PyTorch's clip reduces the norm over the ranks
-        torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
+def clip_gradients(module: nn.Module, max_norm: float, device: torch.device, fsdp: bool) -> None:
+    """Scale the gradients to a global norm of at most `max_norm` (0: leave them)."""
+    if max_norm == 0:
+        return
+    if fsdp or device.type == "cuda":
+        # PyTorch's clip takes the norm of DTensor (FSDP) gradients over all ranks, and it never
+        # waits for the GPU (the reference reads the norm back) nor launches a kernel per tensor.
+        torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm, foreach=True)
     else:
         reference.gradient_clip(module.parameters(), max_norm)
 
@@ -380,7 +393,7 @@ def plot_losses(path: Path, train_losses: list[float], val_losses: list[list[flo
     axes.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="fastlm.train")
     axes.legend()
     axes.grid(alpha=0.3)
-    checkpoint.atomic_write(path, lambda temporary: figure.savefig(temporary, format="png"))
+    figure.savefig(path, format="png")
     plt.close(figure)
     return None
 
@@ -436,12 +449,12 @@ class Trainer:
     loss history, which a checkpoint restores whole."""
 
     def __init__(self, args: argparse.Namespace, run: Run, config: dict, split: TokenSplit,
-                 saved: dict | None):
+                 saved: dict | None, saved_folder: Path | None):
         self.args, self.run, self.config, self.split = args, run, config, split
         torch.manual_seed(args.seed)  # the same initial weights on every rank
         self.model = build_model(args.model, config, run.device)
         if saved is not None:
-            self.model.load_state_dict(checkpoint.load_weights(args.out))
+            self.model.load_state_dict(checkpoint.load_weights(saved_folder))
         self.loss_module = NextTokenLoss(self.model)
         self.wrapped = distribute(self.loss_module, run, args.fsdp)
         self.optimizer = make_optimizer(self.wrapped.parameters(), args, run.device)
@@ -488,7 +501,7 @@ class Trainer:
                 loss = self.loss(token_ids, targets)
                 (loss / args.grad_accum).backward()
             total += loss.detach().float()
-        clip_gradients(self.wrapped, args.grad_clip, args.fsdp)
+        clip_gradients(self.wrapped, args.grad_clip, self.run.device, args.fsdp)
         self.optimizer.step()
         self.step += 1
         flags = torch.tensor(float(stop.requested), device=self.run.device)
@@ -517,9 +530,11 @@ class Trainer:
                  "train_losses": self.train_losses,
                  "val_losses": self.val_losses,
                  "settings": curve_settings(self.args, self.run.world_size)}
-        out = Path(self.args.out)
-        checkpoint.save(out, weights, self.config, self.step, state, self.args.tokenizer)
-        return plot_losses(out / LOSS_CURVE, self.train_losses, self.val_losses)
+        # The curve is part of the checkpoint folder, which is replaced whole.
+        with checkpoint.replacing(self.args.out) as folder:
+            checkpoint.write(folder, weights, self.config, self.step, state, self.args.tokenizer)
+            note = plot_losses(folder / LOSS_CURVE, self.train_losses, self.val_losses)
+        return note
 
 
 def prepare(args: argparse.Namespace, run: Run, say) -> Trainer:
@@ -531,18 +546,39 @@ def prepare(args: argparse.Namespace, run: Run, say) -> Trainer:
     if checkpoint.exists(out) and not (args.resume or args.overwrite):
         raise CheckpointError(f"{out} already holds a checkpoint: pass --resume to continue it, "
                               "--overwrite to replace it, or another --out")
-    saved = None
+    checkpoint.check_replaceable(out)  # now, not at the first save after hours of training
+    saved, saved_folder = None, None
     if args.resume:
-        checkpoint.check_config(checkpoint.load_config(out), config, out)
-        saved = checkpoint.load_state(out)
+        saved_folder = checkpoint.resolve(out)  # `out`, or `out.old` after an interrupted save
+        checkpoint.check_config(checkpoint.load_config(saved_folder), config, out)
+        saved = checkpoint.load_state(saved_folder)
         changed = [key for key, value in curve_settings(args, run.world_size).items()
                    if saved["settings"].get(key) != value]
         if changed:
             say(f"note: resuming with other {', '.join(changed)} than the checkpoint's run: "
                 "the loss curve will differ from an uninterrupted one")
-    split = load_split(args.data, tokenizer, args.context_length, args.val_fraction,
-                       run.rank, run.world_size)
-    return Trainer(args, run, config, split, saved)
+    split = load_data(args, tokenizer, run)
+    return Trainer(args, run, config, split, saved, saved_folder)
+
+
+def load_data(args: argparse.Namespace, tokenizer, run: Run) -> TokenSplit:
+    """This rank's split. Under torchrun a DataError on one rank (its shard too small, say) is
+    raised on every rank: the others would otherwise wait for it in their first collective."""
+    split, failure = None, None
+    try:
+        split = load_split(args.data, tokenizer, args.context_length, args.val_fraction,
+                           run.rank, run.world_size)
+    except DataError as error:
+        if run.world_size == 1:
+            raise
+        failure = str(error)
+    if run.world_size > 1:
+        failures = [None] * run.world_size
+        dist.all_gather_object(failures, failure)
+        for rank, failure in enumerate(failures):
+            if failure is not None:
+                raise DataError(f"rank {rank}: {failure}")
+    return split
 
 
 def train(args: argparse.Namespace) -> int:

@@ -25,7 +25,8 @@ def trained(tmp_path_factory):
     status = train_cli.main(["--data", str(folder / "corpus.txt"), "--model", "reference",
                              "--d-model", "32", "--num-layers", "1", "--num-heads", "2",
                              "--d-ff", "64", "--context-length", "16", "--batch-size", "8",
-                             "--steps", "40", "--lr", "1e-2", "--no-progress", "--out", str(out)])
+                             "--steps", "40", "--lr", "1e-2", "--no-progress", "--device", "cpu",
+                             "--out", str(out)])
     assert status == 0
     return out
 
@@ -44,9 +45,11 @@ def test_generates_from_checkpoint(trained, capsys):
     assert text.startswith("abc") and text.endswith("\n")
     # 40 steps on a repetitive corpus: greedy decoding continues the pattern.
     assert "abcab" in text[3:]
-    status, first, _ = generate(capsys, *args, "--seed", "3", "--top-k", "5", "--top-p", "0.9")
-    status, second, _ = generate(capsys, *args, "--seed", "3", "--top-k", "5", "--top-p", "0.9")
-    assert first == second
+    sampled = [generate(capsys, *args, "--seed", "3", "--top-k", "5", "--top-p", "0.9")
+               for _ in range(2)]
+    for status, text, err in sampled:
+        assert status == 0 and text.startswith("abc") and len(text) > 4, err
+    assert sampled[0][1] == sampled[1][1]
 
 
 def test_weights_file_path_and_package_function(trained, capsys):
@@ -74,7 +77,8 @@ def test_byte_stream_never_splits_a_character():
 @pytest.mark.parametrize("argv, message", [
     (["--checkpoint", "{tmp}/nowhere"], "no checkpoint"),
     (["--checkpoint", "{ckpt}", "--prompt", ""], "--prompt must not be empty"),
-    (["--checkpoint", "{ckpt}", "--top-p", "1.5"], "--top-p"),
+    (["--checkpoint", "{ckpt}", "--top-p", "1.5"], "top_p must lie in (0, 1], got 1.5"),
+    (["--checkpoint", "{ckpt}", "--temperature", "-1"], "temperature must be >= 0"),
     (["--checkpoint", "{ckpt}", "--max-new-tokens", "-1"], "--max-new-tokens"),
     (["--checkpoint", "{tmp}/broken"], "cannot read"),
 ])
@@ -101,7 +105,7 @@ def test_cli_streams_and_errors_without_traceback(trained):
     result = subprocess.run([*command, "--prompt", "abc", "--top-k", "0"], capture_output=True,
                             text=True, env=env, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip() == "fastlm.generate: error: --top-k must be at least 1, got 0"
+    assert result.stderr.strip() == "fastlm.generate: error: top_k must be >= 1, got 0"
 
 
 def test_fastlm_model_generates_like_the_reference(trained, capsys):

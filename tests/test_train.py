@@ -1,5 +1,6 @@
 """`python -m fastlm.train` end to end at toy sizes: training, exact resume after Ctrl-C,
-torchrun with DDP and FSDP2 on gloo, and the one-line errors for bad input."""
+checkpoints that survive a crash during their save, torchrun with DDP and FSDP2 on gloo, and the
+one-line errors for bad input."""
 
 import hashlib
 import json
@@ -16,9 +17,10 @@ import torch
 import fastlm.train as train_cli
 from fastlm import checkpoint
 
+# CPU tests (bitwise resume holds on CPU), also on a machine with GPUs.
 TOY = ["--model", "reference", "--d-model", "32", "--num-layers", "2", "--num-heads", "2",
        "--d-ff", "64", "--context-length", "16", "--batch-size", "4", "--eval-every", "4",
-       "--eval-batches", "2", "--no-progress"]
+       "--eval-batches", "2", "--no-progress", "--device", "cpu"]
 
 # Two threads on a shared two-core machine can be ten times slower than one.
 SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -66,8 +68,11 @@ def test_trains_end_to_end(corpus, tmp_path, capsys):
     assert len(checkpoint.load_state(out)["train_losses"]) == 12
 
 
-def test_resume_after_ctrl_c_matches_uninterrupted_run(corpus, tmp_path, capsys, monkeypatch):
-    args = ["--data", corpus, *TOY, "--steps", "8", "--save-every", "3"]
+@pytest.mark.parametrize("model", ["reference", "fastlm"])
+def test_resume_after_ctrl_c_matches_uninterrupted_run(model, corpus, tmp_path, capsys,
+                                                       monkeypatch):
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")  # the interpreted kernels are test_model's
+    args = ["--data", corpus, *TOY, "--model", model, "--steps", "8", "--save-every", "3"]
     status, full, err = run_main([*args, "--out", tmp_path / "full"], capsys)
     assert status == 0, err
 
@@ -101,13 +106,118 @@ def test_resume_after_ctrl_c_matches_uninterrupted_run(corpus, tmp_path, capsys,
     assert all(torch.equal(weights[k], expected_weights[k]) for k in expected_weights)
 
 
-def test_fastlm_model_trains(corpus, tmp_path, capsys):
-    argv = ["--data", corpus, *TOY, "--model", "fastlm", "--d-model", "16", "--num-layers", "1",
-            "--context-length", "8", "--batch-size", "2", "--steps", "2", "--eval-batches", "1",
-            "--out", tmp_path / "fastlm"]
-    status, summary, err = run_main(argv, capsys)
+def test_fastlm_model_trains_like_the_reference(corpus, tmp_path, capsys, monkeypatch):
+    # The same seed gives both models the same initial weights and batches. fastlm's PyTorch
+    # path (its kernels run interpreted in test_model, too slowly for training here) computes
+    # the same math in another order (chunked linear cross-entropy, residual adds fused into
+    # the norms): the losses differ by float32 rounding, 1e-7 relative after 8 steps
+    # (measured), so 1e-5 leaves room for the steps to amplify it yet fails on any real change.
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")
+    losses = {}
+    for model in ("reference", "fastlm"):
+        status, summary, err = run_main(["--data", corpus, *TOY, "--model", model, "--steps", "8",
+                                         "--out", tmp_path / model], capsys)
+        assert status == 0 and summary["model"] == model, err
+        state = checkpoint.load_state(tmp_path / model)
+        losses[model] = state["train_losses"] + [loss for _, loss in state["val_losses"]]
+    assert losses["reference"][-3] < losses["reference"][0] - 0.3  # it learns
+    assert losses["fastlm"] == pytest.approx(losses["reference"], rel=1e-5, abs=0)
+
+
+def test_grad_clip_zero_leaves_gradients(corpus):
+    model = torch.nn.Linear(3, 2)
+    model(torch.ones(1, 3)).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    train_cli.clip_gradients(model, 0.0, torch.device("cpu"), fsdp=False)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    train_cli.clip_gradients(model, 1e-3, torch.device("cpu"), fsdp=False)
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    assert norm == pytest.approx(1e-3, rel=1e-3)
+
+
+# Each crash point is the n-th call of a step of `checkpoint.save`, made to raise as a SIGKILL
+# there would stop it; the step it was about to write is `crashed_step`, the last good one before.
+CRASHES = {
+    "writing the files": ("torch.save", 1),
+    "before moving the old folder aside": ("rename", 1),
+    "between the two renames": ("rename", 2),
+    "before deleting the old folder": ("rmtree", 3),
+}
+
+
+@pytest.mark.parametrize("crash", list(CRASHES))
+def test_crash_during_save_keeps_a_consistent_checkpoint(crash, tmp_path, monkeypatch):
+    out = tmp_path / "checkpoint"
+
+    def save(step):
+        weights = {"w": torch.full((3,), float(step))}
+        checkpoint.save(out, weights, {"size": 3}, step, {"losses": [float(step)]})
+
+    def loads_step(step):
+        assert checkpoint.load_state(out) == {"losses": [float(step)], "step": step}
+        assert checkpoint.load_weights(out)["w"].tolist() == [float(step)] * 3
+
+    save(1)
+    (out / "loss.png").write_bytes(b"png")  # a checkpoint file besides the two
+    name, crash_at = CRASHES[crash]
+    owner, attribute = {"torch.save": (torch, "save"), "rename": (Path, "rename"),
+                        "rmtree": (checkpoint.shutil, "rmtree")}[name]
+    real, calls = getattr(owner, attribute), []
+
+    def crashing(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == crash_at:
+            raise OSError(f"simulated crash in {name}")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, attribute, crashing)
+    with pytest.raises(OSError, match="simulated crash"):
+        save(2)
+    monkeypatch.setattr(owner, attribute, real)
+    # Only once the new folder is in place does the checkpoint move on to step 2.
+    loads_step(2 if crash == "before deleting the old folder" else 1)
+    assert checkpoint.exists(out)
+    save(3)  # the next save recovers: step 3 in `out`, no leftovers beside it
+    loads_step(3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]
+    assert sorted(os.listdir(out)) == ["model.safetensors", "state.pt"]
+
+
+def test_resume_after_a_crash_between_the_renames(corpus, tmp_path, capsys, monkeypatch):
+    args = ["--data", corpus, *TOY, "--steps", "4", "--save-every", "2"]
+    status, _, err = run_main([*args, "--out", tmp_path / "full"], capsys)
     assert status == 0, err
-    assert summary["model"] == "fastlm" and summary["final_loss"] < 6
+    # The step-2 save renames once (there is no old folder yet), the step-4 save twice: its
+    # second rename, which moves the new folder into place, fails as a SIGKILL would stop it.
+    real, calls = Path.rename, []
+
+    def crashing_rename(self, target):
+        calls.append(self)
+        if len(calls) == 3:
+            raise OSError("simulated crash")
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", crashing_rename)
+    out = tmp_path / "run"
+    with pytest.raises(OSError, match="simulated crash"):
+        run_main([*args, "--out", out], capsys)
+    monkeypatch.setattr(Path, "rename", real)
+    assert not out.exists() and checkpoint.load_state(out)["step"] == 2  # from run.old
+
+    status, _, err = run_main([*args, "--out", out, "--resume"], capsys)
+    assert status == 0, err
+    expected = checkpoint.load_state(tmp_path / "full")["train_losses"]
+    assert checkpoint.load_state(out)["train_losses"] == expected
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "full", "run"]
+
+
+def test_folder_with_other_files_is_refused(corpus, tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    status, _, err = run_main(["--data", corpus, *TOY, "--steps", "2", "--out", out], capsys)
+    assert status == 2 and "holds other files than a checkpoint's (notes.txt)" in err, err
+    assert os.listdir(out) == ["notes.txt"]
 
 
 @pytest.fixture
@@ -123,6 +233,8 @@ def good_checkpoint(corpus, tmp_path, capsys) -> Path:
     ("empty corpus", ["--data", "{tmp}/empty.txt", "--overwrite"], "empty"),
     ("corpus too small", ["--data", "{tmp}/short.txt", "--overwrite"], "too small"),
     ("context too long", ["--context-length", "4096", "--overwrite"], "longer than preset tiny"),
+    ("negative clip", ["--grad-clip", "-1", "--overwrite"], "--grad-clip must be non-negative"),
+    ("missing GPU", ["--device", "cuda:7", "--overwrite"], "cuda:7 does not exist"),
     ("other config", ["--d-model", "48", "--resume"], "d_model 32 (checkpoint) vs 48"),
     ("existing checkpoint", [], "already holds a checkpoint"),
     ("missing tokenizer", ["--tokenizer", "{tmp}/none.json", "--overwrite"], "tokenizer"),
@@ -183,9 +295,10 @@ def test_cli_error_has_no_traceback(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-# Every rank hashes the weights it holds at each save; DDP replicas must agree bit for bit.
+# Every rank hashes the weights it holds at each save (DDP replicas must agree bit for bit) and
+# records its exit status.
 RANK_SCRIPT = textwrap.dedent("""
-    import hashlib, sys
+    import hashlib, os, sys, time
     import torch.distributed as dist
     import fastlm.train as train_cli
 
@@ -201,33 +314,60 @@ RANK_SCRIPT = textwrap.dedent("""
         return full_state(loss_module, optimizer)
 
     train_cli.full_state = hashing_full_state
-    sys.exit(train_cli.main(sys.argv[2:]))
+    status = train_cli.main(sys.argv[2:])
+    with open(f"{sys.argv[1]}/status-{os.environ['RANK']}.txt", "w") as f:
+        f.write(str(status))
+    if status:
+        time.sleep(2)  # torchrun stops the other ranks when one fails: let them record theirs
+    sys.exit(status)
 """)
 
 
-def torchrun(tmp_path, corpus, name, *extra):
+def torchrun(tmp_path, data, name, *extra) -> tuple[subprocess.CompletedProcess, Path]:
+    """The finished torchrun, two ranks on gloo, and the folder of the ranks' records."""
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    hashes = tmp_path / f"hashes-{name}"
-    hashes.mkdir()
+    records = tmp_path / f"records-{name}"
+    records.mkdir()
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-               "--standalone", str(script), str(hashes), "--data", str(corpus), *TOY,
+               "--standalone", str(script), str(records), "--data", str(data), *TOY,
                "--steps", "4", "--out", str(tmp_path / name), *extra]
     result = subprocess.run(command, capture_output=True, text=True, env=SUBPROCESS_ENV,
                             timeout=240)
+    return result, records
+
+
+def torchrun_training(tmp_path, corpus, name, *extra) -> tuple[dict, list[str]]:
+    """The JSON summary of a successful run and the ranks' weight hashes."""
+    result, records = torchrun(tmp_path, corpus, name, *extra)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
-    return summary, sorted(p.read_text() for p in hashes.iterdir())
+    return summary, sorted(p.read_text() for p in records.glob("hash-*"))
 
 
 def test_torchrun_ddp_and_fsdp_on_gloo(tmp_path, corpus):
-    ddp, ddp_hashes = torchrun(tmp_path, corpus, "ddp")
+    ddp, ddp_hashes = torchrun_training(tmp_path, corpus, "ddp")
     assert ddp["world_size"] == 2 and ddp["final_loss"] < ddp["initial_loss"]
     assert len(ddp_hashes) == 2 and ddp_hashes[0] == ddp_hashes[1]
     # FSDP2 shards the same computation: the same losses up to summation order.
-    fsdp, _ = torchrun(tmp_path, corpus, "fsdp", "--fsdp")
+    fsdp, _ = torchrun_training(tmp_path, corpus, "fsdp", "--fsdp")
     assert fsdp["final_loss"] == pytest.approx(ddp["final_loss"], rel=1e-5)
     assert fsdp["val_loss"] == pytest.approx(ddp["val_loss"], rel=1e-5)
     weights = checkpoint.load_weights(tmp_path / "fsdp")
     ddp_weights = checkpoint.load_weights(tmp_path / "ddp")
     assert all(torch.allclose(weights[k], ddp_weights[k], rtol=1e-4, atol=1e-6) for k in weights)
+
+
+def test_torchrun_data_error_on_one_rank_stops_every_rank(tmp_path):
+    # The ranks split the text by characters: rank 0's ASCII half is 200 bytes, rank 1's half
+    # 600 (3 bytes a character). 5% held out leaves rank 0 10 tokens, too few for a window of
+    # 16, and rank 1 30: only rank 0 fails, and rank 1 must not wait for it.
+    data = tmp_path / "lopsided.txt"
+    data.write_text("a" * 200 + "速" * 200)
+    result, records = torchrun(tmp_path, data, "lopsided")
+    assert result.returncode != 0
+    statuses = {p.name: p.read_text() for p in records.glob("status-*")}
+    assert statuses == {"status-0.txt": "2", "status-1.txt": "2"}, result.stderr[-3000:]
+    error = "fastlm.train: error: rank 0: the corpus is too small: 200 tokens per rank"
+    assert result.stderr.count(error) == 2, result.stderr[-3000:]  # (torchrun then reports)
+    assert not (tmp_path / "lopsided").exists()
