@@ -17,7 +17,7 @@ fp32: fastlm's dots may run as tf32 on the GPU; the reference and SDPA use PyTor
 (full fp32 matmuls by default).
 
 Without CUDA: a message, then flash_attention against the float64 reference through Triton's
-interpreter at tiny sizes; exit code 1 only if the kernel exists and gives a wrong result.
+interpreter at tiny sizes; exit code 1 if the kernel gives a wrong result or fails to run.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from fastlm import reference
+from fastlm.kernels.attention import flash_attention
 
 HIDDEN = 2048  # heads x head dim
 FILL_TOKENS = 16384  # B x N of the configuration that fills the GPU
@@ -117,12 +118,7 @@ def implementations() -> tuple[dict[str, Callable], list[str]]:
     from torch.nn.attention import SDPBackend
 
     impls, notes = {}, []
-    try:
-        from fastlm.kernels.attention import flash_attention
-
-        impls["fastlm"] = lambda q, k, v: flash_attention(q, k, v, causal=True)
-    except ImportError as exc:
-        notes.append(f"fastlm flash_attention not available yet ({exc}): its rows are left out")
+    impls["fastlm"] = lambda q, k, v: flash_attention(q, k, v, causal=True)
     impls[SDPA_FLASH] = _sdpa(SDPBackend.FLASH_ATTENTION)
     if hasattr(SDPBackend, "CUDNN_ATTENTION"):
         impls["sdpa-cudnn"] = _sdpa(SDPBackend.CUDNN_ATTENTION)
@@ -231,8 +227,6 @@ def interpreter_check() -> int:
 
     def check(name, causal, q_shape, kv_shape):
         def run():
-            from fastlm.kernels.attention import flash_attention
-
             return common.compare_with_reference(
                 f"flash_attention {name}", lambda q, k, v: flash_attention(q, k, v, causal=causal),
                 lambda q, k, v: _reference_gqa(q, k, v, causal),

@@ -42,7 +42,7 @@ what was allocated before it (the inputs), so it includes the gradients dx and d
 fraction. The loss is checked against the materialised one in float32.
 
 Without CUDA: a message, then each kernel against the float64 reference through Triton's
-interpreter at tiny sizes; exit code 1 only if a kernel that exists gives a wrong result.
+interpreter at tiny sizes; exit code 1 if a kernel gives a wrong result or fails to run.
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ import torch
 import torch.nn.functional as F
 
 from fastlm import reference
+from fastlm.kernels import (add_rms_norm, apply_rope_, cross_entropy, linear_cross_entropy,
+                            rms_norm, rope_tables, swiglu)
 
 DTYPE = torch.bfloat16
 EPS = 1e-5
@@ -145,8 +147,6 @@ def _rms_norm_math(x, weight):
 
 
 def rms_norm_impls(m: int, n: int) -> dict[str, Callable]:
-    from fastlm.kernels.rmsnorm import rms_norm
-
     impls = {
         "fastlm": lambda x, w: rms_norm(x, w, EPS),
         EAGER: _rms_norm_math,
@@ -166,8 +166,6 @@ def _add_rms_norm_math(x, residual, weight):
 
 
 def add_rms_norm_impls(m: int, n: int) -> dict[str, Callable]:
-    from fastlm.kernels.rmsnorm import add_rms_norm
-
     def builtin(x, r, w):
         summed = x + r
         return F.rms_norm(summed, (n,), w, EPS), summed
@@ -197,8 +195,6 @@ def _computed(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def rope_impls(m: int, n: int) -> dict[str, Callable]:
-    from fastlm.kernels.rope import apply_rope_, rope_tables
-
     b, h, t, d = _rope_shape(m, n)
     positions = torch.arange(t, device=common.DEVICE)
     cos, sin = rope_tables(ROPE_THETA, d, t, device=common.DEVICE)
@@ -248,8 +244,6 @@ def _swiglu_math(gate, up):
 
 
 def swiglu_impls(m: int, n: int) -> dict[str, Callable]:
-    from fastlm.kernels.swiglu import swiglu
-
     impls = {
         "fastlm": swiglu,
         EAGER: _swiglu_math,
@@ -271,8 +265,6 @@ def _cross_entropy_fp32(logits, targets):
 
 
 def cross_entropy_impls(m: int, v: int) -> dict[str, Callable]:
-    from fastlm.kernels.cross_entropy import cross_entropy
-
     impls = {
         "fastlm": cross_entropy,
         EAGER: _cross_entropy_math,
@@ -296,8 +288,6 @@ def _linear_cross_entropy_fp32(x, weight, targets):
 
 
 def linear_cross_entropy_impls() -> dict[str, Callable]:
-    from fastlm.kernels.cross_entropy import linear_cross_entropy
-
     impls = {
         "fastlm": linear_cross_entropy,
         MATERIALISED: _linear_cross_entropy_math,
@@ -334,11 +324,7 @@ OPS = [
 
 def bench_size(run: common.Run, op: Op, m: int, n: int, copy_gbs: float) -> None:
     size = _size(m, n)
-    try:
-        impls = op.impls(m, n)
-    except ImportError as exc:
-        run.note(f"{op.name}: fastlm kernel not available yet ({exc}); its rows are left out")
-        return
+    impls = op.impls(m, n)
     inputs = op.make_inputs(m, n)
     reference_fn = op.error_reference or impls[EAGER]
     # Every check before any timing: Liger's cross-entropy overwrites the logits it is timed on.
@@ -375,11 +361,7 @@ def peak_extra_bytes(fn: Callable, inputs: tuple[torch.Tensor, ...]) -> float:
 def bench_linear_cross_entropy(run: common.Run, m: int, c: int) -> None:
     """Forward+backward milliseconds and peak memory of the loss of x (m, c) @ w.T (VOCAB, c)."""
     size = _size(m, c, VOCAB)
-    try:
-        impls = linear_cross_entropy_impls()
-    except ImportError as exc:
-        run.note(f"{LINEAR_CE}: fastlm kernel not available yet ({exc}); its rows are left out")
-        return
+    impls = linear_cross_entropy_impls()
     # w scaled so that the logits have unit variance, as in a trained model's output layer.
     inputs = (_leaf(m, c), _randn(VOCAB, c, scale=c**-0.5).requires_grad_(), _targets(m, VOCAB))
     logits_bytes = m * VOCAB * DTYPE.itemsize
@@ -452,21 +434,15 @@ def interpreter_check() -> int:
         return (1 + 0.1 * torch.randn(n)).requires_grad_()
 
     def rms_norm_check():
-        from fastlm.kernels.rmsnorm import rms_norm
-
         return common.compare_with_reference(
             "rms_norm", lambda x, w: rms_norm(x, w, EPS), _rms_norm_math, [leaf(5, 37), weight(37)])
 
     def add_rms_norm_check():
-        from fastlm.kernels.rmsnorm import add_rms_norm
-
         return common.compare_with_reference(
             "add_rms_norm", lambda x, r, w: add_rms_norm(x, r, w, EPS), _add_rms_norm_math,
             [leaf(5, 37), leaf(5, 37), weight(37)])
 
     def rope_check():
-        from fastlm.kernels.rope import apply_rope_, rope_tables
-
         d, t, offset = 16, 7, 3
         positions = torch.arange(offset, offset + t)
         cos, sin = rope_tables(ROPE_THETA, d, offset + t)
@@ -484,8 +460,6 @@ def interpreter_check() -> int:
                                              [leaf(2, 3, t, d), leaf(2, 1, t, d)])
 
     def swiglu_check():
-        from fastlm.kernels.swiglu import swiglu
-
         return common.compare_with_reference("swiglu", swiglu, _swiglu_math,
                                              [leaf(5, 33), leaf(5, 33)])
 
@@ -499,15 +473,11 @@ def interpreter_check() -> int:
         return _cross_entropy_math(logits[counted], targets[counted])
 
     def cross_entropy_check():
-        from fastlm.kernels.cross_entropy import cross_entropy
-
         return common.compare_with_reference(
             "cross_entropy", lambda logits: cross_entropy(logits, targets, IGNORE_INDEX),
             reference_loss, [leaf(tokens, vocab)])
 
     def linear_cross_entropy_check():
-        from fastlm.kernels.cross_entropy import linear_cross_entropy
-
         def fused(x, w):  # chunks of 3 tokens: 3, 3 and a partial 1
             return linear_cross_entropy(x, w, targets, IGNORE_INDEX, chunk_size=3)
 
