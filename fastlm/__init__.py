@@ -1,8 +1,9 @@
 """fastlm: Triton fused kernels for training decoder-only language models faster.
 
 - `fastlm.reference`: the plain PyTorch math every kernel is checked against.
-- `fastlm.kernels`: the kernels (RMSNorm, residual-add + RMSNorm, RoPE, SwiGLU, flash attention,
-  cross-entropy), each with its backward.
+- `fastlm.kernels`: the ops (RMSNorm, residual-add + RMSNorm, RoPE, SwiGLU, flash attention,
+  cross-entropy), Triton kernels with their backward, registered as `torch.ops.fastlm.*`.
+- `fastlm.modules`: nn.Module drop-ins for the reference's (RmsNorm, RoPE, SwiGlu, CrossEntropyLoss).
 - `fastlm.Transformer` and its parts: drop-ins for the reference's modules, built on the kernels.
 - `fastlm.generate`: sampling with a KV cache.
 - `fastlm.backend`: which of kernels and PyTorch runs (FASTLM_BACKEND).
@@ -10,9 +11,9 @@
 
 from fastlm import reference
 from fastlm.backend import backend, use_triton
-from fastlm.kernels import (RmsNorm, RoPE, SwiGlu, add_rms_norm, apply_rope_, cross_entropy,
-                            flash_attention, linear_cross_entropy, rms_norm, swiglu,
-                            swiglu_packed)
+from fastlm.kernels import (add_rms_norm, apply_rope_, cross_entropy, flash_attention,
+                            linear_cross_entropy, rms_norm, swiglu, swiglu_packed)
+from fastlm.modules import CrossEntropyLoss, RmsNorm, RoPE, SwiGlu
 from fastlm.model import KVCache, MultiHeadAttentionWithRoPE, Transformer, TransformerBlock
 from fastlm.sampling import generate
 
@@ -21,7 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "reference", "backend", "use_triton", "generate", "__version__",
     "Transformer", "TransformerBlock", "MultiHeadAttentionWithRoPE", "KVCache",
-    "RmsNorm", "RoPE", "SwiGlu",
+    "RmsNorm", "RoPE", "SwiGlu", "CrossEntropyLoss",
     "rms_norm", "add_rms_norm", "apply_rope_", "swiglu", "swiglu_packed", "flash_attention",
     "cross_entropy", "linear_cross_entropy",
 ]

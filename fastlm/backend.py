@@ -2,11 +2,13 @@
 
 `FASTLM_BACKEND` (read at each call, so tests and scripts may change it):
 - `auto` (default): Triton for CUDA tensors, and for CPU tensors when Triton's interpreter is on
-  (`TRITON_INTERPRET=1` set before triton was imported); PyTorch otherwise, so fastlm runs anywhere.
-- `triton`: always the kernels; a tensor they cannot run on raises ValueError.
+  (`TRITON_INTERPRET=1` set before triton was imported); PyTorch otherwise, so fastlm runs anywhere,
+  also where Triton is not installed (it has wheels for Linux only).
+- `triton`: always the kernels; a tensor they cannot run on, or a missing Triton, raises an error
+  that says what to do.
 - `torch`: never the kernels.
 
-Every module and public function in fastlm asks `use_triton` and nothing else.
+Each op's public function asks `use_triton` once and nothing else.
 """
 
 from __future__ import annotations
@@ -35,6 +37,14 @@ def use_triton(x: torch.Tensor) -> bool:
     """Whether the Triton kernels should process tensor `x` (and the tensors that go with it)."""
     choice = backend()
     if choice == "torch":
+        return False
+    from fastlm.kernels._common import HAVE_TRITON  # the one module that imports triton
+
+    if not HAVE_TRITON:
+        if choice == "triton":
+            from fastlm.kernels._no_triton import MISSING_MESSAGE
+
+            raise ModuleNotFoundError(f"FASTLM_BACKEND=triton: {MISSING_MESSAGE}")
         return False
     if x.is_cuda or (x.device.type == "cpu" and interpreting()):
         return True

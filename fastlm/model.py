@@ -25,9 +25,8 @@ from torch import nn
 from fastlm import reference
 from fastlm.kernels.attention import flash_attention
 from fastlm.kernels.cross_entropy import linear_cross_entropy
-from fastlm.kernels.rmsnorm import RmsNorm, add_rms_norm
-from fastlm.kernels.rope import RoPE
-from fastlm.kernels.swiglu import SwiGlu
+from fastlm.kernels.rmsnorm import add_rms_norm
+from fastlm.modules import RmsNorm, RoPE, SwiGlu
 
 
 class Linear(reference.Linear):

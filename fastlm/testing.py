@@ -41,3 +41,21 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, name:
     err = relative_error(out, ref)
     bound = scale * TOLERANCE[dtype]
     assert err <= bound, f"{name}: relative error {err:.3e} > {bound:.1e} ({dtype})"
+
+
+def call_through(mode, func, args=(), kwargs=None):
+    """`func(*args, **kwargs)` for a TorchDispatchMode's `__torch_dispatch__` that must see inside
+    fastlm's ops.
+
+    A dispatch mode sees a registered op whole (`fastlm.rms_norm.default`), not the aten ops its
+    implementation runs. For an op of the `fastlm` namespace this runs the op's Python
+    implementation with `mode` active again, so the allocations, matmuls and copies inside it
+    reach the mode as they would from plain code.
+    """
+    kwargs = kwargs or {}
+    if func.namespace != "fastlm":
+        return func(*args, **kwargs)
+    from torch._library.custom_ops import OPDEFS  # the implementations torch.library holds
+
+    with mode:
+        return OPDEFS[func._schema.name]._init_fn(*args, **kwargs)

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastlm import reference
-from fastlm.kernels.rmsnorm import RmsNorm, add_rms_norm, rms_norm
+from fastlm.kernels.rmsnorm import add_rms_norm, rms_norm
+from fastlm.modules import RmsNorm
 from fastlm.testing import assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastlm import reference
-from fastlm.kernels.rope import RoPE, apply_rope_, rope_tables
+from fastlm.kernels.rope import apply_rope_, rope_tables
+from fastlm.modules import RoPE
 from fastlm.testing import assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -292,7 +293,7 @@ def test_cuda_positions_checked_on_device():
     assert (which ends the CUDA context, so it runs in a subprocess)."""
     script = (
         "import torch\n"
-        "from fastlm.kernels.rope import RoPE\n"
+        "from fastlm.modules import RoPE\n"
         "x = torch.randn(1, 2, 4, 16, device='cuda')\n"
         "positions = torch.arange(4, device='cuda')\n"
         "RoPE(10000.0, 16, 8, device='cuda')(x, positions + {offset})\n"

@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastlm import reference
-from fastlm.kernels.swiglu import SwiGlu, swiglu, swiglu_packed
+from fastlm.kernels.swiglu import swiglu, swiglu_packed
+from fastlm.modules import SwiGlu
 from fastlm.testing import assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -1,14 +1,28 @@
-"""What every kernel launcher shares: argument checks, output allocation, launch helpers."""
+"""What every op file shares: the Triton import, argument checks, output allocation, launch helpers.
+
+This is the one module that imports Triton. Where Triton is not installed, `triton` and `tl` are
+`fastlm.kernels._no_triton`'s stand-ins, which let the op files define their kernels and refuse to
+launch them; `fastlm.backend` then runs every op on PyTorch.
+"""
 
 from __future__ import annotations
 
 import functools
 
 import torch
-import triton
-import triton.language as tl
 
 from fastlm.backend import interpreting
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # Linux is the only platform with Triton wheels
+    from fastlm.kernels import _no_triton as triton
+
+    tl = triton.language
+    HAVE_TRITON = False
 
 #: Kernel dtypes. Anything else is a TypeError naming the argument.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -90,3 +104,17 @@ def num_sms(device_index: int) -> int:
 
 def device_sms(t: torch.Tensor) -> int:
     return num_sms(t.device.index if t.is_cuda else -1)
+
+
+def refuse_double_backward(backward_op, op_name: str) -> None:
+    """Make a second derivative through `op_name` an error that says so.
+
+    fastlm's backward kernels are not differentiable themselves. Their ops get an autograd formula
+    that raises, so `torch.autograd.grad(..., create_graph=True)` followed by a backward through
+    the first gradient fails loudly instead of silently dropping the second-order terms.
+    """
+    def backward(ctx, *grads):
+        raise RuntimeError(f"fastlm.{op_name}: second derivatives are not supported (a backward "
+                           "through its gradient, e.g. after create_graph=True)")
+
+    torch.library.register_autograd(backward_op, backward, setup_context=lambda *args: None)

@@ -47,16 +47,39 @@ import os
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from fastlm.backend import interpreting, use_triton
-from fastlm.kernels._common import check_float, check_match, empty, interpreter_bf16
+from fastlm.kernels._common import (check_float, check_match, empty, interpreter_bf16,
+                                    refuse_double_backward, tl, triton)
 
 LOG2_E = 1.4426950408889634
 
 #: Head dims the kernels take: multiples of 8 (padded inside to a power of two of at least 16).
 MAX_HEAD_DIM = 256
+
+# --------------------------------------------------------------------------------------------
+# Reference math (the PyTorch backend, and what the tests and benchmarks compare with)
+# --------------------------------------------------------------------------------------------
+
+
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                  softmax_scale: float | None = None) -> torch.Tensor:
+    """flash_attention's math through PyTorch's scaled_dot_product_attention (the PyTorch
+    backend): GQA by repeating k and v, the causal mask aligned to the end."""
+    Nq, Nk = q.shape[2], k.shape[2]
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    if not causal or Nq == Nk:  # SDPA's own causal mask is aligned to the start: equal only if Nq == Nk
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
+    visible = torch.ones(Nq, Nk, dtype=torch.bool, device=q.device).tril(Nk - Nq)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=softmax_scale)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
 
 
 def _configs(interpreter_blocks: dict, cuda: list[tuple[dict, int, int]]) -> list[triton.Config]:
@@ -519,6 +542,64 @@ def _attention_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float,
     return dq, dk, dv
 
 
+# --------------------------------------------------------------------------------------------
+# Registration: torch.ops.fastlm.flash_attention and its backward
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fastlm::flash_attention", mutates_args=())
+def _flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                        softmax_scale: float, allow_tf32: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse): o (B, Hq, Nq, D) in q's memory layout, lse (B, Hq, Nq) fp32 base 2."""
+    return _attention_forward(q, k, v, causal, softmax_scale, allow_tf32)
+
+
+@_flash_attention_op.register_fake
+def _(q, k, v, causal, softmax_scale, allow_tf32):
+    B, Hq, Nq, _ = q.shape
+    return _empty_heads_like(q), q.new_empty((B, Hq, Nq), dtype=torch.float32)
+
+
+@torch.library.custom_op("fastlm::flash_attention_backward", mutates_args=())
+def _flash_attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                                 v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                                 causal: bool, softmax_scale: float, allow_tf32: bool
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _attention_backward(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32)
+
+
+@_flash_attention_backward_op.register_fake
+def _(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32):
+    return _empty_heads_like(q), _empty_heads_like(k), _empty_heads_like(v)
+
+
+def _flash_attention_setup(ctx, inputs, output):
+    """Saves q, k, v, o and the (B, Hq, Nq) fp32 log-sum-exp: memory linear in the sequence."""
+    q, k, v, causal, softmax_scale, allow_tf32 = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.set_materialize_grads(False)  # lse has no gradient: no zero tensor for it
+    ctx.mark_non_differentiable(lse)
+    ctx.flags = (causal, softmax_scale, allow_tf32)
+
+
+def _flash_attention_grad(ctx, do, _):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = _flash_attention_backward_op(do, q, k, v, o, lse, *ctx.flags)
+    return dq, dk, dv, None, None, None
+
+
+torch.library.register_autograd("fastlm::flash_attention", _flash_attention_grad,
+                                setup_context=_flash_attention_setup)
+refuse_double_backward("fastlm::flash_attention_backward", "flash_attention")
+
+
+# --------------------------------------------------------------------------------------------
+# Public function
+# --------------------------------------------------------------------------------------------
+
+
 def _check_inputs(q, k, v, causal, softmax_scale) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_float(name, t)
@@ -548,40 +629,6 @@ def _check_inputs(q, k, v, causal, softmax_scale) -> None:
         raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
 
 
-# --------------------------------------------------------------------------------------------
-# Autograd and the public function
-# --------------------------------------------------------------------------------------------
-
-class FlashAttentionFunction(torch.autograd.Function):
-    """Saves q, k, v, o and the (B, Hq, Nq) fp32 log-sum-exp: memory linear in the sequence length."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal: bool, softmax_scale: float, allow_tf32: bool):
-        o, lse = _attention_forward(q, k, v, causal, softmax_scale, allow_tf32)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.softmax_scale, ctx.allow_tf32 = causal, softmax_scale, allow_tf32
-        return o
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _attention_backward(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale, ctx.allow_tf32)
-        return dq, dk, dv, None, None, None
-
-
-def _attention_torch(q, k, v, causal: bool, softmax_scale: float) -> torch.Tensor:
-    """The same math through PyTorch's scaled_dot_product_attention (the non-Triton backend)."""
-    Nq, Nk = q.shape[2], k.shape[2]
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    if not causal or Nq == Nk:  # SDPA's own causal mask is aligned to the start: equal only if Nq == Nk
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
-    visible = torch.ones(Nq, Nk, dtype=torch.bool, device=q.device).tril(Nk - Nq)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=softmax_scale)
-
-
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                     softmax_scale: float | None = None, *, allow_tf32: bool = True) -> torch.Tensor:
     """softmax(softmax_scale * q k^T [+ causal mask]) v without materialising the scores.
@@ -598,5 +645,5 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     _check_inputs(q, k, v, causal, softmax_scale)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if not use_triton(q) or q.numel() == 0:
-        return _attention_torch(q, k, v, causal, scale)
-    return FlashAttentionFunction.apply(q, k, v, causal, scale, bool(allow_tf32))
+        return attention_ref(q, k, v, causal, scale)
+    return _flash_attention_op(q, k, v, causal, scale, bool(allow_tf32))[0]

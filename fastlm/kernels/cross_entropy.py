@@ -45,12 +45,10 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
-from torch import nn
+import torch.nn.functional as F
 
 from fastlm.backend import interpreting, use_triton
-from fastlm.kernels._common import as_rows, check_float, check_match, empty
+from fastlm.kernels._common import as_rows, check_float, check_match, empty, tl, triton
 
 #: Largest vocabulary block a program loads at once (a row of more entries loops over blocks).
 #: The interpreter's is smaller so that the test suite's vocabularies span several blocks.
@@ -61,6 +59,37 @@ MAX_BLOCK_V_INTERPRETER = 1024
 #: 2048 tokens at vocab 32000 in bf16, an eighth of the logits of 16k tokens, while the chunk's
 #: matmuls (2048 x 768 x 32000) stay large enough to run near a GPU's peak.
 CHUNK_LOGITS_BYTES = 128 * 2**20
+
+
+# --------------------------------------------------------------------------------------------
+# Reference math (the PyTorch backend, and what the tests and benchmarks compare with)
+# --------------------------------------------------------------------------------------------
+
+
+def cross_entropy_ref(logits: torch.Tensor, targets: torch.Tensor,
+                      ignore_index: int = -100) -> torch.Tensor:
+    """The mean cross-entropy in PyTorch, fp32 inside (fp64 for fp64), with the kernel's rules:
+    0 when every target is ignored, and an ignored row adds nothing, not even a NaN gradient
+    (its logits never enter the math)."""
+    compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    x = logits.reshape(-1, logits.shape[-1]).to(compute)  # (N, V)
+    flat_targets = targets.reshape(-1)
+    counted = flat_targets != ignore_index
+    x = torch.where(counted[:, None], x, 0.0)
+    target_logit = x.gather(-1, torch.where(counted, flat_targets, 0)[:, None]).squeeze(-1)
+    row_loss = torch.where(counted, torch.logsumexp(x, dim=-1) - target_logit, 0.0)
+    return row_loss.sum() / counted.sum().clamp_min(1)
+
+
+def linear_cross_entropy_ref(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                             ignore_index: int = -100) -> torch.Tensor:
+    """cross_entropy_ref(x @ weight.T, ...): the logits materialised, as an unfused model has them."""
+    return cross_entropy_ref(x @ weight.T, targets, ignore_index)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -106,20 +135,9 @@ def _cross_entropy_fwd_kernel(
             tl.store(dlogits_row + cols, grad.to(DLogits.dtype.element_ty), mask=mask)
 
 
-def _cross_entropy_rows_torch(rows, targets, ignore_index, row_loss, dlogits) -> None:
-    """The row kernel's math in PyTorch (fp32 statistics), writing the same outputs."""
-    x = rows.float()
-    lse = torch.logsumexp(x, dim=-1)  # (N,)
-    counted = targets != ignore_index
-    in_vocab = (targets >= 0) & (targets < rows.shape[-1])
-    safe_targets = torch.where(in_vocab, targets, 0).unsqueeze(-1)  # (N, 1)
-    loss = lse - x.gather(-1, safe_targets).squeeze(-1)
-    loss = torch.where(in_vocab, loss, float("nan"))
-    row_loss.copy_(torch.where(counted, loss, 0.0))
-    if dlogits is not None:
-        grad = torch.exp(x - lse.unsqueeze(-1))
-        grad.scatter_add_(-1, safe_targets, -in_vocab.to(grad.dtype).unsqueeze(-1))
-        dlogits.copy_(torch.where(counted.unsqueeze(-1), grad, 0.0))
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
 
 
 def _cross_entropy_rows(rows: torch.Tensor, targets: torch.Tensor, ignore_index: int,
@@ -128,9 +146,6 @@ def _cross_entropy_rows(rows: torch.Tensor, targets: torch.Tensor, ignore_index:
     softmax - onehot into dlogits (N, V) unless it is None; dlogits may be rows itself."""
     n_rows, n_cols = rows.shape
     if n_rows == 0:
-        return
-    if not use_triton(rows):
-        _cross_entropy_rows_torch(rows, targets, ignore_index, row_loss, dlogits)
         return
     max_block = MAX_BLOCK_V_INTERPRETER if interpreting() else MAX_BLOCK_V
     block_v = min(triton.next_power_of_2(n_cols), max_block)
@@ -142,24 +157,6 @@ def _cross_entropy_rows(rows: torch.Tensor, targets: torch.Tensor, ignore_index:
         BLOCK_V=block_v, WRITE_GRAD=write_grad,
         num_warps=8 if block_v >= 2048 else 4,
     )
-
-
-def _check_targets(targets: object, leading_shape: torch.Size, device: torch.device, of: str) -> None:
-    if not isinstance(targets, torch.Tensor):
-        raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
-    if targets.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"targets must be int64 or int32, got {targets.dtype}")
-    if targets.shape != leading_shape:
-        raise ValueError(
-            f"targets must have the leading shape of {of}, {tuple(leading_shape)}, got {tuple(targets.shape)}"
-        )
-    if targets.device != device:
-        raise ValueError(f"targets is on {targets.device}, but {of} is on {device}")
-
-
-def _check_ignore_index(ignore_index: object) -> None:
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
 
 
 def _count_valid(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -208,12 +205,76 @@ def _linear_cross_entropy_chunks(x, weight, targets, ignore_index, chunk_size, n
     return row_loss.sum() / n_valid, n_valid, dx, dweight
 
 
+# --------------------------------------------------------------------------------------------
+# Registration: torch.ops.fastlm.cross_entropy, .cross_entropy_, .linear_cross_entropy
+# --------------------------------------------------------------------------------------------
+# The forward ops return the unscaled gradients (and n_valid) beside the loss; the autograd
+# formulas scale them in place by grad_output / n_valid. An output that is not needed is an empty
+# tensor (custom ops return tensors, not None).
+
+
+@torch.library.custom_op("fastlm::cross_entropy", mutates_args=())
+def _cross_entropy_op(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                      write_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, dlogits (N, V) or empty, n_valid)."""
+    rows = as_rows(logits)  # (N, V)
+    dlogits = empty(rows.shape, device=rows.device, dtype=rows.dtype) if write_grad else None
+    loss, n_valid = _mean_loss(rows, targets.reshape(-1).contiguous(), ignore_index, dlogits)
+    return loss, dlogits if write_grad else logits.new_empty(0), n_valid
+
+
+@_cross_entropy_op.register_fake
+def _(logits, targets, ignore_index, write_grad):
+    rows = logits.shape[:-1].numel()
+    dlogits = logits.new_empty((rows, logits.shape[-1]) if write_grad else 0)
+    return logits.new_empty((), dtype=torch.float32), dlogits, targets.new_empty((),
+                                                                                dtype=torch.int64)
+
+
+@torch.library.custom_op("fastlm::cross_entropy_", mutates_args=("logits",))
+def _cross_entropy_inplace_op(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, n_valid), with softmax - onehot written over logits (unit last-dim stride)."""
+    rows = logits.view(-1, logits.shape[-1])
+    return _mean_loss(rows, targets.reshape(-1).contiguous(), ignore_index, rows)
+
+
+@_cross_entropy_inplace_op.register_fake
+def _(logits, targets, ignore_index):
+    return logits.new_empty((), dtype=torch.float32), targets.new_empty((), dtype=torch.int64)
+
+
+@torch.library.custom_op("fastlm::linear_cross_entropy", mutates_args=())
+def _linear_cross_entropy_op(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                             ignore_index: int, chunk_size: int, need_dx: bool,
+                             need_dweight: bool
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, n_valid, dx of x's shape or empty, fp32 dweight or empty)."""
+    loss, n_valid, dx, dweight = _linear_cross_entropy_chunks(
+        x, weight, targets, ignore_index, chunk_size, need_dx, need_dweight)
+    dx = dx.view(x.shape) if need_dx else x.new_empty(0)
+    dweight = dweight if need_dweight else weight.new_empty(0, dtype=torch.float32)
+    return loss, n_valid, dx, dweight
+
+
+@_linear_cross_entropy_op.register_fake
+def _(x, weight, targets, ignore_index, chunk_size, need_dx, need_dweight):
+    dx = x.new_empty(x.shape if need_dx else 0)
+    dweight = weight.new_empty(weight.shape if need_dweight else 0, dtype=torch.float32)
+    return (x.new_empty((), dtype=torch.float32), targets.new_empty((), dtype=torch.int64), dx,
+            dweight)
+
+
 def _grad_scale(grad_output: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
     return grad_output.float() / n_valid
 
 
 def _claim_saved_gradients(ctx, op_name: str) -> None:
-    """The backward scales the saved gradients in place, so only the first backward may use them."""
+    """The backward scales the saved gradients in place, so only the first backward may use them;
+    and those gradients were computed without a graph, so a second derivative cannot be had."""
+    if torch.is_grad_enabled():  # create_graph=True: the second-order terms would vanish silently
+        raise RuntimeError(f"fastlm.{op_name}: second derivatives are not supported "
+                           "(create_graph=True through its backward)")
     if ctx.gradients_scaled:
         raise RuntimeError(
             f"{op_name}: a second backward through the same graph (retain_graph=True). The first "
@@ -223,66 +284,128 @@ def _claim_saved_gradients(ctx, op_name: str) -> None:
     ctx.gradients_scaled = True
 
 
-class _CrossEntropy(torch.autograd.Function):
-    """Applied only when logits need a gradient: cross_entropy decides, as grad mode is off in here."""
+def _cross_entropy_setup(ctx, inputs, output):
+    logits, *_ = inputs
+    _, dlogits, n_valid = output
+    ctx.set_materialize_grads(False)  # else the unused outputs get zero gradients of their size
+    ctx.mark_non_differentiable(dlogits, n_valid)
+    ctx.save_for_backward(dlogits, n_valid)
+    ctx.logits_shape = logits.shape
+    ctx.gradients_scaled = False
+
+
+def _cross_entropy_grad(ctx, grad_loss, *_):
+    _claim_saved_gradients(ctx, "cross_entropy")
+    dlogits, n_valid = ctx.saved_tensors
+    # In place: dlogits * scale would be a second (N, V) tensor while the saved one lives.
+    grad_logits = dlogits.mul_(_grad_scale(grad_loss, n_valid))
+    return grad_logits.view(ctx.logits_shape), None, None, None
+
+
+def _linear_cross_entropy_setup(ctx, inputs, output):
+    _, weight, *_ = inputs
+    _, n_valid, dx, dweight = output
+    ctx.set_materialize_grads(False)  # else the unused outputs get zero gradients of their size
+    ctx.mark_non_differentiable(n_valid, dx, dweight)
+    ctx.save_for_backward(dx, dweight, n_valid)
+    ctx.need = inputs[5:7]
+    ctx.weight_dtype = weight.dtype
+    ctx.gradients_scaled = False
+
+
+def _linear_cross_entropy_grad(ctx, grad_loss, *_):
+    _claim_saved_gradients(ctx, "linear_cross_entropy")
+    dx, dweight, n_valid = ctx.saved_tensors
+    need_dx, need_dweight = ctx.need
+    scale = _grad_scale(grad_loss, n_valid)
+    grad_x = dx.mul_(scale) if need_dx else None
+    # Scaled in fp32, rounded once; for an fp16/bf16 weight its gradient is the one new tensor.
+    grad_weight = dweight.mul_(scale).to(ctx.weight_dtype) if need_dweight else None
+    return grad_x, grad_weight, None, None, None, None, None
+
+
+torch.library.register_autograd("fastlm::cross_entropy", _cross_entropy_grad,
+                                setup_context=_cross_entropy_setup)
+torch.library.register_autograd("fastlm::linear_cross_entropy", _linear_cross_entropy_grad,
+                                setup_context=_linear_cross_entropy_setup)
+
+
+class _CrossEntropyInPlace(torch.autograd.Function):
+    """cross_entropy(..., inplace_backward=True): the gradient is written over logits by the
+    mutating op, which PyTorch gives no autograd formula, hence this Function."""
 
     @staticmethod
-    def forward(ctx, logits, targets, ignore_index, inplace_backward):
-        rows = as_rows(logits)  # (N, V)
-        dlogits = rows if inplace_backward else empty(rows.shape, device=rows.device, dtype=rows.dtype)
-        loss, n_valid = _mean_loss(rows, targets.reshape(-1).contiguous(), ignore_index, dlogits)
-        if dlogits is rows and rows.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr():
-            # logits now hold the gradient: any other node that saved them must fail loudly. Save
-            # logits themselves: a view of them made here (rows) would not survive the version bump.
-            torch.autograd.graph.increment_version(logits)
-            dlogits = logits
-        ctx.save_for_backward(dlogits, n_valid)
-        ctx.logits_shape = logits.shape
+    def forward(ctx, logits, targets, ignore_index):
+        loss, n_valid = _cross_entropy_inplace_op(logits, targets, ignore_index)
+        # logits now hold the gradient: any other node that saved them must fail loudly.
+        ctx.mark_dirty(logits)
+        ctx.save_for_backward(logits, n_valid)
         ctx.gradients_scaled = False
-        return loss
+        return loss, logits
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_loss, _):
         _claim_saved_gradients(ctx, "cross_entropy")
         dlogits, n_valid = ctx.saved_tensors
-        # In place: dlogits * scale would be a second (N, V) tensor while the saved one lives.
-        grad_logits = dlogits.mul_(_grad_scale(grad_output, n_valid))
-        return grad_logits.view(ctx.logits_shape), None, None, None
+        return dlogits.mul_(_grad_scale(grad_loss, n_valid)), None, None
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
-    """Applied only when x or weight needs a gradient; need_dx and need_dweight come from
-    linear_cross_entropy, where grad mode is visible (needs_input_grad ignores torch.no_grad)."""
+# --------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def forward(ctx, x, weight, targets, ignore_index, chunk_size, need_dx, need_dweight):
-        loss, n_valid, dx, dweight = _linear_cross_entropy_chunks(
-            x, weight, targets, ignore_index, chunk_size, need_dx, need_dweight
+
+def _check_targets(targets: object, leading_shape: torch.Size, device: torch.device, of: str) -> None:
+    if not isinstance(targets, torch.Tensor):
+        raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"targets must be int64 or int32, got {targets.dtype}")
+    if targets.shape != leading_shape:
+        raise ValueError(
+            f"targets must have the leading shape of {of}, {tuple(leading_shape)}, got {tuple(targets.shape)}"
         )
-        ctx.save_for_backward(dx, dweight, n_valid)
-        ctx.x_shape, ctx.weight_dtype = x.shape, weight.dtype
-        ctx.gradients_scaled = False
-        return loss
+    if targets.device != device:
+        raise ValueError(f"targets is on {targets.device}, but {of} is on {device}")
 
-    @staticmethod
-    def backward(ctx, grad_output):
-        _claim_saved_gradients(ctx, "linear_cross_entropy")
-        dx, dweight, n_valid = ctx.saved_tensors
-        scale = _grad_scale(grad_output, n_valid)
-        grad_x = dx.mul_(scale).view(ctx.x_shape) if dx is not None else None
-        # Scaled in fp32, rounded once; for an fp16/bf16 weight its gradient is the one new tensor.
-        grad_weight = dweight.mul_(scale).to(ctx.weight_dtype) if dweight is not None else None
-        return grad_x, grad_weight, None, None, None, None, None
+
+def check_ignore_index(ignore_index: object) -> None:
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+
+
+def _check_target_values(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Targets in [0, vocab_size) or ignore_index: ValueError for CPU targets, checked on the
+    host; on a GPU and under torch.compile a device-side assert (no host sync per step)."""
+    valid = ((targets >= 0) & (targets < vocab_size)) | (targets == ignore_index)
+    message = f"targets must lie in [0, {vocab_size}) or equal ignore_index={ignore_index}"
+    if targets.device.type == "cpu" and not torch.compiler.is_compiling():
+        if not bool(valid.all()):
+            bad = targets[~valid]
+            raise ValueError(f"{message}; got {bad.numel()} outside, e.g. {int(bad[0])}")
+    else:
+        torch._assert_async(valid.all(), message)
+
+
+def _overwritable(logits: torch.Tensor) -> None:
+    """ValueError unless writing the gradient over logits is safe."""
+    if logits.is_leaf or (logits._base is not None and logits._base.requires_grad
+                          and logits._base.is_leaf):
+        raise ValueError("inplace_backward=True would overwrite logits, a leaf tensor that requires "
+                         "grad (or a view of one)")
+    if torch._debug_has_internal_overlap(logits) == 1:  # 1: yes (0: no, 2: too hard to tell)
+        raise ValueError("inplace_backward=True needs logits whose elements do not share memory "
+                         "(an expanded tensor, say): pass logits.contiguous()")
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, *,
                   inplace_backward: bool = False) -> torch.Tensor:
     """Mean cross-entropy of logits (..., V) against targets (...), skipping ignore_index.
 
-    F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index) with
-    these differences: the result is 0 (not NaN) when every target is ignored; a target outside
-    [0, V) gives NaN instead of an error (no host sync). Logits may be fp32, fp16 or bf16 and
-    strided; the loss is fp32. Targets are int64 (or int32) with logits' leading shape.
+    F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index) except
+    that the result is 0 (not NaN) when every target is ignored. Logits may be fp32, fp16 or bf16
+    and strided; the loss is fp32. Targets are int64 (or int32) with logits' leading shape, in
+    [0, V) or equal to ignore_index: CPU targets are checked on the host (ValueError); on a GPU a
+    bad target trips a device-side assert (checking on the host would need a sync).
 
     When a gradient is needed (grad mode on and logits.requires_grad) it is computed in the
     forward into a buffer the size of logits, and the backward scales that buffer in place, so
@@ -290,10 +413,11 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
     With `inplace_backward=True` the gradient is written into `logits` itself instead, saving
     that buffer: when a gradient is needed and logits' last dim has a unit stride, logits are
     overwritten and must not be used afterwards (otherwise they are copied first and left as
-    they were). A leaf that requires grad is refused; any other autograd node that saved
-    `logits` raises at its backward, as after any in-place op (the version counter is bumped).
-    Without a gradient (torch.no_grad, inference_mode, or logits that do not require grad) only
-    the loss is computed: no buffer, and logits are never written.
+    they were). A leaf that requires grad (or a view of one) and logits whose elements overlap
+    are refused; any other autograd node that saved `logits` raises at its backward, as after
+    any in-place op. Without a gradient (torch.no_grad, inference_mode, or logits that do not
+    require grad) only the loss is computed: no buffer, and logits are never written.
+    Second derivatives are not supported (an error, not a silent zero).
     """
     check_float("logits", logits)
     if logits.ndim == 0 or logits.shape[-1] == 0:
@@ -301,14 +425,23 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
             f"logits must have a non-empty last (vocabulary) dim, got shape {tuple(logits.shape)}"
         )
     _check_targets(targets, logits.shape[:-1], logits.device, "logits")
-    _check_ignore_index(ignore_index)
-    # Decided here: inside the Function grad mode is always off and needs_input_grad ignores no_grad.
-    if not (logits.requires_grad and torch.is_grad_enabled()):
-        loss, _ = _mean_loss(as_rows(logits), targets.reshape(-1).contiguous(), ignore_index, None)
-        return loss
-    if inplace_backward and logits.is_leaf:
-        raise ValueError("inplace_backward=True would overwrite logits, a leaf tensor that requires grad")
-    return _CrossEntropy.apply(logits, targets, ignore_index, bool(inplace_backward))
+    check_ignore_index(ignore_index)
+    _check_target_values(targets, logits.shape[-1], ignore_index)
+    if not use_triton(logits):
+        return cross_entropy_ref(logits, targets, ignore_index)
+    # Decided here: inside the ops grad mode is always off.
+    need_grad = logits.requires_grad and torch.is_grad_enabled()
+    if need_grad and inplace_backward:
+        _overwritable(logits)
+        # Written in place only where each element is plainly its own (unknown: a copy takes it).
+        if logits.stride(-1) == 1 and torch._debug_has_internal_overlap(logits) == 0:
+            try:
+                logits.view(-1, logits.shape[-1])
+            except RuntimeError:  # rows not one stride apart: the kernel writes a copy instead
+                pass
+            else:
+                return _CrossEntropyInPlace.apply(logits, targets, ignore_index)[0]
+    return _cross_entropy_op(logits, targets, ignore_index, need_grad)[0]
 
 
 def default_chunk_size(n_tokens: int, vocab_size: int, dtype: torch.dtype) -> int:
@@ -331,8 +464,8 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     fp16/bf16, one (V, C) partial product. Only the gradients needed are computed (those of the
     inputs that require grad, none under torch.no_grad or inference_mode), and the backward
     scales them in place, so the graph supports one backward (see cross_entropy). The mean,
-    ignore_index, all-ignored and out-of-vocabulary rules are cross_entropy's; the loss is fp32,
-    the gradients have x's and weight's dtypes.
+    ignore_index, all-ignored and target rules are cross_entropy's; the loss is fp32, the
+    gradients have x's and weight's dtypes. The PyTorch backend materialises the logits.
 
     Under autocast, x and weight are cast to the autocast dtype first, as a linear layer would be.
     """
@@ -351,29 +484,16 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
             f"got {tuple(weight.shape)}"
         )
     _check_targets(targets, x.shape[:-1], x.device, "x")
-    _check_ignore_index(ignore_index)
-    n_tokens = targets.numel()
-    if chunk_size is None:
-        chunk_size = default_chunk_size(n_tokens, weight.shape[0], x.dtype)
-    elif not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+    check_ignore_index(ignore_index)
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
+                                   or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    _check_target_values(targets, weight.shape[0], ignore_index)
+    if not use_triton(x):
+        return linear_cross_entropy_ref(x, weight, targets, ignore_index)
+    if chunk_size is None:
+        chunk_size = default_chunk_size(targets.numel(), weight.shape[0], x.dtype)
     grad_enabled = torch.is_grad_enabled()
     need_dx, need_dweight = x.requires_grad and grad_enabled, weight.requires_grad and grad_enabled
-    if not (need_dx or need_dweight):
-        return _linear_cross_entropy_chunks(x, weight, targets, ignore_index, chunk_size, False, False)[0]
-    return _LinearCrossEntropy.apply(x, weight, targets, ignore_index, chunk_size, need_dx, need_dweight)
-
-
-class CrossEntropyLoss(nn.Module):
-    """Drop-in for fastlm.reference.CrossEntropyLoss (forward(logits, targets)), on `cross_entropy`."""
-
-    def __init__(self, ignore_index: int = -100):
-        super().__init__()
-        _check_ignore_index(ignore_index)
-        self.ignore_index = ignore_index
-
-    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(logits, targets, self.ignore_index)
-
-    def extra_repr(self) -> str:
-        return f"ignore_index={self.ignore_index}"
+    return _linear_cross_entropy_op(x, weight, targets, ignore_index, chunk_size, need_dx,
+                                    need_dweight)[0]

@@ -31,15 +31,37 @@ weight's gradient comes back in the weight's dtype. Hidden sizes up to 65536.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from fastlm.backend import interpreting, use_triton
 from fastlm.kernels._common import (as_rows, check_float, check_match, device_sms, empty,
-                                    interpreter_bf16, round_to)
+                                    interpreter_bf16, refuse_double_backward, round_to, tl, triton)
 
 #: The largest hidden size the kernels take: a row lives in one block of registers.
 MAX_HIDDEN = 65536
+
+# --------------------------------------------------------------------------------------------
+# Reference math (the PyTorch backend, and what the tests and benchmarks compare with)
+# --------------------------------------------------------------------------------------------
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """RMSNorm in PyTorch: fp32 inside (fp64 for fp64 input), the result in x's dtype."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xc = x.to(compute)
+    return (xc * torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm_ref(x + residual), x + residual) in PyTorch."""
+    summed = x + residual
+    return rms_norm_ref(summed, weight, eps), summed
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
 
 
 @triton.jit
@@ -148,15 +170,8 @@ def _backward_programs(x: torch.Tensor, num_tiles: int, num_warps: int) -> int:
     return max(1, min(num_tiles, device_sms(x) * per_sm))
 
 
-def _check_hidden(x: torch.Tensor) -> None:
-    if x.shape[-1] > MAX_HIDDEN:
-        raise ValueError(f"x has hidden size {x.shape[-1]}; the Triton kernels take at most "
-                         f"{MAX_HIDDEN}")
-
-
 def _rms_norm_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """Launch the forward on (rows, N) views. Returns (y, summed or None, rstd)."""
-    _check_hidden(x)
     weight = weight.contiguous()  # the kernels read it with a unit stride
     M, N = x.shape
     y = empty((M, N), device=x.device, dtype=x.dtype)
@@ -200,43 +215,95 @@ def _rms_norm_backward(dy: torch.Tensor, d_summed: torch.Tensor | None, x: torch
     return dx, dw_partial.sum(0).to(weight.dtype)
 
 
-class _RmsNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        rows = as_rows(x)
-        y, _, rstd = _rms_norm_forward(rows, None, weight, eps)
-        ctx.save_for_backward(rows, weight, rstd)
-        return y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx, dy):
-        rows, weight, rstd = ctx.saved_tensors
-        dx, dweight = _rms_norm_backward(as_rows(dy), None, rows, weight, rstd)
-        return dx.view(dy.shape), dweight, None
+# --------------------------------------------------------------------------------------------
+# Registration: torch.ops.fastlm.rms_norm, .add_rms_norm and their backward
+# --------------------------------------------------------------------------------------------
 
 
-class _AddRmsNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, residual, weight, eps):
-        # A missing output gradient stays None instead of becoming a tensor of zeros to read.
-        ctx.set_materialize_grads(False)
-        normed, summed, rstd = _rms_norm_forward(as_rows(x), as_rows(residual), weight, eps)
-        ctx.save_for_backward(summed, weight, rstd)
-        ctx.shape = x.shape
-        return normed.view(x.shape), summed.view(x.shape)
+@torch.library.custom_op("fastlm::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd): y of x's shape and dtype, rstd (x.shape[:-1]) fp32 for the backward."""
+    y, _, rstd = _rms_norm_forward(as_rows(x), None, weight, eps)
+    return y.view(x.shape), rstd.view(x.shape[:-1])
 
-    @staticmethod
-    def backward(ctx, d_normed, d_summed):
-        summed, weight, rstd = ctx.saved_tensors
-        if d_normed is None:
-            ds = d_summed if d_summed is not None else torch.zeros(ctx.shape, device=summed.device,
-                                                                   dtype=summed.dtype)
-            return ds, ds, torch.zeros_like(weight), None
-        d_summed_rows = as_rows(d_summed) if d_summed is not None else None
-        ds, dweight = _rms_norm_backward(as_rows(d_normed), d_summed_rows, summed, weight, rstd)
-        ds = ds.view(ctx.shape)
-        # x and residual enter only through their sum, so both receive the same gradient.
-        return ds, ds, dweight, None
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("fastlm::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(normed, summed, rstd)."""
+    normed, summed, rstd = _rms_norm_forward(as_rows(x), as_rows(residual), weight, eps)
+    return normed.view(x.shape), summed.view(x.shape), rstd.view(x.shape[:-1])
+
+
+@_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps):
+    rstd = x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return x.new_empty(x.shape), x.new_empty(x.shape), rstd
+
+
+@torch.library.custom_op("fastlm::rms_norm_backward", mutates_args=())
+def _rms_norm_backward_op(dy: torch.Tensor, d_summed: torch.Tensor | None, x: torch.Tensor,
+                          weight: torch.Tensor, rstd: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dweight); dx already holds d_summed, the residual stream's own gradient, if given."""
+    d_summed_rows = as_rows(d_summed) if d_summed is not None else None
+    dx, dweight = _rms_norm_backward(as_rows(dy), d_summed_rows, as_rows(x), weight,
+                                     rstd.reshape(-1))
+    return dx.view(x.shape), dweight
+
+
+@_rms_norm_backward_op.register_fake
+def _(dy, d_summed, x, weight, rstd):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.set_materialize_grads(False)  # rstd has no gradient: no zero tensor for it
+    ctx.mark_non_differentiable(output[1])
+
+
+def _rms_norm_grad(ctx, dy, _):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dweight = _rms_norm_backward_op(dy, None, x, weight, rstd)
+    return dx, dweight, None
+
+
+def _add_rms_norm_setup(ctx, inputs, output):
+    _, _, weight, _ = inputs
+    _, summed, rstd = output
+    # A missing output gradient stays None instead of becoming a tensor of zeros to read.
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(summed, weight, rstd)
+    ctx.mark_non_differentiable(rstd)
+
+
+def _add_rms_norm_grad(ctx, d_normed, d_summed, _):
+    summed, weight, rstd = ctx.saved_tensors
+    if d_normed is None:
+        ds = d_summed if d_summed is not None else torch.zeros_like(summed)
+        return ds, ds, torch.zeros_like(weight), None
+    ds, dweight = _rms_norm_backward_op(d_normed, d_summed, summed, weight, rstd)
+    # x and residual enter only through their sum, so both receive the same gradient.
+    return ds, ds, dweight, None
+
+
+torch.library.register_autograd("fastlm::rms_norm", _rms_norm_grad, setup_context=_rms_norm_setup)
+torch.library.register_autograd("fastlm::add_rms_norm", _add_rms_norm_grad,
+                                setup_context=_add_rms_norm_setup)
+refuse_double_backward("fastlm::rms_norm_backward", "rms_norm")
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------
 
 
 def _check_args(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -260,10 +327,14 @@ def _check_residual(residual: torch.Tensor, x: torch.Tensor) -> None:
     check_match("residual", residual, "x", x)
 
 
-def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The same math in PyTorch (autograd runs through it)."""
-    x32 = x.to(torch.float32)
-    return (x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps) * weight).to(x.dtype)
+def _kernels_take(x: torch.Tensor) -> bool:
+    """The backend rule, plus the kernels' one limit: a row fits in one block."""
+    if not use_triton(x):
+        return False
+    if x.shape[-1] > MAX_HIDDEN:
+        raise ValueError(f"x has hidden size {x.shape[-1]}; the Triton kernels take at most "
+                         f"{MAX_HIDDEN} (FASTLM_BACKEND=torch runs any size)")
+    return True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
@@ -274,9 +345,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.
     weight: (N,), of x's dtype or float32. Returns a tensor of x's shape and dtype.
     """
     _check_args(x, weight)
-    if not use_triton(x):
-        return _rms_norm_torch(x, weight, eps)
-    return _RmsNormFunction.apply(x, weight, float(eps))
+    if not _kernels_take(x):
+        return rms_norm_ref(x, weight, eps)
+    return _rms_norm_op(x, weight, float(eps))[0]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -290,23 +361,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """
     _check_args(x, weight)
     _check_residual(residual, x)
-    if not use_triton(x):
-        summed = x + residual
-        return _rms_norm_torch(summed, weight, eps), summed
-    return _AddRmsNormFunction.apply(x, residual, weight, float(eps))
-
-
-class RmsNorm(torch.nn.Module):
-    """`reference.RmsNorm` (same constructor, parameter `g`, state_dict) running `rms_norm`."""
-
-    def __init__(self, d_model: int, eps: float = 1e-5, device=None, dtype=None):
-        super().__init__()
-        self.d_model = d_model
-        self.eps = eps
-        self.g = torch.nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.g, self.eps)
-
-    def extra_repr(self) -> str:
-        return f"{self.d_model}, eps={self.eps}"
+    if not _kernels_take(x):
+        return add_rms_norm_ref(x, residual, weight, eps)
+    normed, summed, _ = _add_rms_norm_op(x, residual, weight, float(eps))
+    return normed, summed

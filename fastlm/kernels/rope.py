@@ -14,18 +14,56 @@ Tables hold one angle per pair: cos and sin of shape (max_seq_len, d/2), float32
 
 Why in place: q and k are usually views of one fused QKV projection output; rotating them in
 their own storage reads and writes each element once and allocates nothing.
+
+Ops: `torch.ops.fastlm.rope_` rotates q and k in place in one launch (eager `apply_rope_`, inside
+an autograd.Function, since PyTorch registers no autograd formula for a mutating op); the
+functional `torch.ops.fastlm.rope` returns a rotated copy and has its autograd registered (what
+compiled code calls, writing the result back with `copy_`).
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-from torch import nn
 
 from fastlm.backend import interpreting, use_triton
 from fastlm.kernels._common import (check_float, check_match, empty_like, interpreter_bf16,
-                                    round_to)
+                                    round_to, tl, triton)
+
+# --------------------------------------------------------------------------------------------
+# Reference math (the PyTorch backend, and what the tests and benchmarks compare with)
+# --------------------------------------------------------------------------------------------
+
+
+def _as_4d(x: torch.Tensor) -> torch.Tensor:
+    """(T, D) / (B, T, D) / (B, H, T, D) as a (B, H, T, D) view (unsqueeze, never a copy)."""
+    if x.dim() == 2:
+        return x[None, None]
+    if x.dim() == 3:
+        return x[:, None]
+    return x
+
+
+def _positions_4d(positions: torch.Tensor) -> torch.Tensor:
+    """(T,) / (B, T) positions as (B or 1, 1, T) for broadcasting against (B, H, T, D/2)."""
+    return positions.view(1, 1, -1) if positions.dim() == 1 else positions[:, None, :]
+
+
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+             interleaved: bool = True, inverse: bool = False) -> torch.Tensor:
+    """x (T, D), (B, T, D) or (B, H, T, D) rotated as a new tensor of x's dtype (fp32 inside,
+    fp64 for fp64); `inverse` rotates by -angle (the backward)."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    x4 = _as_4d(x).to(compute)
+    index = _positions_4d(positions)
+    c, s = cos[index].to(compute), sin[index].to(compute)  # (B|1, 1, T, D/2)
+    if inverse:
+        s = -s
+    half = x4.shape[-1] // 2
+    x1, x2 = (x4[..., 0::2], x4[..., 1::2]) if interleaved else (x4[..., :half], x4[..., half:])
+    y1, y2 = x1 * c - x2 * s, x2 * c + x1 * s
+    y = torch.stack((y1, y2), dim=-1).flatten(-2) if interleaved else torch.cat((y1, y2), dim=-1)
+    return y.to(x.dtype).view(x.shape)
+
 
 # --------------------------------------------------------------------------------------------
 # Kernels
@@ -105,20 +143,6 @@ def _rope_kernel(Q, K, QOut, KOut, COS, SIN, POS,
 # --------------------------------------------------------------------------------------------
 
 
-def _as_4d(x: torch.Tensor) -> torch.Tensor:
-    """(T, D) / (B, T, D) / (B, H, T, D) as a (B, H, T, D) view (unsqueeze, never a copy)."""
-    if x.dim() == 2:
-        return x[None, None]
-    if x.dim() == 3:
-        return x[:, None]
-    return x
-
-
-def _positions_4d(positions: torch.Tensor) -> torch.Tensor:
-    """(T,) / (B, T) positions as (B or 1, 1, T) for broadcasting against (B, H, T, D/2)."""
-    return positions.view(1, 1, -1) if positions.dim() == 1 else positions[:, None, :]
-
-
 def _launch(xs: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...], cos: torch.Tensor,
             sin: torch.Tensor, positions: torch.Tensor, interleaved: bool, inverse: bool) -> None:
     """Rotate xs[i] into outs[i] (the same tensor for in place), all in one launch."""
@@ -152,35 +176,53 @@ def _launch(xs: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...], cos: t
     )
 
 
-def _rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                  interleaved: bool, inverse: bool) -> torch.Tensor:
-    """The kernel's math in PyTorch: x rotated (float32 inside), as a new tensor of x's dtype."""
-    x4 = _as_4d(x).to(torch.float32)
-    index = _positions_4d(positions)
-    c, s = cos[index].to(torch.float32), sin[index].to(torch.float32)  # (B|1, 1, T, D/2)
-    if inverse:
-        s = -s
-    half = x4.shape[-1] // 2
-    x1, x2 = (x4[..., 0::2], x4[..., 1::2]) if interleaved else (x4[..., :half], x4[..., half:])
-    y1, y2 = x1 * c - x2 * s, x2 * c + x1 * s
-    y = torch.stack((y1, y2), dim=-1).flatten(-2) if interleaved else torch.cat((y1, y2), dim=-1)
-    return y.to(x.dtype).view(x.shape)
-
-
-def _rotate(xs, outs, cos, sin, positions, interleaved: bool, inverse: bool) -> None:
-    """Backend rule: the kernel, or PyTorch writing the same numbers into the same outputs."""
-    if xs[0].numel() == 0:
-        return
-    if use_triton(xs[0]):
-        _launch(xs, outs, cos, sin, positions, interleaved, inverse)
-        return
-    for x, out in zip(xs, outs):
-        out.copy_(_rotate_torch(x, cos, sin, positions, interleaved, inverse))
-
-
 # --------------------------------------------------------------------------------------------
-# Autograd
+# Registration: torch.ops.fastlm.rope_ (in place) and torch.ops.fastlm.rope (functional)
 # --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fastlm::rope_", mutates_args=("q", "k"))
+def _rope_inplace_op(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor,
+                     sin: torch.Tensor, positions: torch.Tensor, interleaved: bool,
+                     inverse: bool) -> None:
+    """Rotate q and k (if given) in their own storage, in one launch."""
+    xs = (q,) if k is None else (q, k)
+    if q.numel():
+        _launch(xs, xs, cos, sin, positions, interleaved, inverse)
+
+
+@_rope_inplace_op.register_fake
+def _(q, k, cos, sin, positions, interleaved, inverse):
+    return None
+
+
+@torch.library.custom_op("fastlm::rope", mutates_args=())
+def _rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+             interleaved: bool, inverse: bool) -> torch.Tensor:
+    """x rotated into a new contiguous tensor."""
+    out = empty_like(x)
+    if x.numel():
+        _launch((x,), (out,), cos, sin, positions, interleaved, inverse)
+    return out
+
+
+@_rope_op.register_fake
+def _(x, cos, sin, positions, interleaved, inverse):
+    return x.new_empty(x.shape)
+
+
+def _rope_setup(ctx, inputs, output):
+    _, cos, sin, positions, interleaved, inverse = inputs
+    ctx.save_for_backward(cos, sin, positions)
+    ctx.flags = (interleaved, not inverse)
+
+
+def _rope_grad(ctx, dy):
+    # The backward is the op itself by -angle, so second derivatives come out right as well.
+    return _rope_op(dy, *ctx.saved_tensors, *ctx.flags), None, None, None, None, None
+
+
+torch.library.register_autograd("fastlm::rope", _rope_grad, setup_context=_rope_setup)
 
 
 def _root(t: torch.Tensor) -> torch.Tensor:
@@ -189,18 +231,20 @@ def _root(t: torch.Tensor) -> torch.Tensor:
 
 
 class _RoPEFunction(torch.autograd.Function):
-    """Rotates q (and k) in place; the gradient is rotated back by -angle.
+    """Rotates q (and k) in place with `fastlm::rope_`; the gradient is rotated back by -angle.
 
     Autograd refuses a Function that marks two view inputs dirty, and q and k are usually views
     of one fused QKV output. So the Function marks the *roots* dirty (the tensors owning the
     storage: q and k themselves, or the base they view), and returns those; the rotated tensors
     travel in a tuple autograd does not look into. Views of a root (q, k, and v too) see the
     root's new version and re-derive their history from it, so gradients flow through here.
+    The backward rotates gradients in place, which is not itself differentiable: a second
+    derivative raises (once_differentiable) rather than come out wrong.
     """
 
     @staticmethod
     def forward(ctx, cos, sin, positions, interleaved, rotated, *roots):
-        _rotate(rotated, rotated, cos, sin, positions, interleaved, inverse=False)
+        _rope_inplace_op(*_q_and_k(rotated), cos, sin, positions, interleaved, False)
         ctx.mark_dirty(*roots)
         ctx.save_for_backward(cos, sin, positions)
         ctx.interleaved = interleaved
@@ -211,6 +255,7 @@ class _RoPEFunction(torch.autograd.Function):
         return roots
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, *root_grads):
         cos, sin, positions = ctx.saved_tensors
         # Never rotate the incoming gradients in place: autograd may hand one gradient tensor to
@@ -224,20 +269,21 @@ class _RoPEFunction(torch.autograd.Function):
                 grads[i] = torch.empty_strided(shape, stride, dtype=root_grads[i].dtype,
                                                device=root_grads[i].device)
                 grads[i].copy_(root_grads[i])
-        sources, targets = [], []
+        regions = []
         for index, is_root, shape, stride, offset in ctx.regions:
             if is_root:  # One read and one write per element, into a fresh buffer.
-                sources.append(root_grads[index])
-                grads[index] = empty_like(root_grads[index])
-                targets.append(grads[index])
+                grads[index] = _rope_op(root_grads[index], cos, sin, positions, ctx.interleaved,
+                                        True)
             else:
-                region = grads[index].as_strided(shape, stride,
-                                                 offset - ctx.root_layouts[index][2])
-                sources.append(region)
-                targets.append(region)
-        _rotate(tuple(sources), tuple(targets), cos, sin, positions, ctx.interleaved,
-                inverse=True)
+                regions.append(grads[index].as_strided(shape, stride,
+                                                       offset - ctx.root_layouts[index][2]))
+        if regions:
+            _rope_inplace_op(*_q_and_k(regions), cos, sin, positions, ctx.interleaved, True)
         return (None, None, None, None, None, *grads)
+
+
+def _q_and_k(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return tensors[0], (tensors[1] if len(tensors) > 1 else None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -304,9 +350,10 @@ def _check_rotatable(name: str, t: object) -> None:
                              "rotates in place, so pass a computed tensor or use torch.no_grad()")
 
 
-def _apply_rope(tensors: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-                token_positions: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, ...]:
-    """Check everything on the host, then rotate the named tensors in place together."""
+def rotate_in_place(tensors: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                    token_positions: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, ...]:
+    """Check everything on the host, then rotate the tensors (one or two, by the names their
+    errors use) in place together; the backend rule is decided here."""
     (first_name, first), *rest = tensors.items()
     for name, t in tensors.items():
         _check_rotatable(name, t)
@@ -330,12 +377,17 @@ def _apply_rope(tensors: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.
         raise ValueError(f"cos is on {cos.device}, but {first_name} is on {first.device}")
     positions = _check_positions(token_positions, first, cos.shape[0])
     rotated = tuple(tensors.values())
+    if not use_triton(first):
+        # PyTorch writes the rotation back in place; autograd tracks in-place writes to views.
+        for t in rotated:
+            t.copy_(rope_ref(t, cos, sin, positions, interleaved))
+        return rotated
     if torch.compiler.is_compiling():
         # Dynamo models neither `_base` nor a Function that dirties tensors it does not return:
-        # compiled code rotates with PyTorch ops (which inductor fuses into one kernel) and writes
-        # the result back in place, where ordinary in-place autograd on views takes over.
+        # compiled code calls the functional op and writes its result back in place, where
+        # ordinary in-place autograd on views takes over.
         for t in rotated:
-            t.copy_(_rotate_torch(t, cos, sin, positions, interleaved, inverse=False))
+            t.copy_(_rope_op(t, cos, sin, positions, interleaved, False))
         return rotated
     roots = []
     for t in rotated:
@@ -370,42 +422,4 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     A leaf tensor that requires grad (or a view of one) raises ValueError, as any in-place op
     on it would. Autograd: the gradients of q and k are the incoming ones rotated by -angle.
     """
-    return _apply_rope({"q": q, "k": k}, cos, sin, token_positions, interleaved)
-
-
-# --------------------------------------------------------------------------------------------
-# Module
-# --------------------------------------------------------------------------------------------
-
-
-class RoPE(nn.Module):
-    """Drop-in for `fastlm.reference.RoPE` that rotates x in its own storage and returns it.
-
-    The tables are non-persistent buffers `cos_cached` and `sin_cached` of shape
-    (max_seq_len, d_k // 2) (one column per pair; the reference repeats each column twice), so
-    the state_dict is empty, as the reference's. `interleaved=False` selects the half-split
-    (NeoX / Hugging Face) layout.
-    """
-
-    def __init__(self, theta: float, d_k: int, max_seq_len: int, device=None,
-                 interleaved: bool = True):
-        super().__init__()
-        self.theta = theta
-        self.d_k = d_k
-        self.max_seq_len = max_seq_len
-        self.interleaved = interleaved
-        cos, sin = rope_tables(theta, d_k, max_seq_len, device)
-        self.register_buffer("cos_cached", cos, persistent=False)
-        self.register_buffer("sin_cached", sin, persistent=False)
-
-    def forward(self, x: torch.Tensor, token_positions: torch.Tensor) -> torch.Tensor:
-        """x: (..., T, d_k) as (T, D), (B, T, D) or (B, H, T, D); token_positions (T,) or (B, T)."""
-        if x.shape[-1] != self.d_k:
-            raise ValueError(f"x must have last dim d_k={self.d_k}, got {tuple(x.shape)}")
-        (x,) = _apply_rope({"x": x}, self.cos_cached, self.sin_cached, token_positions,
-                           self.interleaved)
-        return x
-
-    def extra_repr(self) -> str:
-        return (f"theta={self.theta}, d_k={self.d_k}, max_seq_len={self.max_seq_len}, "
-                f"interleaved={self.interleaved}")
+    return rotate_in_place({"q": q, "k": k}, cos, sin, token_positions, interleaved)

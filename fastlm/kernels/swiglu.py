@@ -17,15 +17,29 @@ written as one [..., 2 * d_ff] tensor.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-import torch.nn.functional as F
-from torch import nn
 
 from fastlm.backend import interpreting, use_triton
 from fastlm.kernels._common import (as_rows, check_float, check_match, empty, interpreter_bf16,
-                                    round_to)
-from fastlm.reference import Linear
+                                    refuse_double_backward, round_to, tl, triton)
+
+# --------------------------------------------------------------------------------------------
+# Reference math (the PyTorch backend, and what the tests and benchmarks compare with)
+# --------------------------------------------------------------------------------------------
+
+
+def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in PyTorch, fp32 inside (fp64 for fp64), the result in gate's dtype."""
+    compute = torch.float64 if gate.dtype == torch.float64 else torch.float32
+    gate_c = gate.to(compute)
+    return (gate_c * torch.sigmoid(gate_c) * up.to(compute)).to(gate.dtype)
+
+
+def swiglu_packed_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """swiglu_ref of the two halves of gate_up (..., 2 * d_ff)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return swiglu_ref(gate, up)
+
+
 
 # --------------------------------------------------------------------------------------------
 # Kernels
@@ -86,13 +100,9 @@ def _forward_rows(gate: torch.Tensor, up: torch.Tensor, y: torch.Tensor) -> None
     M, N = gate.shape
     if gate.numel() == 0:
         return
-    if use_triton(gate):
-        grid, config = _launch_config(M, N)
-        _swiglu_fwd_kernel[grid](gate, up, y, gate.stride(0), up.stride(0), y.stride(0), M, N,
-                                 BF16_BY_HAND=interpreter_bf16(y.dtype), **config)
-        return
-    gate32 = gate.to(torch.float32)
-    y.copy_(gate32 * torch.sigmoid(gate32) * up.to(torch.float32))
+    grid, config = _launch_config(M, N)
+    _swiglu_fwd_kernel[grid](gate, up, y, gate.stride(0), up.stride(0), y.stride(0), M, N,
+                             BF16_BY_HAND=interpreter_bf16(y.dtype), **config)
 
 
 def _backward_rows(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d_gate: torch.Tensor,
@@ -100,61 +110,92 @@ def _backward_rows(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d_gat
     M, N = gate.shape
     if gate.numel() == 0:
         return
-    if use_triton(gate):
-        grid, config = _launch_config(M, N)
-        _swiglu_bwd_kernel[grid](dy, gate, up, d_gate, d_up, dy.stride(0), gate.stride(0),
-                                 up.stride(0), d_gate.stride(0), d_up.stride(0), M, N,
-                                 BF16_BY_HAND=interpreter_bf16(d_gate.dtype), **config)
-        return
-    dy32, gate32, up32 = dy.to(torch.float32), gate.to(torch.float32), up.to(torch.float32)
-    sig = torch.sigmoid(gate32)
-    d_gate.copy_(dy32 * up32 * sig * (1 + gate32 * (1 - sig)))
-    d_up.copy_(dy32 * gate32 * sig)
+    grid, config = _launch_config(M, N)
+    _swiglu_bwd_kernel[grid](dy, gate, up, d_gate, d_up, dy.stride(0), gate.stride(0),
+                             up.stride(0), d_gate.stride(0), d_up.stride(0), M, N,
+                             BF16_BY_HAND=interpreter_bf16(d_gate.dtype), **config)
 
 
 # --------------------------------------------------------------------------------------------
-# Autograd
+# Registration: torch.ops.fastlm.swiglu, .swiglu_packed and their backward
 # --------------------------------------------------------------------------------------------
 
 
-class _SwiGluFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate, up):
-        y = empty(gate.shape, device=gate.device, dtype=gate.dtype)
-        _forward_rows(as_rows(gate), as_rows(up), y.view(-1, y.shape[-1]))
-        ctx.save_for_backward(gate, up)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        gate, up = ctx.saved_tensors
-        d_gate = empty(gate.shape, device=gate.device, dtype=gate.dtype)
-        d_up = empty(up.shape, device=up.device, dtype=up.dtype)
-        _backward_rows(as_rows(dy), as_rows(gate), as_rows(up),
-                       d_gate.view(-1, d_gate.shape[-1]), d_up.view(-1, d_up.shape[-1]))
-        return d_gate, d_up
+@torch.library.custom_op("fastlm::swiglu", mutates_args=())
+def _swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    y = empty(gate.shape, device=gate.device, dtype=gate.dtype)
+    _forward_rows(as_rows(gate), as_rows(up), y.view(-1, y.shape[-1]))
+    return y
 
 
-class _SwiGluPackedFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate_up):
-        d_ff = gate_up.shape[-1] // 2
-        rows = as_rows(gate_up)  # (M, 2 d_ff)
-        y = empty((*gate_up.shape[:-1], d_ff), device=gate_up.device, dtype=gate_up.dtype)
-        _forward_rows(rows[:, :d_ff], rows[:, d_ff:], y.view(-1, d_ff))
-        ctx.save_for_backward(gate_up)
-        return y
+@_swiglu_op.register_fake
+def _(gate, up):
+    return gate.new_empty(gate.shape)
 
-    @staticmethod
-    def backward(ctx, dy):
-        (gate_up,) = ctx.saved_tensors
-        d_ff = gate_up.shape[-1] // 2
-        rows = as_rows(gate_up)
-        d_gate_up = empty(gate_up.shape, device=gate_up.device, dtype=gate_up.dtype)
-        d_rows = d_gate_up.view(-1, 2 * d_ff)
-        _backward_rows(as_rows(dy), rows[:, :d_ff], rows[:, d_ff:], d_rows[:, :d_ff],
-                       d_rows[:, d_ff:])
-        return d_gate_up
+
+@torch.library.custom_op("fastlm::swiglu_backward", mutates_args=())
+def _swiglu_backward_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    d_gate = empty(gate.shape, device=gate.device, dtype=gate.dtype)
+    d_up = empty(up.shape, device=up.device, dtype=up.dtype)
+    _backward_rows(as_rows(dy), as_rows(gate), as_rows(up),
+                   d_gate.view(-1, d_gate.shape[-1]), d_up.view(-1, d_up.shape[-1]))
+    return d_gate, d_up
+
+
+@_swiglu_backward_op.register_fake
+def _(dy, gate, up):
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+
+@torch.library.custom_op("fastlm::swiglu_packed", mutates_args=())
+def _swiglu_packed_op(gate_up: torch.Tensor) -> torch.Tensor:
+    d_ff = gate_up.shape[-1] // 2
+    rows = as_rows(gate_up)  # (M, 2 d_ff)
+    y = empty((*gate_up.shape[:-1], d_ff), device=gate_up.device, dtype=gate_up.dtype)
+    _forward_rows(rows[:, :d_ff], rows[:, d_ff:], y.view(-1, d_ff))
+    return y
+
+
+@_swiglu_packed_op.register_fake
+def _(gate_up):
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+@torch.library.custom_op("fastlm::swiglu_packed_backward", mutates_args=())
+def _swiglu_packed_backward_op(dy: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """d(gate | up) as one (..., 2 * d_ff) tensor: the fused projection's output gradient."""
+    d_ff = gate_up.shape[-1] // 2
+    rows = as_rows(gate_up)
+    d_gate_up = empty(gate_up.shape, device=gate_up.device, dtype=gate_up.dtype)
+    d_rows = d_gate_up.view(-1, 2 * d_ff)
+    _backward_rows(as_rows(dy), rows[:, :d_ff], rows[:, d_ff:], d_rows[:, :d_ff],
+                   d_rows[:, d_ff:])
+    return d_gate_up
+
+
+@_swiglu_packed_backward_op.register_fake
+def _(dy, gate_up):
+    return gate_up.new_empty(gate_up.shape)
+
+
+def _save_inputs(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_grad(ctx, dy):
+    return _swiglu_backward_op(dy, *ctx.saved_tensors)
+
+
+def _swiglu_packed_grad(ctx, dy):
+    return _swiglu_packed_backward_op(dy, *ctx.saved_tensors)
+
+
+torch.library.register_autograd("fastlm::swiglu", _swiglu_grad, setup_context=_save_inputs)
+torch.library.register_autograd("fastlm::swiglu_packed", _swiglu_packed_grad,
+                                setup_context=_save_inputs)
+refuse_double_backward("fastlm::swiglu_backward", "swiglu")
+refuse_double_backward("fastlm::swiglu_packed_backward", "swiglu_packed")
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,7 +216,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape")
     if gate.dim() == 0 or gate.shape[-1] == 0:
         raise ValueError(f"gate must have a non-empty last dim, got {tuple(gate.shape)}")
-    return _SwiGluFunction.apply(gate, up)
+    if not use_triton(gate):
+        return swiglu_ref(gate, up)
+    return _swiglu_op(gate, up)
 
 
 def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
@@ -188,30 +231,6 @@ def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.dim() == 0 or gate_up.shape[-1] == 0 or gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up must have an even, non-empty last dim (gate | up), got "
                          f"{tuple(gate_up.shape)}")
-    return _SwiGluPackedFunction.apply(gate_up)
-
-
-# --------------------------------------------------------------------------------------------
-# Module
-# --------------------------------------------------------------------------------------------
-
-
-class SwiGlu(nn.Module):
-    """w2(silu(w1 x) * w3 x): `fastlm.reference.SwiGlu`'s parameters and state_dict keys
-    (w1.w, w2.w, w3.w), with the activation and its backward in one kernel each.
-
-    w1 and w3 stay two GEMMs: one GEMM against their concatenation would copy the weights every
-    step and keep that copy alive for the backward (2 d_ff d_model elements per layer). A model
-    that stores a fused W1|W3 weight can call `swiglu_packed` on its output instead.
-    """
-
-    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None):
-        super().__init__()
-        self.d_model = d_model
-        self.d_ff = d_ff
-        self.w1 = Linear(d_model, d_ff, device, dtype)
-        self.w2 = Linear(d_ff, d_model, device, dtype)
-        self.w3 = Linear(d_model, d_ff, device, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(swiglu(F.linear(x, self.w1.w), F.linear(x, self.w3.w)), self.w2.w)
+    if not use_triton(gate_up):
+        return swiglu_packed_ref(gate_up)
+    return _swiglu_packed_op(gate_up)

@@ -1,0 +1,97 @@
+"""The nn.Modules fastlm.Transformer is built from, on fastlm's ops: drop-ins for the reference's.
+
+Each has its `fastlm.reference` counterpart's constructor, parameter names and state_dict, and
+runs the matching op of `fastlm.kernels` (which picks the Triton kernels or PyTorch by the backend
+rule). The ops themselves know nothing of modules or of the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastlm import reference
+from fastlm.kernels.cross_entropy import check_ignore_index, cross_entropy
+from fastlm.kernels.rmsnorm import rms_norm
+from fastlm.kernels.rope import rope_tables, rotate_in_place
+from fastlm.kernels.swiglu import swiglu
+
+
+class RmsNorm(reference.RmsNorm):
+    """`reference.RmsNorm` (same constructor, parameter `g`, state_dict) running `rms_norm`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.g, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.d_model}, eps={self.eps}"
+
+
+class RoPE(nn.Module):
+    """Drop-in for `fastlm.reference.RoPE` that rotates x in its own storage and returns it.
+
+    The tables are non-persistent buffers `cos_cached` and `sin_cached` of shape
+    (max_seq_len, d_k // 2) (one column per pair; the reference repeats each column twice), so
+    the state_dict is empty, as the reference's. `interleaved=False` selects the half-split
+    (NeoX / Hugging Face) layout.
+    """
+
+    def __init__(self, theta: float, d_k: int, max_seq_len: int, device=None,
+                 interleaved: bool = True):
+        super().__init__()
+        self.theta = theta
+        self.d_k = d_k
+        self.max_seq_len = max_seq_len
+        self.interleaved = interleaved
+        cos, sin = rope_tables(theta, d_k, max_seq_len, device)
+        self.register_buffer("cos_cached", cos, persistent=False)
+        self.register_buffer("sin_cached", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor, token_positions: torch.Tensor) -> torch.Tensor:
+        """x: (..., T, d_k) as (T, D), (B, T, D) or (B, H, T, D); token_positions (T,) or (B, T)."""
+        if x.shape[-1] != self.d_k:
+            raise ValueError(f"x must have last dim d_k={self.d_k}, got {tuple(x.shape)}")
+        (x,) = rotate_in_place({"x": x}, self.cos_cached, self.sin_cached, token_positions,
+                                self.interleaved)
+        return x
+
+    def extra_repr(self) -> str:
+        return (f"theta={self.theta}, d_k={self.d_k}, max_seq_len={self.max_seq_len}, "
+                f"interleaved={self.interleaved}")
+
+
+class SwiGlu(nn.Module):
+    """w2(silu(w1 x) * w3 x): `fastlm.reference.SwiGlu`'s parameters and state_dict keys
+    (w1.w, w2.w, w3.w), with the activation and its backward in one kernel each.
+
+    w1 and w3 stay two GEMMs: one GEMM against their concatenation would copy the weights every
+    step and keep that copy alive for the backward (2 d_ff d_model elements per layer). A model
+    that stores a fused W1|W3 weight can call `swiglu_packed` on its output instead.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None):
+        super().__init__()
+        self.d_model = d_model
+        self.d_ff = d_ff
+        self.w1 = reference.Linear(d_model, d_ff, device, dtype)
+        self.w2 = reference.Linear(d_ff, d_model, device, dtype)
+        self.w3 = reference.Linear(d_model, d_ff, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(swiglu(F.linear(x, self.w1.w), F.linear(x, self.w3.w)), self.w2.w)
+
+
+class CrossEntropyLoss(nn.Module):
+    """Drop-in for fastlm.reference.CrossEntropyLoss (forward(logits, targets)), on `cross_entropy`."""
+
+    def __init__(self, ignore_index: int = -100):
+        super().__init__()
+        check_ignore_index(ignore_index)
+        self.ignore_index = ignore_index
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(logits, targets, self.ignore_index)
+
+    def extra_repr(self) -> str:
+        return f"ignore_index={self.ignore_index}"
