@@ -5,8 +5,9 @@ One step is what `python -m fastlm.train` runs on CUDA: fp32 parameters, the los
 runs on the CPU with `torch.autocast("cpu", dtype=torch.bfloat16)` and the Triton kernels through
 the interpreter (TRITON_INTERPRET=1 is set before triton is imported); with CUDA, on the GPU after
 one unrecorded warm-up step (autotuning launches kernels that are not part of a step). CPU
-autocast casts the same GEMMs (mm, bmm, linear) to bf16 as CUDA's, but its lists of ops kept in
-fp32 differ: the reference's figures differ more between the two than fastlm's.
+autocast casts the same GEMMs (mm, bmm, linear) to bf16 as CUDA's, but runs exp, log, pow, rsqrt
+and sum on bf16 inputs in bf16, where CUDA's casts them to fp32 first: the reference's eager
+attention and loss would show more casts on CUDA; fastlm's layers call none of those ops.
 
 A `TorchDispatchMode` records every aten op of the step, and Triton's launch entry
 (`JITFunction.run`, or `InterpretedFunction.run` under the interpreter) is wrapped with a depth
@@ -29,20 +30,26 @@ view spans (a slice counts its own elements; an expanded stride-0 dimension coun
 - an argument the op mutates (`add_`, `mul_`, an `out=` tensor) is written, and also read unless
   the op overwrites it without looking (`copy_`, `fill_`, `zero_`, `out=`): `copy_` into a slice
   reads the source and writes the slice; an in-place add reads both operands and writes one;
-  a mutated argument counts whole even where the op touches part of it (`index_put_`);
+  a mutated argument counts whole even where the op touches part of it (`index_put_`), and an
+  indexing op reads its whole source (the reference's RoPE table lookups);
 - outputs that alias an input (the result of an in-place op, a view) add nothing;
 - views and allocations move nothing.
 
 Per layer: the step runs at two depths L1 < L2 and two batch sizes B1 < B2 (tokens N = B x T,
 T fixed), and each (category, op) total is fitted exactly through the four runs as
     bytes(L, N) = fixed_step + token_step * N + L * (fixed_layer + token_layer * N).
-`token_layer` (bytes per token of one layer: activations) is reported per token x d_model; a
-[tokens, d_model] bf16 tensor read once is 2. `fixed_layer` (bytes of one layer that do not grow
-with the batch: weight casts, weight-gradient casts, partial sums) is reported per parameter of
-the layer: casting an fp32 weight to bf16 moves 6 bytes per parameter. Counts per layer are
-(count(L2) - count(L1)) / (L2 - L1) at B1; whatever differs between the two depths other than the
-added blocks (embedding, final norm, loss, the first block's missing residual delta in fastlm)
-cancels, and is the once-per-step part, count(L1) - L1 x per layer.
+Everything outside the blocks (embedding, final norm, loss) and the first block's difference from
+the others (in fastlm it has no residual delta to add) is the same at both depths, so the depth
+difference is one middle block; the rest is the once-per-step part. Tokens and weights need
+separating because at these small sizes the weight casts (fp32 to bf16 and the gradients back:
+12 bytes per parameter per step) would swamp a per-token figure that at training sizes they barely
+touch. So `token_layer` (activations) is reported in bytes per token x d_model (a [tokens,
+d_model] bf16 tensor read once is 2; the reference's [T x T] attention terms count at this T),
+and `fixed_layer` (weight casts, weight-gradient casts, partial sums) in bytes per parameter of
+the layer (casting an fp32 weight to bf16 is 6). Counts per layer are (count(L2) - count(L1)) /
+(L2 - L1) at B1 (with a note if B2 gives others); "large" glue ops are those moving at least
+`LARGE` bytes per token x d_model or per parameter, so that the small host-side checks (token
+ranges read back for validation) stand apart.
 
     python benchmarks/step_profile.py                      # both models, default sizes
     python benchmarks/step_profile.py --d-model 128 --json step_profile.json

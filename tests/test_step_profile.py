@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+# Appended, not prepended: benchmarks/ holds kernels.py, attention.py and train.py, which must not
+# shadow anything another test imports.
+sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import step_profile  # noqa: E402
 
