@@ -221,7 +221,7 @@ def test_out_of_vocab_target_in_the_kernel_is_nan(device):
 
     logits = torch.randn(3, 40, device=device)
     targets = torch.tensor([1, 40, -5], device=device)
-    loss, _ = _mean_loss(logits, targets, -100, None)
+    loss, _, _ = _mean_loss(logits, targets, -100, None)
     assert torch.isnan(loss)
 
 
@@ -377,17 +377,24 @@ def test_linear_cross_entropy_never_holds_all_logits(device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backward_scales_in_place(device, dtype):
-    """The backward scales the saved gradients in place: it allocates nothing the size of the
-    logits (N, V) (a scaled copy would double the peak while the saved one lives), nor an fp32
-    (V, C): for linear_cross_entropy only dweight rounded to an fp16/bf16 weight's dtype."""
+def test_backward_allocations(device, dtype):
+    """What each backward allocates: cross_entropy one tensor of the logits' size (the gradient)
+    and nothing larger (the logits and lse were saved); with inplace_backward nothing of that
+    size (the gradient is scaled where the forward wrote it); linear_cross_entropy nothing of
+    the logits' size, only dx and the weight's gradient."""
     n_tokens, n_features, vocab = 32, 8, 1337
     hidden = torch.randn(n_tokens, n_features, device=device).to(dtype)
     weight = torch.randn(vocab, n_features, device=device).to(dtype).requires_grad_()
     targets = random_targets((n_tokens,), vocab, device)
     weight_bytes = vocab * n_features * dtype.itemsize
+    logits_bytes = n_tokens * vocab * dtype.itemsize
 
     loss = cross_entropy(hidden @ weight.T, targets)
+    with OpRecorder() as recorder:
+        loss.backward()
+    assert recorder.nbytes == logits_bytes
+
+    loss = cross_entropy(hidden @ weight.T, targets, inplace_backward=True)
     with OpRecorder() as recorder:
         loss.backward()
     assert recorder.nbytes <= weight_bytes  # the matmul's dweight only
@@ -396,15 +403,13 @@ def test_backward_scales_in_place(device, dtype):
     loss = linear_cross_entropy(x, weight, targets, chunk_size=10)
     with OpRecorder() as recorder:
         loss.backward()
-    if dtype == torch.float32:  # scalars only: nothing of dx's size (N, C), let alone dweight's
-        assert recorder.nbytes < n_tokens * n_features * 4
-    else:
-        assert recorder.nbytes == weight_bytes
+    assert recorder.nbytes <= vocab * n_features * 4  # the fp32 dweight scaled, then rounded
 
 
-def test_second_backward_raises(device):
-    """The first backward scales the saved gradient in place, so a second one through the same
-    graph (retain_graph=True) raises instead of scaling it twice; the first is correct."""
+def test_second_backward(device):
+    """A graph through cross_entropy or linear_cross_entropy can be backpropagated through twice
+    (retain_graph=True) with the same result; with inplace_backward=True the first backward
+    scaled the gradient in place, so a second one raises instead of scaling it twice."""
     logits = torch.randn(4, 300, device=device, requires_grad=True)
     x = torch.randn(4, 16, device=device, requires_grad=True)
     weight = torch.randn(300, 16, device=device, requires_grad=True)
@@ -419,24 +424,31 @@ def test_second_backward_raises(device):
         )
         for grad, ref_grad in zip(grads, ref_grads):
             assert_close(grad, ref_grad, torch.float32, "gradient of the first backward")
-        with pytest.raises(RuntimeError, match="second backward"):
-            torch.autograd.grad(loss, inputs)
+        for grad, again in zip(grads, torch.autograd.grad(loss, inputs)):
+            assert torch.equal(grad, again)
+    loss = cross_entropy(logits * 1.0, targets, inplace_backward=True)
+    torch.autograd.grad(loss, logits, retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        torch.autograd.grad(loss, logits)
 
 
 @pytest.mark.parametrize("inplace_backward", [False, True])
 def test_second_derivatives_raise(device, inplace_backward):
-    """The gradients are computed in the forward without a graph: create_graph=True would drop
-    the second-order terms silently, so it raises instead (PyTorch's backend differentiates twice)."""
+    """The kernels' backward is not differentiable: a second derivative raises instead of
+    silently dropping the second-order terms (the PyTorch backend differentiates twice)."""
     targets = random_targets((4,), 300, device)
     leaf = torch.randn(4, 300, device=device, requires_grad=True)
     logits = leaf * 1.0  # inplace_backward takes a non-leaf
     with pytest.raises(RuntimeError, match="second derivatives"):
-        torch.autograd.grad(cross_entropy(logits, targets, inplace_backward=inplace_backward),
-                            leaf, create_graph=True)
+        loss = cross_entropy(logits, targets, inplace_backward=inplace_backward)
+        (grad,) = torch.autograd.grad(loss, leaf, create_graph=True)
+        grad.pow(2).sum().backward()
     x = torch.randn(4, 16, device=device, requires_grad=True)
     weight = torch.randn(300, 16, device=device, requires_grad=True)
     with pytest.raises(RuntimeError, match="second derivatives"):
-        torch.autograd.grad(linear_cross_entropy(x, weight, targets), x, create_graph=True)
+        (grad,) = torch.autograd.grad(linear_cross_entropy(x, weight, targets), x,
+                                      create_graph=True)
+        grad.pow(2).sum().backward()
 
 
 def test_default_chunk_size():

@@ -181,20 +181,3 @@ def test_autocast_bf16_matches_reference(device):
     loss.backward()
     expected.backward()
     _assert_grads_match(model, ref, torch.bfloat16, "autocast grad")
-
-
-def test_compiles_without_graph_breaks(device, monkeypatch):
-    """torch.compile(fullgraph=True) traces the whole loss: the host-side checks, the in-place RoPE
-    and the autograd functions. Kernels cannot be traced under the interpreter (fake tensors have
-    no data), so here the PyTorch backend runs inside them; tests/test_*.py compile the kernels
-    themselves on CUDA."""
-    if device == "cpu":
-        monkeypatch.setenv("FASTLM_BACKEND", "torch")
-    model, ref = _pair(device)
-    tokens, targets = _tokens(device), _tokens(device)
-    loss = torch.compile(model.loss, backend="aot_eager", fullgraph=True)(tokens, targets)
-    expected = R.CrossEntropyLoss()(ref(tokens), targets)
-    assert_close(loss, expected, torch.float32, "compiled loss")
-    loss.backward()
-    expected.backward()
-    _assert_grads_match(model, ref, torch.float32, "compiled grad")

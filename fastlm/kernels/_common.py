@@ -117,4 +117,7 @@ def refuse_double_backward(backward_op, op_name: str) -> None:
         raise RuntimeError(f"fastlm.{op_name}: second derivatives are not supported (a backward "
                            "through its gradient, e.g. after create_graph=True)")
 
-    torch.library.register_autograd(backward_op, backward, setup_context=lambda *args: None)
+    def setup_context(ctx, inputs, output):
+        pass
+
+    torch.library.register_autograd(backward_op, backward, setup_context=setup_context)

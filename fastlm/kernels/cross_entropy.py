@@ -12,16 +12,17 @@ PyTorch's NaN (0/0), so a batch made only of padding adds nothing to a training 
 Logits may be -inf (a masked vocabulary); a counted row whose logits are all -inf has no softmax
 and gives NaN, as in PyTorch.
 
-The row kernel makes two passes over a row: the first keeps a running max m and a running
-sum s of exp(x - m) (rescaled by exp(m_old - m_new) as m grows, so logits of any magnitude
-stay finite; while m is still -inf, after leading blocks of -inf logits, the exponents are
-taken relative to 0 instead, as exp(-inf - (-inf)) is NaN) and picks x_t; the second writes
-softmax - onehot. The gradient is written *unscaled* in the forward: the backward multiplies by
-grad_output / n_valid in fp32, so fp16 values of size softmax / n_valid (below fp16's range at
-long sequences) never exist before a GradScaler's factor has been applied. The backward is
-therefore a single scale, done in place on the saved gradient so that no second (N, V) tensor
-exists; a graph can thus be backpropagated through once only (a second backward, after
-retain_graph=True, raises RuntimeError rather than scale twice).
+The forward kernel reads a row once, keeping a running max m and a running sum s of exp(x - m)
+(rescaled by exp(m_old - m_new) as m grows, so logits of any magnitude stay finite; while m is
+still -inf, after leading blocks of -inf logits, the exponents are taken relative to 0 instead,
+as exp(-inf - (-inf)) is NaN), and picks x_t; it saves lse (fp32, one per row). The backward
+kernel reads the row again and writes (softmax - onehot) * grad_output / n_valid, computed in
+fp32 and rounded once, into a new tensor. Three passes over (N, V) in all, and a graph that can
+be backpropagated through as often as autograd allows.
+
+`inplace_backward=True` trades that for memory: the forward writes the unscaled softmax - onehot
+over the logits themselves (a second pass over the row), and the backward scales it in place, so
+no second (N, V) tensor ever exists; such a graph supports one backward only.
 
 Whether a gradient is needed is decided in the public functions, from grad mode and each input's
 requires_grad (inside autograd.Function.forward grad mode is always off, and needs_input_grad
@@ -36,8 +37,9 @@ dtype, the row kernel overwrites them with dlogits, and at once
     dweight   += dlogits^T @ x[chunk]                 (V, C), fp32 across chunks
 
 so the (N, V) logits never exist at once; dx and dweight are kept for the backward, which
-scales them in place by grad_output / n_valid. Targets outside [0, V) other than ignore_index
-give a NaN loss (found on the device: checking on the host would need a sync).
+scales them by grad_output / n_valid (new tensors: dx's and the weight gradient's sizes).
+Targets are checked in the public functions; one outside [0, V) other than ignore_index that
+reaches a kernel gives a NaN loss there, never a read out of bounds.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ import torch
 import torch.nn.functional as F
 
 from fastlm.backend import interpreting, use_triton
-from fastlm.kernels._common import as_rows, check_float, check_match, empty, tl, triton
+from fastlm.kernels._common import (as_rows, check_float, check_match, empty,
+                                    refuse_double_backward, tl, triton)
 
 #: Largest vocabulary block a program loads at once (a row of more entries loops over blocks).
 #: The interpreter's is smaller so that the test suite's vocabularies span several blocks.
@@ -94,11 +97,12 @@ def linear_cross_entropy_ref(x: torch.Tensor, weight: torch.Tensor, targets: tor
 
 @triton.jit
 def _cross_entropy_fwd_kernel(
-    Logits, Targets, Loss, DLogits,
+    Logits, Targets, Loss, LSE, DLogits,
     stride_lm, stride_dm, n_cols, ignore_index,
     BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr,
 ):
-    """One program per row: Loss[row] (fp32) and, under WRITE_GRAD, DLogits[row] = softmax - onehot."""
+    """One program per row: Loss[row] and LSE[row] (fp32) and, under WRITE_GRAD,
+    DLogits[row] = softmax - onehot (unscaled)."""
     row = tl.program_id(0).to(tl.int64)
     logits_row = Logits + row * stride_lm
     target = tl.load(Targets + row).to(tl.int64)
@@ -123,6 +127,7 @@ def _cross_entropy_fwd_kernel(
 
     loss = tl.where(in_vocab, lse - target_logit, float("nan"))
     tl.store(Loss + row, tl.where(counted, loss, 0.0))
+    tl.store(LSE + row, lse)
 
     if WRITE_GRAD:
         dlogits_row = DLogits + row * stride_dm
@@ -135,28 +140,70 @@ def _cross_entropy_fwd_kernel(
             tl.store(dlogits_row + cols, grad.to(DLogits.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _cross_entropy_bwd_kernel(
+    Logits, Targets, LSE, Scale, DLogits,
+    stride_lm, stride_dm, n_cols, ignore_index,
+    BLOCK_V: tl.constexpr,
+):
+    """One program per (row, block of BLOCK_V columns): DLogits = (softmax - onehot) * Scale,
+    Scale = grad_output / n_valid (one fp32 on the device); 0 for an ignored row."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = cols < n_cols
+    target = tl.load(Targets + row).to(tl.int64)
+    lse = tl.load(LSE + row)
+    x = tl.load(Logits + row * stride_lm + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * tl.load(Scale)
+    # An ignored row may have no softmax at all (all logits -inf): select 0, never multiply NaN.
+    grad = tl.where(target != ignore_index, grad, 0.0)
+    tl.store(DLogits + row * stride_dm + cols, grad.to(DLogits.dtype.element_ty), mask=mask)
+
+
 # --------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------
 
 
+def _block_v(n_cols: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) for rows of n_cols logits."""
+    max_block = MAX_BLOCK_V_INTERPRETER if interpreting() else MAX_BLOCK_V
+    block_v = min(triton.next_power_of_2(n_cols), max_block)
+    return block_v, 8 if block_v >= 2048 else 4
+
+
 def _cross_entropy_rows(rows: torch.Tensor, targets: torch.Tensor, ignore_index: int,
-                        row_loss: torch.Tensor, dlogits: torch.Tensor | None) -> None:
-    """Per-row losses of rows (N, V) (unit column stride) into row_loss (N,) fp32, and
-    softmax - onehot into dlogits (N, V) unless it is None; dlogits may be rows itself."""
+                        row_loss: torch.Tensor, lse: torch.Tensor,
+                        dlogits: torch.Tensor | None) -> None:
+    """Per-row losses and lse of rows (N, V) (unit column stride) into row_loss and lse (N,)
+    fp32, and softmax - onehot into dlogits (N, V) unless it is None; dlogits may be rows."""
     n_rows, n_cols = rows.shape
     if n_rows == 0:
         return
-    max_block = MAX_BLOCK_V_INTERPRETER if interpreting() else MAX_BLOCK_V
-    block_v = min(triton.next_power_of_2(n_cols), max_block)
+    block_v, num_warps = _block_v(n_cols)
     write_grad = dlogits is not None
     grad_out = dlogits if write_grad else rows  # never written when WRITE_GRAD is off
     _cross_entropy_fwd_kernel[(n_rows,)](
-        rows, targets, row_loss, grad_out,
+        rows, targets, row_loss, lse, grad_out,
         rows.stride(0), grad_out.stride(0), n_cols, ignore_index,
-        BLOCK_V=block_v, WRITE_GRAD=write_grad,
-        num_warps=8 if block_v >= 2048 else 4,
+        BLOCK_V=block_v, WRITE_GRAD=write_grad, num_warps=num_warps,
     )
+
+
+def _cross_entropy_grad_rows(rows: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                             lse: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(softmax - onehot) * scale of rows (N, V) as a new tensor of rows' dtype."""
+    dlogits = empty(rows.shape, device=rows.device, dtype=rows.dtype)
+    n_rows, n_cols = rows.shape
+    if n_rows == 0:
+        return dlogits
+    block_v, num_warps = _block_v(n_cols)
+    _cross_entropy_bwd_kernel[(n_rows, triton.cdiv(n_cols, block_v))](
+        rows, targets, lse, scale, dlogits,
+        rows.stride(0), dlogits.stride(0), n_cols, ignore_index,
+        BLOCK_V=block_v, num_warps=num_warps,
+    )
+    return dlogits
 
 
 def _count_valid(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -165,12 +212,14 @@ def _count_valid(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
 
 
 def _mean_loss(rows: torch.Tensor, flat_targets: torch.Tensor, ignore_index: int,
-               dlogits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The mean loss of rows (N, V) and n_valid; softmax - onehot into dlogits unless it is None."""
+               dlogits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The mean loss of rows (N, V), n_valid and lse (N,); softmax - onehot into dlogits unless
+    it is None."""
     row_loss = empty((rows.shape[0],), device=rows.device, dtype=torch.float32)
-    _cross_entropy_rows(rows, flat_targets, ignore_index, row_loss, dlogits)
+    lse = empty((rows.shape[0],), device=rows.device, dtype=torch.float32)
+    _cross_entropy_rows(rows, flat_targets, ignore_index, row_loss, lse, dlogits)
     n_valid = _count_valid(flat_targets, ignore_index)
-    return row_loss.sum() / n_valid, n_valid
+    return row_loss.sum() / n_valid, n_valid, lse
 
 
 def _linear_cross_entropy_chunks(x, weight, targets, ignore_index, chunk_size, need_dx, need_dweight):
@@ -183,6 +232,7 @@ def _linear_cross_entropy_chunks(x, weight, targets, ignore_index, chunk_size, n
     write_grad = need_dx or need_dweight
 
     row_loss = empty((n_rows,), device=x.device, dtype=torch.float32)
+    lse = empty((n_rows,), device=x.device, dtype=torch.float32)
     dx = empty((n_rows, n_features), device=x.device, dtype=x.dtype) if need_dx else None
     # fp32 across chunks; within a chunk the matmul accumulates in fp32 and rounds once.
     dweight = torch.zeros(weight.shape, device=x.device, dtype=torch.float32) if need_dweight else None
@@ -191,7 +241,7 @@ def _linear_cross_entropy_chunks(x, weight, targets, ignore_index, chunk_size, n
         x_chunk = rows[start:end]
         logits = x_chunk @ weight.T  # (chunk, V), the only logits alive
         _cross_entropy_rows(logits, flat_targets[start:end], ignore_index, row_loss[start:end],
-                            logits if write_grad else None)
+                            lse[start:end], logits if write_grad else None)
         if need_dx:
             torch.mm(logits, weight, out=dx[start:end])
         if need_dweight:
@@ -208,27 +258,34 @@ def _linear_cross_entropy_chunks(x, weight, targets, ignore_index, chunk_size, n
 # --------------------------------------------------------------------------------------------
 # Registration: torch.ops.fastlm.cross_entropy, .cross_entropy_, .linear_cross_entropy
 # --------------------------------------------------------------------------------------------
-# The forward ops return the unscaled gradients (and n_valid) beside the loss; the autograd
-# formulas scale them in place by grad_output / n_valid. An output that is not needed is an empty
-# tensor (custom ops return tensors, not None).
 
 
 @torch.library.custom_op("fastlm::cross_entropy", mutates_args=())
-def _cross_entropy_op(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
-                      write_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, dlogits (N, V) or empty, n_valid)."""
-    rows = as_rows(logits)  # (N, V)
-    dlogits = empty(rows.shape, device=rows.device, dtype=rows.dtype) if write_grad else None
-    loss, n_valid = _mean_loss(rows, targets.reshape(-1).contiguous(), ignore_index, dlogits)
-    return loss, dlogits if write_grad else logits.new_empty(0), n_valid
+def _cross_entropy_op(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean loss, n_valid, lse (N,) fp32)."""
+    return _mean_loss(as_rows(logits), targets.reshape(-1).contiguous(), ignore_index, None)
 
 
 @_cross_entropy_op.register_fake
-def _(logits, targets, ignore_index, write_grad):
+def _(logits, targets, ignore_index):
     rows = logits.shape[:-1].numel()
-    dlogits = logits.new_empty((rows, logits.shape[-1]) if write_grad else 0)
-    return logits.new_empty((), dtype=torch.float32), dlogits, targets.new_empty((),
-                                                                                dtype=torch.int64)
+    return (logits.new_empty((), dtype=torch.float32),
+            targets.new_empty((), dtype=torch.int64), logits.new_empty(rows, dtype=torch.float32))
+
+
+@torch.library.custom_op("fastlm::cross_entropy_backward", mutates_args=())
+def _cross_entropy_backward_op(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                               lse: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """dlogits = (softmax - onehot) * scale for counted rows, 0 for ignored ones; logits' shape."""
+    dlogits = _cross_entropy_grad_rows(as_rows(logits), targets.reshape(-1).contiguous(),
+                                       ignore_index, lse, scale)
+    return dlogits.view(logits.shape)
+
+
+@_cross_entropy_backward_op.register_fake
+def _(logits, targets, ignore_index, lse, scale):
+    return logits.new_empty(logits.shape)
 
 
 @torch.library.custom_op("fastlm::cross_entropy_", mutates_args=("logits",))
@@ -236,7 +293,8 @@ def _cross_entropy_inplace_op(logits: torch.Tensor, targets: torch.Tensor, ignor
                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, n_valid), with softmax - onehot written over logits (unit last-dim stride)."""
     rows = logits.view(-1, logits.shape[-1])
-    return _mean_loss(rows, targets.reshape(-1).contiguous(), ignore_index, rows)
+    loss, n_valid, _ = _mean_loss(rows, targets.reshape(-1).contiguous(), ignore_index, rows)
+    return loss, n_valid
 
 
 @_cross_entropy_inplace_op.register_fake
@@ -249,7 +307,8 @@ def _linear_cross_entropy_op(x: torch.Tensor, weight: torch.Tensor, targets: tor
                              ignore_index: int, chunk_size: int, need_dx: bool,
                              need_dweight: bool
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, n_valid, dx of x's shape or empty, fp32 dweight or empty)."""
+    """(loss, n_valid, unscaled dx of x's shape or empty, unscaled fp32 dweight or empty): a
+    gradient not asked for is an empty tensor (custom ops return tensors, not None)."""
     loss, n_valid, dx, dweight = _linear_cross_entropy_chunks(
         x, weight, targets, ignore_index, chunk_size, need_dx, need_dweight)
     dx = dx.view(x.shape) if need_dx else x.new_empty(0)
@@ -269,58 +328,42 @@ def _grad_scale(grad_output: torch.Tensor, n_valid: torch.Tensor) -> torch.Tenso
     return grad_output.float() / n_valid
 
 
-def _claim_saved_gradients(ctx, op_name: str) -> None:
-    """The backward scales the saved gradients in place, so only the first backward may use them;
-    and those gradients were computed without a graph, so a second derivative cannot be had."""
-    if torch.is_grad_enabled():  # create_graph=True: the second-order terms would vanish silently
-        raise RuntimeError(f"fastlm.{op_name}: second derivatives are not supported "
-                           "(create_graph=True through its backward)")
-    if ctx.gradients_scaled:
-        raise RuntimeError(
-            f"{op_name}: a second backward through the same graph (retain_graph=True). The first "
-            "scaled the saved gradient in place (a copy would double the peak memory), so it cannot "
-            "be used again: compute the loss again for each backward."
-        )
-    ctx.gradients_scaled = True
-
-
 def _cross_entropy_setup(ctx, inputs, output):
-    logits, *_ = inputs
-    _, dlogits, n_valid = output
-    ctx.set_materialize_grads(False)  # else the unused outputs get zero gradients of their size
-    ctx.mark_non_differentiable(dlogits, n_valid)
-    ctx.save_for_backward(dlogits, n_valid)
-    ctx.logits_shape = logits.shape
-    ctx.gradients_scaled = False
+    logits, targets, ignore_index = inputs
+    _, n_valid, lse = output
+    ctx.set_materialize_grads(False)  # no zero tensors for the outputs without a gradient
+    ctx.mark_non_differentiable(n_valid, lse)
+    ctx.save_for_backward(logits, targets, lse, n_valid)
+    ctx.ignore_index = ignore_index
 
 
 def _cross_entropy_grad(ctx, grad_loss, *_):
-    _claim_saved_gradients(ctx, "cross_entropy")
-    dlogits, n_valid = ctx.saved_tensors
-    # In place: dlogits * scale would be a second (N, V) tensor while the saved one lives.
-    grad_logits = dlogits.mul_(_grad_scale(grad_loss, n_valid))
-    return grad_logits.view(ctx.logits_shape), None, None, None
+    logits, targets, lse, n_valid = ctx.saved_tensors
+    scale = _grad_scale(grad_loss, n_valid)
+    return (_cross_entropy_backward_op(logits, targets, ctx.ignore_index, lse, scale),
+            None, None)
 
 
 def _linear_cross_entropy_setup(ctx, inputs, output):
     _, weight, *_ = inputs
     _, n_valid, dx, dweight = output
-    ctx.set_materialize_grads(False)  # else the unused outputs get zero gradients of their size
+    ctx.set_materialize_grads(False)  # no zero tensors for the outputs without a gradient
     ctx.mark_non_differentiable(n_valid, dx, dweight)
     ctx.save_for_backward(dx, dweight, n_valid)
     ctx.need = inputs[5:7]
     ctx.weight_dtype = weight.dtype
-    ctx.gradients_scaled = False
 
 
 def _linear_cross_entropy_grad(ctx, grad_loss, *_):
-    _claim_saved_gradients(ctx, "linear_cross_entropy")
+    if torch.is_grad_enabled():  # create_graph=True: dx, dweight were computed without a graph
+        raise RuntimeError("fastlm.linear_cross_entropy: second derivatives are not supported "
+                           "(create_graph=True through its backward)")
     dx, dweight, n_valid = ctx.saved_tensors
     need_dx, need_dweight = ctx.need
     scale = _grad_scale(grad_loss, n_valid)
-    grad_x = dx.mul_(scale) if need_dx else None
-    # Scaled in fp32, rounded once; for an fp16/bf16 weight its gradient is the one new tensor.
-    grad_weight = dweight.mul_(scale).to(ctx.weight_dtype) if need_dweight else None
+    grad_x = dx * scale if need_dx else None
+    # Scaled in fp32, rounded once to the weight's dtype.
+    grad_weight = (dweight * scale).to(ctx.weight_dtype) if need_dweight else None
     return grad_x, grad_weight, None, None, None, None, None
 
 
@@ -328,24 +371,36 @@ torch.library.register_autograd("fastlm::cross_entropy", _cross_entropy_grad,
                                 setup_context=_cross_entropy_setup)
 torch.library.register_autograd("fastlm::linear_cross_entropy", _linear_cross_entropy_grad,
                                 setup_context=_linear_cross_entropy_setup)
+refuse_double_backward("fastlm::cross_entropy_backward", "cross_entropy")
 
 
 class _CrossEntropyInPlace(torch.autograd.Function):
-    """cross_entropy(..., inplace_backward=True): the gradient is written over logits by the
-    mutating op, which PyTorch gives no autograd formula, hence this Function."""
+    """cross_entropy(..., inplace_backward=True): the unscaled gradient is written over logits by
+    the mutating op (PyTorch registers no autograd formula for one, hence this Function) and
+    scaled there in place by the backward, which therefore runs once only."""
 
     @staticmethod
     def forward(ctx, logits, targets, ignore_index):
         loss, n_valid = _cross_entropy_inplace_op(logits, targets, ignore_index)
         # logits now hold the gradient: any other node that saved them must fail loudly.
         ctx.mark_dirty(logits)
+        ctx.set_materialize_grads(False)  # the returned logits get no gradient: no zero tensor
         ctx.save_for_backward(logits, n_valid)
-        ctx.gradients_scaled = False
+        ctx.scaled = False
         return loss, logits
 
     @staticmethod
     def backward(ctx, grad_loss, _):
-        _claim_saved_gradients(ctx, "cross_entropy")
+        if torch.is_grad_enabled():  # create_graph=True: the gradient was computed without a graph
+            raise RuntimeError("fastlm.cross_entropy: second derivatives are not supported "
+                               "(create_graph=True through its backward)")
+        if ctx.scaled:
+            raise RuntimeError(
+                "cross_entropy(inplace_backward=True): a second backward through the same graph "
+                "(retain_graph=True). The first scaled the gradient in place (over the logits), "
+                "so it cannot be used again: compute the loss again, or use the default "
+                "inplace_backward=False.")
+        ctx.scaled = True
         dlogits, n_valid = ctx.saved_tensors
         return dlogits.mul_(_grad_scale(grad_loss, n_valid)), None, None
 
@@ -407,17 +462,17 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
     [0, V) or equal to ignore_index: CPU targets are checked on the host (ValueError); on a GPU a
     bad target trips a device-side assert (checking on the host would need a sync).
 
-    When a gradient is needed (grad mode on and logits.requires_grad) it is computed in the
-    forward into a buffer the size of logits, and the backward scales that buffer in place, so
-    the graph supports one backward (a second, after retain_graph=True, raises RuntimeError).
-    With `inplace_backward=True` the gradient is written into `logits` itself instead, saving
-    that buffer: when a gradient is needed and logits' last dim has a unit stride, logits are
-    overwritten and must not be used afterwards (otherwise they are copied first and left as
-    they were). A leaf that requires grad (or a view of one) and logits whose elements overlap
+    The forward saves the log-sum-exp of each row; the backward computes the gradient from the
+    logits and it into a new tensor. With `inplace_backward=True` the forward writes the gradient
+    into `logits` itself instead, and the backward scales it there, saving that tensor: when a
+    gradient is needed and logits' rows are one stride apart with a unit last-dim stride, logits
+    are overwritten and must not be used afterwards, and the graph supports one backward (a
+    second, after retain_graph=True, raises RuntimeError); otherwise it is the default path. The
+    PyTorch backend ignores inplace_backward. A leaf that requires grad (or a view of one) and logits whose elements overlap
     are refused; any other autograd node that saved `logits` raises at its backward, as after
     any in-place op. Without a gradient (torch.no_grad, inference_mode, or logits that do not
-    require grad) only the loss is computed: no buffer, and logits are never written.
-    Second derivatives are not supported (an error, not a silent zero).
+    require grad) logits are never written. Second derivatives are not supported (an error, not
+    a silent zero).
     """
     check_float("logits", logits)
     if logits.ndim == 0 or logits.shape[-1] == 0:
@@ -441,7 +496,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
                 pass
             else:
                 return _CrossEntropyInPlace.apply(logits, targets, ignore_index)[0]
-    return _cross_entropy_op(logits, targets, ignore_index, need_grad)[0]
+    return _cross_entropy_op(logits, targets, ignore_index)[0]
 
 
 def default_chunk_size(n_tokens: int, vocab_size: int, dtype: torch.dtype) -> int:
@@ -462,8 +517,8 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     in x's dtype and turned into its dx and its share of dweight in the forward, so the peak
     extra memory is one chunk's logits plus dx (x's size), an fp32 dweight (V, C) and, for
     fp16/bf16, one (V, C) partial product. Only the gradients needed are computed (those of the
-    inputs that require grad, none under torch.no_grad or inference_mode), and the backward
-    scales them in place, so the graph supports one backward (see cross_entropy). The mean,
+    inputs that require grad, none under torch.no_grad or inference_mode); the backward scales
+    them by grad_output / n_valid into new tensors. Second derivatives raise. The mean,
     ignore_index, all-ignored and target rules are cross_entropy's; the loss is fp32, the
     gradients have x's and weight's dtypes. The PyTorch backend materialises the logits.
 

@@ -1,0 +1,143 @@
+"""Every fastlm op as torch.library sees it: schema, fake tensors, autograd registration and AOT
+dispatch (`torch.library.opcheck`), and the model compiled whole with the kernels as ops.
+
+The kernels run through Triton's interpreter here; opcheck calls each op several times (eagerly,
+on fake tensors, under AOT autograd) and compares the results, so sizes are small.
+"""
+
+import pytest
+import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import counters
+
+import fastlm
+from fastlm import reference as R
+from fastlm.kernels.rope import rope_tables
+from fastlm.testing import assert_close
+
+def _randn(*shape, device, requires_grad=False, dtype=torch.float32):
+    return torch.randn(*shape, device=device, dtype=dtype).requires_grad_(requires_grad)
+
+
+def _op_cases(device):
+    """(op, args) for every op fastlm registers: the forward ops with inputs that require grad
+    (so that opcheck exercises their autograd formulas), the backward and in-place ops without."""
+    g = dict(device=device, requires_grad=True)
+    n = dict(device=device)
+    x, residual, weight = _randn(5, 48, **g), _randn(5, 48, **g), _randn(48, **g)
+    rstd = torch.rand(5, device=device) + 0.5
+    q, k, v = _randn(1, 2, 37, 16, **g), _randn(1, 1, 37, 16, **g), _randn(1, 1, 37, 16, **g)
+    o, lse = torch.ops.fastlm.flash_attention(q.detach(), k.detach(), v.detach(), True, 0.25, False)
+    cos, sin = rope_tables(10000.0, 16, 64, device=device)
+    positions = torch.arange(3, 40, device=device)
+    targets = torch.randint(0, 300, (6,), device=device)
+    targets[1] = -100
+    ops = torch.ops.fastlm
+    return {
+        "rms_norm": (ops.rms_norm, (x, weight, 1e-5)),
+        "add_rms_norm": (ops.add_rms_norm, (x, residual, weight, 1e-5)),
+        "rms_norm_backward": (ops.rms_norm_backward,
+                              (_randn(5, 48, **n), _randn(5, 48, **n), _randn(5, 48, **n),
+                               _randn(48, **n), rstd)),
+        "swiglu": (ops.swiglu, (_randn(4, 40, **g), _randn(4, 40, **g))),
+        "swiglu_backward": (ops.swiglu_backward, tuple(_randn(4, 40, **n) for _ in range(3))),
+        "swiglu_packed": (ops.swiglu_packed, (_randn(4, 80, **g),)),
+        "swiglu_packed_backward": (ops.swiglu_packed_backward,
+                                   (_randn(4, 40, **n), _randn(4, 80, **n))),
+        "flash_attention": (ops.flash_attention, (q, k, v, True, 0.25, False)),
+        "flash_attention_backward": (ops.flash_attention_backward,
+                                     (_randn(1, 2, 37, 16, **n), q.detach(), k.detach(),
+                                      v.detach(), o, lse, True, 0.25, False)),
+        "rope": (ops.rope, (_randn(1, 2, 37, 16, **g), cos, sin, positions, True, False)),
+        "rope_": (ops.rope_, (_randn(1, 2, 37, 16, **n), _randn(1, 1, 37, 16, **n), cos, sin,
+                              positions, False, False)),
+        "cross_entropy": (ops.cross_entropy, (_randn(6, 300, **g), targets, -100)),
+        "cross_entropy_backward": (ops.cross_entropy_backward,
+                                   (_randn(6, 300, **n), targets, -100, torch.rand(6, **n) + 6,
+                                    torch.tensor(0.25, device=device))),
+        "cross_entropy_": (ops.cross_entropy_, (_randn(6, 300, **n), targets, -100)),
+        "linear_cross_entropy": (ops.linear_cross_entropy,
+                                 (_randn(6, 16, **g), _randn(300, 16, **g), targets, -100, 4,
+                                  True, True)),
+    }
+
+
+OP_NAMES = list(_op_cases("cpu"))
+
+
+def test_every_registered_op_is_checked():
+    from torch._library.custom_ops import OPDEFS
+
+    registered = {name.split("::")[1] for name in OPDEFS if name.startswith("fastlm::")}
+    assert registered == set(OP_NAMES)
+
+
+@pytest.mark.parametrize("name", OP_NAMES)
+def test_opcheck(device, name):
+    op, args = _op_cases(device)[name]
+    results = torch.library.opcheck(op, args)
+    assert set(results.values()) == {"SUCCESS"}, results
+
+
+class _OpRecordingBackend:
+    """aot_eager that also records the ops of the forward and backward graphs it compiles."""
+
+    def __init__(self):
+        self.ops = set()
+        self.backend = aot_autograd(fw_compiler=self._compile, bw_compiler=self._compile)
+
+    def _compile(self, gm, example_inputs):
+        self.ops.update(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    def __call__(self, gm, example_inputs):
+        return self.backend(gm, example_inputs)
+
+
+CONFIG = dict(vocab_size=61, context_length=24, d_model=32, num_layers=2, num_heads=2, d_ff=48,
+              rope_theta=10000.0)
+KERNEL_OPS = {"fastlm.add_rms_norm.default", "fastlm.rms_norm_backward.default",
+              "fastlm.rope.default", "fastlm.flash_attention.default",
+              "fastlm.flash_attention_backward.default", "fastlm.swiglu.default",
+              "fastlm.swiglu_backward.default", "fastlm.linear_cross_entropy.default"}
+
+
+def _compiled_loss_matches_reference(device, backend):
+    model = fastlm.Transformer(**CONFIG, device=device)
+    ref = R.Transformer(**CONFIG, device=device, dtype=torch.float64)
+    ref.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, CONFIG["vocab_size"], (2, 13), device=device)
+    targets = torch.randint(0, CONFIG["vocab_size"], (2, 13), device=device)
+    counters.clear()
+    loss = torch.compile(model.loss, backend=backend, fullgraph=True)(tokens, targets)
+    loss.backward()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    expected = R.CrossEntropyLoss()(ref(tokens), targets)
+    expected.backward()
+    assert_close(loss, expected, torch.float32, "compiled loss")
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert_close(p.grad, ref_params[name].grad, torch.float32, f"compiled grad of {name}")
+
+
+def test_model_compiles_whole_with_the_kernels(device):
+    """fullgraph=True (any graph break raises) of the loss and its backward; the graphs hold the
+    kernels as ops, not the PyTorch fallback, and the result matches the float64 reference.
+    On the CPU the ops run through the interpreter at run time (aot_eager); on CUDA the test
+    below compiles with Inductor."""
+    backend = _OpRecordingBackend()
+    _compiled_loss_matches_reference(device, backend)
+    assert KERNEL_OPS <= backend.ops, KERNEL_OPS - backend.ops
+
+
+def test_model_compiles_whole_on_pytorch(device, monkeypatch):
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")
+    backend = _OpRecordingBackend()
+    _compiled_loss_matches_reference(device, backend)
+    assert not any(op.startswith("fastlm.") for op in backend.ops)
+
+
+@pytest.mark.cuda
+def test_model_compiles_whole_with_inductor(device):
+    _compiled_loss_matches_reference(device, "inductor")
