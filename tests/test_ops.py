@@ -35,11 +35,12 @@ def _op_cases(device):
     targets[1] = -100
     ops = torch.ops.fastlm
     return {
-        "rms_norm": (ops.rms_norm, (x, weight, 1e-5)),
-        "add_rms_norm": (ops.add_rms_norm, (x, residual, weight, 1e-5)),
+        "rms_norm": (ops.rms_norm, (x, weight, 1e-5, torch.bfloat16)),
+        "add_rms_norm": (ops.add_rms_norm, (_randn(5, 48, dtype=torch.bfloat16, **g), residual,
+                                            weight, 1e-5, torch.bfloat16)),
         "rms_norm_backward": (ops.rms_norm_backward,
                               (_randn(5, 48, **n), _randn(5, 48, **n), _randn(5, 48, **n),
-                               _randn(48, **n), rstd)),
+                               _randn(48, **n), rstd, torch.bfloat16, torch.float32)),
         "swiglu": (ops.swiglu, (_randn(4, 40, **g), _randn(4, 40, **g))),
         "swiglu_backward": (ops.swiglu_backward, tuple(_randn(4, 40, **n) for _ in range(3))),
         "swiglu_packed": (ops.swiglu_packed, (_randn(4, 80, **g),)),

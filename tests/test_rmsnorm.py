@@ -119,6 +119,50 @@ def test_add_rms_norm(shape, dtype, device):
     assert_close(weight.grad, w64.grad, dtype, "dweight")
 
 
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(37, 1000), (2, 3, 130)])
+def test_add_rms_norm_mixed_precision(shape, half, device):
+    """The autocast residual stream: a half-precision sub-layer output x, an fp32 residual and
+    weight. summed is fp32 (x + residual bitwise, as PyTorch promotes), normed is written in the
+    half dtype the next GEMM reads (the fp32 norm rounded once), dx comes back in x's dtype and
+    dresidual in fp32, from upstream gradients in those dtypes."""
+    x = leaf(torch.randn(shape, device=device).to(half))
+    residual = leaf(torch.randn(shape, device=device))
+    weight = leaf(torch.randn(shape[-1], device=device))
+    normed, summed = add_rms_norm(x, residual, weight, out_dtype=half)
+    assert normed.dtype == half and summed.dtype == torch.float32
+    assert torch.equal(summed, x + residual)
+    d_normed, d_summed = torch.randn_like(normed), torch.randn_like(summed)
+    torch.autograd.backward([normed, summed], [d_normed, d_summed])
+    assert x.grad.dtype == half and residual.grad.dtype == torch.float32
+
+    x64, r64, w64 = leaf(x.double()), leaf(residual.double()), leaf(weight.double())
+    summed64 = x64 + r64
+    normed64 = rms_norm64(summed64, w64)
+    torch.autograd.backward([normed64, summed64], [d_normed.double(), d_summed.double()])
+    assert_close(normed, normed64, half, "normed")
+    assert torch.equal(normed, rms_norm(summed, weight).to(half)), "normed: one rounding from fp32"
+    assert_close(x.grad, x64.grad, half, "dx")
+    assert_close(residual.grad, r64.grad, torch.float32, "dresidual")
+    assert_close(weight.grad, w64.grad, torch.float32, "dweight")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_out_dtype(dtype, device):
+    """out_dtype: the fp32 result rounded once to it, with gradients as without it."""
+    x, weight = make_inputs((5, 130), torch.float32, device)
+    y = rms_norm(x, weight, out_dtype=dtype)
+    assert y.dtype == dtype
+    assert torch.equal(y, rms_norm(x, weight).to(dtype))
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x64, w64 = leaf(x.double()), leaf(weight.double())
+    rms_norm64(x64, w64).backward(dy.double())
+    assert x.grad.dtype == torch.float32
+    assert_close(x.grad, x64.grad, dtype, "dx")
+    assert_close(weight.grad, w64.grad, dtype, "dweight")
+
+
 def test_add_rms_norm_one_output_used(device):
     """Only normed used: the gradients of rms_norm(x + residual). Only summed used: passed through."""
     x, weight = make_inputs((37, 130), torch.float32, device)
@@ -194,7 +238,9 @@ def test_empty_rows(device):
     (lambda x, w, r: rms_norm(x[0, 0], w), ValueError, "x"),
     (lambda x, w, r: rms_norm(x[..., :0], w[:0]), ValueError, "x"),
     (lambda x, w, r: add_rms_norm(x, r[:, :-1], w), ValueError, "residual"),
-    (lambda x, w, r: add_rms_norm(x, r.half(), w), TypeError, "residual"),
+    (lambda x, w, r: add_rms_norm(x, r.int(), w), TypeError, "residual"),
+    (lambda x, w, r: add_rms_norm(x, r, w, out_dtype=torch.int8), TypeError, "out_dtype"),
+    (lambda x, w, r: rms_norm(x, w, out_dtype=torch.float64), TypeError, "out_dtype"),
     (lambda x, w, r: add_rms_norm(x, None, w), TypeError, "residual"),
     (lambda x, w, r: add_rms_norm(x, r, w[:3]), ValueError, "weight"),
 ])

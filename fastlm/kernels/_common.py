@@ -82,10 +82,11 @@ def interpreter_bf16(dtype: torch.dtype) -> bool:
 def round_to(x, dtype: tl.constexpr, BF16_BY_HAND: tl.constexpr):
     """x (fp32) rounded to `dtype`, to nearest even.
 
-    Under BF16_BY_HAND (set from `interpreter_bf16`) the rounding is done on the bits: add half an
-    ulp of bf16 (ties to even) and keep the high 16 bits; elsewhere the cast rounds by itself.
+    Under BF16_BY_HAND (set from `interpreter_bf16`, or `interpreting()` by a kernel whose stores
+    have several dtypes) a bf16 result is rounded on the bits: add half an ulp of bf16 (ties to
+    even) and keep the high 16 bits; every other cast rounds by itself.
     """
-    if BF16_BY_HAND:
+    if BF16_BY_HAND and dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits += 0x7FFF + ((bits >> 16) & 1)
         rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)

@@ -11,9 +11,15 @@ Backward, given dy (per row) and with g_dy = g * dy:
     dx = rstd * (g_dy - x_hat * mean(g_dy * x_hat))
     dg = sum over rows of dy * x_hat
 
-`add_rms_norm(x, residual, g)` first forms the residual stream s = x + residual (rounded to the input
-dtype, as PyTorch's `x + residual`) and returns (rms_norm(s), s). Its backward takes the gradients of
-both outputs: ds = d_summed + dx_of_the_norm(d_normed), and dx = dresidual = ds.
+`add_rms_norm(x, residual, g)` first forms the residual stream s = x + residual (rounded to the
+dtype PyTorch's `x + residual` promotes to) and returns (rms_norm(s), s). Its backward takes the
+gradients of both outputs: ds = d_summed + dx_of_the_norm(d_normed), and dx = dresidual = ds, each
+written in its input's dtype.
+
+Mixed precision: under autocast a sub-layer's output x is bf16 while the residual stream stays
+fp32, as in the reference. The kernels take that pair as it is, keep the sum in fp32, and write
+the normed output in `out_dtype` (the dtype the next GEMM reads), so no cast runs around them; in
+the backward dx leaves in bf16 and dresidual in fp32 from the same registers.
 
 Kernel layout:
 - Forward: one program per tile of BLOCK_M rows x BLOCK_N = next_power_of_2(N) columns, so each row
@@ -33,8 +39,8 @@ from __future__ import annotations
 import torch
 
 from fastlm.backend import interpreting, use_triton
-from fastlm.kernels._common import (as_rows, check_float, check_match, device_sms, empty,
-                                    interpreter_bf16, refuse_double_backward, round_to, tl, triton)
+from fastlm.kernels._common import (FLOAT_DTYPES, as_rows, check_float, check_match, device_sms,
+                                    empty, refuse_double_backward, round_to, tl, triton)
 
 #: The largest hidden size the kernels take: a row lives in one block of registers.
 MAX_HIDDEN = 65536
@@ -44,18 +50,22 @@ MAX_HIDDEN = 65536
 # --------------------------------------------------------------------------------------------
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-    """RMSNorm in PyTorch: fp32 inside (fp64 for fp64 input), the result in x's dtype."""
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """RMSNorm in PyTorch: fp32 inside (fp64 for fp64 input), the result in out_dtype (default:
+    x's dtype)."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     xc = x.to(compute)
-    return (xc * torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + eps) * weight).to(x.dtype)
+    y = xc * torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + eps) * weight
+    return y.to(out_dtype or x.dtype)
 
 
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+                     eps: float = 1e-5, out_dtype: torch.dtype | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm_ref(x + residual), x + residual) in PyTorch."""
     summed = x + residual
-    return rms_norm_ref(summed, weight, eps), summed
+    return rms_norm_ref(summed, weight, eps, out_dtype), summed
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,10 +111,11 @@ def _rms_norm_fwd(
 
 @triton.jit
 def _rms_norm_bwd(
-    DY, DS, X, W, Rstd, DX, DW_partial,
-    stride_dym, stride_dsm, stride_xm, stride_dxm,
+    DY, DS, X, W, Rstd, DX, DX2, DW_partial,
+    stride_dym, stride_dsm, stride_xm, stride_dxm, stride_dx2m,
     M, N,
     HAS_DRESIDUAL: tl.constexpr,
+    TWO_OUTPUTS: tl.constexpr,
     BF16_BY_HAND: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -137,8 +148,11 @@ def _rms_norm_bwd(
             # The residual stream's own gradient joins here, so dx and dresidual leave in one store.
             ds = tl.load(DS + row_start * stride_dsm + cols[None, :], mask=mask, other=0.0)
             dx += ds.to(tl.float32)
-        dx = round_to(dx, DX.dtype.element_ty, BF16_BY_HAND)
-        tl.store(DX + row_start * stride_dxm + cols[None, :], dx, mask=mask)
+        tl.store(DX + row_start * stride_dxm + cols[None, :],
+                 round_to(dx, DX.dtype.element_ty, BF16_BY_HAND), mask=mask)
+        if TWO_OUTPUTS:  # the same gradient in a second dtype (a bf16 delta beside an fp32 stream)
+            tl.store(DX2 + row_start * stride_dx2m + cols[None, :],
+                     round_to(dx, DX2.dtype.element_ty, BF16_BY_HAND), mask=mask)
         dw_acc += dy * x_hat
 
     tl.store(DW_partial + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
@@ -170,12 +184,15 @@ def _backward_programs(x: torch.Tensor, num_tiles: int, num_warps: int) -> int:
     return max(1, min(num_tiles, device_sms(x) * per_sm))
 
 
-def _rms_norm_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """Launch the forward on (rows, N) views. Returns (y, summed or None, rstd)."""
+def _rms_norm_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                      eps: float, out_dtype: torch.dtype):
+    """Launch the forward on (rows, N) views. Returns (y in out_dtype, summed in the promoted
+    dtype of x and residual or None, rstd)."""
     weight = weight.contiguous()  # the kernels read it with a unit stride
     M, N = x.shape
-    y = empty((M, N), device=x.device, dtype=x.dtype)
-    summed = empty((M, N), device=x.device, dtype=x.dtype) if residual is not None else None
+    y = empty((M, N), device=x.device, dtype=out_dtype)
+    summed = (empty((M, N), device=x.device, dtype=torch.promote_types(x.dtype, residual.dtype))
+              if residual is not None else None)
     rstd = empty((M,), device=x.device, dtype=torch.float32)
     if M == 0:
         return y, summed, rstd
@@ -187,32 +204,37 @@ def _rms_norm_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: to
         x, r, s, y, weight, rstd,
         x.stride(0), r.stride(0), s.stride(0), y.stride(0),
         M, N, eps,
-        HAS_RESIDUAL=residual is not None, BF16_BY_HAND=interpreter_bf16(x.dtype),
+        HAS_RESIDUAL=residual is not None, BF16_BY_HAND=interpreting(),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     return y, summed, rstd
 
 
 def _rms_norm_backward(dy: torch.Tensor, d_summed: torch.Tensor | None, x: torch.Tensor,
-                       weight: torch.Tensor, rstd: torch.Tensor):
-    """Launch the backward on (rows, N) views. Returns (dx, dweight); dx already holds d_summed."""
+                       weight: torch.Tensor, rstd: torch.Tensor, dx_dtype: torch.dtype,
+                       dx2_dtype: torch.dtype | None = None):
+    """Launch the backward on (rows, N) views. Returns (dx, dx2 or None, dweight): dx (already
+    holding d_summed) in dx_dtype and, if dx2_dtype is given, the same gradient in that dtype."""
     M, N = x.shape
     weight = weight.contiguous()
-    dx = empty((M, N), device=x.device, dtype=x.dtype)
+    dx = empty((M, N), device=x.device, dtype=dx_dtype)
+    dx2 = empty((M, N), device=x.device, dtype=dx2_dtype) if dx2_dtype is not None else None
     if M == 0:
-        return dx, torch.zeros_like(weight)
+        return dx, dx2, torch.zeros_like(weight)
     block_m, block_n, num_warps = _tile(N, M)
     num_programs = _backward_programs(x, triton.cdiv(M, block_m), num_warps)
     dw_partial = empty((num_programs, N), device=x.device, dtype=torch.float32)
     ds = d_summed if d_summed is not None else dy
+    second = dx2 if dx2 is not None else dx  # never written through without TWO_OUTPUTS
     _rms_norm_bwd[(num_programs,)](
-        dy, ds, x, weight, rstd, dx, dw_partial,
-        dy.stride(0), ds.stride(0), x.stride(0), dx.stride(0),
+        dy, ds, x, weight, rstd, dx, second, dw_partial,
+        dy.stride(0), ds.stride(0), x.stride(0), dx.stride(0), second.stride(0),
         M, N,
-        HAS_DRESIDUAL=d_summed is not None, BF16_BY_HAND=interpreter_bf16(x.dtype),
+        HAS_DRESIDUAL=d_summed is not None, TWO_OUTPUTS=dx2 is not None,
+        BF16_BY_HAND=interpreting(),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
-    return dx, dw_partial.sum(0).to(weight.dtype)
+    return dx, dx2, dw_partial.sum(0).to(weight.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,50 +243,56 @@ def _rms_norm_backward(dy: torch.Tensor, d_summed: torch.Tensor | None, x: torch
 
 
 @torch.library.custom_op("fastlm::rms_norm", mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, rstd): y of x's shape and dtype, rstd (x.shape[:-1]) fp32 for the backward."""
-    y, _, rstd = _rms_norm_forward(as_rows(x), None, weight, eps)
+    """(y, rstd): y of x's shape in out_dtype, rstd (x.shape[:-1]) fp32 for the backward."""
+    y, _, rstd = _rms_norm_forward(as_rows(x), None, weight, eps, out_dtype)
     return y.view(x.shape), rstd.view(x.shape[:-1])
 
 
 @_rms_norm_op.register_fake
-def _(x, weight, eps):
-    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
+def _(x, weight, eps, out_dtype):
+    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("fastlm::add_rms_norm", mutates_args=())
-def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(normed, summed, rstd)."""
-    normed, summed, rstd = _rms_norm_forward(as_rows(x), as_rows(residual), weight, eps)
+def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(normed in out_dtype, summed in x's and residual's promoted dtype, rstd)."""
+    normed, summed, rstd = _rms_norm_forward(as_rows(x), as_rows(residual), weight, eps,
+                                             out_dtype)
     return normed.view(x.shape), summed.view(x.shape), rstd.view(x.shape[:-1])
 
 
 @_add_rms_norm_op.register_fake
-def _(x, residual, weight, eps):
-    rstd = x.new_empty(x.shape[:-1], dtype=torch.float32)
-    return x.new_empty(x.shape), x.new_empty(x.shape), rstd
+def _(x, residual, weight, eps, out_dtype):
+    summed_dtype = torch.promote_types(x.dtype, residual.dtype)
+    return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape, dtype=summed_dtype),
+            x.new_empty(x.shape[:-1], dtype=torch.float32))
 
 
 @torch.library.custom_op("fastlm::rms_norm_backward", mutates_args=())
 def _rms_norm_backward_op(dy: torch.Tensor, d_summed: torch.Tensor | None, x: torch.Tensor,
-                          weight: torch.Tensor, rstd: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, dweight); dx already holds d_summed, the residual stream's own gradient, if given."""
+                          weight: torch.Tensor, rstd: torch.Tensor, dx_dtype: torch.dtype,
+                          dx2_dtype: torch.dtype | None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx in dx_dtype, the same in dx2_dtype or an empty tensor, dweight); dx already holds
+    d_summed, the residual stream's own gradient, if given."""
     d_summed_rows = as_rows(d_summed) if d_summed is not None else None
-    dx, dweight = _rms_norm_backward(as_rows(dy), d_summed_rows, as_rows(x), weight,
-                                     rstd.reshape(-1))
-    return dx.view(x.shape), dweight
+    dx, dx2, dweight = _rms_norm_backward(as_rows(dy), d_summed_rows, as_rows(x), weight,
+                                          rstd.reshape(-1), dx_dtype, dx2_dtype)
+    dx2 = dx2.view(x.shape) if dx2 is not None else x.new_empty(0)
+    return dx.view(x.shape), dx2, dweight
 
 
 @_rms_norm_backward_op.register_fake
-def _(dy, d_summed, x, weight, rstd):
-    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+def _(dy, d_summed, x, weight, rstd, dx_dtype, dx2_dtype):
+    dx2 = x.new_empty(x.shape if dx2_dtype is not None else 0, dtype=dx2_dtype or x.dtype)
+    return x.new_empty(x.shape, dtype=dx_dtype), dx2, weight.new_empty(weight.shape)
 
 
 def _rms_norm_setup(ctx, inputs, output):
-    x, weight, _ = inputs
+    x, weight, _, _ = inputs
     ctx.save_for_backward(x, weight, output[1])
     ctx.set_materialize_grads(False)  # rstd has no gradient: no zero tensor for it
     ctx.mark_non_differentiable(output[1])
@@ -272,27 +300,32 @@ def _rms_norm_setup(ctx, inputs, output):
 
 def _rms_norm_grad(ctx, dy, _):
     x, weight, rstd = ctx.saved_tensors
-    dx, dweight = _rms_norm_backward_op(dy, None, x, weight, rstd)
-    return dx, dweight, None
+    dx, _, dweight = _rms_norm_backward_op(dy, None, x, weight, rstd, x.dtype, None)
+    return dx, dweight, None, None
 
 
 def _add_rms_norm_setup(ctx, inputs, output):
-    _, _, weight, _ = inputs
+    x, residual, weight, _, _ = inputs
     _, summed, rstd = output
     # A missing output gradient stays None instead of becoming a tensor of zeros to read.
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(summed, weight, rstd)
     ctx.mark_non_differentiable(rstd)
+    ctx.dtypes = (x.dtype, residual.dtype)
 
 
 def _add_rms_norm_grad(ctx, d_normed, d_summed, _):
     summed, weight, rstd = ctx.saved_tensors
+    x_dtype, residual_dtype = ctx.dtypes
     if d_normed is None:
         ds = d_summed if d_summed is not None else torch.zeros_like(summed)
-        return ds, ds, torch.zeros_like(weight), None
-    ds, dweight = _rms_norm_backward_op(d_normed, d_summed, summed, weight, rstd)
-    # x and residual enter only through their sum, so both receive the same gradient.
-    return ds, ds, dweight, None
+        return ds.to(x_dtype), ds.to(residual_dtype), torch.zeros_like(weight), None, None
+    # x and residual enter only through their sum, so both receive its gradient, each in its
+    # own dtype: one tensor when the dtypes agree, two stores of the same registers otherwise.
+    second = residual_dtype if residual_dtype != x_dtype else None
+    dx, dx2, dweight = _rms_norm_backward_op(d_normed, d_summed, summed, weight, rstd, x_dtype,
+                                             second)
+    return dx, dx2 if second is not None else dx, dweight, None, None
 
 
 torch.library.register_autograd("fastlm::rms_norm", _rms_norm_grad, setup_context=_rms_norm_setup)
@@ -324,7 +357,16 @@ def _check_residual(residual: torch.Tensor, x: torch.Tensor) -> None:
     check_float("residual", residual)
     if residual.shape != x.shape:
         raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
-    check_match("residual", residual, "x", x)
+    if residual.device != x.device:
+        raise ValueError(f"residual is on {residual.device}, but x is on {x.device}")
+
+
+def _out_dtype(out_dtype: object, default: torch.dtype) -> torch.dtype:
+    if out_dtype is None:
+        return default
+    if out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be None or one of {FLOAT_DTYPES}, got {out_dtype!r}")
+    return out_dtype
 
 
 def _kernels_take(x: torch.Tensor) -> bool:
@@ -337,31 +379,39 @@ def _kernels_take(x: torch.Tensor) -> bool:
     return True
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """RMSNorm of x over its last dim, scaled by `weight`, as `reference.RmsNorm`.
 
     x: (..., N) float32/float16/bfloat16, any leading shape; rows may be strided (a slice of a wider
     tensor) as long as the last dim is contiguous, otherwise x is copied once.
-    weight: (N,), of x's dtype or float32. Returns a tensor of x's shape and dtype.
+    weight: (N,), of x's dtype or float32. Returns a tensor of x's shape in `out_dtype` (default:
+    x's dtype), rounded once from fp32: `rms_norm(x, w).to(bf16)` in one pass.
     """
     _check_args(x, weight)
+    out_dtype = _out_dtype(out_dtype, x.dtype)
     if not _kernels_take(x):
-        return rms_norm_ref(x, weight, eps)
-    return _rms_norm_op(x, weight, float(eps))[0]
+        return rms_norm_ref(x, weight, eps, out_dtype)
+    return _rms_norm_op(x, weight, float(eps), out_dtype)[0]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float = 1e-5, *, out_dtype: torch.dtype | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual, weight), x + residual) in one pass: a block's residual add fused
     with the next norm.
 
-    The sum is rounded to the input dtype, exactly as PyTorch's `x + residual`, and the norm sees
-    the rounded sum. Gradients of both outputs flow back: the summed output carries the residual
-    stream on. `residual` must match x in shape, dtype and device; `weight` as in `rms_norm`.
+    The sum is rounded to the dtype PyTorch's `x + residual` gives (the wider of the two: a bf16
+    sub-layer output x added to an fp32 residual stream stays fp32), exactly as that expression,
+    and the norm sees the rounded sum; normed is in `out_dtype` (default: the sum's dtype).
+    Gradients of both outputs flow back, each input's in its own dtype: the summed output carries
+    the residual stream on. `residual` must match x in shape and device; `weight` as in
+    `rms_norm`.
     """
     _check_args(x, weight)
     _check_residual(residual, x)
+    out_dtype = _out_dtype(out_dtype, torch.promote_types(x.dtype, residual.dtype))
     if not _kernels_take(x):
-        return add_rms_norm_ref(x, residual, weight, eps)
-    normed, summed, _ = _add_rms_norm_op(x, residual, weight, float(eps))
+        return add_rms_norm_ref(x, residual, weight, eps, out_dtype)
+    normed, summed, _ = _add_rms_norm_op(x, residual, weight, float(eps), out_dtype)
     return normed, summed
