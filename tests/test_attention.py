@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from fastlm.kernels.attention import _attention_backward, _attention_forward, flash_attention
+from fastlm.kernels.attention import (_attention_backward, _attention_forward, _split_heads,
+                                     flash_attention, rope_attention, rope_attention_ref)
+from fastlm.kernels.rope import apply_rope_, rope_tables
 from fastlm.reference import ScaledDotProductAttention
 from fastlm.testing import TOLERANCE, assert_close
 
@@ -380,3 +382,110 @@ def test_torch_compile(device, dtype):
     compiled_grads = torch.autograd.grad(torch.compile(attend, fullgraph=True)(q, k, v), (q, k, v))
     for eager, compiled in zip(eager_grads, compiled_grads):
         assert_close(compiled, eager, dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# rope_attention: the packed q|k|v projection with RoPE, one gradient buffer
+# --------------------------------------------------------------------------------------------
+
+
+def _packed(B, T, Hq, Hkv, D, dtype, device):
+    """A projection output qkv (B, T, (Hq + 2 Hkv) D), a non-leaf as a GEMM's output is."""
+    weight = torch.randn((Hq + 2 * Hkv) * D, 24, device=device, dtype=torch.float64) / 5
+    x = torch.randn(B, T, 24, device=device, dtype=torch.float64)
+    return (x @ weight.T).to(dtype).detach().requires_grad_(), weight
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,T,interleaved,dtype", [
+    (2, 2, 16, 37, True, torch.float32), (4, 2, 32, 77, True, torch.bfloat16),
+    (4, 1, 16, 64, False, torch.float16), (2, 2, 32, 1, True, torch.float32),
+])
+def test_rope_attention_matches_reference(device, Hq, Hkv, D, T, interleaved, dtype):
+    """o and the gradient of the projection output against float64 RoPE + attention, with
+    positions offset per sequence; dqkv is one poisoned buffer, so an unwritten part shows."""
+    B = 2
+    leaf, _ = _packed(B, T, Hq, Hkv, D, dtype, device)
+    qkv = leaf * 1  # rotated in place: a computed tensor, not the leaf
+    cos, sin = rope_tables(10000.0, D, 200, device=device)
+    positions = torch.arange(T, device=device) + torch.tensor([[3], [50]], device=device)
+    o = rope_attention(qkv, cos, sin, positions, Hq, Hkv, interleaved=interleaved)
+    assert o.shape == (B, Hq, T, D) and o.transpose(1, 2).is_contiguous()
+    do = torch.randn_like(o)
+    o.backward(do)
+
+    leaf64 = leaf.detach().double().requires_grad_()
+    o64 = rope_attention_ref(leaf64, cos.double(), sin.double(), positions, Hq, Hkv,
+                             interleaved=interleaved)
+    o64.backward(do.double())
+    assert_close(o, o64, dtype, "o")
+    assert leaf.grad.dtype == dtype
+    assert_close(leaf.grad, leaf64.grad, dtype, "dqkv")
+
+
+class _GlueRecorder(TorchDispatchMode):
+    """The aten ops outside fastlm's own that move data: what autograd adds around views."""
+
+    GLUE = {"zeros", "zero_", "fill_", "copy_", "add", "add_", "select_backward",
+            "slice_backward", "clone", "_to_copy", "cat", "stack", "new_zeros", "index_put_"}
+
+    def __init__(self):
+        super().__init__()
+        self.glue = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.GLUE:
+            self.glue.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_rope_attention_gradient_is_one_buffer(device):
+    """From the projection output to its gradient: no zero-filled buffers, no copies, no adds."""
+    leaf, weight = _packed(2, 37, 2, 2, 16, torch.float32, device)
+    cos, sin = rope_tables(10000.0, 16, 64, device=device)
+    with _GlueRecorder() as recorder:
+        qkv = leaf * 1
+        o = rope_attention(qkv, cos, sin, torch.arange(37, device=device), 2,
+                           check_positions=False)
+        o.backward(torch.randn_like(o))
+    glue = [op for op in recorder.glue if not op.startswith("aten.mul")]
+    assert not glue, glue
+    # ...and the same run through views of the projection and apply_rope_ does need them:
+    with _GlueRecorder() as recorder:
+        q, k, v = _split_heads(leaf * 1, 2, 2)
+        apply_rope_(q, k, cos, sin, torch.arange(37, device=device))
+        flash_attention(q, k, v).backward(torch.randn(2, 2, 37, 16, device=device))
+    assert any("select" in op or "slice" in op or "zero" in op for op in recorder.glue)
+
+
+def test_rope_attention_is_deterministic_and_matches_the_torch_backend(device, monkeypatch):
+    leaf, _ = _packed(1, 50, 4, 2, 16, torch.float16, device)
+    cos, sin = rope_tables(10000.0, 16, 64, device=device)
+    positions = torch.arange(50, device=device)
+    do = torch.randn(1, 4, 50, 16, device=device, dtype=torch.float16)
+    runs = []
+    for backend in ["auto", "auto", "torch"]:
+        monkeypatch.setenv("FASTLM_BACKEND", backend)
+        leaf.grad = None
+        rope_attention(leaf * 1, cos, sin, positions, 4, 2).backward(do)
+        runs.append(leaf.grad.clone())
+    assert torch.equal(runs[0], runs[1])
+    assert_close(runs[0], runs[2].double(), torch.float16, "kernels vs torch backend")
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda qkv, c, s, p: rope_attention(qkv[..., :-1], c, s, p, 2), ValueError, "qkv must be"),
+    (lambda qkv, c, s, p: rope_attention(qkv, c, s, p, 0), ValueError, "num_heads"),
+    (lambda qkv, c, s, p: rope_attention(qkv, c, s, p, 2, 3), ValueError, "head dim 12"),
+    (lambda qkv, c, s, p: rope_attention(qkv, c, s, p, 2, 5), ValueError, "not a multiple"),
+    (lambda qkv, c, s, p: rope_attention(qkv.detach().requires_grad_(), c, s, p, 2),
+     ValueError, "leaf"),
+    (lambda qkv, c, s, p: rope_attention(qkv, c[:, :4], s, p, 2), ValueError, "cos and sin"),
+    (lambda qkv, c, s, p: rope_attention(qkv, c, s, p[:-1], 2), ValueError, "token_positions"),
+    (lambda qkv, c, s, p: rope_attention(qkv, c, s, p + 60, 2), ValueError, "token_positions"),
+    (lambda qkv, c, s, p: rope_attention(qkv.int(), c, s, p, 2), TypeError, "qkv"),
+])
+def test_rope_attention_bad_input(device, call, error, message):
+    qkv = torch.randn(1, 9, 6 * 16, device=device, requires_grad=True) * 1
+    cos, sin = rope_tables(10000.0, 16, 64, device=device)
+    with pytest.raises(error, match=message):
+        call(qkv, cos, sin, torch.arange(9, device=device))

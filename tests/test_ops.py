@@ -50,6 +50,10 @@ def _op_cases(device):
         "flash_attention_backward": (ops.flash_attention_backward,
                                      (_randn(1, 2, 37, 16, **n), q.detach(), k.detach(),
                                       v.detach(), o, lse, True, 0.25, False)),
+        "flash_attention_backward_": (ops.flash_attention_backward_,
+                                      (_randn(1, 2, 37, 16, **n), q.detach(), k.detach(),
+                                       v.detach(), o, lse, True, 0.25, False,
+                                       *(_randn(1, h, 37, 16, **n) for h in (2, 1, 1)))),
         "rope": (ops.rope, (_randn(1, 2, 37, 16, **g), cos, sin, positions, True, False)),
         "rope_": (ops.rope_, (_randn(1, 2, 37, 16, **n), _randn(1, 1, 37, 16, **n), cos, sin,
                               positions, False, False)),
@@ -66,7 +70,7 @@ def _op_cases(device):
 
 OP_NAMES = ["rms_norm", "add_rms_norm", "rms_norm_backward", "swiglu", "swiglu_backward",
             "swiglu_packed", "swiglu_packed_backward", "flash_attention",
-            "flash_attention_backward", "rope", "rope_", "cross_entropy", "cross_entropy_backward",
+            "flash_attention_backward", "flash_attention_backward_", "rope", "rope_", "cross_entropy", "cross_entropy_backward",
             "cross_entropy_", "linear_cross_entropy"]
 
 

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from fastlm.backend import interpreting, use_triton
 from fastlm.kernels._common import (check_float, check_match, empty, interpreter_bf16,
                                     refuse_double_backward, tl, triton)
+from fastlm.kernels.rope import check_rope_args, check_rotatable, rope_ref
 
 LOG2_E = 1.4426950408889634
 
@@ -514,8 +515,10 @@ def _attention_forward(q, k, v, causal: bool, softmax_scale: float, allow_tf32: 
     return o, lse
 
 
-def _attention_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, allow_tf32: bool):
-    """dq, dk, dv from the saved forward inputs, output and log-sum-exp."""
+def _attention_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, allow_tf32: bool,
+                        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    """dq, dk, dv from the saved forward inputs, output and log-sum-exp; written into `out`
+    (any strides: views of one packed gradient, say) when given."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -527,7 +530,7 @@ def _attention_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float,
         HEAD_DIM=D, BLOCK_D=flags["BLOCK_D"], BLOCK_M=delta_block,
     )
 
-    dq, dk, dv = _empty_heads_like(q), _empty_heads_like(k), _empty_heads_like(v)
+    dq, dk, dv = out or (_empty_heads_like(q), _empty_heads_like(k), _empty_heads_like(v))
     scales = (softmax_scale, softmax_scale * LOG2_E, _bucket(Nq), _bucket(Nk))
     _attention_bwd_dkdv_kernel[_grid(Nk, "BLOCK_N", B * Hkv)](
         q, k, v, do, dk, dv, lse, delta,
@@ -647,3 +650,129 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     if not use_triton(q) or q.numel() == 0:
         return attention_ref(q, k, v, causal, scale)
     return _flash_attention_op(q, k, v, causal, scale, bool(allow_tf32))[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Packed q|k|v with RoPE: the model's attention, with one gradient buffer
+# --------------------------------------------------------------------------------------------
+# A fused projection writes q, k and v side by side: qkv (B, T, (Hq + 2 Hkv) * D). RoPE rotates
+# the q and k parts in place, attention reads all three through their strides, and the backward
+# writes dq, dk (rotated back in place) and dv straight into one gradient of qkv's shape. Autograd
+# built from views would instead zero-fill a buffer per view, copy each gradient in and add them.
+
+
+@torch.library.custom_op("fastlm::flash_attention_backward_", mutates_args=("dq", "dk", "dv"))
+def _flash_attention_backward_into_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                                      v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                                      causal: bool, softmax_scale: float, allow_tf32: bool,
+                                      dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """flash_attention's backward written into dq, dk, dv (views of one buffer, say)."""
+    _attention_backward(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, out=(dq, dk, dv))
+
+
+@_flash_attention_backward_into_op.register_fake
+def _(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, dq, dk, dv):
+    return None
+
+
+def _split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int):
+    """q (B, Hq, T, D), k and v (B, Hkv, T, D): views of qkv (B, T, (Hq + 2 Hkv) * D)."""
+    B, T, width = qkv.shape
+    D = width // (num_heads + 2 * num_kv_heads)
+    q_end, k_end = num_heads * D, (num_heads + num_kv_heads) * D
+    q = qkv[..., :q_end].view(B, T, num_heads, D).transpose(1, 2)
+    k = qkv[..., q_end:k_end].view(B, T, num_kv_heads, D).transpose(1, 2)
+    v = qkv[..., k_end:].view(B, T, num_kv_heads, D).transpose(1, 2)
+    return q, k, v
+
+
+class _PackedRopeAttention(torch.autograd.Function):
+    """RoPE in place on qkv's q and k, then flash attention; the backward fills one dqkv.
+
+    qkv is marked dirty (it holds the rotated q and k afterwards) and returned beside o, as
+    autograd requires of a Function that writes an input; callers use o.
+    """
+
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, positions, num_heads, num_kv_heads, causal, softmax_scale,
+                allow_tf32, interleaved):
+        q, k, v = _split_heads(qkv, num_heads, num_kv_heads)
+        torch.ops.fastlm.rope_(q, k, cos, sin, positions, interleaved, False)
+        o, lse = _flash_attention_op(q, k, v, causal, softmax_scale, allow_tf32)
+        ctx.mark_dirty(qkv)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(qkv, o, lse, cos, sin, positions)
+        ctx.args = (num_heads, num_kv_heads, causal, softmax_scale, allow_tf32, interleaved)
+        return o, qkv
+
+    @staticmethod
+    def backward(ctx, do, _):
+        if torch.is_grad_enabled():  # create_graph=True: the kernels' backward has no graph
+            raise RuntimeError("fastlm.rope_attention: second derivatives are not supported "
+                               "(create_graph=True through its backward)")
+        qkv, o, lse, cos, sin, positions = ctx.saved_tensors
+        num_heads, num_kv_heads, causal, softmax_scale, allow_tf32, interleaved = ctx.args
+        dqkv = empty(qkv.shape, device=qkv.device, dtype=qkv.dtype)
+        if do is None:
+            return dqkv.zero_(), *[None] * 9
+        q, k, v = _split_heads(qkv, num_heads, num_kv_heads)
+        dq, dk, dv = _split_heads(dqkv, num_heads, num_kv_heads)
+        _flash_attention_backward_into_op(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32,
+                                          dq, dk, dv)
+        torch.ops.fastlm.rope_(dq, dk, cos, sin, positions, interleaved, True)
+        return dqkv, *[None] * 9
+
+
+def rope_attention_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       positions: torch.Tensor, num_heads: int, num_kv_heads: int | None = None,
+                       causal: bool = True, softmax_scale: float | None = None,
+                       interleaved: bool = True) -> torch.Tensor:
+    """rope_attention's math in PyTorch (rotated copies; qkv is left as it is)."""
+    q, k, v = _split_heads(qkv, num_heads, num_kv_heads or num_heads)
+    q = rope_ref(q, cos, sin, positions, interleaved)
+    k = rope_ref(k, cos, sin, positions, interleaved)
+    return attention_ref(q, k, v, causal, softmax_scale)
+
+
+def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   token_positions: torch.Tensor, num_heads: int, num_kv_heads: int | None = None,
+                   causal: bool = True, softmax_scale: float | None = None, *,
+                   interleaved: bool = True, allow_tf32: bool = True,
+                   check_positions: bool = True) -> torch.Tensor:
+    """Attention of a fused q|k|v projection with RoPE: the model's attention in one call.
+
+    qkv: (B, T, (Hq + 2 Hkv) * D), the projection's output (q's heads, then k's, then v's);
+    Hkv = num_kv_heads (default num_heads) divides Hq. cos, sin, token_positions, interleaved as in
+    `apply_rope_` (check_positions=False skips the range check of the positions, for a caller
+    that checked them once for all layers); causal, softmax_scale, allow_tf32 as in
+    `flash_attention`. Returns o (B, Hq, T, D) in (B, T, Hq, D) memory, so that
+    `o.transpose(1, 2).reshape(B, T, Hq * D)` is free.
+
+    With the kernels qkv is rotated in place (it must not be a leaf that requires grad, and must
+    not be read afterwards for its unrotated values), and its gradient is written as one tensor:
+    dq and dk rotated back, and dv, side by side, with no buffers to zero or gradients to add.
+    The PyTorch backend rotates copies and leaves qkv unchanged.
+    """
+    check_float("qkv", qkv)
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if qkv.dim() != 3 or qkv.shape[-1] % (num_heads + 2 * num_kv_heads):
+        raise ValueError(f"qkv must be (B, T, (num_heads + 2 * num_kv_heads) * head_dim) = "
+                         f"(B, T, {num_heads + 2 * num_kv_heads} * D), got {tuple(qkv.shape)}")
+    q, k, v = _split_heads(qkv, num_heads, num_kv_heads)
+    _check_inputs(q, k, v, causal, softmax_scale)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if not use_triton(qkv):
+        positions = check_rope_args(q, cos, sin, token_positions) if check_positions else \
+            token_positions
+        return rope_attention_ref(qkv, cos, sin, positions, num_heads, num_kv_heads, causal,
+                                  scale, interleaved)
+    check_rotatable("qkv", qkv)
+    positions = check_rope_args(q, cos, sin, token_positions, check_values=check_positions)
+    if qkv.numel() == 0:
+        return _empty_heads_like(q)
+    return _PackedRopeAttention.apply(qkv, cos.contiguous(), sin.contiguous(), positions,
+                                      num_heads, num_kv_heads, causal, scale, bool(allow_tf32),
+                                      interleaved)[0]

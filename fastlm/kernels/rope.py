@@ -307,8 +307,10 @@ def rope_tables(theta: float, d_k: int, max_seq_len: int, device=None
     return angles.cos(), angles.sin()
 
 
-def _check_positions(token_positions: object, x: torch.Tensor, max_seq_len: int) -> torch.Tensor:
-    """Validated positions on x's device; see apply_rope_ for how CUDA values are checked."""
+def _check_positions(token_positions: object, x: torch.Tensor, max_seq_len: int,
+                     check_values: bool = True) -> torch.Tensor:
+    """Validated positions on x's device; see apply_rope_ for how CUDA values are checked.
+    Without check_values only their type, shape and device are (the caller checked the values)."""
     if not isinstance(token_positions, torch.Tensor):
         raise TypeError("token_positions must be a torch.Tensor, got "
                         f"{type(token_positions).__name__}")
@@ -322,21 +324,23 @@ def _check_positions(token_positions: object, x: torch.Tensor, max_seq_len: int)
                          f"of shape {tuple(x.shape)}, got {shape}")
     message = f"token_positions must lie in [0, {max_seq_len})"
     on_host = token_positions.device.type == "cpu"
-    if on_host and not torch.compiler.is_compiling():
+    if not check_values:
+        pass
+    elif on_host and not torch.compiler.is_compiling():
         if token_positions.numel() and (token_positions.min() < 0
                                         or token_positions.max() >= max_seq_len):
             raise ValueError(f"{message}, got values in [{int(token_positions.min())}, "
                              f"{int(token_positions.max())}]")
-    elif not on_host and token_positions.device != x.device:
-        raise ValueError(f"token_positions is on {token_positions.device}, but the rotated tensor "
-                         f"is on {x.device}")
-    else:  # on the device, or compiled: a data-dependent branch would break the graph
+    elif token_positions.device == x.device:  # on the device, or compiled: no host branch
         in_range = ((token_positions >= 0) & (token_positions < max_seq_len)).all()
         torch._assert_async(in_range, message)
+    if not on_host and token_positions.device != x.device:
+        raise ValueError(f"token_positions is on {token_positions.device}, but the rotated tensor "
+                         f"is on {x.device}")
     return token_positions.to(x.device)
 
 
-def _check_rotatable(name: str, t: object) -> None:
+def check_rotatable(name: str, t: object) -> None:
     """The per-tensor checks: kernel dtype, 2 to 4 dims, no leaf that autograd would track."""
     check_float(name, t)
     if not 2 <= t.dim() <= 4:
@@ -350,13 +354,31 @@ def _check_rotatable(name: str, t: object) -> None:
                              "rotates in place, so pass a computed tensor or use torch.no_grad()")
 
 
+def check_rope_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    token_positions: object, *, name: str = "q", check_values: bool = True
+                    ) -> torch.Tensor:
+    """The tables against x (named `name` in errors), and the positions (see _check_positions);
+    returns the positions on x's device."""
+    check_float("cos", cos)
+    check_match("sin", sin, "cos", cos)
+    d = x.shape[-1]
+    if d % 2:
+        raise ValueError(f"the head dim of {name} must be even, got {d}")
+    if cos.dim() != 2 or cos.shape[1] != d // 2 or sin.shape != cos.shape:
+        raise ValueError(f"cos and sin must both be (max_seq_len, {d // 2}), got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    if cos.device != x.device:
+        raise ValueError(f"cos is on {cos.device}, but {name} is on {x.device}")
+    return _check_positions(token_positions, x, cos.shape[0], check_values)
+
+
 def rotate_in_place(tensors: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                     token_positions: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, ...]:
     """Check everything on the host, then rotate the tensors (one or two, by the names their
     errors use) in place together; the backend rule is decided here."""
     (first_name, first), *rest = tensors.items()
     for name, t in tensors.items():
-        _check_rotatable(name, t)
+        check_rotatable(name, t)
     for name, t in rest:
         check_match(name, t, first_name, first)
         a, b = _as_4d(t), _as_4d(first)
@@ -365,17 +387,7 @@ def rotate_in_place(tensors: dict[str, torch.Tensor], cos: torch.Tensor, sin: to
                              "agree in batch, sequence and head dim (heads may differ)")
         if t is first:
             raise ValueError(f"{name} and {first_name} are the same tensor")
-    check_float("cos", cos)
-    check_match("sin", sin, "cos", cos)
-    d = first.shape[-1]
-    if d % 2:
-        raise ValueError(f"the head dim of {first_name} must be even, got {d}")
-    if cos.dim() != 2 or cos.shape[1] != d // 2 or sin.shape != cos.shape:
-        raise ValueError(f"cos and sin must both be (max_seq_len, {d // 2}), got "
-                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
-    if cos.device != first.device:
-        raise ValueError(f"cos is on {cos.device}, but {first_name} is on {first.device}")
-    positions = _check_positions(token_positions, first, cos.shape[0])
+    positions = check_rope_args(first, cos, sin, token_positions, name=first_name)
     rotated = tuple(tensors.values())
     if not use_triton(first):
         # PyTorch writes the rotation back in place; autograd tracks in-place writes to views.
