@@ -359,6 +359,22 @@ def test_linear_cross_entropy_under_autocast(device):
     assert_close(weight.grad, ref_dweight, torch.bfloat16, "dweight")
 
 
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_linear_cross_entropy_fp32_weight(device, backend, half):
+    """Half-precision x with fp32 master weights: logits in x's dtype, the weight's gradient
+    accumulated and returned in fp32 (no rounding to the half dtype and cast back), dx in x's."""
+    x = torch.randn(37, 16, device=device).to(half).requires_grad_()
+    weight = (torch.randn(300, 16, device=device) / 4).requires_grad_()
+    targets = random_targets((37,), 300, device)
+    loss = linear_cross_entropy(x, weight, targets, chunk_size=8)
+    loss.backward()
+    assert x.grad.dtype == half and weight.grad.dtype == torch.float32
+    ref_loss, (ref_dx, ref_dweight) = linear_reference(x, weight.to(half), targets)
+    assert_close(loss, ref_loss, half, "loss")
+    assert_close(x.grad, ref_dx, half, "dx")
+    assert_close(weight.grad, ref_dweight, half, "dweight")
+
+
 def test_linear_cross_entropy_never_holds_all_logits(device):
     n_tokens, n_features, vocab, chunk_size = 64, 8, 400, 12
     x = torch.randn(n_tokens, n_features, device=device, requires_grad=True)

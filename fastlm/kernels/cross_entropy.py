@@ -86,8 +86,9 @@ def cross_entropy_ref(logits: torch.Tensor, targets: torch.Tensor,
 
 def linear_cross_entropy_ref(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                              ignore_index: int = -100) -> torch.Tensor:
-    """cross_entropy_ref(x @ weight.T, ...): the logits materialised, as an unfused model has them."""
-    return cross_entropy_ref(x @ weight.T, targets, ignore_index)
+    """cross_entropy_ref(x @ weight.T, ...) with the weight in x's dtype: the logits
+    materialised, as an unfused model has them."""
+    return cross_entropy_ref(x @ weight.to(x.dtype).T, targets, ignore_index)
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,33 +223,47 @@ def _mean_loss(rows: torch.Tensor, flat_targets: torch.Tensor, ignore_index: int
     return row_loss.sum() / n_valid, n_valid, lse
 
 
+#: Whether this torch has the GEMM with an fp32 result from half-precision inputs (CUDA only).
+_HAS_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
+
+
+def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, with acc fp32 and a, b perhaps of a half dtype: accumulated in fp32 inside
+    the GEMM where the device has that GEMM (CUDA), else through a rounded partial product."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda and _HAS_ADDMM_OUT_DTYPE:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc += a @ b
+
+
 def _linear_cross_entropy_chunks(x, weight, targets, ignore_index, chunk_size, need_dx, need_dweight):
     """The mean loss of x (..., C) @ weight^T and n_valid, chunk by chunk, with the unscaled
-    dx (N, C) and fp32 dweight (V, C) (sums of softmax - onehot terms) where asked for, else None."""
+    dx (N, C) and fp32 dweight (V, C) (sums of softmax - onehot terms) where asked for, else None.
+    The logits are computed in x's dtype: an fp32 weight with half-precision x is cast once."""
     n_features = x.shape[-1]
     rows = x.reshape(-1, n_features)  # (N, C)
     flat_targets = targets.reshape(-1).contiguous()
     n_rows = rows.shape[0]
     write_grad = need_dx or need_dweight
+    weight_x = weight.to(x.dtype)  # the weight as the GEMMs read it (no copy when it is already)
 
     row_loss = empty((n_rows,), device=x.device, dtype=torch.float32)
     lse = empty((n_rows,), device=x.device, dtype=torch.float32)
     dx = empty((n_rows, n_features), device=x.device, dtype=x.dtype) if need_dx else None
-    # fp32 across chunks; within a chunk the matmul accumulates in fp32 and rounds once.
+    # fp32 across chunks, so that a half-precision chunk's share is never rounded on its own.
     dweight = torch.zeros(weight.shape, device=x.device, dtype=torch.float32) if need_dweight else None
     for start in range(0, n_rows, chunk_size):
         end = min(start + chunk_size, n_rows)
         x_chunk = rows[start:end]
-        logits = x_chunk @ weight.T  # (chunk, V), the only logits alive
+        logits = x_chunk @ weight_x.T  # (chunk, V), the only logits alive
         _cross_entropy_rows(logits, flat_targets[start:end], ignore_index, row_loss[start:end],
                             lse[start:end], logits if write_grad else None)
         if need_dx:
-            torch.mm(logits, weight, out=dx[start:end])
+            torch.mm(logits, weight_x, out=dx[start:end])
         if need_dweight:
-            if dweight.dtype == logits.dtype:
-                dweight.addmm_(logits.T, x_chunk)
-            else:
-                dweight += logits.T @ x_chunk
+            _add_product(dweight, logits.T, x_chunk)
         del logits
 
     n_valid = _count_valid(flat_targets, ignore_index)
@@ -515,22 +530,29 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     [out, in] layout), targets (...). Tokens run in chunks of `chunk_size` rows (default:
     `default_chunk_size`, at most 128 MiB of logits per chunk); each chunk's logits are computed
     in x's dtype and turned into its dx and its share of dweight in the forward, so the peak
-    extra memory is one chunk's logits plus dx (x's size), an fp32 dweight (V, C) and, for
-    fp16/bf16, one (V, C) partial product. Only the gradients needed are computed (those of the
+    extra memory is one chunk's logits plus dx (x's size), an fp32 dweight (V, C), a copy of
+    the weight in x's dtype if it has another, and, where the device lacks a GEMM with an fp32
+    result from half inputs (CPU), one (V, C) partial product. Only the gradients needed are computed (those of the
     inputs that require grad, none under torch.no_grad or inference_mode); the backward scales
     them by grad_output / n_valid into new tensors. Second derivatives raise. The mean,
     ignore_index, all-ignored and target rules are cross_entropy's; the loss is fp32, the
     gradients have x's and weight's dtypes. The PyTorch backend materialises the logits.
 
-    Under autocast, x and weight are cast to the autocast dtype first, as a linear layer would be.
+    weight may be fp32 with half-precision x (master weights): the logits are computed in x's
+    dtype and the weight's gradient is accumulated and returned in fp32, never rounded to x's
+    dtype and cast back. Under autocast x is cast to the autocast dtype (no copy when the final
+    norm wrote it so) and weight is taken as it is, as a linear layer under autocast would.
     """
     check_float("x", x)
     check_float("weight", weight)
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
         with torch.autocast(x.device.type, enabled=False):
-            return linear_cross_entropy(x.to(dtype), weight.to(dtype), targets, ignore_index, chunk_size)
-    check_match("weight", weight, "x", x)
+            return linear_cross_entropy(x.to(dtype), weight, targets, ignore_index, chunk_size)
+    if weight.dtype != torch.float32:
+        check_match("weight", weight, "x", x)
+    elif weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device}, but x is on {x.device}")
     if x.ndim == 0:
         raise ValueError("x must have a feature dim, got a 0-d tensor")
     if weight.ndim != 2 or weight.shape[1] != x.shape[-1] or weight.shape[0] == 0:
