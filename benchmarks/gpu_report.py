@@ -114,8 +114,8 @@ HARD_STOPS = {"124": "HIT ITS LIMIT: interrupted (SIGINT)", "137": "HIT ITS LIMI
 
 
 def soft_stop(step: dict, stage: Path) -> str | None:
-    """Why a step stopped itself before its last case to keep its limit: a benchmark's JSON says
-    so, pytest's log says it was interrupted by `pytest` SECONDS; None if it did not."""
+    """Why a step stopped itself early to keep its limit (a benchmark's JSON says so, or the test
+    log shows StopAfter's interruption), or None if it did not."""
     stopped = (_read_json(stage / f"{step['name']}.json") or {}).get("stopped")
     if stopped:
         return f"stopped early ({stopped}): later cases not measured"
@@ -140,7 +140,7 @@ def hit_limit(step: dict, stage: Path) -> bool:
     return step["rc"] in HARD_STOPS or (step["rc"] != "-" and soft_stop(step, stage) is not None)
 
 
-def test_result(stage: Path) -> list[str]:
+def suite_result(stage: Path) -> list[str]:
     """pytest's last summary line in tests.log, and its FAILED / ERROR lines (20 at most)."""
     log = _read_text(stage / "tests.log").splitlines()
     if not log:
@@ -245,7 +245,7 @@ def summarize(stage: Path, archive: str, left_out: list[str]) -> str:
     for name, title in HEADLINE.items():
         lines += _benchmark_section(stage, name, title, by_name)
     lines += ["## Graph breaks (torch.compile's dynamo counters)", "", *_graph_breaks(stage), "",
-              "## Test suite on CUDA (`tests.log`)", "", *test_result(stage), "", "## Steps", ""]
+              "## Test suite on CUDA (`tests.log`)", "", *suite_result(stage), "", "## Steps", ""]
     lines += _table(["step", "limit s (planned)", "used s", "status", "log"],
                     [[s["name"], f"{s['limit']} ({s['planned']})", s["seconds"],
                       step_status(s, stage), f"`{s['name']}.log`" if s["rc"] != "-" else ""]
