@@ -12,7 +12,11 @@ that is not importable as `n/a`, anything else as `error` with its message in th
 past the time budget as `skipped`. Rows go to the CSV as they are measured, and Ctrl-C or SIGINT
 (gpu_check.sh's time limit) ends the measuring early but still writes the tables.
 
-`python benchmarks/_common.py --out DIR` writes the environment (GPU, versions, commit) to
+Every script takes --headline (only the rows gpu_check.sh measures first; files NAME_headline.*)
+and --skip-headline (everything else of the chosen sweep, most important first; files
+NAME_sweep.*), so that gpu_check.sh measures what matters most before the rest.
+
+`python benchmarks/_common.py --out DIR` writes the environment (GPU, driver, versions, commit) to
 DIR/env.json and prints it.
 """
 
@@ -24,11 +28,14 @@ import csv
 import datetime
 import gc
 import importlib
+import importlib.metadata
 import importlib.util
 import json
 import math
 import os
 import platform
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -64,12 +71,30 @@ def parser(description: str, *, quick_help: str) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help=quick_help)
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
                    help="write CSV, JSON, PNG and a summary here (created if missing)")
-    p.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up per measurement")
-    p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench timed time per measurement")
+    p.add_argument("--warmup-ms", type=float, default=25.0,
+                   help="do_bench warm-up per measurement")
+    p.add_argument("--rep-ms", type=float, default=100.0,
+                   help="do_bench timed time per measurement")
     p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
-                   help="stop measuring after this long; later rows show 'skipped' "
-                        "(default: none, or the script's --quick budget)")
+                   help="stop starting measurements after this long (default: none, or the "
+                        "script's --quick budget)")
+    part = p.add_mutually_exclusive_group()
+    part.add_argument("--headline", action="store_true",
+                      help="only the headline rows (what gpu_check.sh measures first); "
+                           "files NAME_headline.*")
+    part.add_argument("--skip-headline", action="store_true",
+                      help="leave out the rows --headline measures; files NAME_sweep.*")
     return p
+
+
+def run_name(base: str, args: argparse.Namespace) -> str:
+    """The files' name: NAME, NAME_headline or NAME_sweep, so that gpu_check.sh's steps do not
+    overwrite each other's tables."""
+    if getattr(args, "headline", False):
+        return f"{base}_headline"
+    if getattr(args, "skip_headline", False):
+        return f"{base}_sweep"
+    return base
 
 
 def optional_module(name: str):
@@ -88,40 +113,58 @@ def _git(*args: str) -> str:
         return ""
 
 
+def _driver_version() -> str | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out[0] if out else None
+
+
 def environment() -> dict:
-    """What a reader needs to compare numbers: GPU, versions, commit, date."""
+    """What a reader needs to compare numbers: GPU, driver, versions, commit, date.
+
+    A device machine may get the working tree without its .git folder: then the commit is
+    FASTLM_COMMIT if set, else "unknown", and `source` (a hash of the tracked sources, see
+    gpu_report.py) still ties the numbers to a commit."""
     import triton
 
+    from gpu_report import source_fingerprint
+
+    commit = _git("rev-parse", "--short", "HEAD")
     info = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name() if HAS_CUDA else "none (CPU, Triton interpreter)",
+        "driver": _driver_version() if HAS_CUDA else None,
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if HAS_CUDA else None,
         "python": platform.python_version(),
-        "commit": _git("rev-parse", "--short", "HEAD") or "unknown",
-        "uncommitted_changes": bool(_git("status", "--porcelain")),
+        "commit": commit or os.environ.get("FASTLM_COMMIT") or "unknown",
+        "uncommitted_changes": bool(_git("status", "--porcelain")) if commit else None,
+        "source": source_fingerprint(REPO),
     }
     if HAS_CUDA:
         props = torch.cuda.get_device_properties(0)
         info["sms"] = props.multi_processor_count
         info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
-    for package in ("liger_kernel", "flash_attn"):
-        module = optional_module(package)
-        info[package] = getattr(module, "__version__", "installed") if module else None
+    for package, distribution in (("liger_kernel", "liger-kernel"), ("flash_attn", "flash-attn")):
+        info[package] = None
+        if optional_module(package) is not None:
+            try:
+                info[package] = importlib.metadata.version(distribution)
+            except importlib.metadata.PackageNotFoundError:
+                info[package] = "installed"
     return info
 
 
 def no_cuda_notice(script: str) -> None:
     print(f"{script}: no CUDA device, so no timings. Running a small correctness check through "
           "Triton's interpreter instead (TRITON_INTERPRET=1).")
-
-
-def gpu_slug() -> str:
-    """'NVIDIA H200' -> 'nvidia-h200', for folder names."""
-    name = torch.cuda.get_device_name() if HAS_CUDA else "cpu"
-    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,6 +232,22 @@ def do_bench_ms(fn: Callable[[], object], warmup_ms: float, rep_ms: float,
 
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none,
                           return_mode="median"))
+
+
+def do_bench_graph_ms(fn: Callable[[], object], rep_ms: float,
+                      grad_to_none: Sequence[torch.Tensor] | None = None) -> float:
+    """Median milliseconds of fn replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`):
+    the GPU's time without the host's launch overhead. No L2 flush between calls, so use it on
+    data several times the L2's size.
+
+    The graph is captured on a side stream (older Triton versions require the caller to do that);
+    fn's autograd work must start inside fn, since a backward runs on its forward's stream."""
+    from triton.testing import do_bench_cudagraph
+
+    sync()  # the inputs were written on the default stream
+    with torch.cuda.stream(torch.cuda.Stream()):
+        return float(do_bench_cudagraph(fn, rep=rep_ms, grad_to_none=grad_to_none,
+                                        return_mode="median"))
 
 
 def time_loop_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
@@ -283,6 +342,30 @@ def time_modes(run: Run, fn: Callable, inputs: Sequence[torch.Tensor], label: st
             for mode, timer in zip(MODES, (forward, backward, forward_backward)) if mode in modes}
 
 
+GRAPH_MODES = ("fwd", "fwd+bwd")  # a backward alone would run on its forward's stream, uncaptured
+
+
+def time_modes_graph(run: Run, fn: Callable, inputs: Sequence[torch.Tensor], label: str, *,
+                     forward_grad: bool = True,
+                     modes: Sequence[str] = GRAPH_MODES) -> dict[str, Outcome]:
+    """As time_modes, replayed from CUDA graphs (do_bench_graph_ms), for the modes of GRAPH_MODES
+    in `modes`: the forward and forward+backward without launch overhead."""
+    leaves = [t for t in inputs if t.requires_grad]
+
+    def forward():
+        with torch.set_grad_enabled(forward_grad):
+            return do_bench_graph_ms(lambda: fn(*inputs), run.args.graph_rep_ms)
+
+    def forward_backward():
+        grads = _grads_for(as_tuple(fn(*inputs)))
+        return do_bench_graph_ms(lambda: torch.autograd.backward(as_tuple(fn(*inputs)), grads),
+                                 run.args.graph_rep_ms, grad_to_none=leaves)
+
+    timers = {"fwd": forward, "fwd+bwd": forward_backward}
+    return {mode: run.measure(timers[mode], f"{label} {mode} (graph)")
+            for mode in GRAPH_MODES if mode in modes}
+
+
 def output_error(fn: Callable, reference_fn: Callable, inputs: Sequence[torch.Tensor]) -> float:
     """Largest relative error of fn's outputs against reference_fn's, on copies of the inputs
     (fn.error_reference replaces reference_fn for another layout)."""
@@ -320,21 +403,23 @@ class Run:
 
     def __init__(self, name: str, args: argparse.Namespace, quick_time_limit: float,
                  columns: Sequence[str]):
-        self.name = name
+        self.name = run_name(name, args)
         self.args = args
         self.columns = list(columns)
         limit = args.time_limit if args.time_limit is not None else (
-            quick_time_limit if args.quick else None)
+            quick_time_limit if args.quick or args.headline else None)
         self.deadline = Deadline(limit)
         self.rows: list[dict] = []
         self.notes: list[str] = []
         self.failures: dict[tuple[str, str], list[str]] = {}  # (status, message) -> labels
         self.interrupted = False
+        self.budget_spent = False
+        self.extra: dict = {}  # more results for the JSON (train.py: graph breaks)
         self.env = environment()
         self.csv_path = None
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
-            self.csv_path = args.out / f"{name}.csv"
+            self.csv_path = args.out / f"{self.name}.csv"
             write_csv(self.csv_path, [], self.columns)
 
     def note(self, text: str) -> None:
@@ -349,24 +434,41 @@ class Run:
 
     def measure(self, fn: Callable[[], object], label: str) -> Outcome:
         """fn's value unless the budget is spent; failures become status cells and notes."""
-        if self.deadline.expired():
-            self.note(f"{SKIPPED}: time budget of {self.deadline.seconds:.0f} s spent")
+        if self.out_of_time():
             return Outcome(None, SKIPPED)
         outcome = guarded(fn)
         if outcome.status in (ERROR, UNSUPPORTED, NOT_AVAILABLE):
             self.failures.setdefault((outcome.status, outcome.message), []).append(label)
         return outcome
 
+    def out_of_time(self) -> bool:
+        """True once the time budget is spent (noted once): loops stop starting new cases."""
+        if not self.deadline.expired():
+            return False
+        self.budget_spent = True
+        self.note(f"{SKIPPED}: time budget of {self.deadline.seconds:.0f} s spent; "
+                  "the cases after the last row were not measured")
+        return True
+
     @contextlib.contextmanager
     def interruptible(self):
         """Measure in the with-block; Ctrl-C or SIGINT (gpu_check.sh's time limit sends it) ends
         the block early and leaves the rows measured so far for `finish()`."""
+        # A process started with SIGINT ignored (a background job) would not see the limit's
+        # SIGINT; Python keeps an inherited SIG_IGN, so ask for the KeyboardInterrupt explicitly.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             yield
         except KeyboardInterrupt:
             self.interrupted = True
             self.note(f"interrupted (SIGINT) after {self.deadline.elapsed():.0f} s: "
                       "the measurements after the last row are missing")
+
+    def stopped(self) -> str | None:
+        """Why the run ended before its last case, or None if it measured everything."""
+        if self.interrupted:
+            return "interrupted (SIGINT)"
+        return "time budget spent" if self.budget_spent else None
 
     def failure_notes(self) -> list[str]:
         """One note per distinct failure message, naming the first case and the count."""
@@ -402,7 +504,8 @@ class Run:
             write_csv(self.csv_path, self.rows, self.columns)
             (out / f"{self.name}.json").write_text(json.dumps(
                 {"env": self.env, "args": {k: str(v) for k, v in vars(self.args).items()},
-                 "rows": self.rows, "notes": self.notes}, indent=1, default=str))
+                 "elapsed_s": round(self.deadline.elapsed(), 1), "stopped": self.stopped(),
+                 "rows": self.rows, "notes": self.notes, **self.extra}, indent=1, default=str))
             (out / f"{self.name}_summary.md").write_text("\n".join(summary) + "\n")
             if plot is not None:
                 message = plot_lines(out / f"{self.name}.png", self.rows, **plot)
@@ -506,6 +609,8 @@ def plot_lines(path: Path, rows: Sequence[dict], *, x: str, y: str, series: str,
         in_panel = [r for r in numeric if tuple(r[k] for k in panel) == key]
         for name in dict.fromkeys(r[series] for r in in_panel):
             points = [(r[x], r[y]) for r in in_panel if r[series] == name]
+            if logx:  # numeric x: a sweep measured most important first is drawn in order
+                points.sort()
             ax.plot([str(p[0]) if not logx else p[0] for p in points], [p[1] for p in points],
                     marker="o", label=str(name))
         ax.set_title(", ".join(f"{k}={v}" for k, v in zip(panel, key)), fontsize=9)
@@ -581,21 +686,28 @@ def try_check(name: str, check: Callable[[], list]) -> list[tuple]:
         return [(name, f"FAIL ({type(exc).__name__}: {str(exc)[:160]})", None, None)]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description="Print the benchmark environment (GPU, versions, "
-                                            "commit); with --out DIR also write DIR/env.json.")
+def main() -> int:
+    p = argparse.ArgumentParser(description="Print the benchmark environment (GPU, driver, "
+                                            "versions, commit); with --out DIR also write "
+                                            "DIR/env.json.")
     p.add_argument("--out", type=Path, default=None, metavar="DIR")
-    p.add_argument("--slug", action="store_true", help="print only the GPU's name as a folder name")
+    p.add_argument("--require", nargs="*", default=[], metavar="MODULE",
+                   help="record which of these modules cannot be imported (missing_modules)")
+    p.add_argument("--need-cuda", action="store_true",
+                   help="exit 3 (after writing env.json) when torch sees no CUDA device")
     args = p.parse_args()
-    if args.slug:
-        print(gpu_slug())
-        return
     info = environment()
+    info["missing_modules"] = " ".join(name for name in args.require
+                                       if importlib.util.find_spec(name) is None)
     print(json.dumps(info, indent=1))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "env.json").write_text(json.dumps(info, indent=1) + "\n")
+    if args.need_cuda and not HAS_CUDA:
+        print("no CUDA device: torch.cuda.is_available() is False", file=sys.stderr)
+        return 3
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -16,6 +16,11 @@ backend choice. Out of memory shows as OOM, a backend that does not take the sha
 fp32: fastlm's dots may run as tf32 on the GPU; the reference and SDPA use PyTorch's settings
 (full fp32 matmuls by default).
 
+Headline (`--headline`, what gpu_check.sh measures first): bf16, D = 128, the GPU filled at
+N = 4096 and 16384, forward and forward+backward, fastlm against SDPA's flash and cuDNN backends.
+`--skip-headline` measures the rest of the chosen sweep without those rows; a full sweep runs the
+--quick shapes first.
+
 Without CUDA: a message, then flash_attention against the float64 reference through Triton's
 interpreter at tiny sizes; exit code 1 if the kernel gives a wrong result or fails to run.
 """
@@ -73,6 +78,15 @@ def full_shapes() -> list[Shape]:
                 for n in (2**p for p in range(7, 17)):
                     shapes.append(Shape(dtype, d, max(1, FILL_TOKENS // n) if fill else 1, n))
     return list(dict.fromkeys(shapes))  # the two batch shapes meet at N = 16384
+
+
+HEADLINE_SEQS = (4096, 16384)
+HEADLINE_MODES = ("fwd", "fwd+bwd")
+HEADLINE_IMPLS = ("fastlm", SDPA_FLASH, "sdpa-cudnn")
+
+
+def headline_shapes() -> list[Shape]:
+    return [Shape("bf16", 128, FILL_TOKENS // n, n) for n in HEADLINE_SEQS]
 
 
 def quick_shapes() -> list[Shape]:
@@ -148,7 +162,24 @@ def _sdpa_default(q, k, v):
 # --------------------------------------------------------------------------------------------
 
 
-def bench_shape(run: common.Run, impls: dict[str, Callable], shape: Shape) -> None:
+def plan(args) -> list[tuple[Shape, dict[str, tuple[str, ...]]]]:
+    """(shape, {impl name: modes}) in the order measured; impls absent from the dict are measured
+    in every mode. --headline keeps only the headline's implementations and modes; --skip-headline
+    removes them from the headline shapes."""
+    headline = headline_shapes()
+    if args.headline:
+        return [(shape, {name: HEADLINE_MODES for name in HEADLINE_IMPLS}) for shape in headline]
+    shapes = quick_shapes()
+    if not args.quick:  # the quick shapes first: a time-limited full sweep still has them
+        shapes += full_shapes()
+    other_modes = tuple(m for m in common.MODES if m not in HEADLINE_MODES)
+    return [(shape, {name: other_modes for name in HEADLINE_IMPLS}
+             if args.skip_headline and shape in headline else {})
+            for shape in dict.fromkeys(shapes)]
+
+
+def bench_shape(run: common.Run, impls: dict[str, Callable], shape: Shape,
+                modes: dict[str, tuple[str, ...]]) -> None:
     dtype = DTYPES[shape.dtype]
 
     def make():
@@ -162,7 +193,9 @@ def bench_shape(run: common.Run, impls: dict[str, Callable], shape: Shape) -> No
     inputs = made.value
     for name, fn in impls.items():
         label = f"{name} {shape}"
-        times = common.time_modes(run, fn, inputs, label)
+        times = common.time_modes(run, fn, inputs, label, modes=modes.get(name, common.MODES))
+        if not times:
+            continue
         error = run.measure(lambda: common.output_error(fn, _sdpa_default, inputs),
                             f"{label} check")
         for mode, ms in times.items():
@@ -183,23 +216,35 @@ def add_speedups(rows: list[dict]) -> None:
 
 
 def summary_lines(rows: list[dict]) -> list[str]:
-    """fastlm's TFLOP/s and speed-ups at bf16, D = 128, for each measured N and mode."""
-    lines = ["attention, causal, bf16, D = 128 (fastlm TFLOP/s; speed-up = other's ms / fastlm's):"]
-    ours = [r for r in rows if r["impl"] == "fastlm" and r["dtype"] == "bf16" and r["D"] == 128]
-    for r in ours:
-        same = {o["impl"]: o for o in rows if all(o[k] == r[k] for k in SHAPE_AND_MODE)}
-        parts = [f"N={r['N']} B={r['B']} {r['mode']}: "
-                 + (f"{r['TFLOP/s']:.0f} TFLOP/s" if r["TFLOP/s"] else str(r["ms"]))]
-        for other in (SDPA_FLASH, "sdpa-cudnn", "flash-attn", COMPILED, EAGER):
-            theirs = same.get(other)
-            if theirs is None:
-                continue
-            value = common.ratio(theirs["ms"] if isinstance(theirs["ms"], float) else None,
-                                 r["ms"] if isinstance(r["ms"], float) else None)
-            parts.append(f"{value:.2f}x {other}" if value else f"{other} {theirs['ms']}")
-        lines.append("- " + ", ".join(parts))
-    if not ours:
-        lines.append("- no fastlm rows")
+    """A markdown table at bf16, D = 128: TFLOP/s of every implementation for each measured N, B
+    and mode, and fastlm's speed-up over each (their ms / fastlm's)."""
+    rows = [r for r in rows if r["dtype"] == "bf16" and r["D"] == 128]
+    others = [name for name in dict.fromkeys(r["impl"] for r in rows) if name != "fastlm"]
+    if not any(r["impl"] == "fastlm" for r in rows):
+        return ["attention: no fastlm rows at bf16, D = 128 (see the notes)"]
+    fmt = common.format_value
+    lines = [f"Causal attention, bf16, D = 128, H = {HIDDEN // 128} (TFLOP/s; vs X = X's ms / "
+             "fastlm's):", "",
+             "| N | B | mode | fastlm | " + " | ".join(others) + " | "
+             + " | ".join(f"vs {name}" for name in others) + " |",
+             "|---|---|---|---|" + "---|" * (2 * len(others))]
+    for key in dict.fromkeys((r["N"], r["B"], r["mode"]) for r in rows):
+        same = {r["impl"]: r for r in rows if (r["N"], r["B"], r["mode"]) == key}
+        ours = same.get("fastlm")
+        if ours is None:
+            continue
+
+        def cell(name):
+            row = same.get(name)
+            return "" if row is None else fmt(row["TFLOP/s"] or row["ms"])
+
+        def ms(row):
+            return row["ms"] if row and isinstance(row["ms"], float) else None
+
+        speedups = [common.ratio(ms(same.get(name)), ms(ours)) for name in others]
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {cell('fastlm')} | "
+                     + " | ".join(cell(name) for name in others) + " | "
+                     + " | ".join(fmt(v) for v in speedups) + " |")
     return lines
 
 
@@ -267,9 +312,13 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown --impls {sorted(unknown)}; available: {list(impls)}")
         keep = set(args.impls) | {EAGER}  # the reference column is the speed-up baseline
         impls = {name: fn for name, fn in impls.items() if name in keep}
+    if args.headline:
+        impls = {name: fn for name, fn in impls.items() if name in HEADLINE_IMPLS}
     with run.interruptible():
-        for shape in quick_shapes() if args.quick else full_shapes():
-            bench_shape(run, impls, shape)
+        for shape, modes in plan(args):
+            if run.out_of_time():
+                break
+            bench_shape(run, impls, shape, modes)
     add_speedups(run.rows)
     return run.finish(group_by=SHAPE_AND_MODE, summary=summary_lines(run.rows),
                       plot={"x": "N", "y": "TFLOP/s", "series": "impl", "logx": True,

@@ -1,150 +1,233 @@
 #!/usr/bin/env bash
-# The one script to run on a CUDA machine: the test suite on the GPU, then every benchmark in
-# --quick mode, with the environment and a summary, all under one folder, in under 8 minutes.
+# One call on a bare, offline GPU machine: the measurements that matter most first, then the test
+# suite on CUDA, then wider sweeps while time is left, all returned as two files.
 #
-#   bash benchmarks/gpu_check.sh [OUT_DIR]      (default: benchmarks/results/<date>-<gpu>/)
+#   bash benchmarks/gpu_check.sh OUT          # OUT/summary.md + OUT/results.tar.gz, nothing else
+#   bash benchmarks/gpu_check.sh --dry-run    # print the plan and its limits; runs nothing
 #
-# Needs torch and triton; no network. The other packages fastlm and its tests import (einx,
-# frozendict, numpy, safetensors, tqdm, matplotlib, pytest, hypothesis) are checked first; when
-# some are missing, every wheel in $WHEELS (default benchmarks/wheels/) whose distribution is not
-# installed goes into a temporary folder on PYTHONPATH. benchmarks/README.md says how to fetch
-# those wheels on a machine with network access.
+# On the device machine: `bash benchmarks/gpu_check.sh $OUT` with timeout_s 570. Such a machine
+# gives one command at most 10 minutes and returns at most 8 files of at most 16 MiB from $OUT,
+# so every step writes into a staging folder, and after each step benchmarks/gpu_report.py
+# rewrites OUT/summary.md and OUT/results.tar.gz (CSV, JSON, PNG and logs of every step so far):
+# a call cut short still returns what was measured.
 #
-# Each step runs under a hard limit in seconds (TESTS_LIMIT, KERNELS_LIMIT, ATTENTION_LIMIT,
-# TRAIN_LIMIT: 380 s in all by default), then gets SIGINT, and KILL_AFTER seconds later SIGKILL.
-# The benchmarks stop starting measurements MARGIN seconds before their limit; on SIGINT they
-# write the tables of what they measured (their CSV also grows row by row), and pytest prints its
-# summary. The tests run with FASTLM_AUTOTUNE=0 (one default configuration per kernel: autotuning
-# would compile every candidate for each new shape the tests use); the benchmarks autotune.
-# Environment: PYTHON (default python3), WHEELS, the limits above.
+# The plan (PLAN below; --dry-run prints it): each step runs under a hard limit in seconds, the
+# limits sum to BUDGET (540 s: 9 minutes, cold compiles and autotuning included). The benchmarks
+# start no new case, and pytest no new test, MARGIN seconds before the step's SIGINT, which comes
+# KILL_AFTER seconds before its limit (the benchmarks then write the tables of what they
+# measured), and SIGKILL at the limit. An elastic step (the sweeps) also gets the time that the
+# steps before it left unused. LIMIT_<step>=SECONDS overrides a step's limit (their sum must stay
+# within BUDGET); a step behind schedule given less than MIN_STEP seconds is skipped.
+#
+# Needs torch and triton, no network. The wheels in $WHEELS (default benchmarks/wheels/: einx
+# and frozendict, which fastlm needs, and Liger-Kernel, measured beside fastlm) whose
+# distribution is not installed go into a temporary folder on PYTHONPATH; benchmarks/README.md
+# says how to refresh them. Environment: PYTHON (default python3), WHEELS, BUDGET, LIMIT_<step>,
+# KILL_AFTER, MARGIN, MIN_STEP; FASTLM_COMMIT is recorded where the tree came without .git.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-ROOT=$PWD
+
+# name             limit  kind     what
+PLAN='
+setup               20     fixed    wheels into a temporary folder, env.json, nvidia-smi
+train_headline      140    fixed    GPT-2-small step: fastlm compiled vs reference+SDPA compiled
+attention_headline  60     fixed    causal bf16 D128 N 4k,16k fwd, fwd+bwd: fastlm, SDPA flash/cuDNN
+kernels_headline    100    fixed    norms, RoPE, SwiGLU 16k x 4096, CE 16k x 32000; + CUDA graphs
+tests               110    fixed    pytest tests/ on CUDA (FASTLM_AUTOTUNE=0)
+compile_report      20     fixed    compile_report.py --arch sm_90a, if the file exists
+attention_sweep     30     elastic  attention.py --quick --skip-headline: N 1k, 64k, bwd, others
+kernels_sweep       25     elastic  kernels.py --quick --skip-headline: fused linear cross-entropy
+train_sweep         25     elastic  train.py --skip-headline --seqs 1024: eager, reference compiled
+pack                10     fixed    summary.md + results.tar.gz after every step; this is the last
+'
+BUDGET=${BUDGET:-540}
+KILL_AFTER=${KILL_AFTER:-8}  # seconds between a step's SIGINT and its SIGKILL
+MARGIN=${MARGIN:-10}         # no new case or test starts this long before the SIGINT
+MIN_STEP=${MIN_STEP:-25}     # a step behind schedule given less than this is not started
+REQUIRED=(einx frozendict numpy safetensors tqdm matplotlib pytest hypothesis)  # module names
+
+SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
 WHEELS=${WHEELS:-$ROOT/benchmarks/wheels}
-TESTS_LIMIT=${TESTS_LIMIT:-120}
-KERNELS_LIMIT=${KERNELS_LIMIT:-70}
-ATTENTION_LIMIT=${ATTENTION_LIMIT:-115}
-TRAIN_LIMIT=${TRAIN_LIMIT:-75}
-KILL_AFTER=${KILL_AFTER:-8}
-MARGIN=20
-REQUIRED="einx frozendict numpy safetensors tqdm matplotlib pytest hypothesis"  # module names
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-    echo "gpu_check.sh: $PY sees no CUDA device (torch.cuda.is_available() is False)." >&2
-    echo "Without a GPU, run the scripts directly: they check the kernels through Triton's interpreter." >&2
+usage() {
+    echo "usage: bash benchmarks/gpu_check.sh OUT | --dry-run   (benchmarks/README.md)" >&2
     exit 2
-fi
-
-# --- Missing dependencies, from local wheels -------------------------------------------------
-missing() {  # the modules of REQUIRED that cannot be imported
-    "$PY" - $REQUIRED <<'PYTHON'
-import importlib.util, sys
-print(" ".join(name for name in sys.argv[1:] if importlib.util.find_spec(name) is None))
-PYTHON
-}
-uninstalled_wheels() {  # the distributions with a wheel in WHEELS that are not installed
-    "$PY" - "$WHEELS"/*.whl <<'PYTHON'
-import importlib.metadata, pathlib, sys
-
-def installed(name):
-    try:
-        importlib.metadata.distribution(name)
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
-
-names = {pathlib.Path(wheel).name.split("-")[0] for wheel in sys.argv[1:]}
-print(" ".join(sorted(name for name in names if not installed(name))))
-PYTHON
 }
 
-MISSING=$(missing)
-if [ -n "$MISSING" ]; then
-    echo "missing Python packages: $MISSING"
-    if compgen -G "$WHEELS/*.whl" >/dev/null; then
-        SITE=$(mktemp -d "${TMPDIR:-/tmp}/fastlm-wheels.XXXXXX")
-        NAMES=$(uninstalled_wheels)
-        echo "installing from $WHEELS into $SITE: $NAMES"
-        PIP=("$PY" -m pip install --quiet --no-index --no-deps --find-links "$WHEELS" --target "$SITE")
-        # pip refuses the whole list when one wheel does not fit this Python: then one at a time.
-        if [ -n "$NAMES" ] && ! "${PIP[@]}" $NAMES; then
-            for name in $NAMES; do
-                "${PIP[@]}" "$name" || echo "gpu_check.sh: could not install $name from $WHEELS" >&2
-            done
-        fi
-        export PYTHONPATH="$PYTHONPATH:$SITE"
-        MISSING=$(missing)
-    fi
-    if [ -n "$MISSING" ]; then
-        echo "gpu_check.sh: still missing: $MISSING. Put their wheels, and their dependencies'," \
-             "in $WHEELS (benchmarks/README.md says how); what imports them fails meanwhile." >&2
-    fi
-fi
+# --- The plan ----------------------------------------------------------------------------------
+NAMES=() LIMITS=() KINDS=() WHATS=()
+while read -r name limit kind what; do
+    [ -n "$name" ] || continue
+    override="LIMIT_$name"
+    NAMES+=("$name") LIMITS+=("${!override:-$limit}") KINDS+=("$kind") WHATS+=("$what")
+done <<<"$PLAN"
+TOTAL=0
+for limit in "${LIMITS[@]}"; do TOTAL=$((TOTAL + limit)); done
 
-# --- Output folder and environment -----------------------------------------------------------
-OUT=${1:-$ROOT/benchmarks/results/$(date +%Y-%m-%d)-$("$PY" benchmarks/_common.py --slug)}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-echo "writing to $OUT"
-{ "$PY" benchmarks/_common.py --out "$OUT"; nvidia-smi 2>&1; } >"$OUT/env.log" 2>&1
-cat "$OUT/env.json" 2>/dev/null
-
-# --- Steps -----------------------------------------------------------------------------------
-declare -a NAMES STATUSES TIMES
-step() {  # step NAME LIMIT_SECONDS COMMAND...: run with a hard limit, log to OUT/NAME.log
-    local name=$1 limit=$2
-    shift 2
+print_plan() {
+    echo "gpu_check.sh plan (--dry-run: nothing is run)"
+    echo "call: bash benchmarks/gpu_check.sh OUT"
+    echo "device machine: bash benchmarks/gpu_check.sh \$OUT, timeout_s 570"
+    echo "output: OUT/summary.md and OUT/results.tar.gz, nothing else at OUT's top level"
+    echo "budget: ${BUDGET} s; at its limit a step gets SIGINT, then SIGKILL ${KILL_AFTER} s later;"
+    echo "an elastic step also gets the time the steps before it left unused"
     echo
-    echo "=== $name (limit ${limit} s): $*"
-    local start=$SECONDS
-    timeout -s INT --kill-after="$KILL_AFTER" "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
-    local rc=${PIPESTATUS[0]} status=ok
-    if [ "$rc" -eq 124 ]; then
-        status="timed out (interrupted at the limit)"
-    elif [ "$rc" -eq 137 ]; then
-        status="timed out (killed)"
-    elif [ "$rc" -ne 0 ]; then
-        status="failed (exit $rc)"
-    fi
-    NAMES+=("$name")
-    STATUSES+=("$status")
-    TIMES+=("$((SECONDS - start))")
-}
-
-# -v prints each test's result as it ends, so a log cut by the limit still shows what ran; a test
-# file that fails to import is reported and the other files still run.
-step tests "$TESTS_LIMIT" env FASTLM_AUTOTUNE=0 "$PY" -m pytest tests/ -v --tb=short \
-    -p no:cacheprovider --continue-on-collection-errors --durations=10
-step kernels "$KERNELS_LIMIT" "$PY" benchmarks/kernels.py --quick --out "$OUT" \
-    --time-limit "$((KERNELS_LIMIT - MARGIN))"
-step attention "$ATTENTION_LIMIT" "$PY" benchmarks/attention.py --quick --out "$OUT" \
-    --time-limit "$((ATTENTION_LIMIT - MARGIN))"
-step train "$TRAIN_LIMIT" "$PY" benchmarks/train.py --quick --out "$OUT" \
-    --time-limit "$((TRAIN_LIMIT - MARGIN))"
-
-# --- Summary ---------------------------------------------------------------------------------
-{
-    echo "# gpu_check $(date -Iseconds)"
-    "$PY" -c 'import json, sys; e = json.load(open(sys.argv[1])); print(", ".join(f"{k} {e[k]}" for k in ("gpu", "torch", "triton", "cuda", "commit")))' "$OUT/env.json" 2>/dev/null
-    [ -n "$MISSING" ] && echo "missing Python packages: $MISSING"
-    echo
-    echo "| step | status | seconds | log |"
+    echo "| step | limit s | kind | what |"
     echo "|---|---|---|---|"
     for i in "${!NAMES[@]}"; do
-        echo "| ${NAMES[$i]} | ${STATUSES[$i]} | ${TIMES[$i]} | ${NAMES[$i]}.log |"
+        echo "| ${NAMES[$i]} | ${LIMITS[$i]} | ${KINDS[$i]} | ${WHATS[$i]} |"
     done
     echo
-    tail -n 3 "$OUT/tests.log" 2>/dev/null | grep -E "passed|failed|error" \
-        || echo "tests: no pytest summary line (killed by the limit?); see tests.log"
-    for name in kernels attention train; do
-        [ -f "$OUT/${name}_summary.md" ] && { echo; cat "$OUT/${name}_summary.md"; }
-    done
-    echo
-    echo "total: ${SECONDS} s; everything is in $OUT"
-} | tee "$OUT/summary.md"
+    echo "total of limits: ${TOTAL} s (budget ${BUDGET} s)"
+    [ -f "$ROOT/benchmarks/compile_report.py" ] && echo "compile_report.py: present" \
+        || echo "compile_report.py: absent (its step will be skipped)"
+}
 
-for status in "${STATUSES[@]}"; do
-    [ "$status" = ok ] || exit 1
+# --- One step's command (run as `gpu_check.sh --step NAME SECONDS` under timeout) --------------
+step_command() {  # NAME SECONDS: SECONDS is the benchmark's own time limit
+    local name=$1 soft=$2
+    local bench=(--out "$STAGE" --time-limit "$soft")
+    cd "$ROOT" || exit 2
+    case $name in
+    setup)
+        local wheels=()
+        for wheel in "$WHEELS"/*.whl; do
+            [ -f "$wheel" ] && ! installed "$wheel" && wheels+=("$wheel")
+        done
+        if [ "${#wheels[@]}" -gt 0 ]; then
+            echo "installing into $SITE: ${wheels[*]##*/}"
+            # pip refuses the whole list when one wheel does not fit this Python: then one by one.
+            pip_install "${wheels[@]}" || for wheel in "${wheels[@]}"; do
+                pip_install "$wheel" || echo "gpu_check.sh: could not install ${wheel##*/}" >&2
+            done
+        fi
+        nvidia-smi >"$STAGE/nvidia-smi.log" 2>&1 || echo "nvidia-smi failed" >&2
+        exec "$PY" benchmarks/_common.py --out "$STAGE" --require "${REQUIRED[@]}" --need-cuda ;;
+    train_headline) exec "$PY" benchmarks/train.py --headline "${bench[@]}" ;;
+    attention_headline) exec "$PY" benchmarks/attention.py --headline "${bench[@]}" ;;
+    kernels_headline) exec "$PY" benchmarks/kernels.py --headline "${bench[@]}" ;;
+    tests)
+        # No new test after SECONDS (gpu_report.py says why SIGINT cannot stop the suite); -v
+        # prints each test's result as it ends, so a log cut at the hard limit shows what ran.
+        export FASTLM_AUTOTUNE=0
+        exec "$PY" benchmarks/gpu_report.py pytest "$soft" tests/ -v --tb=short -rfE \
+            -p no:cacheprovider --continue-on-collection-errors --durations=15 \
+            --junitxml="$STAGE/tests.xml" ;;
+    compile_report)
+        exec "$PY" benchmarks/compile_report.py --arch sm_90a --json "$STAGE/compile_report.json" ;;
+    attention_sweep) exec "$PY" benchmarks/attention.py --quick --skip-headline "${bench[@]}" ;;
+    kernels_sweep) exec "$PY" benchmarks/kernels.py --quick --skip-headline "${bench[@]}" ;;
+    train_sweep) exec "$PY" benchmarks/train.py --skip-headline --seqs 1024 "${bench[@]}" ;;
+    *) echo "gpu_check.sh: no step $name" >&2; exit 2 ;;
+    esac
+}
+
+installed() {  # WHEEL: is the wheel's distribution installed already?
+    "$PY" - "$1" <<'PYTHON'
+import importlib.metadata, pathlib, sys
+try:
+    importlib.metadata.distribution(pathlib.Path(sys.argv[1]).name.split("-")[0])
+except importlib.metadata.PackageNotFoundError:
+    sys.exit(1)
+PYTHON
+}
+
+pip_install() {
+    "$PY" -m pip install --quiet --no-index --no-deps --no-compile --target "$SITE" "$@"
+}
+
+if [ "${1:-}" = --step ]; then  # internal: one step, under gpu_check.sh's timeout
+    [ $# -eq 3 ] || usage
+    step_command "$2" "$3"
+    exit $?
+fi
+
+# --- Arguments ---------------------------------------------------------------------------------
+[ $# -eq 1 ] || usage
+if [ "$TOTAL" -gt "$BUDGET" ]; then
+    echo "gpu_check.sh: the step limits sum to ${TOTAL} s, over the budget of ${BUDGET} s" >&2
+    exit 2
+fi
+if [ "$1" = --dry-run ]; then
+    print_plan
+    exit 0
+fi
+case $1 in -*) usage ;; esac
+OUT=$1
+mkdir -p "$OUT" || exit 2
+OUT=$(cd "$OUT" && pwd)
+for entry in "$OUT"/* "$OUT"/.[!.]*; do
+    [ -e "$entry" ] || continue
+    case ${entry##*/} in
+    summary.md | results.tar.gz | *.partial) ;;  # an earlier run's output: replaced
+    *) echo "gpu_check.sh: OUT ($OUT) holds ${entry##*/}; it may hold only summary.md and" \
+            "results.tar.gz" >&2
+       exit 2 ;;
+    esac
 done
+
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/fastlm-gpu-check.XXXXXX")
+export STAGE=$WORK/stage SITE=$WORK/site PY WHEELS ROOT PYTHONUNBUFFERED=1
+export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p "$STAGE" "$SITE"
+cd "$ROOT" || exit 2
+START=$SECONDS
+
+publish() {  # summary.md and results.tar.gz into OUT; plain tar if gpu_report.py fails
+    timeout 30 "$PY" benchmarks/gpu_report.py publish "$STAGE" "$OUT" && return
+    echo "gpu_check.sh: gpu_report.py failed; packing with tar" >&2
+    tar -czf "$OUT/results.tar.gz.partial" -C "$WORK" stage \
+        && mv -f "$OUT/results.tar.gz.partial" "$OUT/results.tar.gz"
+    printf '# fastlm GPU check\n\ngpu_report.py failed: see results.tar.gz (steps.tsv, logs)\n' \
+        >"$OUT/summary.md"
+}
+trap 'echo "gpu_check.sh: interrupted"; publish; exit 130' INT TERM
+
+record() {  # NAME PLANNED LIMIT SECONDS RC NOTE: one line of steps.tsv
+    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$STAGE/steps.tsv"
+}
+
+# --- The steps ---------------------------------------------------------------------------------
+FAILED=0
+for i in "${!NAMES[@]}"; do
+    name=${NAMES[$i]} planned=${LIMITS[$i]}
+    [ "$name" = pack ] && continue
+    later=0  # what the steps after this one are planned to take, the last pack included
+    for j in "${!NAMES[@]}"; do [ "$j" -gt "$i" ] && later=$((later + LIMITS[j])); done
+    left=$((BUDGET - (SECONDS - START) - later))  # >= planned while every step kept its limit
+    if [ "${KINDS[$i]}" = elastic ]; then
+        limit=$left
+    else
+        limit=$((planned < left ? planned : left))
+    fi
+    if [ "$name" = compile_report ] && [ ! -f benchmarks/compile_report.py ]; then
+        record "$name" "$planned" 0 0 - "benchmarks/compile_report.py is not in this tree"
+        continue
+    fi
+    if [ "$limit" -lt "$((planned < MIN_STEP ? planned : MIN_STEP))" ]; then
+        record "$name" "$planned" "$limit" 0 - "only ${limit} s left"
+        continue
+    fi
+    echo
+    echo "=== $name (limit ${limit} s, $((SECONDS - START)) s so far)"
+    step_start=$SECONDS
+    hard=$((limit - KILL_AFTER > 1 ? limit - KILL_AFTER : 1))  # SIGINT then, SIGKILL at limit
+    soft=$((hard - MARGIN > 1 ? hard - MARGIN : 1))  # no new case or test after this
+    timeout -s INT --kill-after="$KILL_AFTER" "$hard" \
+        bash "$SELF" --step "$name" "$soft" 2>&1 | tee "$STAGE/$name.log"
+    rc=${PIPESTATUS[0]}
+    record "$name" "$planned" "$limit" "$((SECONDS - step_start))" "$rc" ""
+    [ "$rc" -eq 0 ] || FAILED=1
+    publish
+    if [ "$name" = setup ] && [ "$rc" -eq 3 ]; then
+        echo "gpu_check.sh: $PY sees no CUDA device; nothing to measure (summary in $OUT)" >&2
+        FAILED=2
+        break
+    fi
+done
+
+echo
+echo "gpu_check.sh: $((SECONDS - START)) s; $OUT/summary.md and $OUT/results.tar.gz"
+rm -rf "$WORK"
+exit "$FAILED"

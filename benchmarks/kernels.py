@@ -20,11 +20,11 @@ tables are under 0.1% and left out):
 be written while the logits are read once, so its fwd+bwd counts 2MVe (read logits, write
 dlogits). fastlm's forward does just that: its forward rows move 2MVe against the MVe counted,
 and its backward only scales the gradient in place, which cannot be repeated on one retained
-graph, so cross-entropy is compared on fwd and fwd+bwd only. RoPE rotates in place, which autograd allows only on
-computed tensors, so with autograd on every implementation runs on clones of q and k: the
-forward+backward rows time the clone too and count its 4MNe (12MNe in all), while the backward
-rows time only `backward()`, where the clone's backward passes the gradient on without a kernel
-(4MNe); the forward rows run under no_grad on the tensors directly.
+graph, so cross-entropy is compared on fwd and fwd+bwd only. RoPE rotates in place, which
+autograd allows only on computed tensors, so with autograd on every implementation runs on
+clones of q and k: the forward+backward rows time the clone too and count its 4MNe (12MNe in
+all), while the backward rows time only `backward()`, where the clone's backward passes the
+gradient on without a kernel (4MNe); the forward rows run under no_grad on the tensors directly.
 RoPE shapes: q and k (B, H, T, 128) with H = N / 128, T = 2048, B = M / T. Liger's RoPE uses the
 half-split layout, so it is also compared with fastlm's half-split mode.
 
@@ -40,6 +40,17 @@ cross-entropy. `peak MiB` is torch.cuda.max_memory_allocated during one forward+
 what was allocated before it (the inputs), so it includes the gradients dx and dw themselves;
 `peak / logits` divides it by the logits' size MVe, which the fused op is meant to keep to a
 fraction. The loss is checked against the materialised one in float32.
+
+CUDA graphs: a memory-bound row shorter than --graph-below-ms (1 ms) is also timed replayed from
+a CUDA graph (`triton.testing.do_bench_cudagraph`, column `ms (graph)`): at 16k x 4096 a kernel
+takes tens of microseconds, so the host's launch overhead (the eager reference's many launches,
+Python around each autograd Function) can decide the `ms` column; the graph column shows the GPU
+time alone. Only fwd and fwd+bwd rows: a backward alone runs on the stream of a forward made
+outside the graph. No L2 flush between replays; every tensor here is over twice the H200's L2.
+
+Order: the headline cases first (each memory-bound op at its first quick size: 16384 x 4096, and
+cross-entropy 16384 x 32000; `--headline` measures only these), then fused linear cross-entropy,
+then (without --quick) the other sizes; `--skip-headline` leaves the headline cases out.
 
 Without CUDA: a message, then each kernel against the float64 reference through Triton's
 interpreter at tiny sizes; exit code 1 if a kernel gives a wrong result or fails to run.
@@ -82,8 +93,9 @@ MODES = common.MODES
 EAGER, COMPILED = "reference", "torch.compile(reference)"
 MATERIALISED = "x @ w.T, F.cross_entropy"
 MATERIALISED_COMPILED = f"torch.compile({MATERIALISED})"
-COLUMNS = ["op", "mode", "size", "impl", "ms", "GB/s", "% of copy", "vs reference", "vs compiled",
-           "rel err", "peak MiB", "peak / logits"]
+GRAPH_BELOW_MS = 1.0
+COLUMNS = ["op", "mode", "size", "impl", "ms", "ms (graph)", "GB/s", "% of copy", "vs reference",
+           "vs compiled", "graph vs compiled", "rel err", "peak MiB", "peak / logits"]
 
 
 @dataclass
@@ -332,12 +344,18 @@ def bench_size(run: common.Run, op: Op, m: int, n: int, copy_gbs: float) -> None
                                 f"{op.name} {name} {size} check")
               for name, fn in impls.items()}
     for name, fn in impls.items():
-        times = common.time_modes(run, fn, inputs, f"{op.name} {name} {size}",
-                                  forward_grad=op.forward_grad, modes=tuple(op.traffic))
+        label = f"{op.name} {name} {size}"
+        times = common.time_modes(run, fn, inputs, label, forward_grad=op.forward_grad,
+                                  modes=tuple(op.traffic))
+        short = [mode for mode, ms in times.items() if ms.ok and ms.value < run.args.graph_below_ms]
+        graph_times = common.time_modes_graph(run, fn, inputs, label,
+                                              forward_grad=op.forward_grad, modes=short)
         for mode, ms in times.items():
             gigabytes = op.traffic[mode] * m * n * DTYPE.itemsize / 1e9
             gbs = gigabytes / (ms.value * 1e-3) if ms.ok else None
+            graph = graph_times.get(mode)
             run.add({"op": op.name, "mode": mode, "size": size, "impl": name, "ms": ms.cell(),
+                     "ms (graph)": graph.cell() if graph else None,
                      "GB/s": gbs, "% of copy": 100 * gbs / copy_gbs if gbs else None,
                      "rel err": errors[name].cell()})
     del inputs
@@ -381,42 +399,75 @@ def bench_linear_cross_entropy(run: common.Run, m: int, c: int) -> None:
 
 def add_speedups(rows: list[dict]) -> None:
     """'vs reference' and 'vs compiled': the baseline's ms / the row's at the same op, mode and
-    size; the baselines of linear_cross_entropy are the materialised logits, eager and compiled."""
+    size; the baselines of linear_cross_entropy are the materialised logits, eager and compiled.
+    'graph vs compiled': the same with both replayed from CUDA graphs."""
     fused = [r for r in rows if r["op"] == LINEAR_CE]
     others = [r for r in rows if r["op"] != LINEAR_CE]
+    key = ("op", "mode", "size")
     for subset, eager, compiled in ((others, EAGER, COMPILED),
                                     (fused, MATERIALISED, MATERIALISED_COMPILED)):
         for column, baseline in (("vs reference", eager), ("vs compiled", compiled)):
-            common.add_ratios(subset, column, baseline, key=("op", "mode", "size"), value="ms")
+            common.add_ratios(subset, column, baseline, key=key, value="ms")
+    common.add_ratios(others, "graph vs compiled", COMPILED, key=key, value="ms (graph)")
 
 
-def summary_lines(rows: list[dict], headline_sizes: dict[str, str]) -> list[str]:
-    """One line per op and mode at its headline size (op name -> size): fastlm's time, share of
-    copy bandwidth or peak memory, and speed-ups."""
-    lines = ["kernels (bf16):"]
-    for op_name, size in headline_sizes.items():
-        for mode in MODES:
-            at = {r["impl"]: r for r in rows if r["op"] == op_name and r["mode"] == mode
-                  and r["size"] == size}
-            ours = at.get("fastlm")
-            if ours is None:
-                continue
-            liger = next((r for name, r in at.items() if name.startswith("liger")), None)
-            parts = [f"{op_name} {mode} {size}: fastlm {common.format_value(ours['ms'])} ms"]
-            if ours.get("% of copy") is not None:
-                parts.append(f"{ours['% of copy']:.0f}% of copy")
-            if ours.get("peak / logits") is not None:
-                others = ", ".join(f"{name} {r['peak / logits']:.2f}x" for name, r in at.items()
-                                   if name != "fastlm" and r.get("peak / logits") is not None)
-                parts.append(f"peak memory {ours['peak / logits']:.2f}x the logits' size"
-                             + (f" ({others})" if others else ""))
-            for name, key in (("vs torch.compile", "vs compiled"), ("vs eager", "vs reference")):
-                if ours[key] is not None:
-                    parts.append(f"{ours[key]:.2f}x {name}")
-            if liger is not None and isinstance(liger["ms"], float) and isinstance(ours["ms"], float):
-                parts.append(f"{liger['ms'] / ours['ms']:.2f}x liger")
-            lines.append("- " + ", ".join(parts))
-    return lines
+def cases(args) -> list[tuple[str, int, int]]:
+    """(op name, M, N or C) in the order measured (module docstring), those of --ops only."""
+    headline = [(op.name, *op.quick_sizes[0]) for op in OPS]
+    wanted = headline + [(LINEAR_CE, *size) for size in LINEAR_CE_QUICK_SIZES]
+    if args.headline:
+        wanted = headline
+    elif not args.quick:
+        wanted += [(op.name, *size) for op in OPS for size in op.full_sizes]
+        wanted += [(LINEAR_CE, *size) for size in LINEAR_CE_FULL_SIZES]
+    if args.skip_headline:
+        wanted = [case for case in wanted if case not in headline]
+    return [case for case in dict.fromkeys(wanted) if case[0] in args.ops]
+
+
+def _ms(row: dict | None, column: str = "ms") -> float | None:
+    value = row.get(column) if row else None
+    return value if isinstance(value, float) else None
+
+
+def summary_lines(rows: list[dict]) -> list[str]:
+    """fastlm's row of each measured op, size and mode against the alternatives (speed-up =
+    their ms / fastlm's; 'graph': both replayed from CUDA graphs), as markdown tables."""
+    table, fused = [], []
+    for op_name, size, mode in dict.fromkeys((r["op"], r["size"], r["mode"]) for r in rows):
+        at = {r["impl"]: r for r in rows
+              if (r["op"], r["size"], r["mode"]) == (op_name, size, mode)}
+        ours = at.get("fastlm")
+        if ours is None:
+            continue
+        liger = next((r for name, r in at.items() if name.startswith("liger")), {})
+        if op_name == LINEAR_CE:
+            fused.append({"size": size, "fastlm ms": ours["ms"],
+                          "vs materialised": ours["vs reference"],
+                          "vs compiled": ours["vs compiled"],
+                          "peak / logits": ours["peak / logits"],
+                          "materialised peak / logits":
+                              at.get(MATERIALISED, {}).get("peak / logits"),
+                          "liger ms": liger.get("ms"),
+                          "liger peak / logits": liger.get("peak / logits")})
+            continue
+        table.append({"op": op_name, "size": size, "mode": mode, "fastlm ms": ours["ms"],
+                      "ms (graph)": ours["ms (graph)"], "GB/s": ours["GB/s"],
+                      "% of copy": ours["% of copy"], "vs compiled": ours["vs compiled"],
+                      "vs eager": ours["vs reference"],
+                      "vs liger": common.ratio(_ms(liger), _ms(ours)),
+                      "graph vs compiled": ours["graph vs compiled"],
+                      "graph vs liger": common.ratio(_ms(liger, "ms (graph)"),
+                                                     _ms(ours, "ms (graph)"))})
+    lines = []
+    if table:
+        lines += ["Memory-bound kernels, bf16 (speed-up = other's ms / fastlm's; graph: both "
+                  "replayed from CUDA graphs):", "", common.markdown_table(table, list(table[0]))]
+    if fused:
+        lines += ["", f"{LINEAR_CE}, bf16, forward+backward (peak memory beyond the inputs, as a "
+                  "multiple of the logits' size):", "",
+                  common.markdown_table(fused, list(fused[0]))]
+    return lines or ["kernels: no fastlm rows (see the notes)"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -505,6 +556,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{LINEAR_CE} {LINEAR_CE_QUICK_SIZES[0]}), within a {QUICK_TIME_LIMIT_S} s time budget"))
     p.add_argument("--ops", nargs="+", choices=op_names, default=op_names,
                    help="which ops to measure")
+    p.add_argument("--graph-below-ms", type=float, default=GRAPH_BELOW_MS,
+                   help="also time fwd and fwd+bwd rows shorter than this from a CUDA graph "
+                        f"(default {GRAPH_BELOW_MS}; 0: never)")
+    p.add_argument("--graph-rep-ms", type=float, default=20.0,
+                   help="do_bench_cudagraph's timed time per replay (it replays 10 times)")
     args = p.parse_args(argv)
     if not common.HAS_CUDA:
         common.no_cuda_notice("benchmarks/kernels.py")
@@ -520,17 +576,16 @@ def main(argv: list[str] | None = None) -> int:
         copy_gbs = copy.value or math.nan
         print(f"device-to-device copy: {copy_gbs:.0f} GB/s (bytes read + written)\n")
         run.env["copy_GB/s"] = copy_gbs
-        for op in (op for op in OPS if op.name in args.ops):
-            for m, n in op.quick_sizes if args.quick else op.full_sizes:
-                bench_size(run, op, m, n, copy_gbs)
-        if LINEAR_CE in args.ops:
-            for m, c in LINEAR_CE_QUICK_SIZES if args.quick else LINEAR_CE_FULL_SIZES:
-                bench_linear_cross_entropy(run, m, c)
+        ops = {op.name: op for op in OPS}
+        for name, m, n in cases(args):
+            if run.out_of_time():
+                break
+            if name == LINEAR_CE:
+                bench_linear_cross_entropy(run, m, n)
+            else:
+                bench_size(run, ops[name], m, n, copy_gbs)
     add_speedups(run.rows)
-    headline_sizes = {op.name: _size(*op.quick_sizes[0]) for op in OPS}
-    headline_sizes[LINEAR_CE] = _size(*LINEAR_CE_QUICK_SIZES[0], VOCAB)
-    return run.finish(group_by=("op", "size", "mode"),
-                      summary=summary_lines(run.rows, headline_sizes),
+    return run.finish(group_by=("op", "size", "mode"), summary=summary_lines(run.rows),
                       plot={"x": "size", "y": "GB/s", "series": "impl", "panel": ("op", "mode"),
                             "title": f"fastlm kernels, bf16, {run.env['gpu']}"})
 

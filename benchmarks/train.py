@@ -21,7 +21,13 @@ compiled (what users pick today): the headline comparison; then fastlm eager, an
 Columns: tokens/s and its ratio to the eager reference and to the compiled SDPA reference; peak
 memory (torch.cuda.max_memory_allocated over the timed steps: parameters, gradients, optimizer
 state and activations) and its ratio to the eager reference; the first step's loss (every row
-starts from the same weights and data, so these should agree).
+starts from the same weights and data, so these should agree) and seconds (compilation and
+autotuning included); for compiled rows, the graph breaks torch.compile's dynamo counted while
+tracing the first step (`torch._dynamo.utils.counters["graph_break"]`; the reasons are in the JSON
+under `graph_breaks`).
+
+`--headline` (what gpu_check.sh measures first): the two headline rows only, fastlm compiled and
+the compiled SDPA reference, at seq 1024 with all 12 layers. `--skip-headline`: the other rows.
 
 Without CUDA: a message, then a tiny model's loss and gradients, fastlm against the float64
 reference, through Triton's interpreter, and one step of the benchmark's step function; exit
@@ -33,7 +39,9 @@ from __future__ import annotations
 import _common as common  # first: turns on Triton's interpreter when there is no CUDA
 
 import contextlib
+import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -65,9 +73,13 @@ REF_EAGER, REF_COMPILED = "reference", "torch.compile(reference)"
 SDPA_COMPILED = "torch.compile(reference + SDPA)"
 FASTLM_EAGER, FASTLM_COMPILED = "fastlm", "torch.compile(fastlm)"
 # The headline comparison first, so that a spent time budget skips the least needed rows.
-KINDS = [FASTLM_COMPILED, SDPA_COMPILED, FASTLM_EAGER, REF_EAGER, REF_COMPILED]
+HEADLINE_KINDS = [FASTLM_COMPILED, SDPA_COMPILED]
+HEADLINE_SEQ = 1024
+KINDS = HEADLINE_KINDS + [FASTLM_EAGER, REF_EAGER, REF_COMPILED]
+COMPILED_KINDS = (FASTLM_COMPILED, SDPA_COMPILED, REF_COMPILED)
 COLUMNS = ["seq", "batch", "layers", "impl", "ms/step", "tokens/s", "vs reference",
-           "vs compiled SDPA", "peak GiB", "memory vs reference", "first loss"]
+           "vs compiled SDPA", "peak GiB", "memory vs reference", "first loss", "first step s",
+           "graph breaks"]
 
 
 class SdpaAttention(torch.nn.Module):
@@ -116,45 +128,79 @@ def make_step(model: torch.nn.Module, loss_fn: Callable, ids: torch.Tensor,
     return step
 
 
+def count_graph_breaks(call: Callable[[], object]) -> tuple[object, dict]:
+    """call()'s result, and what torch.compile's dynamo counted while it ran: graph breaks (in all
+    and by reason) and the graphs it compiled. A model traced whole gives 0 breaks, 1 graph."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    result = call()
+    reasons = {str(reason): count for reason, count in counters["graph_break"].items()}
+    return result, {"graph_breaks": sum(reasons.values()),
+                    "graphs": counters["stats"]["unique_graphs"], "reasons": reasons}
+
+
 @dataclass
 class Measured:
     ms: float
     peak_gib: float
     first_loss: float
+    first_step_s: float
+    compiled: dict | None  # count_graph_breaks' counts for a compiled row
 
 
 def measure(kind: str, config: Config, seq: int, batch: int, warmup: int,
             steps: int) -> Measured:
     model, loss_fn = build(kind, config, seq)
-    if kind in (REF_COMPILED, SDPA_COMPILED, FASTLM_COMPILED):
+    if kind in COMPILED_KINDS:
         loss_fn = torch.compile(loss_fn)
     generator = torch.Generator(device=common.DEVICE).manual_seed(1)
     ids, targets = (torch.randint(config.vocab_size, (batch, seq), device=common.DEVICE,
                                   generator=generator) for _ in range(2))
     step = make_step(model, loss_fn, ids, targets, autocast=True)
-    first_loss = float(step())  # also the first compilation
+    start = time.perf_counter()
+    first_loss, compiled = count_graph_breaks(lambda: float(step()))  # float() waits for the GPU
+    first_step_s = time.perf_counter() - start
     for _ in range(warmup - 1):
         step()
     times = []
     peak = common.peak_memory_gib(lambda: times.append(common.time_loop_ms(step, 0, steps)))
-    return Measured(times[0], peak, first_loss)
+    return Measured(times[0], peak, first_loss, first_step_s,
+                    compiled if kind in COMPILED_KINDS else None)
 
 
-def bench(run: common.Run, config: Config, seqs: list[int], tokens: int) -> None:
-    for seq in seqs:
+def cases(args) -> list[tuple[int, str]]:
+    """(seq, kind) in the order measured: --headline's two rows, or all but them, or all."""
+    if args.headline:
+        return [(HEADLINE_SEQ, kind) for kind in HEADLINE_KINDS]
+    wanted = [(seq, kind) for seq in args.seqs for kind in KINDS]
+    if args.skip_headline:
+        wanted = [(seq, kind) for seq, kind in wanted
+                  if not (seq == HEADLINE_SEQ and kind in HEADLINE_KINDS)]
+    return wanted
+
+
+def bench(run: common.Run, config: Config, todo: list[tuple[int, str]], tokens: int) -> None:
+    for seq, kind in todo:
+        if run.out_of_time():
+            break
         batch = max(1, tokens // seq)
-        for kind in KINDS:
-            outcome = run.measure(
-                lambda: measure(kind, config, seq, batch, run.args.warmup_steps, run.args.steps),
-                f"{kind} seq={seq}")
-            torch._dynamo.reset()  # drop compiled graphs (and what their guards hold)
-            common.free_memory()
-            value = outcome.value
-            run.add({"seq": seq, "batch": batch, "layers": config.num_layers, "impl": kind,
-                     "ms/step": value.ms if value else outcome.status,
-                     "tokens/s": batch * seq / (value.ms * 1e-3) if value else None,
-                     "peak GiB": value.peak_gib if value else outcome.status,
-                     "first loss": value.first_loss if value else None})
+        outcome = run.measure(
+            lambda: measure(kind, config, seq, batch, run.args.warmup_steps, run.args.steps),
+            f"{kind} seq={seq}")
+        torch._dynamo.reset()  # drop compiled graphs (and what their guards hold)
+        common.free_memory()
+        value = outcome.value
+        if value is not None and value.compiled is not None:
+            run.extra.setdefault("graph_breaks", {})[f"{kind} seq={seq}"] = value.compiled
+        run.add({"seq": seq, "batch": batch, "layers": config.num_layers, "impl": kind,
+                 "ms/step": value.ms if value else outcome.status,
+                 "tokens/s": batch * seq / (value.ms * 1e-3) if value else None,
+                 "peak GiB": value.peak_gib if value else outcome.status,
+                 "first loss": value.first_loss if value else None,
+                 "first step s": value.first_step_s if value else None,
+                 "graph breaks": value.compiled["graph_breaks"]
+                 if value and value.compiled else None})
 
 
 def add_comparisons(rows: list[dict]) -> None:
@@ -167,24 +213,28 @@ def add_comparisons(rows: list[dict]) -> None:
                           higher_is_better=True)
 
 
+SUMMARY_COLUMNS = ["seq", "batch", "layers", "impl", "tokens/s", "ms/step", "vs compiled SDPA",
+                   "vs reference", "peak GiB", "first step s", "graph breaks"]
+
+
 def summary_lines(rows: list[dict]) -> list[str]:
-    lines = ["training step (bf16 autocast):"]
-    for row in rows:
-        if row["impl"] not in (FASTLM_EAGER, FASTLM_COMPILED):
-            continue
-        if row["tokens/s"] is None:
-            lines.append(f"- seq {row['seq']} {row['impl']}: {row['ms/step']}")
-            continue
-        parts = [f"- seq {row['seq']} {row['impl']}: {row['tokens/s']:.0f} tokens/s"]
-        for key in ("vs reference", "vs compiled SDPA"):
-            if row[key] is not None:
-                parts.append(f"{row[key]:.2f}x {key[3:]}")
-        if row["memory vs reference"] is not None:
-            parts.append(f"peak memory {row['memory vs reference']:.2f}x reference")
-        lines.append(", ".join(parts))
-    if len(lines) == 1:
-        lines.append("- no fastlm rows (they failed: see notes)")
-    return lines
+    """Every row as a markdown table (there are few), without columns that are empty."""
+    if not rows:
+        return ["training step: no rows (see the notes)"]
+    columns = [c for c in SUMMARY_COLUMNS if any(row.get(c) is not None for row in rows)]
+    return ["Training step, bf16 autocast, AdamW (tokens/s; vs X = tokens/s over X's):", "",
+            common.markdown_table(rows, columns)]
+
+
+def graph_break_notes(graph_breaks: dict[str, dict]) -> list[str]:
+    """One note per compiled row: its graph breaks and their reasons (first line of each)."""
+    notes = []
+    for label, counted in graph_breaks.items():
+        reasons = "; ".join(f"{count}x {reason.splitlines()[0][:160]}"
+                            for reason, count in counted["reasons"].items())
+        notes.append(f"graph breaks of {label}: {counted['graph_breaks']} "
+                     f"({counted['graphs']} graph(s) compiled){': ' + reasons if reasons else ''}")
+    return notes
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,10 +282,39 @@ def interpreter_check() -> int:
                      None, None))
         return rows
 
+    def graph_breaks():
+        """The GPU rows' graph-break count, here with PyTorch inside the kernels' ops (fake
+        tensors cannot enter the interpreter) and aot_eager: the model should trace whole."""
+        model = fastlm.Transformer(**TINY.kwargs(TINY_SEQ))
+        compiled = torch.compile(lambda i, t: model.loss(i, t), backend="aot_eager")
+        with _environ(FASTLM_BACKEND="torch"):
+            _, counted = count_graph_breaks(lambda: compiled(ids, targets).backward())
+        reasons = "; ".join(counted["reasons"])[:160]
+        status = "ok" if counted["graph_breaks"] == 0 else (
+            f"FAIL ({counted['graph_breaks']} graph breaks: {reasons})")
+        return [(f"torch.compile(fastlm) graph breaks: {counted['graph_breaks']}, "
+                 f"graphs: {counted['graphs']}", status, None, None)]
+
     # Gradients first (the reference step below changes the weights).
     rows += common.try_check("fastlm.Transformer", fastlm_against_reference)
     rows += common.try_check("reference step", reference_step)
+    rows += common.try_check("torch.compile(fastlm) graph breaks", graph_breaks)
     return common.report_checks(rows)
+
+
+@contextlib.contextmanager
+def _environ(**values: str):
+    """Environment variables set inside the with-block, restored after it."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,16 +341,19 @@ def main(argv: list[str] | None = None) -> int:
         common.no_cuda_notice("benchmarks/train.py")
         return interpreter_check()
 
-    args.seqs = args.seqs or ([1024] if args.quick else [1024, 2048])
-    args.steps = args.steps or (3 if args.quick else 10)
-    layers = args.layers or (QUICK_LAYERS if args.quick else Config.num_layers)
+    quick = args.quick and not args.headline  # the headline is the full 12-layer model
+    args.seqs = args.seqs or ([1024] if quick else [1024, 2048])
+    args.steps = args.steps or (3 if quick else 10)
+    layers = args.layers or (QUICK_LAYERS if quick else Config.num_layers)
     config = Config(num_layers=layers)
     common.raise_compile_limits()
     run = common.Run("train", args, QUICK_TIME_LIMIT_S, COLUMNS)
     run.header()
     with run.interruptible():
-        bench(run, config, args.seqs, args.tokens)
+        bench(run, config, cases(args), args.tokens)
     add_comparisons(run.rows)
+    for text in graph_break_notes(run.extra.get("graph_breaks", {})):
+        run.note(text)
     return run.finish(summary=summary_lines(run.rows),
                       plot={"x": "impl", "y": "tokens/s", "series": "seq", "panel": ("layers",),
                             "title": f"training step, {run.env['gpu']}"})
