@@ -70,8 +70,9 @@ import torch
 import torch.nn.functional as F
 
 from fastlm import reference
-from fastlm.kernels import (add_rms_norm, apply_rope_, cross_entropy, linear_cross_entropy,
-                            rms_norm, rope_tables, swiglu)
+from fastlm.kernels import (add_rms_norm, add_rms_norm_ref, apply_rope_, cross_entropy,
+                            linear_cross_entropy, rms_norm, rms_norm_ref, rope_ref, rope_tables,
+                            swiglu, swiglu_ref)
 
 DTYPE = torch.bfloat16
 EPS = 1e-5
@@ -151,11 +152,8 @@ def _liger_loss(function, *args) -> torch.Tensor:
 
 
 def _rms_norm_math(x, weight):
-    """reference.RmsNorm.forward with the weight passed in (same operations, same dtypes)."""
-    in_dtype = x.dtype
-    x = x.to(torch.float32)
-    rms_inv = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + EPS)
-    return (x * rms_inv * weight).to(in_dtype)
+    """The op's PyTorch math (reference.RmsNorm's) with the weight passed in."""
+    return rms_norm_ref(x, weight, EPS)
 
 
 def rms_norm_impls(m: int, n: int) -> dict[str, Callable]:
@@ -173,8 +171,7 @@ def rms_norm_impls(m: int, n: int) -> dict[str, Callable]:
 
 
 def _add_rms_norm_math(x, residual, weight):
-    summed = x + residual
-    return _rms_norm_math(summed, weight), summed
+    return add_rms_norm_ref(x, residual, weight, EPS)
 
 
 def add_rms_norm_impls(m: int, n: int) -> dict[str, Callable]:
@@ -222,15 +219,13 @@ def rope_impls(m: int, n: int) -> dict[str, Callable]:
             return apply_rope_(q, k, cos, sin, positions, interleaved=interleaved)
         return run
 
-    # Hugging Face tables: (1, T, D), each frequency repeated over the two halves.
+    # Hugging Face tables (Liger's): (1, T, D), each frequency repeated over the two halves.
     hf_cos, hf_sin = (torch.cat((c, c), dim=-1)[None] for c in (cos, sin))
 
     def half_split_math(q, k):
-        """The half-split layout's rotation, (a, b) -> (a cos - b sin, b cos + a sin)."""
-        def rotate(x):
-            a, b = x.chunk(2, dim=-1)
-            return (x.float() * hf_cos + torch.cat((-b, a), dim=-1).float() * hf_sin).to(x.dtype)
-        return rotate(q), rotate(k)
+        """The half-split layout's rotation: the op's PyTorch math."""
+        return (rope_ref(q, cos, sin, positions, interleaved=False),
+                rope_ref(k, cos, sin, positions, interleaved=False))
 
     half_split = fastlm_rope(False)
     half_split.error_reference = half_split_math
@@ -252,7 +247,7 @@ def rope_impls(m: int, n: int) -> dict[str, Callable]:
 
 
 def _swiglu_math(gate, up):
-    return reference.SiLu()(gate) * up
+    return swiglu_ref(gate, up)
 
 
 def swiglu_impls(m: int, n: int) -> dict[str, Callable]:
