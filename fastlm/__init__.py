@@ -12,7 +12,7 @@
 from fastlm import reference
 from fastlm.backend import backend, use_triton
 from fastlm.kernels import (add_rms_norm, apply_rope_, cross_entropy, flash_attention,
-                            linear_cross_entropy, rms_norm, swiglu, swiglu_packed)
+                            linear_cross_entropy, rms_norm, rope_attention, swiglu, swiglu_packed)
 from fastlm.modules import CrossEntropyLoss, RmsNorm, RoPE, SwiGlu
 from fastlm.model import KVCache, MultiHeadAttentionWithRoPE, Transformer, TransformerBlock
 from fastlm.sampling import generate
@@ -24,5 +24,6 @@ __all__ = [
     "Transformer", "TransformerBlock", "MultiHeadAttentionWithRoPE", "KVCache",
     "RmsNorm", "RoPE", "SwiGlu", "CrossEntropyLoss",
     "rms_norm", "add_rms_norm", "apply_rope_", "swiglu", "swiglu_packed", "flash_attention",
+    "rope_attention",
     "cross_entropy", "linear_cross_entropy",
 ]
