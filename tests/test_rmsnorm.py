@@ -286,3 +286,15 @@ def test_torch_compile(device):
     assert_close(out, expected, torch.bfloat16, "compiled")
     assert_close(x.grad, x64.grad, torch.bfloat16, "compiled dx")
     assert_close(weight.grad, w64.grad, torch.bfloat16, "compiled dweight")
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_second_derivatives_raise(fused, device):
+    """The backward kernel has no graph: a backward through the gradient raises instead of
+    silently dropping the second-order terms."""
+    x, weight = make_inputs((5, 64), torch.float32, device)
+    residual = leaf(torch.randn_like(x))
+    y = add_rms_norm(x, residual, weight)[0] if fused else rms_norm(x, weight)
+    (dx,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="second derivatives"):
+        dx.sum().backward()

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastlm import reference
-from fastlm.kernels.rope import apply_rope_, rope_tables
+from fastlm.kernels.rope import apply_rope_, rope_ref, rope_tables
 from fastlm.modules import RoPE
 from fastlm.testing import assert_close
 
@@ -304,3 +304,28 @@ def test_cuda_positions_checked_on_device():
     bad = subprocess.run([sys.executable, "-c", script.format(offset=5)], capture_output=True)
     assert bad.returncode != 0 and b"assert" in bad.stderr.lower(), bad.stderr.decode()
 
+
+
+def test_second_derivatives_raise_in_place_and_are_exact_functionally(device):
+    """apply_rope_'s in-place backward has no graph: a second derivative raises instead of coming
+    out wrong. The functional op (what compiled code calls) has itself as its backward, so its
+    second derivatives are exact."""
+    cos, sin = rope_tables(THETA, 16, 32, device=device)
+    positions = torch.arange(9, device=device)
+    base = torch.randn(2, 2, 9, 16, device=device, requires_grad=True)
+    qk = base * 1.0
+    q, k = qk[0:1], qk[1:2]
+    apply_rope_(q, k, cos, sin, positions)
+    (grad,) = torch.autograd.grad((q * k).sum(), base, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        grad.pow(2).sum().backward()
+
+    x64 = torch.randn(1, 2, 9, 16, device=device, dtype=torch.float64, requires_grad=True)
+    x = x64.detach().float().requires_grad_()
+    y = torch.ops.fastlm.rope(x, cos, sin, positions, True, False)
+    (g,) = torch.autograd.grad(y.pow(3).sum(), x, create_graph=True)
+    (gg,) = torch.autograd.grad(g.sum(), x)
+    y64 = rope_ref(x64, cos.double(), sin.double(), positions)
+    (g64,) = torch.autograd.grad(y64.pow(3).sum(), x64, create_graph=True)
+    (gg64,) = torch.autograd.grad(g64.sum(), x64)
+    assert_close(gg, gg64, torch.float32, "second derivative through torch.ops.fastlm.rope")

@@ -164,3 +164,14 @@ def test_fuzz_shapes(rows, d_ff, dtype, packed):
     expected, d_gate, d_up = reference_grads(gate_up[..., :d_ff], gate_up[..., d_ff:], grad_out)
     assert_close(out, expected, dtype, "out")
     assert_close(gate_up.grad, torch.cat((d_gate, d_up), dim=-1), dtype, "d gate_up")
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_second_derivatives_raise(packed, device):
+    """The backward kernel has no graph: a backward through the gradient raises instead of
+    silently dropping the second-order terms."""
+    gate_up = torch.randn(4, 64, device=device, requires_grad=True)
+    y = swiglu_packed(gate_up) if packed else swiglu(gate_up[:, :32], gate_up[:, 32:])
+    (grad,) = torch.autograd.grad(y.pow(2).sum(), gate_up, create_graph=True)
+    with pytest.raises(RuntimeError, match="second derivatives"):
+        grad.sum().backward()
