@@ -414,7 +414,8 @@ def peak_flops(args: argparse.Namespace, device: torch.device) -> float | None:
 
 
 def plot_losses(path: Path, train_losses: list[float], val_losses: list[list[float]]) -> str | None:
-    """Write the loss-curve PNG; a note instead when matplotlib is missing."""
+    """Write the loss-curve PNG; a note instead when matplotlib is missing or the file cannot
+    be written (the checkpoint, whose files are written by then, goes without it)."""
     try:
         import matplotlib
 
@@ -430,8 +431,14 @@ def plot_losses(path: Path, train_losses: list[float], val_losses: list[list[flo
     axes.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="fastlm.train")
     axes.legend()
     axes.grid(alpha=0.3)
-    figure.savefig(path, format="png")
-    plt.close(figure)
+    try:
+        figure.savefig(path, format="png")
+    except OSError as error:  # a full disk, say
+        path.unlink(missing_ok=True)
+        return f"could not write the loss curve {path.name} ({error.strerror}): this checkpoint " \
+            "has none"
+    finally:
+        plt.close(figure)
     return None
 
 

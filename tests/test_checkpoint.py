@@ -242,3 +242,21 @@ def test_undamaged_copy_resumes(trained, copy, capsys):
     assert status == 0 and summary["steps"] == 4, err
     weights = checkpoint.load_weights(copy)
     assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_loss_curve_that_cannot_be_written_is_a_note(trained, tmp_path, capsys, monkeypatch):
+    # The PNG comes last: the disk filling up there leaves a checkpoint without a curve.
+    from matplotlib.figure import Figure
+
+    def full(self, path, **kwargs):
+        Path(path).write_bytes(b"\x89PNG")  # part of it got out
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(Figure, "savefig", full)
+    out = tmp_path / "run"
+    status, summary, err = run_main(["--data", trained[1], *TOY, "--steps", "2", "--out", out],
+                                    capsys)
+    assert status == 0 and summary["loss_curve"] is None, err
+    assert ("note: could not write the loss curve loss.png (No space left on device): this "
+            "checkpoint has none") in err
+    assert checkpoint.load_state(out)["step"] == 2 and not (out / "loss.png").exists()
