@@ -233,17 +233,17 @@ def resume_note(saved: dict, args: argparse.Namespace, world_size: int) -> str |
     if not changed:
         return None
     listed = ", ".join(f"{flag(key)} {settings[key]} (was {old.get(key)})" for key in changed)
-    note = (f"note: resuming with {listed}: from step {step + 1} on, the loss curve differs "
-            "from the one the checkpoint's run would have drawn")
+    note = (f"note: resuming with {listed}, so from step {step + 1} on the run differs from "
+            "the one the checkpoint began")
     schedule = ("lr", "min_lr", "warmup", "steps")
     if set(changed) & set(schedule) and all(isinstance(old.get(key), (int, float))
                                            for key in schedule):
         before = reference.cos_lr_scheduler(step, *(old[key] for key in schedule))
         after = reference.cos_lr_scheduler(step + 1, args.lr, args.min_lr, args.warmup,
                                            args.steps)
-        note += (f"; the learning-rate schedule (warm-up, then cosine decay to --min-lr at "
-                 f"--steps) is now the new settings', so the rate goes from {before:.3g} at step "
-                 f"{step} to {after:.3g} at step {step + 1}")
+        note += ("; the learning-rate schedule (warm-up, then cosine decay to --min-lr at "
+                 f"--steps) now follows the new settings: the rate goes from {before:.3g} at "
+                 f"step {step} to {after:.3g} at step {step + 1}")
     return note
 
 

@@ -375,10 +375,10 @@ def test_resume_notes(corpus, tmp_path, capsys):
     lr = train_cli.PRESETS["tiny"]["lr"]  # TOY's, and --min-lr is lr / 10
     lr_before = train_cli.reference.cos_lr_scheduler(4, lr, lr / 10, 0, 4)
     lr_after = train_cli.reference.cos_lr_scheduler(5, lr, lr / 10, 0, 8)
-    assert ("note: resuming with --steps 8 (was 4): from step 5 on, the loss curve differs from "
-            "the one the checkpoint's run would have drawn; the learning-rate schedule (warm-up, "
-            "then cosine decay to --min-lr at --steps) is now the new settings', so the rate goes "
-            f"from {lr_before:.3g} at step 4 to {lr_after:.3g} at step 5") in err, err
+    assert ("note: resuming with --steps 8 (was 4), so from step 5 on the run differs from the "
+            "one the checkpoint began; the learning-rate schedule (warm-up, then cosine decay to "
+            "--min-lr at --steps) now follows the new settings: the rate goes from "
+            f"{lr_before:.3g} at step 4 to {lr_after:.3g} at step 5") in err, err
 
 
 def test_log_lines_instead_of_a_progress_bar_when_stderr_is_not_a_terminal(corpus, tmp_path,
