@@ -5,25 +5,38 @@
   cross-entropy), Triton kernels with their backward, registered as `torch.ops.fastlm.*`.
 - `fastlm.modules`: nn.Module drop-ins for the reference's (RmsNorm, RoPE, SwiGlu, CrossEntropyLoss).
 - `fastlm.Transformer` and its parts: drop-ins for the reference's modules, built on the kernels.
-- `fastlm.generate`: sampling with a KV cache.
+- `fastlm.sample`: sampling (temperature, top-k, top-p) with a KV cache; `fastlm.ModelConfig`,
+  `fastlm.build_model`: a model's configuration and the model built from it.
+- `python -m fastlm.train`, `python -m fastlm.generate`: the commands (`fastlm.generate` is the
+  command's module, not a function).
 - `fastlm.backend`: which of kernels and PyTorch runs (FASTLM_BACKEND).
 """
 
 from fastlm import reference
 from fastlm.backend import backend, use_triton
+from fastlm.config import ModelConfig, build_model
 from fastlm.kernels import (add_rms_norm, apply_rope_, cross_entropy, flash_attention,
                             linear_cross_entropy, rms_norm, rope_attention, swiglu, swiglu_packed)
 from fastlm.modules import CrossEntropyLoss, RmsNorm, RoPE, SwiGlu
 from fastlm.model import KVCache, MultiHeadAttentionWithRoPE, Transformer, TransformerBlock
-from fastlm.sampling import generate
+from fastlm.sampling import sample
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "reference", "backend", "use_triton", "generate", "__version__",
+    "reference", "backend", "use_triton", "sample", "ModelConfig", "build_model", "__version__",
     "Transformer", "TransformerBlock", "MultiHeadAttentionWithRoPE", "KVCache",
     "RmsNorm", "RoPE", "SwiGlu", "CrossEntropyLoss",
     "rms_norm", "add_rms_norm", "apply_rope_", "swiglu", "swiglu_packed", "flash_attention",
     "rope_attention",
     "cross_entropy", "linear_cross_entropy",
 ]
+
+
+def __getattr__(name: str):
+    # Only reached while `fastlm.generate` (the command's module) is not imported yet.
+    if name == "generate":
+        raise AttributeError("fastlm.generate is the command-line module (python -m "
+                             "fastlm.generate); to sample from Python, call "
+                             "fastlm.sample(model, prompt_ids, max_new_tokens, ...)")
+    raise AttributeError(f"module 'fastlm' has no attribute {name!r}")

@@ -4,18 +4,25 @@
     DIR/state.pt            optimizer state, step, loss history (torch.save, loaded weights_only)
     DIR/tokenizer.json      a copy of the Hugging Face tokenizer, when one was used
     DIR/loss.png            the loss curve (written by fastlm.train)
+    DIR/checkpoint.json     the step and the SHA-256 of each tensor file, checked when loading
 
 The folder is the unit that is replaced, so a crash (a SIGKILL included) at any point leaves a
 consistent set of files of one step. `replacing(DIR)` hands out a fresh `DIR.tmp` to write into;
 when every file there is on disk, DIR moves aside to `DIR.old`, `DIR.tmp` moves to DIR (each a
 `rename`, which is atomic) and `DIR.old` is deleted. The only moment without a DIR is between the
 two renames, and then `DIR.old` holds the previous checkpoint: loading falls back to it. The
-weights and the state also record their step, which `load_state` compares.
+weights and the state also record their step, which `load_state` compares. A path that is a
+symbolic link is written through: the folder it points to is the one replaced.
+
+Every damaged or foreign file (truncated, flipped bytes, bad metadata) is a CheckpointError with
+one line saying which file, never a traceback from the file's reader.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -23,14 +30,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 WEIGHTS = "model.safetensors"
 STATE = "state.pt"
 TOKENIZER = "tokenizer.json"
 LOSS_CURVE = "loss.png"
-FILES = (WEIGHTS, STATE, TOKENIZER, LOSS_CURVE)
+MANIFEST = "checkpoint.json"
+FILES = (WEIGHTS, STATE, TOKENIZER, LOSS_CURVE, MANIFEST)
 
 
 class CheckpointError(ValueError):
@@ -91,10 +99,51 @@ def _fsync(path: Path) -> None:
 
 
 @contextlib.contextmanager
+def locked(folder: str | os.PathLike) -> Iterator[None]:
+    """Hold `folder.lock` (an exclusive lock) while training into `folder`, so that a second
+    training on the same folder is refused (CheckpointError) rather than the two replacing each
+    other's checkpoints. The lock lies beside the folder, which every save replaces. Taking it
+    also creates the folder's parents and shows, before any training, that they are writable."""
+    folder = Path(folder)
+    path = _sibling(folder, ".lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(descriptor, 100).decode(errors="replace").strip()
+                os.close(descriptor)
+                raise CheckpointError(f"{folder} is in use by another training ({holder or path}):"
+                                      " wait for it to end, or choose another folder") from None
+            # The previous holder removes the file as it ends; if it did so after we opened it,
+            # our lock is on a file nobody else will see: lock the one there now.
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(path).st_ino == os.fstat(descriptor).st_ino:
+                    break
+            os.close(descriptor)
+        os.ftruncate(descriptor, 0)
+        os.write(descriptor, f"pid {os.getpid()}".encode())
+    except (FileExistsError, NotADirectoryError) as error:
+        raise CheckpointError(f"cannot create {folder}: {error.filename} is a file, not a "
+                              "folder") from None
+    except OSError as error:
+        raise CheckpointError(f"cannot write to {folder.absolute().parent} ({error.strerror}), "
+                              f"where {folder} would be saved") from None
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        os.close(descriptor)
+
+
+@contextlib.contextmanager
 def replacing(folder: str | os.PathLike) -> Iterator[Path]:
     """A fresh folder to write a checkpoint into; on leaving the block without an exception it
     replaces `folder` whole (see the module docstring). An exception keeps the previous one."""
-    folder = Path(folder)
+    folder = Path(os.path.realpath(folder))  # a link: replace its target, keep the link
     check_replaceable(folder)
     staging, old = _sibling(folder, ".tmp"), _sibling(folder, ".old")
     shutil.rmtree(staging, ignore_errors=True)  # a crashed save's leftovers
@@ -113,20 +162,78 @@ def replacing(folder: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
         folder.rename(old)
     staging.rename(folder)
-    _fsync(folder.absolute().parent)  # the renames themselves reach the disk
+    _fsync(folder.parent)  # the renames themselves reach the disk
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _tensor_bytes(value) -> int:
+    """Bytes of the tensors in a nest of dicts, lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (list, tuple)):
+        return 0
+    return sum(_tensor_bytes(item) for item in value)
+
+
+def _size(count: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if count < 1024:
+            break
+        count /= 1024
+    else:
+        unit = "TiB"
+    return f"{count:,.0f} {unit}" if unit == "bytes" else f"{count:,.1f} {unit}"
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# What the writers raise when a file cannot be written (a full disk, say): torch.save a
+# RuntimeError ("file write failed"), safetensors its own error.
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 
 
 def write(folder: Path, weights: dict[str, torch.Tensor], config: dict, step: int, state: dict,
           tokenizer_path: str | os.PathLike | None = None) -> None:
-    """Write weights (with `config` and `step` as metadata), the training `state` and a copy of
-    the tokenizer into `folder` (one from `replacing`)."""
+    """Write weights (with `config` and `step` as metadata), the training `state`, a copy of the
+    tokenizer and the manifest with the files' checksums into `folder` (one from `replacing`).
+    CheckpointError, with the space the checkpoint needs, when a file cannot be written."""
     weights = {name: tensor.detach().contiguous().cpu() for name, tensor in weights.items()}
     metadata = {"config": json.dumps(config, sort_keys=True), "step": str(step)}
-    save_file(weights, folder / WEIGHTS, metadata=metadata)
-    torch.save({**state, "step": step}, folder / STATE)
-    if tokenizer_path is not None:
-        shutil.copyfile(tokenizer_path, folder / TOKENIZER)
+    writing = WEIGHTS
+    try:
+        save_file(weights, folder / WEIGHTS, metadata=metadata)
+        os.chmod(folder / WEIGHTS, 0o666 & ~_umask())  # safetensors creates it private (0600)
+        writing = STATE
+        torch.save({**state, "step": step}, folder / STATE)
+        if tokenizer_path is not None:
+            writing = TOKENIZER
+            shutil.copyfile(tokenizer_path, folder / TOKENIZER)
+        writing = MANIFEST
+        checksums = {name: _sha256(folder / name) for name in (WEIGHTS, STATE)}
+        (folder / MANIFEST).write_text(json.dumps({"step": step, "sha256": checksums}, indent=1))
+    except WRITE_ERRORS as error:
+        reason = (getattr(error, "strerror", None)
+                  or (str(error).strip().splitlines() or [type(error).__name__])[-1])
+        needed = _tensor_bytes(weights) + _tensor_bytes(state)
+        free = shutil.disk_usage(folder).free
+        raise CheckpointError(
+            f"cannot save the checkpoint of step {step}: writing {folder / writing} failed "
+            f"({reason}); the checkpoint needs about {_size(needed)} and {_size(free)} are free "
+            "there (any previous checkpoint is kept)") from None
 
 
 def save(folder: str | os.PathLike, weights: dict[str, torch.Tensor], config: dict, step: int,
@@ -150,26 +257,89 @@ def _metadata(folder: Path) -> dict[str, str]:
 
 def load_config(folder: str | os.PathLike) -> dict:
     """The configuration stored with the weights."""
-    return json.loads(_metadata(resolve(folder))["config"])
+    folder = resolve(folder)
+    text = _metadata(folder)["config"]
+    try:
+        config = json.loads(text)
+    except ValueError:
+        config = None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{folder / WEIGHTS} is damaged: its configuration is not a JSON "
+                              "object")
+    return config
+
+
+def load_step(folder: str | os.PathLike) -> int:
+    """The step of the weights."""
+    folder = resolve(folder)
+    step = _metadata(folder)["step"]
+    if not step.isdigit():
+        raise CheckpointError(f"{folder / WEIGHTS} is damaged: its step {step!r} is not a "
+                              "non-negative integer")
+    return int(step)
+
+
+def _verified(folder: Path, name: str) -> Path:
+    """`folder / name`, after checking it against the checksum the manifest recorded."""
+    manifest_path = folder / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        expected = manifest["sha256"][name]
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder} has no {MANIFEST} (the checksums of its files): it is "
+                              "incomplete, or was written by an older fastlm.train") from None
+    except (ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{manifest_path} is damaged: it holds no checksum of {name}") \
+            from None
+    if not (folder / name).is_file():
+        raise CheckpointError(f"{folder} lacks {name}")
+    if _sha256(folder / name) != expected:
+        raise CheckpointError(f"{folder / name} is damaged: its contents differ from those "
+                              f"written (the SHA-256 recorded in {MANIFEST})")
+    return folder / name
 
 
 def load_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     folder = resolve(folder)
-    with safe_open(folder / WEIGHTS, framework="pt") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}
+    path = _verified(folder, WEIGHTS)
+    try:
+        with safe_open(path, framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as error:  # safetensors raises its own error types for damaged files
+        raise CheckpointError(f"cannot read {path}: {error}") from None
+
+
+def fit_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor],
+                where: str | os.PathLike) -> None:
+    """Load `weights` (from the checkpoint at `where`) into `model`; CheckpointError when they
+    do not fit it."""
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as error:  # missing keys or other shapes than the configuration's
+        first_line = str(error).strip().splitlines()[0]
+        raise CheckpointError(f"{where}: the weights do not fit the stored configuration "
+                              f"({first_line})") from None
 
 
 def load_state(folder: str | os.PathLike) -> dict:
-    """The training state; CheckpointError when it is missing or not of the weights' step."""
+    """The training state; CheckpointError when it is missing, damaged or not of the weights'
+    step."""
     folder = resolve(folder)
     if not (folder / STATE).is_file():
         raise CheckpointError(f"{folder} holds weights but no training state ({STATE}), "
                               "so it cannot be resumed")
-    state = torch.load(folder / STATE, map_location="cpu", weights_only=True)
-    weights_step = int(_metadata(folder)["step"])
-    if state.get("step") != weights_step:
+    path = _verified(folder, STATE)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # zip, pickle and torch errors of every kind
+        reason = str(error).strip().splitlines()
+        raise CheckpointError(f"cannot read {path}: {reason[0] if reason else repr(error)}") \
+            from None
+    weights_step = load_step(folder)
+    if not isinstance(state, dict) or state.get("step") != weights_step:
+        got = state.get("step") if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(f"{folder}: the weights are from step {weights_step} but the "
-                              f"training state from step {state.get('step')}")
+                              f"training state from step {got}")
     return state
 
 

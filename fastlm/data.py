@@ -17,6 +17,7 @@ import codecs
 import hashlib
 import os
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,15 +168,37 @@ def corpus_files(path: str | os.PathLike | None) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and not hidden(p))
 
 
-def read_text(files: list[Path]) -> str:
-    """The files' text joined by newlines, skipping binary files (those with a NUL byte)."""
-    parts = []
+@dataclass
+class Corpus:
+    """The text of the corpus files, and what reading them skipped or repaired."""
+
+    text: str
+    skipped: list[Path]  # binary files (a NUL byte: also UTF-16 and UTF-32 text)
+    replaced: dict[Path, int]  # files that are not valid UTF-8: bytes replaced by U+FFFD
+
+
+def read_text(files: list[Path]) -> Corpus:
+    """The files' text joined by newlines. Files with a NUL byte are skipped as binary; bytes
+    that are not UTF-8 become U+FFFD (one per undecodable sequence) and are counted."""
+    parts, skipped, replaced = [], [], {}
     for path in files:
         raw = path.read_bytes()
         if b"\0" in raw:
+            skipped.append(path)
             continue
-        parts.append(raw.decode("utf-8", errors="replace"))
-    return "\n".join(parts)
+        try:
+            parts.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            # surrogateescape keeps each undecodable byte as one lone surrogate: count them.
+            escaped = raw.decode("utf-8", errors="surrogateescape")
+            replaced[path] = sum(0xDC80 <= ord(c) <= 0xDCFF for c in escaped)
+            parts.append(raw.decode("utf-8", errors="replace"))
+    return Corpus("\n".join(parts), skipped, replaced)
+
+
+def _names(paths: list[Path], limit: int = 5) -> str:
+    shown = ", ".join(str(p) for p in paths[:limit])
+    return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
 
 
 @dataclass
@@ -187,16 +210,26 @@ class TokenSplit:
 
 
 def load_split(data: str | os.PathLike | None, tokenizer: Tokenizer, context_length: int,
-               val_fraction: float, rank: int = 0, world_size: int = 1) -> TokenSplit:
+               val_fraction: float, rank: int = 0, world_size: int = 1,
+               warn: Callable[[str], None] | None = None) -> TokenSplit:
     """Read the corpus, tokenize this rank's shard and split it into training and held-out tokens.
 
     Both parts must hold more than `context_length` tokens (one window plus its next token).
+    `warn` receives a line for each file that is not valid UTF-8.
     """
     if not 0 < val_fraction < 1:
         raise DataError(f"--val-fraction must lie in (0, 1), got {val_fraction}")
-    text = read_text(corpus_files(data))
+    corpus = read_text(corpus_files(data))
+    for path, count in corpus.replaced.items():
+        if warn is not None:
+            warn(f"warning: {path} is not valid UTF-8: {count} undecodable bytes replaced by "
+                 "U+FFFD")
+    text = corpus.text
     if not text.strip():
-        raise DataError(f"the corpus at {data} is empty" if data else "the default corpus is empty")
+        where = f"the corpus at {data}" if data else "the default corpus"
+        skipped = (f" (skipped as binary, with NUL bytes: {_names(corpus.skipped)}; UTF-16 text "
+                   "must be converted to UTF-8)") if corpus.skipped else ""
+        raise DataError(f"{where} is empty{skipped}")
     shard = len(text) // world_size
     tokens = tokenizer.encode(text[rank * shard:(rank + 1) * shard])
     n_val = int(len(tokens) * val_fraction)

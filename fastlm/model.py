@@ -18,12 +18,15 @@ Shapes in comments: B batch, T new tokens, S cached + new tokens, H heads, D hea
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fastlm import reference
-from fastlm.kernels.attention import flash_attention
+from fastlm.backend import use_triton
+from fastlm.kernels.attention import MAX_HEAD_DIM, flash_attention
 from fastlm.kernels.cross_entropy import linear_cross_entropy
 from fastlm.kernels.rmsnorm import add_rms_norm
 from fastlm.modules import RmsNorm, RoPE, SwiGlu
@@ -69,14 +72,49 @@ class KVCache:
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
+def kernels_run_on(device: torch.device | str | None) -> bool:
+    """Whether fastlm's Triton kernels process tensors on `device` (FASTLM_BACKEND=triton where
+    they cannot run counts as yes: the first call says why it cannot)."""
+    try:
+        return use_triton(torch.empty(0, device=device))
+    except ValueError:
+        return True
+
+
+def _kernel_head_dim(head_dim: int) -> bool:
+    return head_dim % 8 == 0 and head_dim <= MAX_HEAD_DIM
+
+
+def check_heads(d_model: int, num_heads: int, kernels: bool = True,
+                name: Callable[[str], str] = str) -> None:
+    """ValueError, saying what to change, unless `d_model` splits into `num_heads` heads of an
+    even size (RoPE rotates pairs; the reference needs that too) and, where the Triton kernels
+    run (`kernels`), of a size flash attention's kernel takes: a multiple of 8 up to 256.
+    `name` spells the two fields in the message (the commands pass their flags)."""
+    d, h = name("d_model"), name("num_heads")
+    if num_heads < 1 or d_model % num_heads:
+        raise ValueError(f"{d} {d_model} must be a multiple of {h} {num_heads}")
+    head_dim = d_model // num_heads
+    split = f"{d} {d_model} / {h} {num_heads} gives heads of {head_dim} dims"
+    if head_dim % 2:
+        raise ValueError(f"{split}, but RoPE rotates pairs: choose {d} and {h} whose quotient "
+                         "is even")
+    if kernels and not _kernel_head_dim(head_dim):
+        fits = [n for n in range(1, d_model + 1)
+                if d_model % n == 0 and _kernel_head_dim(d_model // n)]
+        hint = f" (with {d} {d_model}: {h} {min(fits, key=lambda n: abs(n - num_heads))})"
+        raise ValueError(f"{split}, but fastlm's attention kernel takes multiples of 8 up to "
+                         f"{MAX_HEAD_DIM}: change {d} or {h}{hint if fits else ''}, or run "
+                         "PyTorch's attention with FASTLM_BACKEND=torch")
+
+
 class MultiHeadAttentionWithRoPE(nn.Module):
     """Causal self-attention with RoPE; the parameters of reference.MultiHeadAttentionWithRoPE."""
 
     def __init__(self, d_model: int, num_heads: int, max_seq_len: int, theta: float,
                  device=None, dtype=None):
         super().__init__()
-        if d_model % num_heads:
-            raise ValueError(f"d_model ({d_model}) must be a multiple of num_heads ({num_heads})")
+        check_heads(d_model, num_heads, kernels_run_on(device))
         self.d_model = d_model
         self.num_heads = num_heads
         self.head_dim = d_model // num_heads
@@ -115,22 +153,24 @@ class TransformerBlock(nn.Module):
         self.rms_norm2 = RmsNorm(d_model, device=device, dtype=dtype)
         self.ffe = SwiGlu(d_model, d_ff, device, dtype)
 
-    def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
-        residual, delta = self.residual_forward(x, None, token_positions)
-        return residual + delta
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor | None],
+                token_positions: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+                layer: int = 0):
+        """x + attention + feed-forward, as the reference's block.
 
-    def residual_forward(self, residual: torch.Tensor, delta: torch.Tensor | None,
-                         token_positions: torch.Tensor | None = None,
-                         kv_cache: KVCache | None = None, layer: int = 0):
-        """The block on a residual stream held as residual + delta (delta None: zero).
-
-        Returns the stream after the block in the same two parts: the add of each part's delta is
-        fused with the next RMSNorm, here or in the next block.
+        `x` may also be the residual stream held as a pair (residual, delta) whose sum is the
+        stream (delta None: zero); the block then returns the stream after it as such a pair, so
+        the add of each delta is fused with the RMSNorm that follows it, here or in the next
+        block. The model passes pairs, and through this forward, so that hooks on the block
+        (FSDP2 gathers its sharded weights in one) run.
         """
+        pair = isinstance(x, tuple)
+        residual, delta = x if pair else (x, None)
         normed, residual = _add_norm(delta, residual, self.rms_norm1)
         delta = self.mult_head_atten(normed, token_positions, kv_cache, layer)
         normed, residual = _add_norm(delta, residual, self.rms_norm2)
-        return residual, self.ffe(normed)
+        delta = self.ffe(normed)
+        return (residual, delta) if pair else residual + delta
 
 
 def _add_norm(delta: torch.Tensor | None, residual: torch.Tensor, norm: RmsNorm):
@@ -166,10 +206,10 @@ class Transformer(nn.Module):
             start = kv_cache.length if kv_cache is not None else 0
             token_positions = torch.arange(start, start + token_ids.shape[-1],
                                            device=token_ids.device)
-        residual, delta = self.embedding(token_ids), None  # (B, T, C)
+        stream = (self.embedding(token_ids), None)  # (residual, delta), each (B, T, C)
         for layer, block in enumerate(self.blocks):
-            residual, delta = block.residual_forward(residual, delta, token_positions, kv_cache,
-                                                     layer)
+            stream = block(stream, token_positions, kv_cache, layer)
+        residual, delta = stream
         if kv_cache is not None:
             kv_cache.length += token_ids.shape[-1]
         return _add_norm(delta, residual, self.final_norm)[0]

@@ -1,31 +1,53 @@
 """Autoregressive sampling: temperature, top-k and top-p (nucleus), with a KV cache when the model
-has one.
+has one. `fastlm.sample` (this module's `sample`) is the public function; `python -m
+fastlm.generate` is the command built on `sample_stream`.
 
 A model with a KV cache exposes `make_kv_cache(batch_size)` and accepts `forward(token_ids,
 token_positions, kv_cache=cache)`; each step then feeds only the new token. Any other model (the
-reference `Transformer`, say) recomputes the whole window each step. When the context is full, both
-keep the last `context_length` tokens (a cached model restarts its cache on that window).
+reference `Transformer`, say) runs the whole window each step, padded on the right to the full
+context: causal attention keeps the padding out of the real tokens' logits, and every step has
+the same shape, so code specialised per shape (the reference's einx expressions) is prepared
+once rather than once per length. When the context is full, both keep the last
+`context_length` tokens (a cached model restarts its cache on that window).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterator
 
 import torch
 
 
-def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token id per row of `logits` [B, V]; temperature 0 is greedy (argmax)."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
+def check_sampling(temperature: float, top_k: int | None = None,
+                   top_p: float | None = None) -> None:
+    """ValueError naming the argument for a setting the sampler cannot use."""
+    if (isinstance(temperature, bool) or not isinstance(temperature, numbers.Real)
+            or not math.isfinite(temperature) or temperature < 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), "
+                         f"got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral)
+                              or top_k < 1):
+        raise ValueError(f"top_k must be an integer >= 1, got {top_k}")
+    if top_p is not None and (not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
         raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                top_p: float | None = None,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token id per row of `logits` [B, V]; temperature 0 is greedy (argmax)."""
+    check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    if not torch.isfinite(logits).all():
+        raise ValueError("the model's logits are not all finite (inf or NaN), so there is no "
+                         "distribution to sample from; was the checkpoint trained to a NaN loss?")
+    # In float64 and relative to the row's maximum, dividing by any temperature > 0 stays
+    # finite (the likeliest token at 0, the others below it), down to the smallest float.
+    logits = logits.double()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -41,42 +63,50 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
 
 
 @torch.no_grad()
-def generate_stream(model: torch.nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int,
-                    temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                    generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
-    """Yield the next token ids [B] one step at a time, for a prompt [T] or [B, T]."""
+def sample_stream(model: torch.nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int,
+                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                  generator: torch.Generator | None = None,
+                  vocab_size: int | None = None) -> Iterator[torch.Tensor]:
+    """Yield the next token ids [B] one step at a time, for a prompt [T] or [B, T]; with
+    `vocab_size`, only ids below it (those a tokenizer can decode) are ever drawn."""
+    check_sampling(temperature, top_k, top_p)
     tokens = prompt_ids if prompt_ids.dim() == 2 else prompt_ids.unsqueeze(0)  # (B, T)
     if tokens.shape[-1] == 0:
         raise ValueError("prompt_ids must hold at least one token")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if vocab_size is not None and vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
     context = model.context_length
     use_cache = hasattr(model, "make_kv_cache")
     cache, cached_len = None, 0  # tokens of `window` already in the cache
     window = tokens[:, -context:]
     for _ in range(max_new_tokens):
+        length = window.shape[1]
         if use_cache:
             if cache is None:
                 cache, cached_len = model.make_kv_cache(window.shape[0]), 0
-            new = window[:, cached_len:]
-            positions = torch.arange(cached_len, window.shape[1], device=window.device)
-            logits = model(new, positions, kv_cache=cache)
-            cached_len = window.shape[1]
+            positions = torch.arange(cached_len, length, device=window.device)
+            logits = model(window[:, cached_len:], positions, kv_cache=cache)[:, -1]
+            cached_len = length
         else:
-            logits = model(window)
-        next_ids = sample_next(logits[:, -1], temperature, top_k, top_p, generator)  # (B,)
+            padded = window.new_zeros(window.shape[0], context)
+            padded[:, :length] = window
+            logits = model(padded)[:, length - 1]
+        next_ids = sample_next(logits[:, :vocab_size], temperature, top_k, top_p, generator)
         yield next_ids
         window = torch.cat([window, next_ids[:, None]], dim=1)
         if window.shape[1] > context:  # the context is full: slide, and rebuild the cache on it
             window, cache = window[:, -context:], None
 
 
-def generate(model: torch.nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int,
-             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-             generator: torch.Generator | None = None) -> torch.Tensor:
-    """The prompt followed by `max_new_tokens` sampled tokens, in the prompt's shape ([T] or [B, T])."""
-    new = list(generate_stream(model, prompt_ids, max_new_tokens, temperature, top_k, top_p,
-                               generator))
+def sample(model: torch.nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int,
+           temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+           generator: torch.Generator | None = None, vocab_size: int | None = None) -> torch.Tensor:
+    """The prompt followed by `max_new_tokens` sampled tokens, in the prompt's shape ([T] or
+    [B, T]). Temperature 0 is greedy; see `sample_stream` for `vocab_size`."""
+    new = list(sample_stream(model, prompt_ids, max_new_tokens, temperature, top_k, top_p,
+                             generator, vocab_size))
     tokens = prompt_ids if prompt_ids.dim() == 2 else prompt_ids.unsqueeze(0)
     out = torch.cat([tokens, *[t[:, None] for t in new]], dim=1)
     return out if prompt_ids.dim() == 2 else out.squeeze(0)

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
+import math
 import os
 import resource
 import signal
@@ -34,52 +36,30 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-import fastlm
 from fastlm import checkpoint, reference
 from fastlm.checkpoint import CheckpointError
+from fastlm.config import (MODEL_FIELDS, PRESETS, ConfigError, ModelConfig, build_model,
+                           pick_device)
 from fastlm.data import (DataError, TokenSplit, eval_batches, load_split, load_tokenizer,
                          training_batch)
-
-MODEL_FIELDS = ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff",
-                "rope_theta")
-
-# max_context is the longest --context-length a preset accepts; each preset's training defaults
-# suit its size (tiny: loss 5.6 -> 1.4 nats per byte in about a minute on two CPU cores).
-PRESETS = {
-    "tiny": dict(d_model=128, num_layers=4, num_heads=4, d_ff=384, context_length=128,
-                 max_context=512, batch_size=16, steps=400, lr=3e-3, eval_every=100,
-                 save_every=200),
-    "gpt2-small": dict(d_model=768, num_layers=12, num_heads=12, d_ff=2048, context_length=1024,
-                       max_context=1024, batch_size=16, steps=5000, lr=6e-4, eval_every=250,
-                       save_every=1000),
-    "gpt2-medium": dict(d_model=1024, num_layers=24, num_heads=16, d_ff=2816,
-                        context_length=1024, max_context=1024, batch_size=8, steps=5000, lr=3e-4,
-                        eval_every=250, save_every=1000),
-}
 
 LOSS_CURVE = checkpoint.LOSS_CURVE
 
 # Dense bf16 peak FLOP/s from the vendors' spec sheets (SXM parts), by device-name substring.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 
+# What a state.pt written by this command holds besides its step.
+STATE_KEYS = ("optimizer", "optimizer_kind", "train_losses", "val_losses", "settings")
 
-class ConfigError(ValueError):
-    """Bad command-line input (printed as one line, exit status 2)."""
+
+def flag(key: str) -> str:
+    """The command-line spelling of an argument: min_lr -> --min-lr."""
+    return "--" + key.replace("_", "-")
 
 
 # --------------------------------------------------------------------------------------------
 # Models
 # --------------------------------------------------------------------------------------------
-
-
-def build_model(name: str, config: dict, device: torch.device | str | None = None) -> nn.Module:
-    """`fastlm.Transformer` or `reference.Transformer` from a configuration (MODEL_FIELDS)."""
-    fields = {key: config[key] for key in MODEL_FIELDS}
-    if name == "reference":
-        return reference.Transformer(**fields, device=device)
-    if name != "fastlm":
-        raise ConfigError(f"--model must be fastlm or reference, got {name!r}")
-    return fastlm.Transformer(**fields, device=device)
 
 
 class NextTokenLoss(nn.Module):
@@ -183,22 +163,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """ConfigError for values the model or the loop cannot use."""
+    """ConfigError for values the model or the loop cannot use (the model's own fields are
+    checked with the device, in `prepare`)."""
     positive = ("context_length", "d_model", "num_layers", "num_heads", "d_ff", "steps",
-                "batch_size", "grad_accum", "eval_every", "eval_batches")
+                "batch_size", "grad_accum", "eval_every", "eval_batches", "vocab_size")
     for key in positive:
-        if getattr(args, key) < 1:
-            flag = "--" + key.replace("_", "-")
-            raise ConfigError(f"{flag} must be at least 1, got {getattr(args, key)}")
+        value = getattr(args, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag(key)} must be at least 1, got {value}")
+    for key in ("lr", "min_lr", "weight_decay", "grad_clip", "val_fraction", "rope_theta",
+                "peak_tflops"):
+        value = getattr(args, key)
+        if value is not None and not math.isfinite(value):
+            raise ConfigError(f"{flag(key)} must be a finite number, got {value}")
     if args.context_length > args.max_context:
         raise ConfigError(f"--context-length {args.context_length} is longer than preset "
                           f"{args.preset} allows ({args.max_context})")
-    if args.d_model % args.num_heads or (args.d_model // args.num_heads) % 2:
-        raise ConfigError(f"--d-model {args.d_model} must split into --num-heads {args.num_heads} "
-                          "heads of even size (RoPE rotates pairs)")
     if args.lr <= 0 or args.min_lr < 0:
         raise ConfigError(f"--lr must be positive and --min-lr non-negative, "
                           f"got {args.lr} and {args.min_lr}")
+    if args.weight_decay < 0:
+        raise ConfigError(f"--weight-decay must be non-negative, got {args.weight_decay}")
+    if not all(0 <= beta < 1 for beta in args.betas):
+        raise ConfigError(f"--betas must both lie in [0, 1), got {args.betas[0]} {args.betas[1]}")
     if not 0 <= args.warmup < args.steps:
         raise ConfigError(f"--warmup must lie in [0, --steps={args.steps}), got {args.warmup}")
     if args.grad_clip < 0:
@@ -206,18 +193,25 @@ def check_args(args: argparse.Namespace) -> None:
                           f"got {args.grad_clip}")
     if args.save_every < 0:
         raise ConfigError(f"--save-every must be non-negative, got {args.save_every}")
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        raise ConfigError(f"--peak-tflops must be positive, got {args.peak_tflops}")
     if args.resume and args.overwrite:
         raise ConfigError("--resume and --overwrite exclude each other")
 
 
-def model_config(args: argparse.Namespace, tokenizer) -> dict:
-    """The configuration a checkpoint must match: the model's fields and the tokenizer."""
+def model_config(args: argparse.Namespace, tokenizer, device: torch.device) -> ModelConfig:
+    """The model's configuration, checked for `--model` on `device`."""
     vocab_size = tokenizer.vocab_size if args.vocab_size is None else args.vocab_size
     if vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"--vocab-size {vocab_size} is smaller than the tokenizer's "
                           f"vocabulary ({tokenizer.vocab_size})")
-    config = {key: getattr(args, key) for key in MODEL_FIELDS if key != "vocab_size"}
-    return {**config, "vocab_size": vocab_size, "tokenizer": tokenizer.name}
+    fields = {key: getattr(args, key) for key in MODEL_FIELDS if key != "vocab_size"}
+    config = ModelConfig(vocab_size=vocab_size, **fields)
+    try:
+        config.check(args.model, device, name=flag)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return config
 
 
 # Settings that shape the loss curve: a resumed run that changes one continues another curve.
@@ -229,6 +223,28 @@ def curve_settings(args: argparse.Namespace, world_size: int) -> dict:
     settings = {key: getattr(args, key) for key in CURVE_SETTINGS}
     settings["betas"] = list(settings["betas"])
     return {**settings, "world_size": world_size}
+
+
+def resume_note(saved: dict, args: argparse.Namespace, world_size: int) -> str | None:
+    """What a resumed run changes against the checkpoint's settings, or None."""
+    settings, step = curve_settings(args, world_size), saved["step"]
+    old = saved["settings"]
+    changed = [key for key, value in settings.items() if old.get(key) != value]
+    if not changed:
+        return None
+    listed = ", ".join(f"{flag(key)} {settings[key]} (was {old.get(key)})" for key in changed)
+    note = (f"note: resuming with {listed}, so from step {step + 1} on the run differs from "
+            "the one the checkpoint began")
+    schedule = ("lr", "min_lr", "warmup", "steps")
+    if set(changed) & set(schedule) and all(isinstance(old.get(key), (int, float))
+                                           for key in schedule):
+        before = reference.cos_lr_scheduler(step, *(old[key] for key in schedule))
+        after = reference.cos_lr_scheduler(step + 1, args.lr, args.min_lr, args.warmup,
+                                           args.steps)
+        note += ("; the learning-rate schedule (warm-up, then cosine decay to --min-lr at "
+                 f"--steps) now follows the new settings: the rate goes from {before:.3g} at "
+                 f"step {step} to {after:.3g} at step {step + 1}")
+    return note
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,25 +275,39 @@ class Run:
 def start_run(args: argparse.Namespace) -> Run:
     """Join torchrun's process group when there is one (nccl on CUDA, gloo on CPU)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = pick_device(args.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    if world_size == 1 and args.fsdp:
+        raise ConfigError("--fsdp shards over several processes: start with torchrun")
     if device.type == "cuda":
-        if device.index is None:  # each rank on its own GPU
-            device = torch.device("cuda", local_rank)
-        if device.index >= torch.cuda.device_count():
-            raise ConfigError(f"{device} does not exist ({torch.cuda.device_count()} GPUs): start "
-                              "at most one process per GPU, or pass --device cpu")
         torch.cuda.set_device(device)
     if device.type == "cpu":
         # The embedding's backward otherwise adds rows in thread order: with this, reruns and
         # resumed runs are bitwise equal, at no measurable cost. main() restores the setting.
         torch.use_deterministic_algorithms(True, warn_only=True)
     if world_size == 1:
-        if args.fsdp:
-            raise ConfigError("--fsdp shards over several processes: start with torchrun")
         return Run(0, 1, device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return Run(dist.get_rank(), world_size, device)
+
+
+def agree(run: Run, action) -> object:
+    """`action()`'s result on this rank. Under torchrun a command error (a rank's data shard too
+    small, say, or the checkpoint folder in use) on one rank is raised on every rank: the others
+    would otherwise wait for it in their next collective."""
+    result, failure = None, None
+    try:
+        result = action()
+    except (ConfigError, DataError, CheckpointError) as error:
+        if run.world_size == 1:
+            raise
+        failure = error
+    if run.world_size > 1:
+        failures = [None] * run.world_size
+        dist.all_gather_object(failures, failure)
+        for rank, failure in enumerate(failures):
+            if failure is not None:
+                raise type(failure)(f"rank {rank}: {failure}")
+    return result
 
 
 def distribute(loss_module: NextTokenLoss, run: Run, fsdp: bool) -> nn.Module:
@@ -292,8 +322,12 @@ def distribute(loss_module: NextTokenLoss, run: Run, fsdp: bool) -> nn.Module:
         return fully_shard(loss_module)
     device_ids = [run.device.index] if run.device.type == "cuda" else None
     # The buffers (RoPE tables, causal masks) are constants: no broadcast before each forward.
+    # torch 2.13 renamed the option (the old name warns on every rank).
+    ddp_options = inspect.signature(nn.parallel.DistributedDataParallel).parameters
+    no_sync = "forward_sync_buffers" if "forward_sync_buffers" in ddp_options else \
+        "broadcast_buffers"
     return nn.parallel.DistributedDataParallel(loss_module, device_ids=device_ids,
-                                               broadcast_buffers=False)
+                                               **{no_sync: False})
 
 
 def gradient_sync(module: nn.Module, enabled: bool):
@@ -308,11 +342,11 @@ def gradient_sync(module: nn.Module, enabled: bool):
 
 def make_optimizer(parameters, args: argparse.Namespace,
                    device: torch.device) -> torch.optim.Optimizer:
-    """PyTorch's fused AdamW on CUDA (foreach under FSDP), the reference AdamW elsewhere."""
+    """PyTorch's AdamW on every device, so that a checkpoint resumes on any: fused on CUDA
+    (foreach under FSDP). reference.AdamW is the same math (tests/test_reference.py)."""
     hyper = dict(lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay)
-    if device.type == "cuda":
-        return torch.optim.AdamW(parameters, **hyper, **({} if args.fsdp else {"fused": True}))
-    return reference.AdamW(parameters, **hyper)
+    fused = device.type == "cuda" and not args.fsdp
+    return torch.optim.AdamW(parameters, **hyper, **({"fused": True} if fused else {}))
 
 
 def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
@@ -352,7 +386,10 @@ def load_optimizer(loss_module: NextTokenLoss, optimizer: torch.optim.Optimizer,
                    state: dict) -> None:
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    set_optimizer_state_dict(loss_module, optimizer, state, options=state_dict_options())
+    try:
+        set_optimizer_state_dict(loss_module, optimizer, state, options=state_dict_options())
+    except (KeyError, ValueError, TypeError, RuntimeError) as error:
+        raise CheckpointError(f"the optimizer state does not fit the model ({error})") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -377,7 +414,8 @@ def peak_flops(args: argparse.Namespace, device: torch.device) -> float | None:
 
 
 def plot_losses(path: Path, train_losses: list[float], val_losses: list[list[float]]) -> str | None:
-    """Write the loss-curve PNG; a note instead when matplotlib is missing."""
+    """Write the loss-curve PNG; a note instead when matplotlib is missing or the file cannot
+    be written (the checkpoint, whose files are written by then, goes without it)."""
     try:
         import matplotlib
 
@@ -393,8 +431,14 @@ def plot_losses(path: Path, train_losses: list[float], val_losses: list[list[flo
     axes.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="fastlm.train")
     axes.legend()
     axes.grid(alpha=0.3)
-    figure.savefig(path, format="png")
-    plt.close(figure)
+    try:
+        figure.savefig(path, format="png")
+    except OSError as error:  # a full disk, say
+        path.unlink(missing_ok=True)
+        return f"could not write the loss curve {path.name} ({error.strerror}): this checkpoint " \
+            "has none"
+    finally:
+        plt.close(figure)
     return None
 
 
@@ -448,21 +492,22 @@ class Trainer:
     """This rank's share of a run: the model (wrapped for DDP or FSDP), optimizer, data and the
     loss history, which a checkpoint restores whole."""
 
-    def __init__(self, args: argparse.Namespace, run: Run, config: dict, split: TokenSplit,
-                 saved: dict | None, saved_folder: Path | None):
-        self.args, self.run, self.config, self.split = args, run, config, split
+    def __init__(self, args: argparse.Namespace, run: Run, config: ModelConfig, tokenizer_name: str,
+                 out: Path, split: TokenSplit, saved: dict | None):
+        self.args, self.run, self.split, self.out = args, run, split, out
+        self.config = {**config.as_dict(), "tokenizer": tokenizer_name}  # what a checkpoint keeps
         torch.manual_seed(args.seed)  # the same initial weights on every rank
-        self.model = build_model(args.model, config, run.device)
+        self.model = build_model(config, args.model, run.device)
         if saved is not None:
-            self.model.load_state_dict(checkpoint.load_weights(saved_folder))
+            checkpoint.fit_weights(self.model, saved["weights"], out)
         self.loss_module = NextTokenLoss(self.model)
         self.wrapped = distribute(self.loss_module, run, args.fsdp)
         self.optimizer = make_optimizer(self.wrapped.parameters(), args, run.device)
         if saved is not None:
             if saved["optimizer_kind"] != optimizer_kind(self.optimizer):
-                raise CheckpointError(f"{args.out} holds {saved['optimizer_kind']} state, but "
-                                      f"this run uses {optimizer_kind(self.optimizer)} "
-                                      "(another device?)")
+                raise CheckpointError(f"{out} holds {saved['optimizer_kind']} state, but this run "
+                                      f"uses {optimizer_kind(self.optimizer)} (a checkpoint of "
+                                      "an older fastlm.train)")
             load_optimizer(self.loss_module, self.optimizer, saved["optimizer"])
         self.loss_fn = torch.compile(self.wrapped) if args.compile else self.wrapped
         self.step = saved["step"] if saved else 0
@@ -531,65 +576,80 @@ class Trainer:
                  "val_losses": self.val_losses,
                  "settings": curve_settings(self.args, self.run.world_size)}
         # The curve is part of the checkpoint folder, which is replaced whole.
-        with checkpoint.replacing(self.args.out) as folder:
+        with checkpoint.replacing(self.out) as folder:
             checkpoint.write(folder, weights, self.config, self.step, state, self.args.tokenizer)
             note = plot_losses(folder / LOSS_CURVE, self.train_losses, self.val_losses)
         return note
 
 
-def prepare(args: argparse.Namespace, run: Run, say) -> Trainer:
-    """Check the checkpoint folder against the configuration before reading any data, then
-    build the trainer (restored from the checkpoint with --resume)."""
-    tokenizer = load_tokenizer(args.tokenizer)
-    config = model_config(args, tokenizer)
-    out = Path(args.out)
+def claim_out(args: argparse.Namespace, out: Path, config: dict, stack: contextlib.ExitStack):
+    """Lock the checkpoint folder for this run and check it suits the run, before any data is
+    read: a checkpoint is never replaced without --resume or --overwrite, nor a folder of other
+    files, and a folder that cannot be written fails now rather than at the first save."""
+    stack.enter_context(checkpoint.locked(out))
     if checkpoint.exists(out) and not (args.resume or args.overwrite):
-        raise CheckpointError(f"{out} already holds a checkpoint: pass --resume to continue it, "
-                              "--overwrite to replace it, or another --out")
-    checkpoint.check_replaceable(out)  # now, not at the first save after hours of training
-    saved, saved_folder = None, None
+        raise CheckpointError(f"{args.out} already holds a checkpoint: pass --resume to continue "
+                              "it, --overwrite to replace it, or another --out")
+    checkpoint.check_replaceable(out)
     if args.resume:
-        saved_folder = checkpoint.resolve(out)  # `out`, or `out.old` after an interrupted save
-        checkpoint.check_config(checkpoint.load_config(saved_folder), config, out)
-        saved = checkpoint.load_state(saved_folder)
-        changed = [key for key, value in curve_settings(args, run.world_size).items()
-                   if saved["settings"].get(key) != value]
-        if changed:
-            say(f"note: resuming with other {', '.join(changed)} than the checkpoint's run: "
-                "the loss curve will differ from an uninterrupted one")
-    split = load_data(args, tokenizer, run)
-    return Trainer(args, run, config, split, saved, saved_folder)
+        checkpoint.check_config(checkpoint.load_config(out), config, args.out)
 
 
-def load_data(args: argparse.Namespace, tokenizer, run: Run) -> TokenSplit:
-    """This rank's split. Under torchrun a DataError on one rank (its shard too small, say) is
-    raised on every rank: the others would otherwise wait for it in their first collective."""
-    split, failure = None, None
-    try:
-        split = load_split(args.data, tokenizer, args.context_length, args.val_fraction,
-                           run.rank, run.world_size)
-    except DataError as error:
-        if run.world_size == 1:
-            raise
-        failure = str(error)
-    if run.world_size > 1:
-        failures = [None] * run.world_size
-        dist.all_gather_object(failures, failure)
-        for rank, failure in enumerate(failures):
-            if failure is not None:
-                raise DataError(f"rank {rank}: {failure}")
-    return split
+def load_saved(out: Path) -> dict:
+    """The training state to resume, with the weights under "weights", all of it checked (from
+    `out`, or `out.old` after an interrupted save)."""
+    folder = checkpoint.resolve(out)
+    saved = checkpoint.load_state(folder)
+    missing = [key for key in STATE_KEYS if key not in saved]
+    if missing:
+        raise CheckpointError(f"{folder / checkpoint.STATE} lacks {', '.join(missing)}: it was "
+                              "not written by fastlm.train")
+    return {**saved, "weights": checkpoint.load_weights(folder)}
+
+
+def prepare(args: argparse.Namespace, run: Run, out: Path, stack: contextlib.ExitStack,
+            say) -> Trainer:
+    """Check the configuration and the checkpoint folder before reading any data, then build
+    the trainer (restored from the checkpoint with --resume)."""
+    tokenizer = load_tokenizer(args.tokenizer)
+    config = model_config(args, tokenizer, run.device)
+    stored = {**config.as_dict(), "tokenizer": tokenizer.name}
+    agree(run, lambda: claim_out(args, out, stored, stack) if run.is_main else None)
+    saved = None
+    if args.resume:
+        saved = load_saved(out)
+        note = resume_note(saved, args, run.world_size)
+        if note:
+            say(note)
+        if args.steps <= saved["step"]:
+            say(f"note: the checkpoint is at step {saved['step']} and --steps is {args.steps}: "
+                "nothing to train (a larger --steps continues it)")
+    split = agree(run, lambda: load_split(args.data, tokenizer, args.context_length,
+                                          args.val_fraction, run.rank, run.world_size, say))
+    return Trainer(args, run, config, tokenizer.name, out, split, saved)
+
+
+def finite_or_none(value: float | None) -> float | None:
+    """JSON has no NaN or infinity: null instead."""
+    return value if value is not None and math.isfinite(value) else None
 
 
 def train(args: argparse.Namespace) -> int:
     check_args(args)
     run = start_run(args)
+    # Resolved once: a link to a folder is written through, and stays a link.
+    out = Path(os.path.realpath(args.out))
+    with contextlib.ExitStack() as stack:  # holds the lock on `out` until the run ends
+        return run_training(args, run, out, stack)
 
+
+def run_training(args: argparse.Namespace, run: Run, out: Path,
+                 stack: contextlib.ExitStack) -> int:
     def say(message: str) -> None:
         if run.is_main:
             tqdm.write(message, file=sys.stderr)
 
-    trainer = prepare(args, run, say)
+    trainer = prepare(args, run, out, stack, say)
     parameters = sum(p.numel() for p in trainer.model.parameters())
     tokens_per_step = args.batch_size * args.context_length * args.grad_accum * run.world_size
     work_per_token = flops_per_token(trainer.model, trainer.config)
@@ -605,23 +665,30 @@ def train(args: argparse.Namespace) -> int:
         return work_per_token * tokens_per_second / (peak * run.world_size) if peak else None
 
     throughput = Throughput(tokens_per_step)
-    interrupted, plot_note = False, None
-    progress = tqdm(total=args.steps, initial=trainer.step, desc="training", file=sys.stderr,
-                    disable=args.no_progress or not run.is_main, dynamic_ncols=True,
-                    mininterval=0.5)
+    interrupted, plot_note, diverged = False, None, False
+    # A bar only on a terminal: in a log file each redraw would be a line of its own. The
+    # line printed at each evaluation says the same.
+    progress = tqdm(total=args.steps, initial=min(trainer.step, args.steps), desc="training",
+                    file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
+                    disable=args.no_progress or not run.is_main or not sys.stderr.isatty())
     with StopRequest() as stop:
         while trainer.step < args.steps:
             started = time.perf_counter()
             loss, interrupted = trainer.train_step(stop)
             throughput.add(time.perf_counter() - started)
             step = trainer.step
+            if not math.isfinite(loss) and not diverged:
+                diverged = True
+                say(f"note: the training loss is {loss} at step {step}: the run diverged "
+                    "(a lower --lr, or --grad-clip, may help)")
             postfix = {"loss": f"{loss:.3f}", "tok/s": f"{throughput.tokens_per_second:,.0f}"}
             if peak:
                 postfix["mfu"] = f"{mfu(throughput.tokens_per_second):.1%}"
             progress.set_postfix(postfix, refresh=False)
             progress.update()
             if step % args.eval_every == 0 or step == args.steps:
-                say(f"step {step}: held-out loss {trainer.evaluate():.4f}")
+                say(f"step {step}/{args.steps}: training loss {loss:.4f}, held-out loss "
+                    f"{trainer.evaluate():.4f}, {throughput.tokens_per_second:,.0f} tokens/s")
             periodic_save = args.save_every and step % args.save_every == 0
             if interrupted or step == args.steps or periodic_save:
                 plot_note = trainer.save()
@@ -636,7 +703,7 @@ def train(args: argparse.Namespace) -> int:
         trainer.evaluate()
 
     if run.is_main:
-        curve = Path(args.out) / LOSS_CURVE
+        curve = out / LOSS_CURVE
         summary = {
             "initial_loss": trainer.train_losses[0] if trainer.train_losses else None,
             "final_loss": trainer.train_losses[-1] if trainer.train_losses else None,
@@ -644,7 +711,7 @@ def train(args: argparse.Namespace) -> int:
             "tokens_per_second": round(throughput.tokens_per_second, 1),
             "peak_memory_bytes": peak_memory_bytes(run.device),
             "checkpoint": str(args.out),
-            "loss_curve": str(curve) if curve.is_file() else None,
+            "loss_curve": str(Path(args.out) / LOSS_CURVE) if curve.is_file() else None,
             "mfu": mfu(throughput.tokens_per_second),
             "steps": trainer.step,
             "train_seconds": round(throughput.total_seconds, 2),
@@ -655,7 +722,9 @@ def train(args: argparse.Namespace) -> int:
             "world_size": run.world_size,
             "interrupted": interrupted,
         }
-        print(json.dumps(summary), flush=True)
+        summary = {key: finite_or_none(value) if isinstance(value, float) else value
+                   for key, value in summary.items()}
+        print(json.dumps(summary, allow_nan=False), flush=True)
     if run.world_size > 1:
         # Leave together: a rank that tears down its gloo connections while rank 0 is still
         # writing the checkpoint can abort ("terminate called without an active exception").

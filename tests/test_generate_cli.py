@@ -58,7 +58,7 @@ def test_weights_file_path_and_package_function(trained, capsys):
     assert status == 0 and text.startswith("é"), err
     # Importing the CLI module rebinds the package attribute; calling it still samples.
     model, _ = generate_cli.load_model(trained, "reference", "cpu")
-    out = fastlm.generate(model, torch.tensor([97, 98]), 4, temperature=0)
+    out = fastlm.sample(model, torch.tensor([97, 98]), 4, temperature=0)
     assert out.shape == (6,) and out[:2].tolist() == [97, 98]
 
 
@@ -78,9 +78,13 @@ def test_byte_stream_never_splits_a_character():
     (["--checkpoint", "{tmp}/nowhere"], "no checkpoint"),
     (["--checkpoint", "{ckpt}", "--prompt", ""], "--prompt must not be empty"),
     (["--checkpoint", "{ckpt}", "--top-p", "1.5"], "top_p must lie in (0, 1], got 1.5"),
-    (["--checkpoint", "{ckpt}", "--temperature", "-1"], "temperature must be >= 0"),
+    (["--checkpoint", "{ckpt}", "--temperature", "-1"], "temperature must be a finite number >= 0"),
+    (["--checkpoint", "{ckpt}", "--temperature", "nan"], "temperature must be a finite number"),
     (["--checkpoint", "{ckpt}", "--max-new-tokens", "-1"], "--max-new-tokens"),
     (["--checkpoint", "{tmp}/broken"], "cannot read"),
+    (["--checkpoint", "{ckpt}", "--device", "foo"], "--device must be cpu, cuda or cuda:N"),
+    (["--checkpoint", "{ckpt}", "--device", "meta"], "--device must be cpu, cuda or cuda:N"),
+    (["--checkpoint", "{ckpt}", "--device", "cuda:99"], "cuda:99 does not exist"),
 ])
 def test_bad_input_is_one_line(argv, message, trained, tmp_path, capsys):
     (tmp_path / "broken").mkdir()
@@ -105,7 +109,7 @@ def test_cli_streams_and_errors_without_traceback(trained):
     result = subprocess.run([*command, "--prompt", "abc", "--top-k", "0"], capture_output=True,
                             text=True, env=env, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip() == "fastlm.generate: error: top_k must be >= 1, got 0"
+    assert result.stderr.strip() == "fastlm.generate: error: top_k must be an integer >= 1, got 0"
 
 
 def test_fastlm_model_generates_like_the_reference(trained, capsys):
@@ -115,3 +119,72 @@ def test_fastlm_model_generates_like_the_reference(trained, capsys):
     assert status == 0, err
     status, with_reference, err = generate(capsys, *args, "--model", "reference")
     assert with_fastlm == with_reference
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
+def test_cuda_without_cuda_is_one_line(trained, capsys):
+    status, text, err = generate(capsys, "--checkpoint", trained, "--prompt", "abc",
+                                 "--device", "cuda")
+    assert status == 2 and text == ""
+    assert err.strip().splitlines() == [
+        "fastlm.generate: error: cuda:0 does not exist (0 GPUs here): pass --device cpu or a GPU "
+        "that exists (under torchrun: one process per GPU)"]
+
+
+def test_tiny_temperatures_sample_the_likeliest_token(trained):
+    model, _ = generate_cli.load_model(trained, "reference", "cpu")
+    prompt = torch.tensor([97, 98, 99])
+    greedy = fastlm.sample(model, prompt, 6, temperature=0)
+    for temperature in (1e-45, 1e-300, 5e-324):  # the last: the smallest float above 0
+        assert torch.equal(fastlm.sample(model, prompt, 6, temperature=temperature), greedy)
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        fastlm.sample(model, prompt, 6, temperature=float("inf"))
+
+
+def test_non_finite_logits_are_a_clear_error():
+    class Diverged(torch.nn.Module):
+        context_length = 8
+
+        def forward(self, token_ids):
+            return torch.full((*token_ids.shape, 5), float("nan"))
+
+    with pytest.raises(ValueError, match="logits are not all finite"):
+        fastlm.sample(Diverged(), torch.tensor([1, 2]), 3)
+
+
+def test_reference_generates_through_one_window_shape(trained):
+    # The reference's einx expressions are prepared once per input shape: every step feeds the
+    # same padded window (it took ~40 s for 200 tokens when each new length was a new shape).
+    model, _ = generate_cli.load_model(trained, "reference", "cpu")
+    shapes = []
+    model.register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0].shape)))
+    prompt = torch.tensor([97, 98])
+    out = fastlm.sample(model, prompt, 20, temperature=0)  # past the context of 16: slides
+    assert set(shapes) == {(1, model.context_length)} and len(shapes) == 20
+    assert out.shape == (22,)  # that the padding changes no token: the test below
+
+
+def test_never_samples_ids_the_tokenizer_cannot_decode(tmp_path, capsys):
+    # --vocab-size 300 with byte tokens: the ids 256..299 decode to nothing. At a high
+    # temperature sampling is nearly uniform, so without the limit about one id in six of them.
+    (tmp_path / "corpus.txt").write_text("abcabd " * 200)
+    out = tmp_path / "big-vocab"
+    status = train_cli.main(["--data", str(tmp_path / "corpus.txt"), "--model", "reference",
+                             "--d-model", "32", "--num-layers", "1", "--num-heads", "2",
+                             "--d-ff", "64", "--context-length", "16", "--batch-size", "4",
+                             "--steps", "2", "--vocab-size", "300", "--no-progress",
+                             "--device", "cpu", "--out", str(out)])
+    assert status == 0
+    capsys.readouterr()
+    model, tokenizer = generate_cli.load_model(out, "reference", "cpu")
+    prompt = torch.tensor([97])
+    unlimited = fastlm.sample(model, prompt, 40, temperature=1000.0,
+                              generator=torch.Generator().manual_seed(0))
+    assert unlimited.max() >= 256  # the check below would be empty otherwise
+    limited = fastlm.sample(model, prompt, 40, temperature=1000.0, vocab_size=256,
+                            generator=torch.Generator().manual_seed(0))
+    assert limited.max() < 256
+    status, text, err = generate(capsys, "--checkpoint", out, "--prompt", "a", "--model",
+                                 "reference", "--max-new-tokens", "40", "--temperature", "1000")
+    assert status == 0 and "40 tokens" in err, err
+    assert text.startswith("a") and text.endswith("\n")

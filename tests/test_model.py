@@ -12,10 +12,10 @@ CONFIG = dict(vocab_size=61, context_length=24, d_model=32, num_layers=2, num_he
               rope_theta=10000.0)
 
 
-def _pair(device, dtype=torch.float32):
+def _pair(device, dtype=torch.float32, config=CONFIG):
     """A fastlm model and a float64 reference holding the same weights."""
-    model = fastlm.Transformer(**CONFIG, device=device, dtype=dtype)
-    ref = R.Transformer(**CONFIG, device=device, dtype=torch.float64)
+    model = fastlm.Transformer(**config, device=device, dtype=dtype)
+    ref = R.Transformer(**config, device=device, dtype=torch.float64)
     ref.load_state_dict(model.state_dict())
     return model, ref
 
@@ -71,6 +71,15 @@ def test_logits_match_reference(device, offset):
     assert_close(model(tokens, positions), expected, torch.float32, "logits")
 
 
+def _assert_loss_and_grads_match(model, ref, loss, tokens, targets, what):
+    """`loss` (the model's on tokens and targets) and every gradient against the reference's."""
+    expected = R.CrossEntropyLoss()(ref(tokens), targets)
+    assert_close(loss, expected, torch.float32, f"{what}loss")
+    loss.backward()
+    expected.backward()
+    _assert_grads_match(model, ref, torch.float32, f"{what}grad")
+
+
 def test_loss_and_every_gradient_match_reference(device):
     model, ref = _pair(device)
     tokens, targets = _tokens(device), _tokens(device)
@@ -105,12 +114,14 @@ def test_torch_backend_gives_the_same_logits(device, monkeypatch):
 
 
 def test_training_curves_match_reference(device):
-    """30 AdamW steps from the same initialisation: the loss curves stay together."""
+    """30 AdamW steps from the same initialisation: the loss curves stay together. Two
+    sequences a step (every kernel still sees a batch and several blocks): under the
+    interpreter each kernel costs by the program, and four took twice as long."""
     model = fastlm.Transformer(**CONFIG, device=device)
     ref = R.Transformer(**CONFIG, device=device)
     ref.load_state_dict(model.state_dict())
     opts = [R.AdamW(m.parameters(), lr=3e-3, weight_decay=0.01) for m in (model, ref)]
-    data = _tokens(device, batch=4, seq=CONFIG["context_length"] + 1)
+    data = _tokens(device, batch=2, seq=CONFIG["context_length"] + 1)
     inputs, targets = data[:, :-1], data[:, 1:]
     curves = [[], []]
     for _ in range(30):
@@ -142,8 +153,8 @@ class _WithoutCache(torch.nn.Module):
 def test_kv_cache_generation_matches_full_recompute(device, context_length):
     model = fastlm.Transformer(**{**CONFIG, "context_length": context_length}, device=device)
     prompt = _tokens(device, batch=1, seq=6)[0]
-    cached = fastlm.generate(model, prompt, max_new_tokens=8, temperature=0.0)
-    recomputed = fastlm.generate(_WithoutCache(model), prompt, max_new_tokens=8, temperature=0.0)
+    cached = fastlm.sample(model, prompt, max_new_tokens=8, temperature=0.0)
+    recomputed = fastlm.sample(_WithoutCache(model), prompt, max_new_tokens=8, temperature=0.0)
     assert torch.equal(cached, recomputed), (cached, recomputed)
     assert cached.shape == (14,)
 
@@ -181,3 +192,38 @@ def test_autocast_bf16_matches_reference(device):
     loss.backward()
     expected.backward()
     _assert_grads_match(model, ref, torch.bfloat16, "autocast grad")
+
+
+def test_heads_the_kernel_cannot_take_run_on_the_torch_backend(device, monkeypatch):
+    """Heads of 4 dims: the reference runs them and so does fastlm's PyTorch backend; where the
+    Triton kernels would run, the model refuses at construction, saying what to change."""
+    config = {**CONFIG, "d_model": 8, "num_heads": 2}
+    monkeypatch.setenv("FASTLM_BACKEND", "triton")
+    with pytest.raises(ValueError, match=r"d_model 8 / num_heads 2 gives heads of 4 dims, but "
+                       r"fastlm's attention kernel takes multiples of 8 up to 256: change "
+                       r"d_model or num_heads \(with d_model 8: num_heads 1\)"):
+        fastlm.Transformer(**config, device=device)
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")
+    model, ref = _pair(device, config=config)
+    tokens, targets = _tokens(device), _tokens(device)
+    assert_close(model(tokens), ref(tokens), torch.float32, "logits, heads of 4 dims")
+    loss = model.loss(tokens, targets)
+    _assert_loss_and_grads_match(model, ref, loss, tokens, targets, "heads of 4 dims: ")
+
+
+def test_blocks_run_through_their_forward(device, monkeypatch):
+    """FSDP2 gathers a block's sharded weights in a hook on the block's forward: the model calls
+    each block (with the residual stream as a (residual, delta) pair), never around it."""
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")  # the hooks, not the kernels, are tested here
+    model = fastlm.Transformer(**CONFIG, device=device)
+    calls = []
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda module, args: calls.append(module))
+    tokens, targets = _tokens(device), _tokens(device)
+    model.loss(tokens, targets)
+    model(tokens)
+    model(tokens[:, :3], kv_cache=model.make_kv_cache())
+    assert calls == list(model.blocks) * 3
+    block, x = model.blocks[0], torch.randn(2, 5, CONFIG["d_model"], device=device)
+    residual, delta = block((x, None))
+    assert torch.equal(residual + delta, block(x))

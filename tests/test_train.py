@@ -5,6 +5,7 @@ one-line errors for bad input."""
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import fastlm.train as train_cli
-from fastlm import checkpoint
+from fastlm import checkpoint, reference
 
 # CPU tests (bitwise resume holds on CPU), also on a machine with GPUs.
 TOY = ["--model", "reference", "--d-model", "32", "--num-layers", "2", "--num-heads", "2",
@@ -171,7 +172,9 @@ def test_crash_during_save_keeps_a_consistent_checkpoint(crash, tmp_path, monkey
         return real(*args, **kwargs)
 
     monkeypatch.setattr(owner, attribute, crashing)
-    with pytest.raises(OSError, match="simulated crash"):
+    # A failed write is reported as a CheckpointError (saying what space the checkpoint needs),
+    # a failed rename as the OSError itself.
+    with pytest.raises((OSError, checkpoint.CheckpointError), match="simulated crash"):
         save(2)
     monkeypatch.setattr(owner, attribute, real)
     # Only once the new folder is in place does the checkpoint move on to step 2.
@@ -180,7 +183,7 @@ def test_crash_during_save_keeps_a_consistent_checkpoint(crash, tmp_path, monkey
     save(3)  # the next save recovers: step 3 in `out`, no leftovers beside it
     loads_step(3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]
-    assert sorted(os.listdir(out)) == ["model.safetensors", "state.pt"]
+    assert sorted(os.listdir(out)) == ["checkpoint.json", "model.safetensors", "state.pt"]
 
 
 def test_resume_after_a_crash_between_the_renames(corpus, tmp_path, capsys, monkeypatch):
@@ -238,6 +241,25 @@ def good_checkpoint(corpus, tmp_path, capsys) -> Path:
     ("other config", ["--d-model", "48", "--resume"], "d_model 32 (checkpoint) vs 48"),
     ("existing checkpoint", [], "already holds a checkpoint"),
     ("missing tokenizer", ["--tokenizer", "{tmp}/none.json", "--overwrite"], "tokenizer"),
+    # Numbers that argparse takes but nothing can train with: refused before anything runs.
+    ("lr nan", ["--lr", "nan", "--overwrite"], "--lr must be a finite number, got nan"),
+    ("lr inf", ["--lr", "inf", "--overwrite"], "--lr must be a finite number, got inf"),
+    ("min-lr nan", ["--min-lr", "nan", "--overwrite"], "--min-lr must be a finite number"),
+    ("weight decay nan", ["--weight-decay", "nan", "--overwrite"],
+     "--weight-decay must be a finite number"),
+    ("negative weight decay", ["--weight-decay", "-0.1", "--overwrite"],
+     "--weight-decay must be non-negative"),
+    ("grad clip nan", ["--grad-clip", "nan", "--overwrite"], "--grad-clip must be a finite"),
+    ("rope theta 0", ["--rope-theta", "0", "--overwrite"],
+     "--rope-theta must be a positive number, got 0.0"),
+    ("rope theta -5", ["--rope-theta", "-5", "--overwrite"],
+     "--rope-theta must be a positive number, got -5.0"),
+    ("rope theta nan", ["--rope-theta", "nan", "--overwrite"], "--rope-theta must be a finite"),
+    ("betas", ["--betas", "1.5", "0.9", "--overwrite"], "--betas must both lie in [0, 1)"),
+    ("device foo", ["--device", "foo", "--overwrite"], "--device must be cpu, cuda or cuda:N"),
+    ("device meta", ["--device", "meta", "--overwrite"], "--device must be cpu, cuda or cuda:N"),
+    ("odd head dim", ["--d-model", "30", "--num-heads", "2", "--overwrite"],
+     "--d-model 30 / --num-heads 2 gives heads of 15 dims, but RoPE rotates pairs"),
 ])
 def test_bad_input_is_one_line_and_keeps_checkpoint(case, extra, message, corpus, tmp_path,
                                                     good_checkpoint, capsys):
@@ -295,14 +317,138 @@ def test_cli_error_has_no_traceback(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def strict_json(line: str) -> dict:
+    """json.loads without Python's extensions: a bare NaN or Infinity is an error, as elsewhere."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_head_dim_the_kernels_cannot_run(corpus, tmp_path, capsys, monkeypatch):
+    # Heads of 2 dims: PyTorch's attention runs them, fastlm's kernel does not (it takes
+    # multiples of 8). Where the kernels would run the command refuses before training, saying
+    # what to change; with the PyTorch backend it trains, as the reference does.
+    args = ["--data", corpus, *TOY, "--model", "fastlm", "--d-model", "16", "--num-heads", "8",
+            "--steps", "2"]
+    monkeypatch.setenv("FASTLM_BACKEND", "triton")
+    status, summary, err = run_main([*args, "--out", tmp_path / "kernels"], capsys)
+    assert status == 2 and summary is None and not (tmp_path / "kernels").exists()
+    assert err.strip().splitlines() == [
+        "fastlm.train: error: --d-model 16 / --num-heads 8 gives heads of 2 dims, but fastlm's "
+        "attention kernel takes multiples of 8 up to 256: change --d-model or --num-heads (with "
+        "--d-model 16: --num-heads 2), or run PyTorch's attention with FASTLM_BACKEND=torch"]
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")
+    status, summary, err = run_main([*args, "--out", tmp_path / "torch"], capsys)
+    assert status == 0 and summary["steps"] == 2, err
+
+
+def test_diverged_run_has_a_json_summary(corpus, tmp_path, capsys):
+    status = train_cli.main([str(a) for a in ["--data", corpus, *TOY, "--steps", "4", "--lr",
+                                              "1e30", "--grad-clip", "0", "--out",
+                                              tmp_path / "run"]])
+    out, err = capsys.readouterr()
+    summary = strict_json(out.strip().splitlines()[-1])
+    assert status == 0
+    assert "the training loss is nan at step" in err and "diverged" in err, err
+    assert summary["final_loss"] is None and summary["val_loss"] is None
+    assert summary["initial_loss"] > 0 and summary["steps"] == 4
+
+
+def test_resume_notes(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["--data", corpus, *TOY, "--out", out]
+    status, _, err = run_main([*args, "--steps", "4"], capsys)
+    assert status == 0, err
+    before = file_hashes(out)
+    # At or below the checkpoint's step: nothing to do, and it says so.
+    for steps in ("4", "3"):
+        status, summary, err = run_main([*args, "--steps", steps, "--warmup", "0", "--resume"],
+                                        capsys)
+        assert status == 0 and summary["steps"] == 4, err
+        assert (f"note: the checkpoint is at step 4 and --steps is {steps}: nothing to train "
+                "(a larger --steps continues it)") in err, err
+        assert file_hashes(out) == before
+    # A larger --steps stretches the learning-rate schedule: the note says what changes.
+    status, summary, err = run_main([*args, "--steps", "8", "--resume"], capsys)
+    assert status == 0 and summary["steps"] == 8, err
+    lr = train_cli.PRESETS["tiny"]["lr"]  # TOY's, and --min-lr is lr / 10
+    lr_before = train_cli.reference.cos_lr_scheduler(4, lr, lr / 10, 0, 4)
+    lr_after = train_cli.reference.cos_lr_scheduler(5, lr, lr / 10, 0, 8)
+    assert ("note: resuming with --steps 8 (was 4), so from step 5 on the run differs from the "
+            "one the checkpoint began; the learning-rate schedule (warm-up, then cosine decay to "
+            "--min-lr at --steps) now follows the new settings: the rate goes from "
+            f"{lr_before:.3g} at step 4 to {lr_after:.3g} at step 5") in err, err
+
+
+def test_log_lines_instead_of_a_progress_bar_when_stderr_is_not_a_terminal(corpus, tmp_path,
+                                                                           capsys):
+    toy = [a for a in TOY if a != "--no-progress"]
+    status, _, err = run_main(["--data", corpus, *toy, "--steps", "8", "--out", tmp_path / "run"],
+                              capsys)
+    assert status == 0, err
+    assert "\r" not in err and "training:" not in err, err  # no bar redraws in a log
+    steps = [line.split(":")[0] for line in err.splitlines() if line.startswith("step ")]
+    assert steps == ["step 4/8", "step 8/8"], err
+    assert "training loss" in err and "tokens/s" in err
+
+
+def test_skipped_and_repaired_corpus_files_are_named(tmp_path, capsys):
+    folder = tmp_path / "binary"
+    folder.mkdir()
+    (folder / "image.bin").write_bytes(b"\x89PNG\0\0\0")
+    (folder / "notes-utf16.txt").write_bytes("plain notes".encode("utf-16"))
+    status, _, err = run_main(["--data", folder, *TOY, "--out", tmp_path / "out"], capsys)
+    assert status == 2
+    assert err.strip().splitlines() == [
+        f"fastlm.train: error: the corpus at {folder} is empty (skipped as binary, with NUL "
+        f"bytes: {folder / 'image.bin'}, {folder / 'notes-utf16.txt'}; UTF-16 text must be "
+        "converted to UTF-8)"]
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("Un café, deux cafés. ".encode("latin-1") * 100)
+    status, _, err = run_main(["--data", latin1, *TOY, "--steps", "1", "--out",
+                               tmp_path / "latin1"], capsys)
+    assert status == 0, err
+    assert (f"warning: {latin1} is not valid UTF-8: 200 undecodable bytes replaced by U+FFFD"
+            in err), err
+
+
+def test_cpu_checkpoint_state_fits_the_cuda_optimizer(corpus, tmp_path, capsys):
+    # The same optimizer class on every device (fused on CUDA): the optimizer state a CPU run
+    # saved loads into the optimizer a CUDA run makes, so --resume works across devices.
+    out = tmp_path / "run"
+    status, _, err = run_main(["--data", corpus, *TOY, "--steps", "2", "--out", out], capsys)
+    assert status == 0, err
+    saved = checkpoint.load_state(out)
+    args = train_cli.parse_args(["--lr", "1e-3"])
+    config = checkpoint.load_config(out)
+    model = reference.Transformer(**{key: value for key, value in config.items()
+                                     if key != "tokenizer"})
+    cuda_optimizer = train_cli.make_optimizer(model.parameters(), args, torch.device("cuda"))
+    assert train_cli.optimizer_kind(cuda_optimizer) == saved["optimizer_kind"]
+    train_cli.load_optimizer(train_cli.NextTokenLoss(model), cuda_optimizer, saved["optimizer"])
+    assert all(cuda_optimizer.state[p]["step"] == 2 for p in model.parameters())
+
+
+@pytest.mark.cuda
+def test_cpu_checkpoint_resumes_on_cuda(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    status, _, err = run_main(["--data", corpus, *TOY, "--steps", "2", "--out", out], capsys)
+    assert status == 0, err
+    toy_cuda = [a if a != "cpu" else "cuda" for a in TOY]
+    status, summary, err = run_main(["--data", corpus, *toy_cuda, "--steps", "4", "--out", out,
+                                     "--resume"], capsys)
+    assert status == 0 and summary["steps"] == 4 and summary["device"] == "cuda", err
+
+
 # Every rank hashes the weights it holds at each save (DDP replicas must agree bit for bit) and
-# records its exit status.
+# records its exit status; rank 0 keeps a copy of each checkpoint it saves.
 RANK_SCRIPT = textwrap.dedent("""
-    import hashlib, os, sys, time
+    import hashlib, os, shutil, sys, time
     import torch.distributed as dist
     import fastlm.train as train_cli
 
-    full_state = train_cli.full_state
+    full_state, save = train_cli.full_state, train_cli.Trainer.save
 
     def hashing_full_state(loss_module, optimizer):
         digest = hashlib.sha256()
@@ -313,7 +459,13 @@ RANK_SCRIPT = textwrap.dedent("""
             f.write(digest.hexdigest())
         return full_state(loss_module, optimizer)
 
-    train_cli.full_state = hashing_full_state
+    def save_and_keep(trainer):
+        note = save(trainer)
+        if dist.get_rank() == 0:
+            shutil.copytree(trainer.out, f"{sys.argv[1]}/checkpoint-{trainer.step}")
+        return note
+
+    train_cli.full_state, train_cli.Trainer.save = hashing_full_state, save_and_keep
     status = train_cli.main(sys.argv[2:])
     with open(f"{sys.argv[1]}/status-{os.environ['RANK']}.txt", "w") as f:
         f.write(str(status))
@@ -324,7 +476,8 @@ RANK_SCRIPT = textwrap.dedent("""
 
 
 def torchrun(tmp_path, data, name, *extra) -> tuple[subprocess.CompletedProcess, Path]:
-    """The finished torchrun, two ranks on gloo, and the folder of the ranks' records."""
+    """The finished torchrun, two ranks on gloo, and the folder of the ranks' records. fastlm's
+    model runs its PyTorch path (the kernels run interpreted in test_model, too slowly here)."""
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
     records = tmp_path / f"records-{name}"
@@ -332,30 +485,43 @@ def torchrun(tmp_path, data, name, *extra) -> tuple[subprocess.CompletedProcess,
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                "--standalone", str(script), str(records), "--data", str(data), *TOY,
                "--steps", "4", "--out", str(tmp_path / name), *extra]
-    result = subprocess.run(command, capture_output=True, text=True, env=SUBPROCESS_ENV,
-                            timeout=240)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240,
+                            env={**SUBPROCESS_ENV, "FASTLM_BACKEND": "torch"})
     return result, records
 
 
-def torchrun_training(tmp_path, corpus, name, *extra) -> tuple[dict, list[str]]:
-    """The JSON summary of a successful run and the ranks' weight hashes."""
-    result, records = torchrun(tmp_path, corpus, name, *extra)
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
-    return summary, sorted(p.read_text() for p in records.glob("hash-*"))
-
-
 def test_torchrun_ddp_and_fsdp_on_gloo(tmp_path, corpus):
-    ddp, ddp_hashes = torchrun_training(tmp_path, corpus, "ddp")
-    assert ddp["world_size"] == 2 and ddp["final_loss"] < ddp["initial_loss"]
-    assert len(ddp_hashes) == 2 and ddp_hashes[0] == ddp_hashes[1]
-    # FSDP2 shards the same computation: the same losses up to summation order.
-    fsdp, _ = torchrun_training(tmp_path, corpus, "fsdp", "--fsdp")
-    assert fsdp["final_loss"] == pytest.approx(ddp["final_loss"], rel=1e-5)
-    assert fsdp["val_loss"] == pytest.approx(ddp["val_loss"], rel=1e-5)
-    weights = checkpoint.load_weights(tmp_path / "fsdp")
-    ddp_weights = checkpoint.load_weights(tmp_path / "ddp")
-    assert all(torch.allclose(weights[k], ddp_weights[k], rtol=1e-4, atol=1e-6) for k in weights)
+    """Both models under DDP and FSDP2 (which shards the same computation): the same losses up
+    to summation order. fastlm's FSDP run resumes the step-2 checkpoint of its DDP run."""
+    runs = {"reference-ddp": ["--model", "reference"],
+            "fastlm-ddp": ["--model", "fastlm", "--save-every", "2"],
+            "fastlm-fsdp": ["--model", "fastlm", "--fsdp", "--resume"],
+            "reference-fsdp": ["--model", "reference", "--fsdp"]}
+    summaries, hashes = {}, {}
+    for name, extra in runs.items():
+        if name == "fastlm-fsdp":
+            shutil.copytree(tmp_path / "records-fastlm-ddp" / "checkpoint-2", tmp_path / name)
+        result, records = torchrun(tmp_path, corpus, name, *extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "deprecated" not in result.stderr, result.stderr[-3000:]  # DDP's broadcast_buffers
+        summaries[name] = json.loads(result.stdout.strip().splitlines()[-1])
+        hashes[name] = [p.read_text() for p in records.glob("hash-*")]
+    expected = summaries["reference-ddp"]
+    assert expected["world_size"] == 2 and expected["final_loss"] < expected["initial_loss"]
+    expected_weights = checkpoint.load_weights(tmp_path / "reference-ddp")
+    for name, summary in summaries.items():
+        model, mode = name.split("-")
+        assert summary["steps"] == 4 and summary["model"] == model, name
+        assert summary["final_loss"] == pytest.approx(expected["final_loss"], rel=1e-5), name
+        assert summary["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-5), name
+        weights = checkpoint.load_weights(tmp_path / name)
+        assert all(torch.allclose(weights[k], expected_weights[k], rtol=1e-4, atol=1e-6)
+                   for k in weights), name
+        if mode == "ddp":
+            assert len(hashes[name]) == 2 and hashes[name][0] == hashes[name][1], name
+    resumed = checkpoint.load_state(tmp_path / "fastlm-fsdp")["train_losses"]
+    uninterrupted = checkpoint.load_state(tmp_path / "fastlm-ddp")["train_losses"]
+    assert resumed == pytest.approx(uninterrupted, rel=1e-5)
 
 
 def test_torchrun_data_error_on_one_rank_stops_every_rank(tmp_path):

@@ -545,6 +545,13 @@ def _attention_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float,
     return dq, dk, dv
 
 
+def _check_kernel_head_dim(D: int) -> None:
+    """PyTorch's attention takes any head dim; the kernels only these."""
+    if D % 8 or not 8 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"q has head dim {D}; the Triton kernel takes multiples of 8 from 8 to "
+                         f"{MAX_HEAD_DIM} (FASTLM_BACKEND=torch runs any)")
+
+
 # --------------------------------------------------------------------------------------------
 # Registration: torch.ops.fastlm.flash_attention and its backward
 # --------------------------------------------------------------------------------------------
@@ -617,8 +624,8 @@ def _check_inputs(q, k, v, causal, softmax_scale) -> None:
         raise ValueError(f"k has batch size {Bk}, but q has {B}")
     if Dk != D:
         raise ValueError(f"k has head dim {Dk}, but q has {D}")
-    if D % 8 or not 8 <= D <= MAX_HEAD_DIM:
-        raise ValueError(f"q has head dim {D}; supported: multiples of 8 from 8 to {MAX_HEAD_DIM}")
+    if D < 1:
+        raise ValueError("q has head dim 0; it must be at least 1")
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"q has {Hq} heads, which is not a multiple of k's {Hkv} heads")
     if Nk == 0:
@@ -640,7 +647,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     attention: query head h reads key/value head h // (Hq // Hkv)) and 1 <= Nq <= Nk. Any strides
     (e.g. `x.view(B, N, H, D).transpose(1, 2)` or slices of a fused qkv tensor) are read in place.
     causal: query i sees key j iff j <= i + Nk - Nq (aligned to the end, as in KV-cache decoding).
-    softmax_scale: defaults to 1 / sqrt(D). D: a multiple of 8 up to 256.
+    softmax_scale: defaults to 1 / sqrt(D). D: a multiple of 8 up to 256 for the Triton kernel
+    (the PyTorch backend takes any).
     dtypes: float16, bfloat16, float32 (all three the same); softmax statistics in fp32.
     allow_tf32: for float32 inputs on a GPU, False makes the dots full fp32 instead of TF32.
     Returns o (B, Hq, Nq, D) in q's dtype; differentiable in q, k and v.
@@ -649,6 +657,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if not use_triton(q) or q.numel() == 0:
         return attention_ref(q, k, v, causal, scale)
+    _check_kernel_head_dim(q.shape[-1])
     return _flash_attention_op(q, k, v, causal, scale, bool(allow_tf32))[0]
 
 
@@ -769,6 +778,7 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             token_positions
         return rope_attention_ref(qkv, cos, sin, positions, num_heads, num_kv_heads, causal,
                                   scale, interleaved)
+    _check_kernel_head_dim(q.shape[-1])
     check_rotatable("qkv", qkv)
     positions = check_rope_args(q, cos, sin, token_positions, check_values=check_positions)
     if qkv.numel() == 0:

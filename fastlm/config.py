@@ -1,0 +1,117 @@
+"""Model configurations: the fields of a Transformer, the named presets, and building a model.
+
+`ModelConfig` holds the constructor's fields of `fastlm.Transformer` and `reference.Transformer`
+(the two take the same ones and read each other's checkpoints); `build_model` makes either from
+it. `PRESETS` are the sizes `python -m fastlm.train --preset` knows, each with the training
+defaults that suit it. The commands (fastlm.train, fastlm.generate) share what else they check
+here: `ConfigError` (one line on stderr, exit status 2) and `pick_device`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
+
+from fastlm import reference
+from fastlm.model import Transformer, check_heads, kernels_run_on
+
+
+class ConfigError(ValueError):
+    """Bad command-line input (the commands print it as one line and exit with status 2)."""
+
+
+MODELS = ("fastlm", "reference")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The constructor's fields of fastlm.Transformer and reference.Transformer."""
+
+    vocab_size: int
+    context_length: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    d_ff: int
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def from_dict(cls, values: Mapping) -> ModelConfig:
+        """The model's fields of `values` (a checkpoint's configuration also names its
+        tokenizer); KeyError naming the missing ones."""
+        missing = [name for name in MODEL_FIELDS if name not in values]
+        if missing:
+            raise KeyError(f"the configuration lacks {', '.join(missing)}")
+        return cls(**{name: values[name] for name in MODEL_FIELDS})
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def check(self, model: str = "fastlm", device: torch.device | str | None = None,
+              name: Callable[[str], str] = str) -> None:
+        """ValueError for a configuration `model` cannot run on `device`, saying what to change;
+        `name` spells a field in the message (the commands pass their flags)."""
+        for field in MODEL_FIELDS:
+            value = getattr(self, field)
+            if field == "rope_theta":
+                if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                    raise ValueError(f"{name(field)} must be a positive number, got {value}")
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name(field)} must be a positive integer, got {value!r}")
+        if model not in MODELS:
+            raise ValueError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
+        # The reference needs the same split into heads of an even size (RoPE rotates pairs);
+        # fastlm's attention kernel, where it runs, also a range of head dims.
+        kernels = model == "fastlm" and kernels_run_on(device)
+        check_heads(self.d_model, self.num_heads, kernels, name)
+
+
+MODEL_FIELDS = tuple(field.name for field in dataclasses.fields(ModelConfig))
+
+# Each preset: the model's fields but vocab_size (the tokenizer's), the longest
+# --context-length it accepts (max_context), and the training defaults that suit its size
+# (tiny: loss 5.6 -> 1.4 nats per byte in one to two minutes on two CPU cores).
+PRESETS = {
+    "tiny": dict(d_model=128, num_layers=4, num_heads=4, d_ff=384, context_length=128,
+                 max_context=512, batch_size=16, steps=400, lr=3e-3, eval_every=100,
+                 save_every=200),
+    "gpt2-small": dict(d_model=768, num_layers=12, num_heads=12, d_ff=2048, context_length=1024,
+                       max_context=1024, batch_size=16, steps=5000, lr=6e-4, eval_every=250,
+                       save_every=1000),
+    "gpt2-medium": dict(d_model=1024, num_layers=24, num_heads=16, d_ff=2816,
+                        context_length=1024, max_context=1024, batch_size=8, steps=5000, lr=3e-4,
+                        eval_every=250, save_every=1000),
+}
+
+
+def build_model(config: ModelConfig, model: str = "fastlm",
+                device: torch.device | str | None = None) -> nn.Module:
+    """`fastlm.Transformer` (model="fastlm") or `reference.Transformer` of `config`."""
+    config.check(model, device)
+    cls = Transformer if model == "fastlm" else reference.Transformer
+    return cls(**config.as_dict(), device=device)
+
+
+def pick_device(name: str | None, local_rank: int = 0) -> torch.device:
+    """The device `--device` names (default: this rank's GPU when there is one, else the CPU);
+    ConfigError for one that is not cpu or an existing GPU."""
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {name!r}")
+    if device.type == "cuda":
+        if device.index is None:  # each rank on its own GPU
+            device = torch.device("cuda", local_rank)
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.index >= count:
+            raise ConfigError(f"{device} does not exist ({count} GPUs here): pass --device cpu "
+                              "or a GPU that exists (under torchrun: one process per GPU)")
+    return device

@@ -1,0 +1,121 @@
+"""fastlm.config: model configurations, presets, building either model, the devices the commands
+accept; and the package's public names for sampling and the commands."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastlm
+from fastlm import sampling
+from fastlm.config import (MODEL_FIELDS, MODELS, PRESETS, ConfigError, ModelConfig, build_model,
+                           pick_device)
+
+# Parameters of each preset with byte tokens, as the README states them (0.9M, 85M, 309M).
+PRESET_PARAMETERS = {"tiny": 918_656, "gpt2-small": 85_347_072, "gpt2-medium": 308_855_808}
+
+
+def preset_config(name: str, vocab_size: int = 256) -> ModelConfig:
+    fields = {key: value for key, value in PRESETS[name].items() if key in MODEL_FIELDS}
+    return ModelConfig(vocab_size=vocab_size, **fields)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_presets_build_both_models(name):
+    config = preset_config(name)
+    models = {kind: build_model(config, kind, device="meta") for kind in MODELS}  # no memory
+    assert isinstance(models["fastlm"], fastlm.Transformer)
+    assert isinstance(models["reference"], fastlm.reference.Transformer)
+    for model in models.values():
+        assert sum(p.numel() for p in model.parameters()) == PRESET_PARAMETERS[name]
+    assert models["fastlm"].state_dict().keys() == models["reference"].state_dict().keys()
+
+
+def test_config_round_trips_through_a_checkpoint_dict():
+    config = preset_config("tiny")
+    stored = {**config.as_dict(), "tokenizer": "bytes"}  # what a checkpoint keeps
+    assert ModelConfig.from_dict(stored) == config
+    assert tuple(config.as_dict()) == MODEL_FIELDS
+    with pytest.raises(KeyError, match="lacks d_ff, rope_theta"):
+        ModelConfig.from_dict({k: v for k, v in stored.items() if k not in ("d_ff", "rope_theta")})
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(vocab_size=0), "vocab_size must be a positive integer, got 0"),
+    (dict(num_layers=2.5), "num_layers must be a positive integer, got 2.5"),
+    (dict(context_length=True), "context_length must be a positive integer, got True"),
+    (dict(rope_theta=0.0), "rope_theta must be a positive number, got 0.0"),
+    (dict(rope_theta=float("nan")), "rope_theta must be a positive number, got nan"),
+    (dict(d_model=100, num_heads=3), "d_model 100 must be a multiple of num_heads 3"),
+    (dict(d_model=96, num_heads=32), "d_model 96 / num_heads 32 gives heads of 3 dims, but RoPE"),
+])
+def test_bad_config_names_the_field(change, message):
+    config = ModelConfig(**{**preset_config("tiny").as_dict(), **change})
+    for kind in MODELS:
+        with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+            build_model(config, kind, device="meta")
+
+
+def test_head_dims_for_the_kernels_only_where_they_run(monkeypatch):
+    config = ModelConfig(**{**preset_config("tiny").as_dict(), "d_model": 48, "num_heads": 4})
+    monkeypatch.setenv("FASTLM_BACKEND", "triton")
+    message = ("d_model 48 / num_heads 4 gives heads of 12 dims, but fastlm's attention kernel "
+               "takes multiples of 8 up to 256: change d_model or num_heads (with d_model 48: "
+               "num_heads 3), or run PyTorch's attention with FASTLM_BACKEND=torch")
+    with pytest.raises(ValueError) as error:
+        config.check("fastlm", "cpu")
+    assert str(error.value) == message
+    config.check("reference", "cpu")  # the reference has no kernels
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")
+    config.check("fastlm", "cpu")
+    # The commands spell the fields as their flags.
+    monkeypatch.setenv("FASTLM_BACKEND", "triton")
+    with pytest.raises(ValueError, match="--d-model 48 / --num-heads 4 gives heads of 12 dims"):
+        config.check("fastlm", "cpu", name=lambda field: "--" + field.replace("_", "-"))
+
+
+@pytest.mark.parametrize("name", ["foo", "meta", "cuda:x", ""])
+def test_devices_the_commands_refuse(name):
+    with pytest.raises(ConfigError, match=f"--device must be cpu, cuda or cuda:N, got {name!r}"):
+        pick_device(name)
+
+
+def test_devices_the_commands_accept():
+    assert pick_device("cpu") == torch.device("cpu")
+    default = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    assert pick_device(None) == default
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ConfigError, match=rf"cuda:{count} does not exist \({count} GPUs here\)"):
+        pick_device(f"cuda:{count}")
+
+
+# In a fresh process: what `import fastlm` offers before and after the command's module loads.
+NAMES = """
+import json, sys, fastlm
+try:
+    fastlm.generate
+    hint = None
+except AttributeError as error:
+    hint = str(error)
+sample = fastlm.sample
+import fastlm.generate
+print(json.dumps({"hint": hint, "sample": sample.__module__ + "." + sample.__name__,
+                  "generate": type(fastlm.generate).__name__,
+                  "modules": sorted(m for m in sys.modules if m.startswith("fastlm."))}))
+"""
+
+
+def test_sampling_has_one_public_name_and_generate_is_the_command():
+    result = subprocess.run([sys.executable, "-c", NAMES], capture_output=True, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
+    assert result.returncode == 0, result.stderr
+    names = json.loads(result.stdout)
+    assert names["sample"] == "fastlm.sampling.sample" and fastlm.sample is sampling.sample
+    assert names["hint"] == ("fastlm.generate is the command-line module (python -m "
+                             "fastlm.generate); to sample from Python, call "
+                             "fastlm.sample(model, prompt_ids, max_new_tokens, ...)")
+    assert names["generate"] == "module"  # a plain module: no class swapped in
+    assert "fastlm.generate" in names["modules"] and "fastlm.train" not in names["modules"]
