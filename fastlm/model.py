@@ -3,11 +3,13 @@
 Same constructor, same forward, same state_dict keys and shapes as the reference, so checkpoints
 load both ways with `strict=True`. What changes is how the math runs:
 
-- attention: one q|k|v projection; RoPE rotates q and k in place, in one launch, on a strided view
-  of that projection's output; flash attention reads the [B, T, H, D] views through their strides
-  (no transposing copies, no [T x T] matrix);
+- attention: one q|k|v projection, and `rope_attention` on its output: RoPE rotates q and k in
+  place, flash attention reads the [B, T, H, D] views through their strides (no transposing
+  copies, no [T x T] matrix), and the backward writes the projection's gradient as one tensor;
 - the residual stream travels as (residual, delta) between sub-layers, so each residual add is fused
-  with the RMSNorm that follows it;
+  with the RMSNorm that follows it. Under autocast the stream stays fp32 (as the reference's) and
+  the deltas bf16: the fused kernel takes them as they are and writes the normed output in bf16
+  for the next GEMM, so no cast runs between sub-layers;
 - the feed-forward (`fastlm.SwiGlu`) applies silu(gate) * up, and its backward, in one kernel each;
 - `loss()` runs the final norm's output through fused linear cross-entropy: the [tokens x vocab]
   logits never exist at once;
@@ -26,9 +28,10 @@ from torch import nn
 
 from fastlm import reference
 from fastlm.backend import use_triton
-from fastlm.kernels.attention import MAX_HEAD_DIM, flash_attention
+from fastlm.kernels.attention import MAX_HEAD_DIM, flash_attention, rope_attention
 from fastlm.kernels.cross_entropy import linear_cross_entropy
-from fastlm.kernels.rmsnorm import add_rms_norm
+from fastlm.kernels.rmsnorm import add_rms_norm, rms_norm
+from fastlm.kernels.rope import check_positions
 from fastlm.modules import RmsNorm, RoPE, SwiGlu
 
 
@@ -124,12 +127,20 @@ class MultiHeadAttentionWithRoPE(nn.Module):
         self.rope = RoPE(theta, self.head_dim, max_seq_len, device)
 
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+                kv_cache: KVCache | None = None, layer: int = 0, *,
+                positions_checked: bool = False) -> torch.Tensor:
+        """positions_checked: the caller has checked token_positions' values (the model does,
+        once for every layer)."""
         B, T, C = x.shape
         H, D = self.num_heads, self.head_dim
         if token_positions is None:
             start = kv_cache.length if kv_cache is not None else 0
             token_positions = torch.arange(start, start + T, device=x.device)
+            positions_checked = True
+        if kv_cache is None:  # training: the projection's gradient is written as one tensor
+            out = rope_attention(self.qkv_proj(x), self.rope.cos_cached, self.rope.sin_cached,
+                                 token_positions, H, check_positions=not positions_checked)
+            return self.output_proj(out.transpose(1, 2).reshape(B, T, C))  # free: (B, T, H, D) memory
         qkv = self.qkv_proj(x).view(B, T, 3, H, D)
         # q and k as one strided view: (B, T, 2, H, D) -> (B, 2H, T, D), rotated in its storage.
         self.rope(qkv[:, :, :2].flatten(2, 3).transpose(1, 2), token_positions)
@@ -155,31 +166,38 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor | None],
                 token_positions: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                layer: int = 0):
+                layer: int = 0, *, positions_checked: bool = False):
         """x + attention + feed-forward, as the reference's block.
 
         `x` may also be the residual stream held as a pair (residual, delta) whose sum is the
         stream (delta None: zero); the block then returns the stream after it as such a pair, so
         the add of each delta is fused with the RMSNorm that follows it, here or in the next
         block. The model passes pairs, and through this forward, so that hooks on the block
-        (FSDP2 gathers its sharded weights in one) run.
+        (FSDP2 gathers its sharded weights in one) run. positions_checked: as in the attention's.
         """
         pair = isinstance(x, tuple)
         residual, delta = x if pair else (x, None)
         normed, residual = _add_norm(delta, residual, self.rms_norm1)
-        delta = self.mult_head_atten(normed, token_positions, kv_cache, layer)
+        delta = self.mult_head_atten(normed, token_positions, kv_cache, layer,
+                                     positions_checked=positions_checked)
         normed, residual = _add_norm(delta, residual, self.rms_norm2)
         delta = self.ffe(normed)
         return (residual, delta) if pair else residual + delta
 
 
 def _add_norm(delta: torch.Tensor | None, residual: torch.Tensor, norm: RmsNorm):
-    """(norm(residual + delta), residual + delta) in one kernel pass."""
+    """(norm(residual + delta), residual + delta) in one kernel pass, the normed output in the
+    dtype the next GEMM computes in: the autocast dtype under autocast (where the reference's
+    RmsNorm returns fp32 that its next Linear casts down: the same numbers), else the stream's.
+
+    Under autocast delta is bf16 while the stream stays fp32; the sum promotes to fp32 as the
+    reference's `x + delta` does, inside the kernel."""
+    device = residual.device.type
+    out_dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                 else None)
     if delta is None:
-        return norm(residual), residual
-    # Under autocast the sub-layer output is bf16 while the stream stays in its own dtype; the
-    # reference's `x + delta` promotes the same way.
-    return add_rms_norm(delta.to(residual.dtype), residual, norm.g, norm.eps)
+        return rms_norm(residual, norm.g, norm.eps, out_dtype=out_dtype), residual
+    return add_rms_norm(delta, residual, norm.g, norm.eps, out_dtype=out_dtype)
 
 
 class Transformer(nn.Module):
@@ -202,13 +220,16 @@ class Transformer(nn.Module):
                kv_cache: KVCache | None = None) -> torch.Tensor:
         """The final norm's output [B, T, C]: what out_linear turns into logits."""
         _check_tokens(token_ids, self.vocab_size, self.context_length, kv_cache)
+        B, T = token_ids.shape
         if token_positions is None:  # built once here rather than in every layer
             start = kv_cache.length if kv_cache is not None else 0
-            token_positions = torch.arange(start, start + token_ids.shape[-1],
-                                           device=token_ids.device)
+            token_positions = torch.arange(start, start + T, device=token_ids.device)
+        else:  # checked once here rather than in every layer
+            token_positions = check_positions(token_positions, B, T, self.context_length,
+                                              token_ids.device)
         stream = (self.embedding(token_ids), None)  # (residual, delta), each (B, T, C)
         for layer, block in enumerate(self.blocks):
-            stream = block(stream, token_positions, kv_cache, layer)
+            stream = block(stream, token_positions, kv_cache, layer, positions_checked=True)
         residual, delta = stream
         if kv_cache is not None:
             kv_cache.length += token_ids.shape[-1]

@@ -307,21 +307,20 @@ def rope_tables(theta: float, d_k: int, max_seq_len: int, device=None
     return angles.cos(), angles.sin()
 
 
-def _check_positions(token_positions: object, x: torch.Tensor, max_seq_len: int,
-                     check_values: bool = True) -> torch.Tensor:
-    """Validated positions on x's device; see apply_rope_ for how CUDA values are checked.
-    Without check_values only their type, shape and device are (the caller checked the values)."""
+def check_positions(token_positions: object, batch: int, seq: int, max_seq_len: int,
+                    device: torch.device, check_values: bool = True) -> torch.Tensor:
+    """Validated positions for `batch` sequences of `seq` tokens on `device`, returned there; see
+    apply_rope_ for how CUDA values are checked. Without check_values only their type, shape and
+    device are (for a caller that checked the values once, for every layer)."""
     if not isinstance(token_positions, torch.Tensor):
         raise TypeError("token_positions must be a torch.Tensor, got "
                         f"{type(token_positions).__name__}")
     if token_positions.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"token_positions must be int32 or int64, got {token_positions.dtype}")
-    x4 = _as_4d(x)
-    B, T = x4.shape[0], x4.shape[2]
     shape = tuple(token_positions.shape)
-    if not (shape == (T,) or (len(shape) == 2 and shape[1] == T and shape[0] in (1, B))):
-        raise ValueError(f"token_positions must have shape ({T},) or ({B}, {T}) to match a tensor "
-                         f"of shape {tuple(x.shape)}, got {shape}")
+    if not (shape == (seq,) or (len(shape) == 2 and shape[1] == seq and shape[0] in (1, batch))):
+        raise ValueError(f"token_positions must have shape ({seq},) or ({batch}, {seq}), got "
+                         f"{shape}")
     message = f"token_positions must lie in [0, {max_seq_len})"
     on_host = token_positions.device.type == "cpu"
     if not check_values:
@@ -331,13 +330,21 @@ def _check_positions(token_positions: object, x: torch.Tensor, max_seq_len: int,
                                         or token_positions.max() >= max_seq_len):
             raise ValueError(f"{message}, got values in [{int(token_positions.min())}, "
                              f"{int(token_positions.max())}]")
-    elif token_positions.device == x.device:  # on the device, or compiled: no host branch
+    elif token_positions.device == torch.device(device):  # on the device, or compiled
         in_range = ((token_positions >= 0) & (token_positions < max_seq_len)).all()
         torch._assert_async(in_range, message)
-    if not on_host and token_positions.device != x.device:
+    if not on_host and token_positions.device != torch.device(device):
         raise ValueError(f"token_positions is on {token_positions.device}, but the rotated tensor "
-                         f"is on {x.device}")
-    return token_positions.to(x.device)
+                         f"is on {device}")
+    return token_positions.to(device)
+
+
+def _check_positions(token_positions: object, x: torch.Tensor, max_seq_len: int,
+                     check_values: bool = True) -> torch.Tensor:
+    """check_positions for the rotated tensor x, (T, D) to (B, H, T, D)."""
+    x4 = _as_4d(x)
+    return check_positions(token_positions, x4.shape[0], x4.shape[2], max_seq_len, x.device,
+                           check_values)
 
 
 def check_rotatable(name: str, t: object) -> None:
