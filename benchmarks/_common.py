@@ -66,24 +66,40 @@ OOM, UNSUPPORTED, NOT_AVAILABLE, ERROR, SKIPPED = "OOM", "unsupported", "n/a", "
 
 def parser(description: str, *, quick_help: str) -> argparse.ArgumentParser:
     """The arguments every benchmark takes; scripts add their own."""
-    p = argparse.ArgumentParser(description=description,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help=quick_help)
-    p.add_argument("--out", type=Path, default=None, metavar="DIR",
-                   help="write CSV, JSON, PNG and a summary here (created if missing)")
-    p.add_argument("--warmup-ms", type=float, default=25.0,
-                   help="do_bench warm-up per measurement")
-    p.add_argument("--rep-ms", type=float, default=100.0,
-                   help="do_bench timed time per measurement")
-    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
-                   help="stop starting measurements after this long (default: none, or the "
-                        "script's --quick budget)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write CSV, JSON, PNG and a summary here (created if missing)",
+    )
+    p.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up per measurement")
+    p.add_argument(
+        "--rep-ms", type=float, default=100.0, help="do_bench timed time per measurement"
+    )
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop starting measurements after this long (default: none, or the "
+        "script's --quick budget)",
+    )
     part = p.add_mutually_exclusive_group()
-    part.add_argument("--headline", action="store_true",
-                      help="only the headline rows (what gpu_check.sh measures first); "
-                           "files NAME_headline.*")
-    part.add_argument("--skip-headline", action="store_true",
-                      help="leave out the rows --headline measures; files NAME_sweep.*")
+    part.add_argument(
+        "--headline",
+        action="store_true",
+        help="only the headline rows (what gpu_check.sh measures first); files NAME_headline.*",
+    )
+    part.add_argument(
+        "--skip-headline",
+        action="store_true",
+        help="leave out the rows --headline measures; files NAME_sweep.*",
+    )
     return p
 
 
@@ -107,8 +123,9 @@ def optional_module(name: str):
 
 def _git(*args: str) -> str:
     try:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
+        return subprocess.run(
+            ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -117,8 +134,12 @@ def _driver_version() -> str | None:
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10).stdout.split()
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.split()
     except (OSError, subprocess.SubprocessError):
         return None
     return out[0] if out else None
@@ -131,7 +152,6 @@ def environment() -> dict:
     FASTLM_COMMIT if set, else "unknown", and `source` (a hash of the tracked sources, see
     gpu_report.py) still ties the numbers to a commit."""
     import triton
-
     from gpu_report import source_fingerprint
 
     commit = _git("rev-parse", "--short", "HEAD")
@@ -163,8 +183,10 @@ def environment() -> dict:
 
 
 def no_cuda_notice(script: str) -> None:
-    print(f"{script}: no CUDA device, so no timings. Running a small correctness check through "
-          "Triton's interpreter instead (TRITON_INTERPRET=1).")
+    print(
+        f"{script}: no CUDA device, so no timings. Running a small correctness check through "
+        "Triton's interpreter instead (TRITON_INTERPRET=1)."
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,8 +222,15 @@ def _classify(exc: BaseException) -> tuple[str, str]:
     first_line = text.splitlines()[0][:200] if text else type(exc).__name__
     if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in text.lower():
         return OOM, first_line
-    if any(words in text.lower() for words in ("no available kernel", "no viable backend",
-                                                  "outofresources", "out of resource")):
+    if any(
+        words in text.lower()
+        for words in (
+            "no available kernel",
+            "no viable backend",
+            "outofresources",
+            "out of resource",
+        )
+    ):
         return UNSUPPORTED, first_line
     if isinstance(exc, (ImportError, NotImplementedError)):
         return NOT_AVAILABLE, first_line
@@ -225,17 +254,23 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def do_bench_ms(fn: Callable[[], object], warmup_ms: float, rep_ms: float,
-                grad_to_none: Sequence[torch.Tensor] | None = None) -> float:
+def do_bench_ms(
+    fn: Callable[[], object],
+    warmup_ms: float,
+    rep_ms: float,
+    grad_to_none: Sequence[torch.Tensor] | None = None,
+) -> float:
     """Median milliseconds of fn over do_bench's timed runs (L2 flushed before each)."""
     from triton.testing import do_bench
 
-    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none,
-                          return_mode="median"))
+    return float(
+        do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none, return_mode="median")
+    )
 
 
-def do_bench_graph_ms(fn: Callable[[], object], rep_ms: float,
-                      grad_to_none: Sequence[torch.Tensor] | None = None) -> float:
+def do_bench_graph_ms(
+    fn: Callable[[], object], rep_ms: float, grad_to_none: Sequence[torch.Tensor] | None = None
+) -> float:
     """Median milliseconds of fn replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`):
     the GPU's time without the host's launch overhead. No L2 flush between calls, so use it on
     data several times the L2's size.
@@ -246,8 +281,9 @@ def do_bench_graph_ms(fn: Callable[[], object], rep_ms: float,
 
     sync()  # the inputs were written on the default stream
     with torch.cuda.stream(torch.cuda.Stream()):
-        return float(do_bench_cudagraph(fn, rep=rep_ms, grad_to_none=grad_to_none,
-                                        return_mode="median"))
+        return float(
+            do_bench_cudagraph(fn, rep=rep_ms, grad_to_none=grad_to_none, return_mode="median")
+        )
 
 
 def time_loop_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
@@ -310,8 +346,15 @@ def _grads_for(outputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     return [torch.randn_like(o) for o in outputs]
 
 
-def time_modes(run: Run, fn: Callable, inputs: Sequence[torch.Tensor], label: str, *,
-               forward_grad: bool = True, modes: Sequence[str] = MODES) -> dict[str, Outcome]:
+def time_modes(
+    run: Run,
+    fn: Callable,
+    inputs: Sequence[torch.Tensor],
+    label: str,
+    *,
+    forward_grad: bool = True,
+    modes: Sequence[str] = MODES,
+) -> dict[str, Outcome]:
     """Milliseconds of fn(*inputs)'s forward, backward and both, keyed by mode (those of MODES
     in `modes`).
 
@@ -330,24 +373,39 @@ def time_modes(run: Run, fn: Callable, inputs: Sequence[torch.Tensor], label: st
         grads = _grads_for(outputs)
         return do_bench_ms(
             lambda: torch.autograd.backward(outputs, grads, retain_graph=True),
-            run.args.warmup_ms, run.args.rep_ms, grad_to_none=leaves)
+            run.args.warmup_ms,
+            run.args.rep_ms,
+            grad_to_none=leaves,
+        )
 
     def forward_backward():
         grads = _grads_for(as_tuple(fn(*inputs)))
         return do_bench_ms(
             lambda: torch.autograd.backward(as_tuple(fn(*inputs)), grads),
-            run.args.warmup_ms, run.args.rep_ms, grad_to_none=leaves)
+            run.args.warmup_ms,
+            run.args.rep_ms,
+            grad_to_none=leaves,
+        )
 
-    return {mode: run.measure(timer, f"{label} {mode}")
-            for mode, timer in zip(MODES, (forward, backward, forward_backward)) if mode in modes}
+    return {
+        mode: run.measure(timer, f"{label} {mode}")
+        for mode, timer in zip(MODES, (forward, backward, forward_backward))
+        if mode in modes
+    }
 
 
 GRAPH_MODES = ("fwd", "fwd+bwd")  # a backward alone would run on its forward's stream, uncaptured
 
 
-def time_modes_graph(run: Run, fn: Callable, inputs: Sequence[torch.Tensor], label: str, *,
-                     forward_grad: bool = True,
-                     modes: Sequence[str] = GRAPH_MODES) -> dict[str, Outcome]:
+def time_modes_graph(
+    run: Run,
+    fn: Callable,
+    inputs: Sequence[torch.Tensor],
+    label: str,
+    *,
+    forward_grad: bool = True,
+    modes: Sequence[str] = GRAPH_MODES,
+) -> dict[str, Outcome]:
     """As time_modes, replayed from CUDA graphs (do_bench_graph_ms), for the modes of GRAPH_MODES
     in `modes`: the forward and forward+backward without launch overhead."""
     leaves = [t for t in inputs if t.requires_grad]
@@ -358,12 +416,18 @@ def time_modes_graph(run: Run, fn: Callable, inputs: Sequence[torch.Tensor], lab
 
     def forward_backward():
         grads = _grads_for(as_tuple(fn(*inputs)))
-        return do_bench_graph_ms(lambda: torch.autograd.backward(as_tuple(fn(*inputs)), grads),
-                                 run.args.graph_rep_ms, grad_to_none=leaves)
+        return do_bench_graph_ms(
+            lambda: torch.autograd.backward(as_tuple(fn(*inputs)), grads),
+            run.args.graph_rep_ms,
+            grad_to_none=leaves,
+        )
 
     timers = {"fwd": forward, "fwd+bwd": forward_backward}
-    return {mode: run.measure(timers[mode], f"{label} {mode} (graph)")
-            for mode in GRAPH_MODES if mode in modes}
+    return {
+        mode: run.measure(timers[mode], f"{label} {mode} (graph)")
+        for mode in GRAPH_MODES
+        if mode in modes
+    }
 
 
 def output_error(fn: Callable, reference_fn: Callable, inputs: Sequence[torch.Tensor]) -> float:
@@ -401,13 +465,17 @@ class Run:
     are filled in once the measuring is over; `finish()` then rewrites the CSV complete.
     """
 
-    def __init__(self, name: str, args: argparse.Namespace, quick_time_limit: float,
-                 columns: Sequence[str]):
+    def __init__(
+        self, name: str, args: argparse.Namespace, quick_time_limit: float, columns: Sequence[str]
+    ):
         self.name = run_name(name, args)
         self.args = args
         self.columns = list(columns)
-        limit = args.time_limit if args.time_limit is not None else (
-            quick_time_limit if args.quick or args.headline else None)
+        limit = (
+            args.time_limit
+            if args.time_limit is not None
+            else (quick_time_limit if args.quick or args.headline else None)
+        )
         self.deadline = Deadline(limit)
         self.rows: list[dict] = []
         self.notes: list[str] = []
@@ -446,8 +514,10 @@ class Run:
         if not self.deadline.expired():
             return False
         self.budget_spent = True
-        self.note(f"{SKIPPED}: time budget of {self.deadline.seconds:.0f} s spent; "
-                  "the cases after the last row were not measured")
+        self.note(
+            f"{SKIPPED}: time budget of {self.deadline.seconds:.0f} s spent; "
+            "the cases after the last row were not measured"
+        )
         return True
 
     @contextlib.contextmanager
@@ -461,8 +531,10 @@ class Run:
             yield
         except KeyboardInterrupt:
             self.interrupted = True
-            self.note(f"interrupted (SIGINT) after {self.deadline.elapsed():.0f} s: "
-                      "the measurements after the last row are missing")
+            self.note(
+                f"interrupted (SIGINT) after {self.deadline.elapsed():.0f} s: "
+                "the measurements after the last row are missing"
+            )
 
     def stopped(self) -> str | None:
         """Why the run ended before its last case, or None if it measured everything."""
@@ -472,18 +544,23 @@ class Run:
 
     def failure_notes(self) -> list[str]:
         """One note per distinct failure message, naming the first case and the count."""
-        return [f"{status} in {len(labels)} measurement(s), first {labels[0]}: {message}"
-                for (status, message), labels in self.failures.items()]
+        return [
+            f"{status} in {len(labels)} measurement(s), first {labels[0]}: {message}"
+            for (status, message), labels in self.failures.items()
+        ]
 
     def header(self) -> None:
         env = self.env
-        print(f"# {self.name}: {env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
-              f"CUDA {env['cuda']}, commit {env['commit']}"
-              + (" (+ uncommitted changes)" if env["uncommitted_changes"] else ""))
+        print(
+            f"# {self.name}: {env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
+            f"CUDA {env['cuda']}, commit {env['commit']}"
+            + (" (+ uncommitted changes)" if env["uncommitted_changes"] else "")
+        )
         print()
 
-    def finish(self, *, group_by: Sequence[str] = (), plot: dict | None = None,
-               summary: Iterable[str] = ()) -> int:
+    def finish(
+        self, *, group_by: Sequence[str] = (), plot: dict | None = None, summary: Iterable[str] = ()
+    ) -> int:
         """Markdown table and notes on stdout; CSV, JSON, PNG and summary lines to --out.
 
         Rows with equal `group_by` fields are put together (groups in the order they were first
@@ -502,10 +579,21 @@ class Run:
         out = self.args.out
         if out is not None:
             write_csv(self.csv_path, self.rows, self.columns)
-            (out / f"{self.name}.json").write_text(json.dumps(
-                {"env": self.env, "args": {k: str(v) for k, v in vars(self.args).items()},
-                 "elapsed_s": round(self.deadline.elapsed(), 1), "stopped": self.stopped(),
-                 "rows": self.rows, "notes": self.notes, **self.extra}, indent=1, default=str))
+            (out / f"{self.name}.json").write_text(
+                json.dumps(
+                    {
+                        "env": self.env,
+                        "args": {k: str(v) for k, v in vars(self.args).items()},
+                        "elapsed_s": round(self.deadline.elapsed(), 1),
+                        "stopped": self.stopped(),
+                        "rows": self.rows,
+                        "notes": self.notes,
+                        **self.extra,
+                    },
+                    indent=1,
+                    default=str,
+                )
+            )
             (out / f"{self.name}_summary.md").write_text("\n".join(summary) + "\n")
             if plot is not None:
                 message = plot_lines(out / f"{self.name}.png", self.rows, **plot)
@@ -522,11 +610,19 @@ def ratio(numerator: Outcome | float | None, denominator: Outcome | float | None
     return a / b if a is not None and b else None
 
 
-def add_ratios(rows: Sequence[dict], column: str, baseline: str, *, key: Sequence[str],
-               value: str, higher_is_better: bool = False) -> None:
+def add_ratios(
+    rows: Sequence[dict],
+    column: str,
+    baseline: str,
+    *,
+    key: Sequence[str],
+    value: str,
+    higher_is_better: bool = False,
+) -> None:
     """Set each row's `column` to its `value` compared with the row of impl `baseline` with
     the same `key` fields: baseline / row (a speed-up when value is a time), or row / baseline
     with higher_is_better (tokens/s). None where either is not a number."""
+
     def number(row):
         return row.get(value) if isinstance(row.get(value), (int, float)) else None
 
@@ -575,8 +671,9 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def write_csv(path: Path, rows: Sequence[dict], columns: Sequence[str], *,
-              append: bool = False) -> None:
+def write_csv(
+    path: Path, rows: Sequence[dict], columns: Sequence[str], *, append: bool = False
+) -> None:
     """rows as CSV with a header line, or appended to the file without one."""
     with path.open("a" if append else "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
@@ -585,8 +682,18 @@ def write_csv(path: Path, rows: Sequence[dict], columns: Sequence[str], *,
         writer.writerows(rows)
 
 
-def plot_lines(path: Path, rows: Sequence[dict], *, x: str, y: str, series: str,
-               panel: Sequence[str], title: str, logx: bool = False, logy: bool = False) -> str:
+def plot_lines(
+    path: Path,
+    rows: Sequence[dict],
+    *,
+    x: str,
+    y: str,
+    series: str,
+    panel: Sequence[str],
+    title: str,
+    logx: bool = False,
+    logy: bool = False,
+) -> str:
     """One subplot per distinct `panel` value tuple, one line per `series` value, y against x.
 
     Rows whose y is not a number are left out. Returns a note when nothing was drawn.
@@ -611,8 +718,12 @@ def plot_lines(path: Path, rows: Sequence[dict], *, x: str, y: str, series: str,
             points = [(r[x], r[y]) for r in in_panel if r[series] == name]
             if logx:  # numeric x: a sweep measured most important first is drawn in order
                 points.sort()
-            ax.plot([str(p[0]) if not logx else p[0] for p in points], [p[1] for p in points],
-                    marker="o", label=str(name))
+            ax.plot(
+                [str(p[0]) if not logx else p[0] for p in points],
+                [p[1] for p in points],
+                marker="o",
+                label=str(name),
+            )
         ax.set_title(", ".join(f"{k}={v}" for k, v in zip(panel, key)), fontsize=9)
         ax.set_xlabel(x)
         ax.set_ylabel(y)
@@ -622,7 +733,7 @@ def plot_lines(path: Path, rows: Sequence[dict], *, x: str, y: str, series: str,
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle(title)
     fig.tight_layout()
@@ -641,8 +752,10 @@ def report_checks(results: Sequence[tuple[str, str, float | None, float | None]]
 
     status is 'ok' or 'FAIL...'; a FAIL makes the exit code 1.
     """
-    rows = [{"check": name, "status": status,
-             "relative error": err, "bound": bound} for name, status, err, bound in results]
+    rows = [
+        {"check": name, "status": status, "relative error": err, "bound": bound}
+        for name, status, err, bound in results
+    ]
     print(markdown_table(rows, ["check", "status", "relative error", "bound"]))
     failed = [r["check"] for r in rows if r["status"].startswith("FAIL")]
     if failed:
@@ -652,8 +765,9 @@ def report_checks(results: Sequence[tuple[str, str, float | None, float | None]]
     return 0
 
 
-def compare_with_reference(name: str, fn: Callable, ref_fn: Callable,
-                           inputs: Sequence[torch.Tensor]) -> list[tuple[str, str, float, float]]:
+def compare_with_reference(
+    name: str, fn: Callable, ref_fn: Callable, inputs: Sequence[torch.Tensor]
+) -> list[tuple[str, str, float, float]]:
     """fn on float32 `inputs` against ref_fn on float64 copies: every output and every input's
     gradient (for random output gradients), with fastlm.testing's float32 bound.
 
@@ -668,8 +782,11 @@ def compare_with_reference(name: str, fn: Callable, ref_fn: Callable,
     torch.autograd.backward(outs, [g.to(o.dtype) for g, o in zip(grads, outs)])
     torch.autograd.backward(refs, grads)
     pairs = [(f"out{i}", o, r) for i, (o, r) in enumerate(zip(outs, refs))]
-    pairs += [(f"grad{i}", t.grad, r.grad) for i, (t, r) in enumerate(zip(inputs, ref_inputs))
-              if t.requires_grad]
+    pairs += [
+        (f"grad{i}", t.grad, r.grad)
+        for i, (t, r) in enumerate(zip(inputs, ref_inputs))
+        if t.requires_grad
+    ]
     bound = TOLERANCE[torch.float32]
     rows = []
     for label, out, ref in pairs:
@@ -687,18 +804,29 @@ def try_check(name: str, check: Callable[[], list]) -> list[tuple]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description="Print the benchmark environment (GPU, driver, "
-                                            "versions, commit); with --out DIR also write "
-                                            "DIR/env.json.")
+    p = argparse.ArgumentParser(
+        description="Print the benchmark environment (GPU, driver, "
+        "versions, commit); with --out DIR also write "
+        "DIR/env.json."
+    )
     p.add_argument("--out", type=Path, default=None, metavar="DIR")
-    p.add_argument("--require", nargs="*", default=[], metavar="MODULE",
-                   help="record which of these modules cannot be imported (missing_modules)")
-    p.add_argument("--need-cuda", action="store_true",
-                   help="exit 3 (after writing env.json) when torch sees no CUDA device")
+    p.add_argument(
+        "--require",
+        nargs="*",
+        default=[],
+        metavar="MODULE",
+        help="record which of these modules cannot be imported (missing_modules)",
+    )
+    p.add_argument(
+        "--need-cuda",
+        action="store_true",
+        help="exit 3 (after writing env.json) when torch sees no CUDA device",
+    )
     args = p.parse_args()
     info = environment()
-    info["missing_modules"] = " ".join(name for name in args.require
-                                       if importlib.util.find_spec(name) is None)
+    info["missing_modules"] = " ".join(
+        name for name in args.require if importlib.util.find_spec(name) is None
+    )
     print(json.dumps(info, indent=1))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -27,12 +27,11 @@ interpreter at tiny sizes; exit code 1 if the kernel gives a wrong result or fai
 
 from __future__ import annotations
 
-import _common as common  # first: turns on Triton's interpreter when there is no CUDA
-
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import _common as common  # first: turns on Triton's interpreter when there is no CUDA
 import torch
 import torch.nn.functional as F
 
@@ -44,8 +43,20 @@ FILL_TOKENS = 16384  # B x N of the configuration that fills the GPU
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 QUICK_TIME_LIMIT_S = 160
 EAGER, COMPILED, SDPA_FLASH = "reference", "torch.compile(reference)", "sdpa-flash"
-COLUMNS = ["dtype", "D", "B", "H", "N", "mode", "impl", "ms", "TFLOP/s", "vs sdpa-flash",
-           "vs reference", "rel err"]
+COLUMNS = [
+    "dtype",
+    "D",
+    "B",
+    "H",
+    "N",
+    "mode",
+    "impl",
+    "ms",
+    "TFLOP/s",
+    "vs sdpa-flash",
+    "vs reference",
+    "rel err",
+]
 SHAPE_AND_MODE = ("dtype", "D", "B", "N", "mode")  # the columns that make rows comparable
 
 
@@ -93,7 +104,8 @@ def quick_shapes() -> list[Shape]:
     """bf16, D = 128: the filled GPU at 1k, 4k and 16k tokens, then batch 1 at 64k (where the
     explicit [N x N] reference runs out of memory)."""
     return [Shape("bf16", 128, FILL_TOKENS // n, n) for n in (1024, 4096, 16384)] + [
-        Shape("bf16", 128, 1, 65536)]
+        Shape("bf16", 128, 1, 65536)
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -115,6 +127,7 @@ def _with_causal_mask(fn: Callable) -> Callable:
             masks.clear()
             masks[n] = torch.triu(torch.ones(n, n, dtype=torch.bool, device=q.device), 1)
         return fn(q, k, v, masks[n])
+
     return run
 
 
@@ -124,6 +137,7 @@ def _sdpa(backend) -> Callable:
     def run(q, k, v):
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
     return run
 
 
@@ -141,6 +155,7 @@ def implementations() -> tuple[dict[str, Callable], list[str]]:
     impls["sdpa-efficient"] = _sdpa(SDPBackend.EFFICIENT_ATTENTION)
     flash_attn = common.optional_module("flash_attn")
     if flash_attn is not None:
+
         def flash_attn_run(q, k, v):  # flash-attn wants (B, N, H, D): transposed views, no copy
             out = flash_attn.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True)
             return out.transpose(1, 2)
@@ -173,19 +188,34 @@ def plan(args) -> list[tuple[Shape, dict[str, tuple[str, ...]]]]:
     if not args.quick:  # the quick shapes first: a time-limited full sweep still has them
         shapes += full_shapes()
     other_modes = tuple(m for m in common.MODES if m not in HEADLINE_MODES)
-    return [(shape, {name: other_modes for name in HEADLINE_IMPLS}
-             if args.skip_headline and shape in headline else {})
-            for shape in dict.fromkeys(shapes)]
+    return [
+        (
+            shape,
+            {name: other_modes for name in HEADLINE_IMPLS}
+            if args.skip_headline and shape in headline
+            else {},
+        )
+        for shape in dict.fromkeys(shapes)
+    ]
 
 
-def bench_shape(run: common.Run, impls: dict[str, Callable], shape: Shape,
-                modes: dict[str, tuple[str, ...]]) -> None:
+def bench_shape(
+    run: common.Run, impls: dict[str, Callable], shape: Shape, modes: dict[str, tuple[str, ...]]
+) -> None:
     dtype = DTYPES[shape.dtype]
 
     def make():
-        return tuple(torch.randn(shape.batch, shape.heads, shape.seq, shape.head_dim,
-                                 device=common.DEVICE, dtype=dtype).requires_grad_()
-                     for _ in range(3))
+        return tuple(
+            torch.randn(
+                shape.batch,
+                shape.heads,
+                shape.seq,
+                shape.head_dim,
+                device=common.DEVICE,
+                dtype=dtype,
+            ).requires_grad_()
+            for _ in range(3)
+        )
 
     made = run.measure(make, f"inputs {shape}")
     if not made.ok:
@@ -196,15 +226,27 @@ def bench_shape(run: common.Run, impls: dict[str, Callable], shape: Shape,
         times = common.time_modes(run, fn, inputs, label, modes=modes.get(name, common.MODES))
         if not times:
             continue
-        error = run.measure(lambda: common.output_error(fn, _sdpa_default, inputs),
-                            f"{label} check")
+        error = run.measure(
+            lambda fn=fn, inputs=inputs: common.output_error(fn, _sdpa_default, inputs),
+            f"{label} check",
+        )
         for mode, ms in times.items():
             flops = FLOP_FACTOR[mode] * shape.forward_flops()
-            run.add({"dtype": shape.dtype, "D": shape.head_dim, "B": shape.batch,
-                     "H": shape.heads, "N": shape.seq, "batch": "1" if shape.batch == 1 else "fill",
-                     "mode": mode, "impl": name, "ms": ms.cell(),
-                     "TFLOP/s": flops / (ms.value * 1e-3) / 1e12 if ms.ok else None,
-                     "rel err": error.cell()})
+            run.add(
+                {
+                    "dtype": shape.dtype,
+                    "D": shape.head_dim,
+                    "B": shape.batch,
+                    "H": shape.heads,
+                    "N": shape.seq,
+                    "batch": "1" if shape.batch == 1 else "fill",
+                    "mode": mode,
+                    "impl": name,
+                    "ms": ms.cell(),
+                    "TFLOP/s": flops / (ms.value * 1e-3) / 1e12 if ms.ok else None,
+                    "rel err": error.cell(),
+                }
+            )
     del inputs, made
     common.free_memory()
 
@@ -223,18 +265,24 @@ def summary_lines(rows: list[dict]) -> list[str]:
     if not any(r["impl"] == "fastlm" for r in rows):
         return ["attention: no fastlm rows at bf16, D = 128 (see the notes)"]
     fmt = common.format_value
-    lines = [f"Causal attention, bf16, D = 128, H = {HIDDEN // 128} (TFLOP/s; vs X = X's ms / "
-             "fastlm's):", "",
-             "| N | B | mode | fastlm | " + " | ".join(others) + " | "
-             + " | ".join(f"vs {name}" for name in others) + " |",
-             "|---|---|---|---|" + "---|" * (2 * len(others))]
+    lines = [
+        f"Causal attention, bf16, D = 128, H = {HIDDEN // 128} (TFLOP/s; vs X = X's ms / "
+        "fastlm's):",
+        "",
+        "| N | B | mode | fastlm | "
+        + " | ".join(others)
+        + " | "
+        + " | ".join(f"vs {name}" for name in others)
+        + " |",
+        "|---|---|---|---|" + "---|" * (2 * len(others)),
+    ]
     for key in dict.fromkeys((r["N"], r["B"], r["mode"]) for r in rows):
         same = {r["impl"]: r for r in rows if (r["N"], r["B"], r["mode"]) == key}
         ours = same.get("fastlm")
         if ours is None:
             continue
 
-        def cell(name):
+        def cell(name, same=same):
             row = same.get(name)
             return "" if row is None else fmt(row["TFLOP/s"] or row["ms"])
 
@@ -242,9 +290,13 @@ def summary_lines(rows: list[dict]) -> list[str]:
             return row["ms"] if row and isinstance(row["ms"], float) else None
 
         speedups = [common.ratio(ms(same.get(name)), ms(ours)) for name in others]
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {cell('fastlm')} | "
-                     + " | ".join(cell(name) for name in others) + " | "
-                     + " | ".join(fmt(v) for v in speedups) + " |")
+        lines.append(
+            f"| {key[0]} | {key[1]} | {key[2]} | {cell('fastlm')} | "
+            + " | ".join(cell(name) for name in others)
+            + " | "
+            + " | ".join(fmt(v) for v in speedups)
+            + " |"
+        )
     return lines
 
 
@@ -273,9 +325,12 @@ def interpreter_check() -> int:
     def check(name, causal, q_shape, kv_shape):
         def run():
             return common.compare_with_reference(
-                f"flash_attention {name}", lambda q, k, v: flash_attention(q, k, v, causal=causal),
+                f"flash_attention {name}",
+                lambda q, k, v: flash_attention(q, k, v, causal=causal),
                 lambda q, k, v: _reference_gqa(q, k, v, causal),
-                leaves(q_shape, kv_shape, kv_shape))
+                leaves(q_shape, kv_shape, kv_shape),
+            )
+
         return common.try_check(f"flash_attention {name}", run)
 
     rows = check("causal N=33 D=16", True, (1, 2, 33, 16), (1, 2, 33, 16))
@@ -290,11 +345,20 @@ def interpreter_check() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = common.parser(__doc__.split("\n\n")[0], quick_help=(
-        "bf16, D=128, N in 1k/4k/16k filling the GPU and 64k at batch 1, "
-        f"within a {QUICK_TIME_LIMIT_S} s time budget"))
-    p.add_argument("--impls", nargs="+", default=None, metavar="NAME",
-                   help="measure only these implementations (default: all available)")
+    p = common.parser(
+        __doc__.split("\n\n")[0],
+        quick_help=(
+            "bf16, D=128, N in 1k/4k/16k filling the GPU and 64k at batch 1, "
+            f"within a {QUICK_TIME_LIMIT_S} s time budget"
+        ),
+    )
+    p.add_argument(
+        "--impls",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="measure only these implementations (default: all available)",
+    )
     args = p.parse_args(argv)
     if not common.HAS_CUDA:
         common.no_cuda_notice("benchmarks/attention.py")
@@ -320,10 +384,18 @@ def main(argv: list[str] | None = None) -> int:
                 break
             bench_shape(run, impls, shape, modes)
     add_speedups(run.rows)
-    return run.finish(group_by=SHAPE_AND_MODE, summary=summary_lines(run.rows),
-                      plot={"x": "N", "y": "TFLOP/s", "series": "impl", "logx": True,
-                            "panel": ("dtype", "D", "batch", "mode"),
-                            "title": f"causal attention, {run.env['gpu']}"})
+    return run.finish(
+        group_by=SHAPE_AND_MODE,
+        summary=summary_lines(run.rows),
+        plot={
+            "x": "N",
+            "y": "TFLOP/s",
+            "series": "impl",
+            "logx": True,
+            "panel": ("dtype", "D", "batch", "mode"),
+            "title": f"causal attention, {run.env['gpu']}",
+        },
+    )
 
 
 if __name__ == "__main__":

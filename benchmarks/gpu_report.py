@@ -71,8 +71,14 @@ def source_fingerprint(repo: Path) -> str:
     for top in SOURCES:
         path = repo / top
         candidates = [path] if path.is_file() else sorted(path.rglob("*"))
-        files += [f for f in candidates if f.is_file() and f.suffix in SOURCE_SUFFIXES
-                  and "__pycache__" not in f.parts and "results" not in f.parts]
+        files += [
+            f
+            for f in candidates
+            if f.is_file()
+            and f.suffix in SOURCE_SUFFIXES
+            and "__pycache__" not in f.parts
+            and "results" not in f.parts
+        ]
     for f in sorted(files, key=lambda f: f.relative_to(repo).as_posix()):
         digest.update(f.relative_to(repo).as_posix().encode() + b"\0")
         digest.update(f.read_bytes() + b"\0")
@@ -105,8 +111,16 @@ def read_steps(stage: Path) -> list[dict]:
     for fields in csv.reader(io.StringIO(_read_text(stage / STEPS_FILE)), delimiter="\t"):
         if len(fields) >= 5:
             name, planned, limit, seconds, rc = fields[:5]
-            steps.append({"name": name, "planned": planned, "limit": limit, "seconds": seconds,
-                          "rc": rc, "note": fields[5] if len(fields) > 5 else ""})
+            steps.append(
+                {
+                    "name": name,
+                    "planned": planned,
+                    "limit": limit,
+                    "seconds": seconds,
+                    "rc": rc,
+                    "note": fields[5] if len(fields) > 5 else "",
+                }
+            )
     return steps
 
 
@@ -145,10 +159,20 @@ def suite_result(stage: Path) -> list[str]:
     log = _read_text(stage / "tests.log").splitlines()
     if not log:
         return ["no tests.log: the test step did not run"]
-    summary = [line for line in log if re.match(r"^=+ .*\b(passed|failed|error|errors|skipped|"
-                                                r"no tests ran)\b.* =+$", line)]
-    lines = [f"`{summary[-1].strip('= ')}`" if summary
-             else "no pytest summary line (cut by the limit?): see tests.log"]
+    summary = [
+        line
+        for line in log
+        if re.match(
+            r"^=+ .*\b(passed|failed|error|errors|skipped|"
+            r"no tests ran)\b.* =+$",
+            line,
+        )
+    ]
+    lines = [
+        f"`{summary[-1].strip('= ')}`"
+        if summary
+        else "no pytest summary line (cut by the limit?): see tests.log"
+    ]
     failures = [line for line in log if line.startswith(("FAILED ", "ERROR "))]
     lines += [f"- {line[:200]}" for line in failures[:20]]
     if len(failures) > 20:
@@ -160,13 +184,25 @@ def suite_result(stage: Path) -> list[str]:
 # summary.md
 # --------------------------------------------------------------------------------------------
 
-ENV_FIELDS = ("gpu", "driver", "torch", "triton", "cuda", "cudnn", "python", "commit", "source",
-              "liger_kernel", "flash_attn")
+ENV_FIELDS = (
+    "gpu",
+    "driver",
+    "torch",
+    "triton",
+    "cuda",
+    "cudnn",
+    "python",
+    "commit",
+    "source",
+    "liger_kernel",
+    "flash_attn",
+)
 
 
 def _table(header: list[str], rows: list[list]) -> list[str]:
-    return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-            + ["| " + " | ".join("" if v is None else str(v) for v in row) + " |" for row in rows])
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + [
+        "| " + " | ".join("" if v is None else str(v) for v in row) + " |" for row in rows
+    ]
 
 
 def _log_tail(stage: Path, name: str, lines: int = 5) -> list[str]:
@@ -176,16 +212,22 @@ def _log_tail(stage: Path, name: str, lines: int = 5) -> list[str]:
 
 def _benchmark_section(stage: Path, name: str, title: str, steps: dict[str, dict]) -> list[str]:
     """A benchmark step's summary table and its files, or why there is none."""
-    files = [f"`{f}`" for f in (name + ext for ext in (".csv", ".json", ".png", ".log"))
-             if (stage / f).exists()]
+    files = [
+        f"`{f}`"
+        for f in (name + ext for ext in (".csv", ".json", ".png", ".log"))
+        if (stage / f).exists()
+    ]
     lines = [f"### {title}", ""] + (["Files: " + ", ".join(files) + ".", ""] if files else [])
     summary = _read_text(stage / f"{name}_summary.md").strip()
     if summary:
         return lines + summary.splitlines() + [""]
     why = step_status(steps[name], stage) if name in steps else "not run (yet)"
     tail = _log_tail(stage, name)
-    return lines + [f"No table (step: {why})." + (f" The end of `{name}.log`:" if tail else ""),
-                    *tail, ""]
+    return lines + [
+        f"No table (step: {why})." + (f" The end of `{name}.log`:" if tail else ""),
+        *tail,
+        "",
+    ]
 
 
 def _graph_breaks(stage: Path) -> list[str]:
@@ -193,10 +235,13 @@ def _graph_breaks(stage: Path) -> list[str]:
     for name in ("train_headline", "train_sweep"):
         counted = (_read_json(stage / f"{name}.json") or {}).get("graph_breaks", {})
         for label, c in counted.items():
-            reasons = "; ".join(f"{n}x {reason.splitlines()[0][:160]}"
-                                for reason, n in c.get("reasons", {}).items())
-            lines.append(f"- {label}: {c.get('graph_breaks')} graph break(s), {c.get('graphs')} "
-                         f"graph(s) (`{name}.json`){': ' + reasons if reasons else ''}")
+            reasons = "; ".join(
+                f"{n}x {reason.splitlines()[0][:160]}" for reason, n in c.get("reasons", {}).items()
+            )
+            lines.append(
+                f"- {label}: {c.get('graph_breaks')} graph break(s), {c.get('graphs')} "
+                f"graph(s) (`{name}.json`){': ' + reasons if reasons else ''}"
+            )
     return lines or ["- not measured (no compiled row in train_headline.json)"]
 
 
@@ -214,10 +259,13 @@ def _describe(name: str) -> str:
         return "this summary"
     if stem.endswith("_summary"):
         return f"the summary table of {stem[:-8]}"
-    return {".csv": f"every row of {stem} (also written row by row while measuring)",
-            ".json": f"rows, notes and environment of {stem}",
-            ".png": f"plot of {stem}", ".log": f"output of the {stem} step",
-            ".xml": f"JUnit XML of the {stem} step"}.get(suffix, "")
+    return {
+        ".csv": f"every row of {stem} (also written row by row while measuring)",
+        ".json": f"rows, notes and environment of {stem}",
+        ".png": f"plot of {stem}",
+        ".log": f"output of the {stem} step",
+        ".xml": f"JUnit XML of the {stem} step",
+    }.get(suffix, "")
 
 
 def summarize(stage: Path, archive: str, left_out: list[str]) -> str:
@@ -228,13 +276,16 @@ def summarize(stage: Path, archive: str, left_out: list[str]) -> str:
     ran = [s for s in steps if s["rc"] != "-"]
     used = sum(float(s["seconds"]) for s in ran if s["seconds"].replace(".", "").isdigit())
     hit = [s["name"] for s in steps if hit_limit(s, stage)]
-    lines = [f"# fastlm GPU check: {env.get('gpu', 'unknown GPU')}, {env.get('date', 'no date')}",
-             "",
-             f"Steps run: {len(ran)} of {len(steps)}, {used:.0f} s in all. "
-             + (f"Steps that hit their limits: {', '.join(hit)}." if hit
-                else "No step hit its limit."),
-             f"Everything below is in `results.tar.gz` (folder `{archive}/`).", "",
-             "## Environment", ""]
+    lines = [
+        f"# fastlm GPU check: {env.get('gpu', 'unknown GPU')}, {env.get('date', 'no date')}",
+        "",
+        f"Steps run: {len(ran)} of {len(steps)}, {used:.0f} s in all. "
+        + (f"Steps that hit their limits: {', '.join(hit)}." if hit else "No step hit its limit."),
+        f"Everything below is in `results.tar.gz` (folder `{archive}/`).",
+        "",
+        "## Environment",
+        "",
+    ]
     if env:
         lines += _table(list(ENV_FIELDS), [[env.get(k) for k in ENV_FIELDS]])
     else:
@@ -244,12 +295,31 @@ def summarize(stage: Path, archive: str, left_out: list[str]) -> str:
     lines += ["", "## Headline", ""]
     for name, title in HEADLINE.items():
         lines += _benchmark_section(stage, name, title, by_name)
-    lines += ["## Graph breaks (torch.compile's dynamo counters)", "", *_graph_breaks(stage), "",
-              "## Test suite on CUDA (`tests.log`)", "", *suite_result(stage), "", "## Steps", ""]
-    lines += _table(["step", "limit s (planned)", "used s", "status", "log"],
-                    [[s["name"], f"{s['limit']} ({s['planned']})", s["seconds"],
-                      step_status(s, stage), f"`{s['name']}.log`" if s["rc"] != "-" else ""]
-                     for s in steps])
+    lines += [
+        "## Graph breaks (torch.compile's dynamo counters)",
+        "",
+        *_graph_breaks(stage),
+        "",
+        "## Test suite on CUDA (`tests.log`)",
+        "",
+        *suite_result(stage),
+        "",
+        "## Steps",
+        "",
+    ]
+    lines += _table(
+        ["step", "limit s (planned)", "used s", "status", "log"],
+        [
+            [
+                s["name"],
+                f"{s['limit']} ({s['planned']})",
+                s["seconds"],
+                step_status(s, stage),
+                f"`{s['name']}.log`" if s["rc"] != "-" else "",
+            ]
+            for s in steps
+        ],
+    )
     lines += ["", "## Wider sweeps", ""]
     for name in SWEEPS:
         lines += _benchmark_section(stage, name, name, by_name)
@@ -277,7 +347,7 @@ def archive_name(stage: Path) -> str:
 def _cut(data: bytes, cap: int) -> bytes:
     """The first quarter and the last three quarters of `cap` bytes, whole lines, with a marker."""
     head = data[: cap // 4].rsplit(b"\n", 1)[0]
-    tail = data[-(cap - cap // 4):].split(b"\n", 1)[-1]
+    tail = data[-(cap - cap // 4) :].split(b"\n", 1)[-1]
     marker = f"\n[... {len(data) - len(head) - len(tail)} bytes cut by gpu_report.py ...]\n"
     return head + marker.encode() + tail
 
@@ -372,8 +442,9 @@ class StopAfter:
 
     def pytest_runtest_logfinish(self, nodeid, location):
         if time.monotonic() > self.end and self.session is not None:
-            self.session.shouldstop = (f"time limit of {self.seconds:.0f} s: the tests after "
-                                       f"{nodeid} did not run")
+            self.session.shouldstop = (
+                f"time limit of {self.seconds:.0f} s: the tests after {nodeid} did not run"
+            )
 
 
 def run_pytest(seconds: float, args: list[str]) -> int:

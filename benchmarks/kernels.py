@@ -58,21 +58,30 @@ interpreter at tiny sizes; exit code 1 if a kernel gives a wrong result or fails
 
 from __future__ import annotations
 
-import _common as common  # first: turns on Triton's interpreter when there is no CUDA
-
 import inspect
 import math
 import sys
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import _common as common  # first: turns on Triton's interpreter when there is no CUDA
 import torch
 import torch.nn.functional as F
 
 from fastlm import reference
-from fastlm.kernels import (add_rms_norm, add_rms_norm_ref, apply_rope_, cross_entropy,
-                            linear_cross_entropy, rms_norm, rms_norm_ref, rope_ref, rope_tables,
-                            swiglu, swiglu_ref)
+from fastlm.kernels import (
+    add_rms_norm,
+    add_rms_norm_ref,
+    apply_rope_,
+    cross_entropy,
+    linear_cross_entropy,
+    rms_norm,
+    rms_norm_ref,
+    rope_ref,
+    rope_tables,
+    swiglu,
+    swiglu_ref,
+)
 
 DTYPE = torch.bfloat16
 EPS = 1e-5
@@ -95,8 +104,22 @@ EAGER, COMPILED = "reference", "torch.compile(reference)"
 MATERIALISED = "x @ w.T, F.cross_entropy"
 MATERIALISED_COMPILED = f"torch.compile({MATERIALISED})"
 GRAPH_BELOW_MS = 1.0
-COLUMNS = ["op", "mode", "size", "impl", "ms", "ms (graph)", "GB/s", "% of copy", "vs reference",
-           "vs compiled", "graph vs compiled", "rel err", "peak MiB", "peak / logits"]
+COLUMNS = [
+    "op",
+    "mode",
+    "size",
+    "impl",
+    "ms",
+    "ms (graph)",
+    "GB/s",
+    "% of copy",
+    "vs reference",
+    "vs compiled",
+    "graph vs compiled",
+    "rel err",
+    "peak MiB",
+    "peak / logits",
+]
 
 
 @dataclass
@@ -217,6 +240,7 @@ def rope_impls(m: int, n: int) -> dict[str, Callable]:
         def run(q, k):
             q, k = _computed(q, k)
             return apply_rope_(q, k, cos, sin, positions, interleaved=interleaved)
+
         return run
 
     # Hugging Face tables (Liger's): (1, T, D), each frequency repeated over the two halves.
@@ -224,8 +248,10 @@ def rope_impls(m: int, n: int) -> dict[str, Callable]:
 
     def half_split_math(q, k):
         """The half-split layout's rotation: the op's PyTorch math."""
-        return (rope_ref(q, cos, sin, positions, interleaved=False),
-                rope_ref(k, cos, sin, positions, interleaved=False))
+        return (
+            rope_ref(q, cos, sin, positions, interleaved=False),
+            rope_ref(k, cos, sin, positions, interleaved=False),
+        )
 
     half_split = fastlm_rope(False)
     half_split.error_reference = half_split_math
@@ -237,6 +263,7 @@ def rope_impls(m: int, n: int) -> dict[str, Callable]:
     }
     liger = _liger("rope", "LigerRopeFunction")
     if liger is not None:
+
         def liger_rope(q, k):
             q, k = _computed(q, k)
             return liger.apply(q, k, hf_cos, hf_sin)
@@ -307,20 +334,42 @@ def linear_cross_entropy_impls() -> dict[str, Callable]:
 
 
 OPS = [
-    Op("rms_norm", lambda m, n: (_leaf(m, n), _weight(n)), rms_norm_impls,
-       {"fwd": 2, "bwd": 3, "fwd+bwd": 5}),
-    Op("add_rms_norm", lambda m, n: (_leaf(m, n), _leaf(m, n), _weight(n)), add_rms_norm_impls,
-       {"fwd": 4, "bwd": 4, "fwd+bwd": 8}),
-    Op("rope", lambda m, n: (_leaf(*_rope_shape(m, n)), _leaf(*_rope_shape(m, n))), rope_impls,
-       {"fwd": 4, "bwd": 4, "fwd+bwd": 4 + 4 + 4},  # fwd+bwd: clone, rotation, backward
-       forward_grad=False),
-    Op("swiglu", lambda m, n: (_leaf(m, n), _leaf(m, n)), swiglu_impls,
-       {"fwd": 3, "bwd": 5, "fwd+bwd": 8}),
-    Op("cross_entropy", lambda m, v: (_leaf(m, v), _targets(m, v)), cross_entropy_impls,
-       # No backward-alone row: fastlm's gradient is written in the forward, its backward is
-       # one in-place scale and refuses a second pass over a retained graph.
-       {"fwd": 1, "fwd+bwd": 2}, full_sizes=CROSS_ENTROPY_FULL_SIZES,
-       quick_sizes=CROSS_ENTROPY_QUICK_SIZES, error_reference=_cross_entropy_fp32),
+    Op(
+        "rms_norm",
+        lambda m, n: (_leaf(m, n), _weight(n)),
+        rms_norm_impls,
+        {"fwd": 2, "bwd": 3, "fwd+bwd": 5},
+    ),
+    Op(
+        "add_rms_norm",
+        lambda m, n: (_leaf(m, n), _leaf(m, n), _weight(n)),
+        add_rms_norm_impls,
+        {"fwd": 4, "bwd": 4, "fwd+bwd": 8},
+    ),
+    Op(
+        "rope",
+        lambda m, n: (_leaf(*_rope_shape(m, n)), _leaf(*_rope_shape(m, n))),
+        rope_impls,
+        {"fwd": 4, "bwd": 4, "fwd+bwd": 4 + 4 + 4},  # fwd+bwd: clone, rotation, backward
+        forward_grad=False,
+    ),
+    Op(
+        "swiglu",
+        lambda m, n: (_leaf(m, n), _leaf(m, n)),
+        swiglu_impls,
+        {"fwd": 3, "bwd": 5, "fwd+bwd": 8},
+    ),
+    Op(
+        "cross_entropy",
+        lambda m, v: (_leaf(m, v), _targets(m, v)),
+        cross_entropy_impls,
+        # No backward-alone row: fastlm's gradient is written in the forward, its backward is
+        # one in-place scale and refuses a second pass over a retained graph.
+        {"fwd": 1, "fwd+bwd": 2},
+        full_sizes=CROSS_ENTROPY_FULL_SIZES,
+        quick_sizes=CROSS_ENTROPY_QUICK_SIZES,
+        error_reference=_cross_entropy_fp32,
+    ),
 ]
 
 
@@ -335,24 +384,39 @@ def bench_size(run: common.Run, op: Op, m: int, n: int, copy_gbs: float) -> None
     inputs = op.make_inputs(m, n)
     reference_fn = op.error_reference or impls[EAGER]
     # Every check before any timing: Liger's cross-entropy overwrites the logits it is timed on.
-    errors = {name: run.measure(lambda: common.output_error(fn, reference_fn, inputs),
-                                f"{op.name} {name} {size} check")
-              for name, fn in impls.items()}
+    errors = {
+        name: run.measure(
+            lambda fn=fn, inputs=inputs: common.output_error(fn, reference_fn, inputs),
+            f"{op.name} {name} {size} check",
+        )
+        for name, fn in impls.items()
+    }
     for name, fn in impls.items():
         label = f"{op.name} {name} {size}"
-        times = common.time_modes(run, fn, inputs, label, forward_grad=op.forward_grad,
-                                  modes=tuple(op.traffic))
+        times = common.time_modes(
+            run, fn, inputs, label, forward_grad=op.forward_grad, modes=tuple(op.traffic)
+        )
         short = [mode for mode, ms in times.items() if ms.ok and ms.value < run.args.graph_below_ms]
-        graph_times = common.time_modes_graph(run, fn, inputs, label,
-                                              forward_grad=op.forward_grad, modes=short)
+        graph_times = common.time_modes_graph(
+            run, fn, inputs, label, forward_grad=op.forward_grad, modes=short
+        )
         for mode, ms in times.items():
             gigabytes = op.traffic[mode] * m * n * DTYPE.itemsize / 1e9
             gbs = gigabytes / (ms.value * 1e-3) if ms.ok else None
             graph = graph_times.get(mode)
-            run.add({"op": op.name, "mode": mode, "size": size, "impl": name, "ms": ms.cell(),
-                     "ms (graph)": graph.cell() if graph else None,
-                     "GB/s": gbs, "% of copy": 100 * gbs / copy_gbs if gbs else None,
-                     "rel err": errors[name].cell()})
+            run.add(
+                {
+                    "op": op.name,
+                    "mode": mode,
+                    "size": size,
+                    "impl": name,
+                    "ms": ms.cell(),
+                    "ms (graph)": graph.cell() if graph else None,
+                    "GB/s": gbs,
+                    "% of copy": 100 * gbs / copy_gbs if gbs else None,
+                    "rel err": errors[name].cell(),
+                }
+            )
     del inputs
     common.free_memory()
 
@@ -381,13 +445,27 @@ def bench_linear_cross_entropy(run: common.Run, m: int, c: int) -> None:
     for name, fn in impls.items():
         label = f"{LINEAR_CE} {name} {size}"
         ms = common.time_modes(run, fn, inputs, label, modes=("fwd+bwd",))["fwd+bwd"]
-        error = run.measure(lambda: common.output_error(fn, _linear_cross_entropy_fp32, inputs),
-                            f"{label} check")
-        peak = run.measure(lambda: peak_extra_bytes(fn, inputs), f"{label} peak memory")
-        run.add({"op": LINEAR_CE, "mode": "fwd+bwd", "size": size, "impl": name,
-                 "ms": ms.cell(), "rel err": error.cell(),
-                 "peak MiB": peak.value / 2**20 if peak.ok else peak.status,
-                 "peak / logits": common.ratio(peak, logits_bytes)})
+        error = run.measure(
+            lambda fn=fn, inputs=inputs: common.output_error(
+                fn, _linear_cross_entropy_fp32, inputs
+            ),
+            f"{label} check",
+        )
+        peak = run.measure(
+            lambda fn=fn, inputs=inputs: peak_extra_bytes(fn, inputs), f"{label} peak memory"
+        )
+        run.add(
+            {
+                "op": LINEAR_CE,
+                "mode": "fwd+bwd",
+                "size": size,
+                "impl": name,
+                "ms": ms.cell(),
+                "rel err": error.cell(),
+                "peak MiB": peak.value / 2**20 if peak.ok else peak.status,
+                "peak / logits": common.ratio(peak, logits_bytes),
+            }
+        )
     del inputs
     common.free_memory()
 
@@ -399,8 +477,10 @@ def add_speedups(rows: list[dict]) -> None:
     fused = [r for r in rows if r["op"] == LINEAR_CE]
     others = [r for r in rows if r["op"] != LINEAR_CE]
     key = ("op", "mode", "size")
-    for subset, eager, compiled in ((others, EAGER, COMPILED),
-                                    (fused, MATERIALISED, MATERIALISED_COMPILED)):
+    for subset, eager, compiled in (
+        (others, EAGER, COMPILED),
+        (fused, MATERIALISED, MATERIALISED_COMPILED),
+    ):
         for column, baseline in (("vs reference", eager), ("vs compiled", compiled)):
             common.add_ratios(subset, column, baseline, key=key, value="ms")
     common.add_ratios(others, "graph vs compiled", COMPILED, key=key, value="ms (graph)")
@@ -430,38 +510,59 @@ def summary_lines(rows: list[dict]) -> list[str]:
     their ms / fastlm's; 'graph': both replayed from CUDA graphs), as markdown tables."""
     table, fused = [], []
     for op_name, size, mode in dict.fromkeys((r["op"], r["size"], r["mode"]) for r in rows):
-        at = {r["impl"]: r for r in rows
-              if (r["op"], r["size"], r["mode"]) == (op_name, size, mode)}
+        at = {
+            r["impl"]: r for r in rows if (r["op"], r["size"], r["mode"]) == (op_name, size, mode)
+        }
         ours = at.get("fastlm")
         if ours is None:
             continue
         liger = next((r for name, r in at.items() if name.startswith("liger")), {})
         if op_name == LINEAR_CE:
-            fused.append({"size": size, "fastlm ms": ours["ms"],
-                          "vs materialised": ours["vs reference"],
-                          "vs compiled": ours["vs compiled"],
-                          "peak / logits": ours["peak / logits"],
-                          "materialised peak / logits":
-                              at.get(MATERIALISED, {}).get("peak / logits"),
-                          "liger ms": liger.get("ms"),
-                          "liger peak / logits": liger.get("peak / logits")})
+            fused.append(
+                {
+                    "size": size,
+                    "fastlm ms": ours["ms"],
+                    "vs materialised": ours["vs reference"],
+                    "vs compiled": ours["vs compiled"],
+                    "peak / logits": ours["peak / logits"],
+                    "materialised peak / logits": at.get(MATERIALISED, {}).get("peak / logits"),
+                    "liger ms": liger.get("ms"),
+                    "liger peak / logits": liger.get("peak / logits"),
+                }
+            )
             continue
-        table.append({"op": op_name, "size": size, "mode": mode, "fastlm ms": ours["ms"],
-                      "ms (graph)": ours["ms (graph)"], "GB/s": ours["GB/s"],
-                      "% of copy": ours["% of copy"], "vs compiled": ours["vs compiled"],
-                      "vs eager": ours["vs reference"],
-                      "vs liger": common.ratio(_ms(liger), _ms(ours)),
-                      "graph vs compiled": ours["graph vs compiled"],
-                      "graph vs liger": common.ratio(_ms(liger, "ms (graph)"),
-                                                     _ms(ours, "ms (graph)"))})
+        table.append(
+            {
+                "op": op_name,
+                "size": size,
+                "mode": mode,
+                "fastlm ms": ours["ms"],
+                "ms (graph)": ours["ms (graph)"],
+                "GB/s": ours["GB/s"],
+                "% of copy": ours["% of copy"],
+                "vs compiled": ours["vs compiled"],
+                "vs eager": ours["vs reference"],
+                "vs liger": common.ratio(_ms(liger), _ms(ours)),
+                "graph vs compiled": ours["graph vs compiled"],
+                "graph vs liger": common.ratio(_ms(liger, "ms (graph)"), _ms(ours, "ms (graph)")),
+            }
+        )
     lines = []
     if table:
-        lines += ["Memory-bound kernels, bf16 (speed-up = other's ms / fastlm's; graph: both "
-                  "replayed from CUDA graphs):", "", common.markdown_table(table, list(table[0]))]
+        lines += [
+            "Memory-bound kernels, bf16 (speed-up = other's ms / fastlm's; graph: both "
+            "replayed from CUDA graphs):",
+            "",
+            common.markdown_table(table, list(table[0])),
+        ]
     if fused:
-        lines += ["", f"{LINEAR_CE}, bf16, forward+backward (peak memory beyond the inputs, as a "
-                  "multiple of the logits' size):", "",
-                  common.markdown_table(fused, list(fused[0]))]
+        lines += [
+            "",
+            f"{LINEAR_CE}, bf16, forward+backward (peak memory beyond the inputs, as a "
+            "multiple of the logits' size):",
+            "",
+            common.markdown_table(fused, list(fused[0])),
+        ]
     return lines or ["kernels: no fastlm rows (see the notes)"]
 
 
@@ -481,12 +582,16 @@ def interpreter_check() -> int:
 
     def rms_norm_check():
         return common.compare_with_reference(
-            "rms_norm", lambda x, w: rms_norm(x, w, EPS), _rms_norm_math, [leaf(5, 37), weight(37)])
+            "rms_norm", lambda x, w: rms_norm(x, w, EPS), _rms_norm_math, [leaf(5, 37), weight(37)]
+        )
 
     def add_rms_norm_check():
         return common.compare_with_reference(
-            "add_rms_norm", lambda x, r, w: add_rms_norm(x, r, w, EPS), _add_rms_norm_math,
-            [leaf(5, 37), leaf(5, 37), weight(37)])
+            "add_rms_norm",
+            lambda x, r, w: add_rms_norm(x, r, w, EPS),
+            _add_rms_norm_math,
+            [leaf(5, 37), leaf(5, 37), weight(37)],
+        )
 
     def rope_check():
         d, t, offset = 16, 7, 3
@@ -502,12 +607,14 @@ def interpreter_check() -> int:
         def reference_rope(q, k):
             return rope64(q, positions), rope64(k, positions)
 
-        return common.compare_with_reference("rope", fastlm_rope, reference_rope,
-                                             [leaf(2, 3, t, d), leaf(2, 1, t, d)])
+        return common.compare_with_reference(
+            "rope", fastlm_rope, reference_rope, [leaf(2, 3, t, d), leaf(2, 1, t, d)]
+        )
 
     def swiglu_check():
-        return common.compare_with_reference("swiglu", swiglu, _swiglu_math,
-                                             [leaf(5, 33), leaf(5, 33)])
+        return common.compare_with_reference(
+            "swiglu", swiglu, _swiglu_math, [leaf(5, 33), leaf(5, 33)]
+        )
 
     # Two of the interpreter's vocabulary blocks (1024), the second partial; one ignored target.
     vocab, tokens = 1500, 7
@@ -520,21 +627,32 @@ def interpreter_check() -> int:
 
     def cross_entropy_check():
         return common.compare_with_reference(
-            "cross_entropy", lambda logits: cross_entropy(logits, targets, IGNORE_INDEX),
-            reference_loss, [leaf(tokens, vocab)])
+            "cross_entropy",
+            lambda logits: cross_entropy(logits, targets, IGNORE_INDEX),
+            reference_loss,
+            [leaf(tokens, vocab)],
+        )
 
     def linear_cross_entropy_check():
         def fused(x, w):  # chunks of 3 tokens: 3, 3 and a partial 1
             return linear_cross_entropy(x, w, targets, IGNORE_INDEX, chunk_size=3)
 
-        return common.compare_with_reference(LINEAR_CE, fused, lambda x, w: reference_loss(x @ w.T),
-                                             [leaf(tokens, 24), leaf(vocab, 24)])
+        return common.compare_with_reference(
+            LINEAR_CE,
+            fused,
+            lambda x, w: reference_loss(x @ w.T),
+            [leaf(tokens, 24), leaf(vocab, 24)],
+        )
 
     rows = []
-    for name, check in (("rms_norm", rms_norm_check), ("add_rms_norm", add_rms_norm_check),
-                        ("rope", rope_check), ("swiglu", swiglu_check),
-                        ("cross_entropy", cross_entropy_check),
-                        (LINEAR_CE, linear_cross_entropy_check)):
+    for name, check in (
+        ("rms_norm", rms_norm_check),
+        ("add_rms_norm", add_rms_norm_check),
+        ("rope", rope_check),
+        ("swiglu", swiglu_check),
+        ("cross_entropy", cross_entropy_check),
+        (LINEAR_CE, linear_cross_entropy_check),
+    ):
         rows += common.try_check(name, check)
     return common.report_checks(rows)
 
@@ -546,16 +664,29 @@ def interpreter_check() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     op_names = [op.name for op in OPS] + [LINEAR_CE]
-    p = common.parser(__doc__.split("\n\n")[0], quick_help=(
-        f"one size per op ({QUICK_SIZES[0]}; cross-entropy {CROSS_ENTROPY_QUICK_SIZES[0]}, "
-        f"{LINEAR_CE} {LINEAR_CE_QUICK_SIZES[0]}), within a {QUICK_TIME_LIMIT_S} s time budget"))
-    p.add_argument("--ops", nargs="+", choices=op_names, default=op_names,
-                   help="which ops to measure")
-    p.add_argument("--graph-below-ms", type=float, default=GRAPH_BELOW_MS,
-                   help="also time fwd and fwd+bwd rows shorter than this from a CUDA graph "
-                        f"(default {GRAPH_BELOW_MS}; 0: never)")
-    p.add_argument("--graph-rep-ms", type=float, default=20.0,
-                   help="do_bench_cudagraph's timed time per replay (it replays 10 times)")
+    p = common.parser(
+        __doc__.split("\n\n")[0],
+        quick_help=(
+            f"one size per op ({QUICK_SIZES[0]}; cross-entropy {CROSS_ENTROPY_QUICK_SIZES[0]}, "
+            f"{LINEAR_CE} {LINEAR_CE_QUICK_SIZES[0]}), within a {QUICK_TIME_LIMIT_S} s time budget"
+        ),
+    )
+    p.add_argument(
+        "--ops", nargs="+", choices=op_names, default=op_names, help="which ops to measure"
+    )
+    p.add_argument(
+        "--graph-below-ms",
+        type=float,
+        default=GRAPH_BELOW_MS,
+        help="also time fwd and fwd+bwd rows shorter than this from a CUDA graph "
+        f"(default {GRAPH_BELOW_MS}; 0: never)",
+    )
+    p.add_argument(
+        "--graph-rep-ms",
+        type=float,
+        default=20.0,
+        help="do_bench_cudagraph's timed time per replay (it replays 10 times)",
+    )
     args = p.parse_args(argv)
     if not common.HAS_CUDA:
         common.no_cuda_notice("benchmarks/kernels.py")
@@ -580,9 +711,17 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 bench_size(run, ops[name], m, n, copy_gbs)
     add_speedups(run.rows)
-    return run.finish(group_by=("op", "size", "mode"), summary=summary_lines(run.rows),
-                      plot={"x": "size", "y": "GB/s", "series": "impl", "panel": ("op", "mode"),
-                            "title": f"fastlm kernels, bf16, {run.env['gpu']}"})
+    return run.finish(
+        group_by=("op", "size", "mode"),
+        summary=summary_lines(run.rows),
+        plot={
+            "x": "size",
+            "y": "GB/s",
+            "series": "impl",
+            "panel": ("op", "mode"),
+            "title": f"fastlm kernels, bf16, {run.env['gpu']}",
+        },
+    )
 
 
 if __name__ == "__main__":

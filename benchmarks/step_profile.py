@@ -57,8 +57,6 @@ ranges read back for validation) stand apart.
 
 from __future__ import annotations
 
-import _common as common  # first: turns on Triton's interpreter when there is no CUDA
-
 import argparse
 import contextlib
 import json
@@ -68,23 +66,59 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import _common as common  # first: turns on Triton's interpreter when there is no CUDA
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
 from fastlm.testing import call_through
 
-GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "dot",
-                      "vdot", "mv", "addmv", "_addmm_activation", "_scaled_mm"})
+GEMM_OPS = frozenset(
+    {
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "addbmm",
+        "matmul",
+        "linear",
+        "dot",
+        "vdot",
+        "mv",
+        "addmv",
+        "_addmm_activation",
+        "_scaled_mm",
+    }
+)
 MODEL_OPS = frozenset({"embedding", "embedding_dense_backward", "embedding_backward"})
 # Ops that move no data although their schema does not mark them as views.
-NO_DATA_OPS = frozenset({"_unsafe_view", "empty", "empty_strided", "empty_like", "new_empty",
-                         "new_empty_strided", "lift_fresh", "set_", "resize_", "_reshape_alias"})
+NO_DATA_OPS = frozenset(
+    {
+        "_unsafe_view",
+        "empty",
+        "empty_strided",
+        "empty_like",
+        "new_empty",
+        "new_empty_strided",
+        "lift_fresh",
+        "set_",
+        "resize_",
+        "_reshape_alias",
+    }
+)
 # In-place ops that write their argument without reading it.
 OVERWRITE_OPS = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "random_"})
 CATEGORIES = ("triton", "gemm", "model", "glue", "metadata")
 
-DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16",
-               torch.float64: "f64", torch.int64: "i64", torch.int32: "i32", torch.bool: "bool"}
+DTYPE_NAMES = {
+    torch.float32: "f32",
+    torch.bfloat16: "bf16",
+    torch.float16: "f16",
+    torch.float64: "f64",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.bool: "bool",
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,6 +216,7 @@ class StepRecorder(TorchDispatchMode):
         classes = [JITFunction]
         try:
             from triton.runtime.interpreter import InterpretedFunction
+
             classes.append(InterpretedFunction)
         except ImportError:  # an older Triton: the interpreter launches through JITFunction
             pass
@@ -199,6 +234,7 @@ class StepRecorder(TorchDispatchMode):
                     return original(kernel, *args, **kwargs)
                 finally:
                     self.launch_depth -= 1
+
             return run
 
         for cls, original in originals.items():
@@ -229,6 +265,7 @@ def record_step(step: Callable[[], None], warmup_steps: int = 0) -> dict[tuple[s
 @dataclass
 class Fit:
     """One (category, name)'s share of a step; see the module docstring for the model."""
+
     category: str
     name: str
     count_layer: float
@@ -240,8 +277,9 @@ class Fit:
     count_layer_larger_batch: float  # count_layer measured at the larger batch
 
 
-def fit_runs(runs: dict[tuple[int, int], dict], layers: tuple[int, int],
-             tokens: tuple[int, int]) -> list[Fit]:
+def fit_runs(
+    runs: dict[tuple[int, int], dict], layers: tuple[int, int], tokens: tuple[int, int]
+) -> list[Fit]:
     """Exact fit of every key's count and bytes through runs[(L, N)] for L in layers and N in
     tokens (a key missing from a run counts zero there)."""
     (l1, l2), (n1, n2) = layers, tokens
@@ -252,22 +290,39 @@ def fit_runs(runs: dict[tuple[int, int], dict], layers: tuple[int, int],
         size = {ln: runs[ln].get(key, (0, 0))[1] for ln in runs}
         count_layer = (count[l2, n1] - count[l1, n1]) / (l2 - l1)
         token_layer = ((size[l2, n2] - size[l2, n1]) - (size[l1, n2] - size[l1, n1])) / (
-            (l2 - l1) * (n2 - n1))
+            (l2 - l1) * (n2 - n1)
+        )
         fixed_layer = (size[l2, n1] - size[l1, n1]) / (l2 - l1) - token_layer * n1
         token_step = (size[l1, n2] - size[l1, n1]) / (n2 - n1) - token_layer * l1
         fixed_step = size[l1, n1] - l1 * (fixed_layer + token_layer * n1) - token_step * n1
-        fits.append(Fit(*key, count_layer=count_layer, count_step=count[l1, n1] - l1 * count_layer,
-                        token_bytes_layer=token_layer, fixed_bytes_layer=fixed_layer,
-                        token_bytes_step=token_step, fixed_bytes_step=fixed_step,
-                        count_layer_larger_batch=(count[l2, n2] - count[l1, n2]) / (l2 - l1)))
+        fits.append(
+            Fit(
+                *key,
+                count_layer=count_layer,
+                count_step=count[l1, n1] - l1 * count_layer,
+                token_bytes_layer=token_layer,
+                fixed_bytes_layer=fixed_layer,
+                token_bytes_step=token_step,
+                fixed_bytes_step=fixed_step,
+                count_layer_larger_batch=(count[l2, n2] - count[l1, n2]) / (l2 - l1),
+            )
+        )
     return fits
 
 
-def profile(make_step: Callable[[int, int], Callable[[], None]], layers: tuple[int, int],
-            batch_sizes: tuple[int, int], seq_len: int, warmup_steps: int = 0) -> list[Fit]:
+def profile(
+    make_step: Callable[[int, int], Callable[[], None]],
+    layers: tuple[int, int],
+    batch_sizes: tuple[int, int],
+    seq_len: int,
+    warmup_steps: int = 0,
+) -> list[Fit]:
     """Record make_step(num_layers, batch_size)() at the four (depth, batch) pairs and fit."""
-    runs = {(num_layers, batch * seq_len): record_step(make_step(num_layers, batch), warmup_steps)
-            for num_layers in layers for batch in batch_sizes}
+    runs = {
+        (num_layers, batch * seq_len): record_step(make_step(num_layers, batch), warmup_steps)
+        for num_layers in layers
+        for batch in batch_sizes
+    }
     return fit_runs(runs, layers, tuple(b * seq_len for b in batch_sizes))
 
 
@@ -287,8 +342,9 @@ def build_model(kind: str, config: dict, device: str) -> nn.Module:
     return cls(**config, device=device)
 
 
-def model_step(kind: str, config: dict, batch_size: int, device: str, seed: int = 0
-               ) -> Callable[[], None]:
+def model_step(
+    kind: str, config: dict, batch_size: int, device: str, seed: int = 0
+) -> Callable[[], None]:
     """One loss + backward of a fresh fp32 model as fastlm.train runs it on CUDA: the loss under
     bf16 autocast (fastlm: fused linear cross-entropy; reference: float32 logits through the
     reference cross-entropy), backward outside it, gradients None before each call."""
@@ -296,8 +352,9 @@ def model_step(kind: str, config: dict, batch_size: int, device: str, seed: int 
 
     torch.manual_seed(seed)
     loss_fn = NextTokenLoss(build_model(kind, config, device))
-    tokens = torch.randint(0, config["vocab_size"], (batch_size, config["context_length"] + 1),
-                           device=device)
+    tokens = torch.randint(
+        0, config["vocab_size"], (batch_size, config["context_length"] + 1), device=device
+    )
 
     def step():
         loss_fn.zero_grad(set_to_none=True)  # a warm-up's gradients would turn casts into adds
@@ -315,8 +372,15 @@ def parameter_counts(kind: str, config: dict) -> tuple[int, int]:
     return block, sum(p.numel() for p in model.parameters()) - block
 
 
-def profile_model(kind: str, config: dict, *, layers: tuple[int, int],
-                  batch_sizes: tuple[int, int], device: str, warmup_steps: int) -> list[Fit]:
+def profile_model(
+    kind: str,
+    config: dict,
+    *,
+    layers: tuple[int, int],
+    batch_sizes: tuple[int, int],
+    device: str,
+    warmup_steps: int,
+) -> list[Fit]:
     def make_step(num_layers: int, batch_size: int):
         return model_step(kind, dict(config, num_layers=num_layers), batch_size, device)
 
@@ -336,17 +400,22 @@ def _number(x: float) -> float | int:
 LARGE = 0.5  # bytes per token x d_model, or per parameter: below this an op is small glue
 
 
-def summary_rows(kind: str, fits: Sequence[Fit], d_model: int, params: tuple[int, int]
-                 ) -> list[dict]:
+def summary_rows(
+    kind: str, fits: Sequence[Fit], d_model: int, params: tuple[int, int]
+) -> list[dict]:
     """One row per part (a layer, the rest of the step) with counts per category and the glue's
     bytes per token x d_model and fixed bytes per parameter of that part."""
     rows = []
     for part, count, token, fixed, n_params in (
-            ("per layer", "count_layer", "token_bytes_layer", "fixed_bytes_layer", params[0]),
-            ("once per step", "count_step", "token_bytes_step", "fixed_bytes_step", params[1])):
+        ("per layer", "count_layer", "token_bytes_layer", "fixed_bytes_layer", params[0]),
+        ("once per step", "count_step", "token_bytes_step", "fixed_bytes_step", params[1]),
+    ):
         glue = [f for f in fits if f.category == "glue"]
-        large = [f for f in glue if getattr(f, token) / d_model >= LARGE
-                 or getattr(f, fixed) / n_params >= LARGE]
+        large = [
+            f
+            for f in glue
+            if getattr(f, token) / d_model >= LARGE or getattr(f, fixed) / n_params >= LARGE
+        ]
         row = {"model": kind, "part": part}
         for cat, column in zip(CATEGORIES, COUNT_COLUMNS):
             row[column] = _number(_total([f for f in fits if f.category == cat], count))
@@ -362,60 +431,95 @@ def _total(fits: Sequence[Fit], field: str) -> float:
 
 
 COUNT_COLUMNS = ["Triton launches", "GEMMs", "other model ops", "glue ops", "zero-byte ops"]
-SUMMARY_COLUMNS = ["model", "part", *COUNT_COLUMNS[:4], "large glue ops", "glue B/token/d_model",
-                   "glue fixed B/param", COUNT_COLUMNS[4]]
+SUMMARY_COLUMNS = [
+    "model",
+    "part",
+    *COUNT_COLUMNS[:4],
+    "large glue ops",
+    "glue B/token/d_model",
+    "glue fixed B/param",
+    COUNT_COLUMNS[4],
+]
 
 
 def op_rows(kind: str, fits: Sequence[Fit], d_model: int, params: tuple[int, int]) -> list[dict]:
     """Every (category, op) with its share of a layer and of the rest of the step."""
     rows = []
     for f in fits:
-        rows.append({
-            "model": kind, "category": f.category, "op": f.name,
-            "per layer": _number(f.count_layer),
-            "B/token/d_model per layer": _number(f.token_bytes_layer / d_model),
-            "fixed B/param per layer": _number(f.fixed_bytes_layer / params[0]),
-            "once per step": _number(f.count_step),
-            "B/token/d_model once": _number(f.token_bytes_step / d_model),
-            "fixed B/param once": _number(f.fixed_bytes_step / params[1]),
-            "per layer at the larger batch": _number(f.count_layer_larger_batch),
-        })
+        rows.append(
+            {
+                "model": kind,
+                "category": f.category,
+                "op": f.name,
+                "per layer": _number(f.count_layer),
+                "B/token/d_model per layer": _number(f.token_bytes_layer / d_model),
+                "fixed B/param per layer": _number(f.fixed_bytes_layer / params[0]),
+                "once per step": _number(f.count_step),
+                "B/token/d_model once": _number(f.token_bytes_step / d_model),
+                "fixed B/param once": _number(f.fixed_bytes_step / params[1]),
+                "per layer at the larger batch": _number(f.count_layer_larger_batch),
+            }
+        )
     return rows
 
 
-OP_COLUMNS = ["category", "op", "per layer", "B/token/d_model per layer", "fixed B/param per layer",
-              "once per step", "B/token/d_model once", "fixed B/param once"]
+OP_COLUMNS = [
+    "category",
+    "op",
+    "per layer",
+    "B/token/d_model per layer",
+    "fixed B/param per layer",
+    "once per step",
+    "B/token/d_model once",
+    "fixed B/param once",
+]
 
 
 def _by_weight(row: dict) -> tuple:
-    return (-abs(row["B/token/d_model per layer"]), -abs(row["per layer"]),
-            -abs(row["B/token/d_model once"]), row["op"])
+    return (
+        -abs(row["B/token/d_model per layer"]),
+        -abs(row["per layer"]),
+        -abs(row["B/token/d_model once"]),
+        row["op"],
+    )
 
 
-def print_report(config: dict, args: argparse.Namespace, summaries: list[dict],
-                 ops: list[dict]) -> None:
+def print_report(
+    config: dict, args: argparse.Namespace, summaries: list[dict], ops: list[dict]
+) -> None:
     shape = ", ".join(f"{k}={v}" for k, v in config.items() if k != "num_layers")
-    print(f"One training step (loss + backward, fp32 parameters, bf16 autocast) on {common.DEVICE}"
-          f"; {shape}; layers {args.layers[0]} and {args.layers[1]}, batch sizes "
-          f"{args.batch_sizes[0]} and {args.batch_sizes[1]} fitted (see the docstring).\n")
+    print(
+        f"One training step (loss + backward, fp32 parameters, bf16 autocast) on {common.DEVICE}"
+        f"; {shape}; layers {args.layers[0]} and {args.layers[1]}, batch sizes "
+        f"{args.batch_sizes[0]} and {args.batch_sizes[1]} fitted (see the docstring).\n"
+    )
     print(common.markdown_table(summaries, SUMMARY_COLUMNS))
-    print(f"\nlarge glue ops: those moving at least {LARGE} B/token/d_model or {LARGE} fixed "
-          "B/param; fixed B/param: bytes that do not grow with the batch (weight casts), per "
-          "parameter of the part")
+    print(
+        f"\nlarge glue ops: those moving at least {LARGE} B/token/d_model or {LARGE} fixed "
+        "B/param; fixed B/param: bytes that do not grow with the batch (weight casts), per "
+        "parameter of the part"
+    )
     for kind in args.models:
         mine = [r for r in ops if r["model"] == kind]
         launches = [r for r in mine if r["category"] == "triton" and r["per layer"]]
         if launches:
-            print(f"\n{kind}: Triton launches per layer: "
-                  + ", ".join(f"{r['op']} {r['per layer']}" for r in launches))
-        shown = [r for r in mine if r["category"] in ("glue", "model", "gemm")
-                 and (r["per layer"] or r["once per step"])]
+            print(
+                f"\n{kind}: Triton launches per layer: "
+                + ", ".join(f"{r['op']} {r['per layer']}" for r in launches)
+            )
+        shown = [
+            r
+            for r in mine
+            if r["category"] in ("glue", "model", "gemm") and (r["per layer"] or r["once per step"])
+        ]
         print(f"\n{kind}: aten ops that move data (counts per layer and once per step)\n")
         print(common.markdown_table(sorted(shown, key=_by_weight), OP_COLUMNS))
     uneven = [r for r in ops if r["per layer"] != r["per layer at the larger batch"]]
     if uneven:
-        print("\nnote: per-layer counts differ at the larger batch for "
-              + ", ".join(f"{r['model']} {r['op']}" for r in uneven))
+        print(
+            "\nnote: per-layer counts differ at the larger batch for "
+            + ", ".join(f"{r['model']} {r['op']}" for r in uneven)
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -424,30 +528,55 @@ def print_report(config: dict, args: argparse.Namespace, summaries: list[dict],
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--num-heads", type=int, default=2)
     p.add_argument("--d-ff", type=int, default=352, help="default 2.75 x d_model")
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (T)")
-    p.add_argument("--layers", type=int, nargs=2, default=(1, 2), metavar=("L1", "L2"),
-                   help="the two depths whose difference is one layer")
-    p.add_argument("--batch-sizes", type=int, nargs=2, default=(2, 4), metavar=("B1", "B2"),
-                   help="the two batch sizes that separate per-token from fixed bytes")
-    p.add_argument("--warmup-steps", type=int, default=None,
-                   help="unrecorded steps first (default: 1 on CUDA for autotuning, 0 on CPU)")
-    p.add_argument("--json", type=Path, default=None, metavar="PATH",
-                   help="write config, environment, summary and per-op rows here")
+    p.add_argument(
+        "--layers",
+        type=int,
+        nargs=2,
+        default=(1, 2),
+        metavar=("L1", "L2"),
+        help="the two depths whose difference is one layer",
+    )
+    p.add_argument(
+        "--batch-sizes",
+        type=int,
+        nargs=2,
+        default=(2, 4),
+        metavar=("B1", "B2"),
+        help="the two batch sizes that separate per-token from fixed bytes",
+    )
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="unrecorded steps first (default: 1 on CUDA for autotuning, 0 on CPU)",
+    )
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="write config, environment, summary and per-op rows here",
+    )
     args = p.parse_args(argv)
     for name in ("d_model", "num_heads", "d_ff", "vocab_size", "seq_len"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, "
-                             f"got {getattr(args, name)}")
+            raise ValueError(
+                f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}"
+            )
     if args.d_model % args.num_heads or (args.d_model // args.num_heads) % 2:
-        raise ValueError(f"--d-model ({args.d_model}) must be a multiple of --num-heads "
-                         f"({args.num_heads}) with an even head size")
+        raise ValueError(
+            f"--d-model ({args.d_model}) must be a multiple of --num-heads "
+            f"({args.num_heads}) with an even head size"
+        )
     if not 1 <= args.layers[0] < args.layers[1]:
         raise ValueError(f"--layers must be two depths 1 <= L1 < L2, got {list(args.layers)}")
     if not 1 <= args.batch_sizes[0] < args.batch_sizes[1]:
@@ -466,23 +595,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         print(f"step_profile.py: error: {error}", file=sys.stderr)
         return 2
-    config = dict(vocab_size=args.vocab_size, context_length=args.seq_len, d_model=args.d_model,
-                  num_layers=args.layers[0], num_heads=args.num_heads, d_ff=args.d_ff,
-                  rope_theta=10000.0)
+    config = dict(
+        vocab_size=args.vocab_size,
+        context_length=args.seq_len,
+        d_model=args.d_model,
+        num_layers=args.layers[0],
+        num_heads=args.num_heads,
+        d_ff=args.d_ff,
+        rope_theta=10000.0,
+    )
     summaries, ops = [], []
     for kind in args.models:
-        fits = profile_model(kind, config, layers=tuple(args.layers),
-                             batch_sizes=tuple(args.batch_sizes), device=common.DEVICE,
-                             warmup_steps=args.warmup_steps)
+        fits = profile_model(
+            kind,
+            config,
+            layers=tuple(args.layers),
+            batch_sizes=tuple(args.batch_sizes),
+            device=common.DEVICE,
+            warmup_steps=args.warmup_steps,
+        )
         params = parameter_counts(kind, config)
         summaries += summary_rows(kind, fits, args.d_model, params)
         ops += op_rows(kind, fits, args.d_model, params)
     print_report(config, args, summaries, ops)
     if args.json is not None:
-        record = {"config": {k: v for k, v in config.items() if k != "num_layers"},
-                  "layers": list(args.layers), "batch_sizes": list(args.batch_sizes),
-                  "warmup_steps": args.warmup_steps, "device": common.DEVICE,
-                  "environment": common.environment(), "summary": summaries, "ops": ops}
+        record = {
+            "config": {k: v for k, v in config.items() if k != "num_layers"},
+            "layers": list(args.layers),
+            "batch_sizes": list(args.batch_sizes),
+            "warmup_steps": args.warmup_steps,
+            "device": common.DEVICE,
+            "environment": common.environment(),
+            "summary": summaries,
+            "ops": ops,
+        }
         args.json.write_text(json.dumps(record, indent=1) + "\n")
         print(f"\nwrote {args.json}")
     return 0

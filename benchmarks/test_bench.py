@@ -10,22 +10,36 @@ untimed call first. The cases and implementations are those of kernels.py and at
 from __future__ import annotations
 
 import _common as common  # first: turns on Triton's interpreter when there is no CUDA
-
 import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not common.HAS_CUDA, reason="benchmarks need a CUDA device")
 
-KERNEL_IMPLS = ["fastlm", "reference", "torch.compile(reference)", "F.rms_norm",
-                "x + r, F.rms_norm", "F.silu(g) * u", "F.cross_entropy", "liger"]
+KERNEL_IMPLS = [
+    "fastlm",
+    "reference",
+    "torch.compile(reference)",
+    "F.rms_norm",
+    "x + r, F.rms_norm",
+    "F.silu(g) * u",
+    "F.cross_entropy",
+    "liger",
+]
 ATTENTION_SEQS = [4096, 16384]
-ATTENTION_IMPLS = ["fastlm", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flash-attn",
-                   "torch.compile(reference)"]
+ATTENTION_IMPLS = [
+    "fastlm",
+    "sdpa-flash",
+    "sdpa-cudnn",
+    "sdpa-efficient",
+    "flash-attn",
+    "torch.compile(reference)",
+]
 
 
 def _run_synchronised(benchmark, fn, forward_only: bool, inputs) -> None:
     """Benchmark fn(*inputs) (forward) or its forward+backward, synchronising around each call."""
     if forward_only:
+
         def call():
             fn(*inputs)
     else:
@@ -47,8 +61,7 @@ def _run_synchronised(benchmark, fn, forward_only: bool, inputs) -> None:
 
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
 @pytest.mark.parametrize("impl", KERNEL_IMPLS)
-@pytest.mark.parametrize("op_name", ["rms_norm", "add_rms_norm", "rope", "swiglu",
-                                     "cross_entropy"])
+@pytest.mark.parametrize("op_name", ["rms_norm", "add_rms_norm", "rope", "swiglu", "cross_entropy"])
 def test_kernel(benchmark, op_name, impl, mode):
     import kernels
 
@@ -76,6 +89,10 @@ def test_attention(benchmark, seq, impl, mode):
         pytest.skip(f"{impl} is not available here")
     shape = attention.Shape("bf16", 128, max(1, attention.FILL_TOKENS // seq), seq)
     benchmark.group = f"attention {mode} {shape}"
-    inputs = [torch.randn(shape.batch, shape.heads, shape.seq, shape.head_dim,
-                          device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
+    inputs = [
+        torch.randn(
+            shape.batch, shape.heads, shape.seq, shape.head_dim, device="cuda", dtype=torch.bfloat16
+        ).requires_grad_()
+        for _ in range(3)
+    ]
     _run_synchronised(benchmark, impls[impl], mode == "fwd", inputs)

@@ -36,8 +36,6 @@ code 1 if fastlm.Transformer disagrees.
 
 from __future__ import annotations
 
-import _common as common  # first: turns on Triton's interpreter when there is no CUDA
-
 import contextlib
 import os
 import sys
@@ -45,6 +43,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import _common as common  # first: turns on Triton's interpreter when there is no CUDA
 import torch
 import torch.nn.functional as F
 
@@ -62,9 +61,15 @@ class Config:
     rope_theta: float = 10000.0
 
     def kwargs(self, context_length: int) -> dict:
-        return dict(vocab_size=self.vocab_size, context_length=context_length,
-                    d_model=self.d_model, num_layers=self.num_layers, num_heads=self.num_heads,
-                    d_ff=self.d_ff, rope_theta=self.rope_theta)
+        return dict(
+            vocab_size=self.vocab_size,
+            context_length=context_length,
+            d_model=self.d_model,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            d_ff=self.d_ff,
+            rope_theta=self.rope_theta,
+        )
 
 
 QUICK_LAYERS = 4
@@ -77,9 +82,21 @@ HEADLINE_KINDS = [FASTLM_COMPILED, SDPA_COMPILED]
 HEADLINE_SEQ = 1024
 KINDS = HEADLINE_KINDS + [FASTLM_EAGER, REF_EAGER, REF_COMPILED]
 COMPILED_KINDS = (FASTLM_COMPILED, SDPA_COMPILED, REF_COMPILED)
-COLUMNS = ["seq", "batch", "layers", "impl", "ms/step", "tokens/s", "vs reference",
-           "vs compiled SDPA", "peak GiB", "memory vs reference", "first loss", "first step s",
-           "graph breaks"]
+COLUMNS = [
+    "seq",
+    "batch",
+    "layers",
+    "impl",
+    "ms/step",
+    "tokens/s",
+    "vs reference",
+    "vs compiled SDPA",
+    "peak GiB",
+    "memory vs reference",
+    "first loss",
+    "first step s",
+    "graph breaks",
+]
 
 
 class SdpaAttention(torch.nn.Module):
@@ -90,8 +107,9 @@ class SdpaAttention(torch.nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def reference_loss(model: torch.nn.Module, ids: torch.Tensor,
-                   targets: torch.Tensor) -> torch.Tensor:
+def reference_loss(
+    model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
     """The reference model's loss, on float32 logits as in fastlm.train."""
     return reference.CrossEntropyLoss()(model(ids).float(), targets)
 
@@ -111,12 +129,20 @@ def build(kind: str, config: Config, seq: int) -> tuple[torch.nn.Module, Callabl
     return model, lambda model, ids, targets: model.loss(ids, targets)
 
 
-def make_step(model: torch.nn.Module, loss_fn: Callable, ids: torch.Tensor,
-              targets: torch.Tensor, autocast: bool) -> Callable[[], torch.Tensor]:
+def make_step(
+    model: torch.nn.Module,
+    loss_fn: Callable,
+    ids: torch.Tensor,
+    targets: torch.Tensor,
+    autocast: bool,
+) -> Callable[[], torch.Tensor]:
     """One training step as a function: loss, backward, optimizer step, gradients to None."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=ids.is_cuda)
-    precision = (torch.autocast(ids.device.type, dtype=torch.bfloat16) if autocast
-                 else contextlib.nullcontext())
+    precision = (
+        torch.autocast(ids.device.type, dtype=torch.bfloat16)
+        if autocast
+        else contextlib.nullcontext()
+    )
 
     def step():
         with precision:
@@ -125,6 +151,7 @@ def make_step(model: torch.nn.Module, loss_fn: Callable, ids: torch.Tensor,
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
+
     return step
 
 
@@ -136,8 +163,11 @@ def count_graph_breaks(call: Callable[[], object]) -> tuple[object, dict]:
     counters.clear()
     result = call()
     reasons = {str(reason): count for reason, count in counters["graph_break"].items()}
-    return result, {"graph_breaks": sum(reasons.values()),
-                    "graphs": counters["stats"]["unique_graphs"], "reasons": reasons}
+    return result, {
+        "graph_breaks": sum(reasons.values()),
+        "graphs": counters["stats"]["unique_graphs"],
+        "reasons": reasons,
+    }
 
 
 @dataclass
@@ -149,14 +179,15 @@ class Measured:
     compiled: dict | None  # count_graph_breaks' counts for a compiled row
 
 
-def measure(kind: str, config: Config, seq: int, batch: int, warmup: int,
-            steps: int) -> Measured:
+def measure(kind: str, config: Config, seq: int, batch: int, warmup: int, steps: int) -> Measured:
     model, loss_fn = build(kind, config, seq)
     if kind in COMPILED_KINDS:
         loss_fn = torch.compile(loss_fn)
     generator = torch.Generator(device=common.DEVICE).manual_seed(1)
-    ids, targets = (torch.randint(config.vocab_size, (batch, seq), device=common.DEVICE,
-                                  generator=generator) for _ in range(2))
+    ids, targets = (
+        torch.randint(config.vocab_size, (batch, seq), device=common.DEVICE, generator=generator)
+        for _ in range(2)
+    )
     step = make_step(model, loss_fn, ids, targets, autocast=True)
     start = time.perf_counter()
     first_loss, compiled = count_graph_breaks(lambda: float(step()))  # float() waits for the GPU
@@ -165,8 +196,9 @@ def measure(kind: str, config: Config, seq: int, batch: int, warmup: int,
         step()
     times = []
     peak = common.peak_memory_gib(lambda: times.append(common.time_loop_ms(step, 0, steps)))
-    return Measured(times[0], peak, first_loss, first_step_s,
-                    compiled if kind in COMPILED_KINDS else None)
+    return Measured(
+        times[0], peak, first_loss, first_step_s, compiled if kind in COMPILED_KINDS else None
+    )
 
 
 def cases(args) -> list[tuple[int, str]]:
@@ -175,8 +207,11 @@ def cases(args) -> list[tuple[int, str]]:
         return [(HEADLINE_SEQ, kind) for kind in HEADLINE_KINDS]
     wanted = [(seq, kind) for seq in args.seqs for kind in KINDS]
     if args.skip_headline:
-        wanted = [(seq, kind) for seq, kind in wanted
-                  if not (seq == HEADLINE_SEQ and kind in HEADLINE_KINDS)]
+        wanted = [
+            (seq, kind)
+            for seq, kind in wanted
+            if not (seq == HEADLINE_SEQ and kind in HEADLINE_KINDS)
+        ]
     return wanted
 
 
@@ -186,35 +221,58 @@ def bench(run: common.Run, config: Config, todo: list[tuple[int, str]], tokens: 
             break
         batch = max(1, tokens // seq)
         outcome = run.measure(
-            lambda: measure(kind, config, seq, batch, run.args.warmup_steps, run.args.steps),
-            f"{kind} seq={seq}")
+            lambda kind=kind, seq=seq, batch=batch: measure(
+                kind, config, seq, batch, run.args.warmup_steps, run.args.steps
+            ),
+            f"{kind} seq={seq}",
+        )
         torch._dynamo.reset()  # drop compiled graphs (and what their guards hold)
         common.free_memory()
         value = outcome.value
         if value is not None and value.compiled is not None:
             run.extra.setdefault("graph_breaks", {})[f"{kind} seq={seq}"] = value.compiled
-        run.add({"seq": seq, "batch": batch, "layers": config.num_layers, "impl": kind,
-                 "ms/step": value.ms if value else outcome.status,
-                 "tokens/s": batch * seq / (value.ms * 1e-3) if value else None,
-                 "peak GiB": value.peak_gib if value else outcome.status,
-                 "first loss": value.first_loss if value else None,
-                 "first step s": value.first_step_s if value else None,
-                 "graph breaks": value.compiled["graph_breaks"]
-                 if value and value.compiled else None})
+        run.add(
+            {
+                "seq": seq,
+                "batch": batch,
+                "layers": config.num_layers,
+                "impl": kind,
+                "ms/step": value.ms if value else outcome.status,
+                "tokens/s": batch * seq / (value.ms * 1e-3) if value else None,
+                "peak GiB": value.peak_gib if value else outcome.status,
+                "first loss": value.first_loss if value else None,
+                "first step s": value.first_step_s if value else None,
+                "graph breaks": value.compiled["graph_breaks"]
+                if value and value.compiled
+                else None,
+            }
+        )
 
 
 def add_comparisons(rows: list[dict]) -> None:
     """Throughput against the eager and the compiled SDPA reference, memory against the eager
     reference, at the same sequence length; each the row's value / the baseline's."""
-    for column, baseline, value in (("vs reference", REF_EAGER, "tokens/s"),
-                                    ("vs compiled SDPA", SDPA_COMPILED, "tokens/s"),
-                                    ("memory vs reference", REF_EAGER, "peak GiB")):
-        common.add_ratios(rows, column, baseline, key=("seq",), value=value,
-                          higher_is_better=True)
+    for column, baseline, value in (
+        ("vs reference", REF_EAGER, "tokens/s"),
+        ("vs compiled SDPA", SDPA_COMPILED, "tokens/s"),
+        ("memory vs reference", REF_EAGER, "peak GiB"),
+    ):
+        common.add_ratios(rows, column, baseline, key=("seq",), value=value, higher_is_better=True)
 
 
-SUMMARY_COLUMNS = ["seq", "batch", "layers", "impl", "tokens/s", "ms/step", "vs compiled SDPA",
-                   "vs reference", "peak GiB", "first step s", "graph breaks"]
+SUMMARY_COLUMNS = [
+    "seq",
+    "batch",
+    "layers",
+    "impl",
+    "tokens/s",
+    "ms/step",
+    "vs compiled SDPA",
+    "vs reference",
+    "peak GiB",
+    "first step s",
+    "graph breaks",
+]
 
 
 def summary_lines(rows: list[dict]) -> list[str]:
@@ -222,18 +280,25 @@ def summary_lines(rows: list[dict]) -> list[str]:
     if not rows:
         return ["training step: no rows (see the notes)"]
     columns = [c for c in SUMMARY_COLUMNS if any(row.get(c) is not None for row in rows)]
-    return ["Training step, bf16 autocast, AdamW (tokens/s; vs X = tokens/s over X's):", "",
-            common.markdown_table(rows, columns)]
+    return [
+        "Training step, bf16 autocast, AdamW (tokens/s; vs X = tokens/s over X's):",
+        "",
+        common.markdown_table(rows, columns),
+    ]
 
 
 def graph_break_notes(graph_breaks: dict[str, dict]) -> list[str]:
     """One note per compiled row: its graph breaks and their reasons (first line of each)."""
     notes = []
     for label, counted in graph_breaks.items():
-        reasons = "; ".join(f"{count}x {reason.splitlines()[0][:160]}"
-                            for reason, count in counted["reasons"].items())
-        notes.append(f"graph breaks of {label}: {counted['graph_breaks']} "
-                     f"({counted['graphs']} graph(s) compiled){': ' + reasons if reasons else ''}")
+        reasons = "; ".join(
+            f"{count}x {reason.splitlines()[0][:160]}"
+            for reason, count in counted["reasons"].items()
+        )
+        notes.append(
+            f"graph breaks of {label}: {counted['graph_breaks']} "
+            f"({counted['graphs']} graph(s) compiled){': ' + reasons if reasons else ''}"
+        )
     return notes
 
 
@@ -270,16 +335,24 @@ def interpreter_check() -> int:
         loss.backward()
         loss64.backward()
         grads64 = dict(ref64.named_parameters())
-        worst = max(((common.relative_error(p.grad, grads64[name].grad), name)
-                     for name, p in model.named_parameters()), key=lambda pair: pair[0])
+        worst = max(
+            (
+                (common.relative_error(p.grad, grads64[name].grad), name)
+                for name, p in model.named_parameters()
+            ),
+            key=lambda pair: pair[0],
+        )
         bound = TOLERANCE[torch.float32]
-        pairs = [("fastlm.Transformer loss", common.relative_error(loss, loss64)),
-                 (f"fastlm.Transformer grads (worst: {worst[1]})", worst[0])]
+        pairs = [
+            ("fastlm.Transformer loss", common.relative_error(loss, loss64)),
+            (f"fastlm.Transformer grads (worst: {worst[1]})", worst[0]),
+        ]
         rows = [(name, "ok" if err <= bound else "FAIL", err, bound) for name, err in pairs]
         step = make_step(model, lambda m, i, t: m.loss(i, t), ids, targets, autocast=False)
         finite = bool(torch.isfinite(step()))
-        rows.append(("fastlm training step", "ok" if finite else "FAIL (loss not finite)",
-                     None, None))
+        rows.append(
+            ("fastlm training step", "ok" if finite else "FAIL (loss not finite)", None, None)
+        )
         return rows
 
     def graph_breaks():
@@ -290,10 +363,20 @@ def interpreter_check() -> int:
         with _environ(FASTLM_BACKEND="torch"):
             _, counted = count_graph_breaks(lambda: compiled(ids, targets).backward())
         reasons = "; ".join(counted["reasons"])[:160]
-        status = "ok" if counted["graph_breaks"] == 0 else (
-            f"FAIL ({counted['graph_breaks']} graph breaks: {reasons})")
-        return [(f"torch.compile(fastlm) graph breaks: {counted['graph_breaks']}, "
-                 f"graphs: {counted['graphs']}", status, None, None)]
+        status = (
+            "ok"
+            if counted["graph_breaks"] == 0
+            else (f"FAIL ({counted['graph_breaks']} graph breaks: {reasons})")
+        )
+        return [
+            (
+                f"torch.compile(fastlm) graph breaks: {counted['graph_breaks']}, "
+                f"graphs: {counted['graphs']}",
+                status,
+                None,
+                None,
+            )
+        ]
 
     # Gradients first (the reference step below changes the weights).
     rows += common.try_check("fastlm.Transformer", fastlm_against_reference)
@@ -323,19 +406,37 @@ def _environ(**values: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = common.parser(__doc__.split("\n\n")[0], quick_help=(
-        f"{QUICK_LAYERS} layers, seq 1024 only, 3 timed steps, within a {QUICK_TIME_LIMIT_S} s "
-        "time budget"))
-    p.add_argument("--seqs", type=int, nargs="+", default=None,
-                   help="sequence lengths (default 1024 2048; --quick: 1024)")
-    p.add_argument("--tokens", type=int, default=16384,
-                   help="tokens per step, batch x seq (default 16384, the same for every row; "
-                        "train.py's docstring says why)")
-    p.add_argument("--layers", type=int, default=None,
-                   help=f"transformer blocks (default 12; --quick: {QUICK_LAYERS})")
+    p = common.parser(
+        __doc__.split("\n\n")[0],
+        quick_help=(
+            f"{QUICK_LAYERS} layers, seq 1024 only, 3 timed steps, within a {QUICK_TIME_LIMIT_S} s "
+            "time budget"
+        ),
+    )
+    p.add_argument(
+        "--seqs",
+        type=int,
+        nargs="+",
+        default=None,
+        help="sequence lengths (default 1024 2048; --quick: 1024)",
+    )
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=16384,
+        help="tokens per step, batch x seq (default 16384, the same for every row; "
+        "train.py's docstring says why)",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help=f"transformer blocks (default 12; --quick: {QUICK_LAYERS})",
+    )
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 10; --quick: 3)")
-    p.add_argument("--warmup-steps", type=int, default=3,
-                   help="untimed steps first (the first one compiles)")
+    p.add_argument(
+        "--warmup-steps", type=int, default=3, help="untimed steps first (the first one compiles)"
+    )
     args = p.parse_args(argv)
     if not common.HAS_CUDA:
         common.no_cuda_notice("benchmarks/train.py")
@@ -354,9 +455,16 @@ def main(argv: list[str] | None = None) -> int:
     add_comparisons(run.rows)
     for text in graph_break_notes(run.extra.get("graph_breaks", {})):
         run.note(text)
-    return run.finish(summary=summary_lines(run.rows),
-                      plot={"x": "impl", "y": "tokens/s", "series": "seq", "panel": ("layers",),
-                            "title": f"training step, {run.env['gpu']}"})
+    return run.finish(
+        summary=summary_lines(run.rows),
+        plot={
+            "x": "impl",
+            "y": "tokens/s",
+            "series": "seq",
+            "panel": ("layers",),
+            "title": f"training step, {run.env['gpu']}",
+        },
+    )
 
 
 if __name__ == "__main__":

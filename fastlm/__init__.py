@@ -3,7 +3,8 @@
 - `fastlm.reference`: the plain PyTorch math every kernel is checked against.
 - `fastlm.kernels`: the ops (RMSNorm, residual-add + RMSNorm, RoPE, SwiGLU, flash attention,
   cross-entropy), Triton kernels with their backward, registered as `torch.ops.fastlm.*`.
-- `fastlm.modules`: nn.Module drop-ins for the reference's (RmsNorm, RoPE, SwiGlu, CrossEntropyLoss).
+- `fastlm.modules`: nn.Module drop-ins for the reference's (RmsNorm, RoPE, SwiGlu,
+  CrossEntropyLoss).
 - `fastlm.Transformer` and its parts: drop-ins for the reference's modules, built on the kernels.
 - `fastlm.sample`: sampling (temperature, top-k, top-p) with a KV cache; `fastlm.ModelConfig`,
   `fastlm.build_model`: a model's configuration and the model built from it.
@@ -15,28 +16,57 @@
 from fastlm import reference
 from fastlm.backend import backend, use_triton
 from fastlm.config import ModelConfig, build_model
-from fastlm.kernels import (add_rms_norm, apply_rope_, cross_entropy, flash_attention,
-                            linear_cross_entropy, rms_norm, rope_attention, swiglu, swiglu_packed)
-from fastlm.modules import CrossEntropyLoss, RmsNorm, RoPE, SwiGlu
+from fastlm.kernels import (
+    add_rms_norm,
+    apply_rope_,
+    cross_entropy,
+    flash_attention,
+    linear_cross_entropy,
+    rms_norm,
+    rope_attention,
+    swiglu,
+    swiglu_packed,
+)
 from fastlm.model import KVCache, MultiHeadAttentionWithRoPE, Transformer, TransformerBlock
+from fastlm.modules import CrossEntropyLoss, RmsNorm, RoPE, SwiGlu
 from fastlm.sampling import sample
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "reference", "backend", "use_triton", "sample", "ModelConfig", "build_model", "__version__",
-    "Transformer", "TransformerBlock", "MultiHeadAttentionWithRoPE", "KVCache",
-    "RmsNorm", "RoPE", "SwiGlu", "CrossEntropyLoss",
-    "rms_norm", "add_rms_norm", "apply_rope_", "swiglu", "swiglu_packed", "flash_attention",
+    "reference",
+    "backend",
+    "use_triton",
+    "sample",
+    "ModelConfig",
+    "build_model",
+    "__version__",
+    "Transformer",
+    "TransformerBlock",
+    "MultiHeadAttentionWithRoPE",
+    "KVCache",
+    "RmsNorm",
+    "RoPE",
+    "SwiGlu",
+    "CrossEntropyLoss",
+    "rms_norm",
+    "add_rms_norm",
+    "apply_rope_",
+    "swiglu",
+    "swiglu_packed",
+    "flash_attention",
     "rope_attention",
-    "cross_entropy", "linear_cross_entropy",
+    "cross_entropy",
+    "linear_cross_entropy",
 ]
 
 
 def __getattr__(name: str):
     # Only reached while `fastlm.generate` (the command's module) is not imported yet.
     if name == "generate":
-        raise AttributeError("fastlm.generate is the command-line module (python -m "
-                             "fastlm.generate); to sample from Python, call "
-                             "fastlm.sample(model, prompt_ids, max_new_tokens, ...)")
+        raise AttributeError(
+            "fastlm.generate is the command-line module (python -m "
+            "fastlm.generate); to sample from Python, call "
+            "fastlm.sample(model, prompt_ids, max_new_tokens, ...)"
+        )
     raise AttributeError(f"module 'fastlm' has no attribute {name!r}")

@@ -84,9 +84,11 @@ def check_replaceable(folder: str | os.PathLike) -> None:
         raise CheckpointError(f"{folder} is a file, not a checkpoint folder")
     others = sorted(p.name for p in folder.iterdir() if p.name not in FILES)
     if others:
-        raise CheckpointError(f"{folder} holds other files than a checkpoint's "
-                              f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}): "
-                              "choose a new or empty folder")
+        raise CheckpointError(
+            f"{folder} holds other files than a checkpoint's "
+            f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}): "
+            "choose a new or empty folder"
+        )
 
 
 def _fsync(path: Path) -> None:
@@ -115,8 +117,10 @@ def locked(folder: str | os.PathLike) -> Iterator[None]:
             except BlockingIOError:
                 holder = os.read(descriptor, 100).decode(errors="replace").strip()
                 os.close(descriptor)
-                raise CheckpointError(f"{folder} is in use by another training ({holder or path}):"
-                                      " wait for it to end, or choose another folder") from None
+                raise CheckpointError(
+                    f"{folder} is in use by another training ({holder or path}):"
+                    " wait for it to end, or choose another folder"
+                ) from None
             # The previous holder removes the file as it ends; if it did so after we opened it,
             # our lock is on a file nobody else will see: lock the one there now.
             with contextlib.suppress(FileNotFoundError):
@@ -126,11 +130,14 @@ def locked(folder: str | os.PathLike) -> Iterator[None]:
         os.ftruncate(descriptor, 0)
         os.write(descriptor, f"pid {os.getpid()}".encode())
     except (FileExistsError, NotADirectoryError) as error:
-        raise CheckpointError(f"cannot create {folder}: {error.filename} is a file, not a "
-                              "folder") from None
+        raise CheckpointError(
+            f"cannot create {folder}: {error.filename} is a file, not a folder"
+        ) from None
     except OSError as error:
-        raise CheckpointError(f"cannot write to {folder.absolute().parent} ({error.strerror}), "
-                              f"where {folder} would be saved") from None
+        raise CheckpointError(
+            f"cannot write to {folder.absolute().parent} ({error.strerror}), "
+            f"where {folder} would be saved"
+        ) from None
     try:
         yield
     finally:
@@ -186,12 +193,12 @@ def _tensor_bytes(value) -> int:
 
 
 def _size(count: float) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if count < 1024:
-            break
+    units = ("bytes", "KiB", "MiB", "GiB", "TiB")
+    index = 0
+    while count >= 1024 and index < len(units) - 1:
         count /= 1024
-    else:
-        unit = "TiB"
+        index += 1
+    unit = units[index]
     return f"{count:,.0f} {unit}" if unit == "bytes" else f"{count:,.1f} {unit}"
 
 
@@ -206,8 +213,14 @@ def _umask() -> int:
 WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 
 
-def write(folder: Path, weights: dict[str, torch.Tensor], config: dict, step: int, state: dict,
-          tokenizer_path: str | os.PathLike | None = None) -> None:
+def write(
+    folder: Path,
+    weights: dict[str, torch.Tensor],
+    config: dict,
+    step: int,
+    state: dict,
+    tokenizer_path: str | os.PathLike | None = None,
+) -> None:
     """Write weights (with `config` and `step` as metadata), the training `state`, a copy of the
     tokenizer and the manifest with the files' checksums into `folder` (one from `replacing`).
     CheckpointError, with the space the checkpoint needs, when a file cannot be written."""
@@ -226,18 +239,27 @@ def write(folder: Path, weights: dict[str, torch.Tensor], config: dict, step: in
         checksums = {name: _sha256(folder / name) for name in (WEIGHTS, STATE)}
         (folder / MANIFEST).write_text(json.dumps({"step": step, "sha256": checksums}, indent=1))
     except WRITE_ERRORS as error:
-        reason = (getattr(error, "strerror", None)
-                  or (str(error).strip().splitlines() or [type(error).__name__])[-1])
+        reason = (
+            getattr(error, "strerror", None)
+            or (str(error).strip().splitlines() or [type(error).__name__])[-1]
+        )
         needed = _tensor_bytes(weights) + _tensor_bytes(state)
         free = shutil.disk_usage(folder).free
         raise CheckpointError(
             f"cannot save the checkpoint of step {step}: writing {folder / writing} failed "
             f"({reason}); the checkpoint needs about {_size(needed)} and {_size(free)} are free "
-            "there (any previous checkpoint is kept)") from None
+            "there (any previous checkpoint is kept)"
+        ) from None
 
 
-def save(folder: str | os.PathLike, weights: dict[str, torch.Tensor], config: dict, step: int,
-         state: dict, tokenizer_path: str | os.PathLike | None = None) -> Path:
+def save(
+    folder: str | os.PathLike,
+    weights: dict[str, torch.Tensor],
+    config: dict,
+    step: int,
+    state: dict,
+    tokenizer_path: str | os.PathLike | None = None,
+) -> Path:
     """Replace the checkpoint in `folder` with one of `step` (see `write`), all or nothing."""
     with replacing(folder) as staging:
         write(staging, weights, config, step, state, tokenizer_path)
@@ -264,8 +286,9 @@ def load_config(folder: str | os.PathLike) -> dict:
     except ValueError:
         config = None
     if not isinstance(config, dict):
-        raise CheckpointError(f"{folder / WEIGHTS} is damaged: its configuration is not a JSON "
-                              "object")
+        raise CheckpointError(
+            f"{folder / WEIGHTS} is damaged: its configuration is not a JSON object"
+        )
     return config
 
 
@@ -274,8 +297,9 @@ def load_step(folder: str | os.PathLike) -> int:
     folder = resolve(folder)
     step = _metadata(folder)["step"]
     if not step.isdigit():
-        raise CheckpointError(f"{folder / WEIGHTS} is damaged: its step {step!r} is not a "
-                              "non-negative integer")
+        raise CheckpointError(
+            f"{folder / WEIGHTS} is damaged: its step {step!r} is not a non-negative integer"
+        )
     return int(step)
 
 
@@ -286,16 +310,21 @@ def _verified(folder: Path, name: str) -> Path:
         manifest = json.loads(manifest_path.read_text())
         expected = manifest["sha256"][name]
     except FileNotFoundError:
-        raise CheckpointError(f"{folder} has no {MANIFEST} (the checksums of its files): it is "
-                              "incomplete, or was written by an older fastlm.train") from None
+        raise CheckpointError(
+            f"{folder} has no {MANIFEST} (the checksums of its files): it is "
+            "incomplete, or was written by an older fastlm.train"
+        ) from None
     except (ValueError, KeyError, TypeError):
-        raise CheckpointError(f"{manifest_path} is damaged: it holds no checksum of {name}") \
-            from None
+        raise CheckpointError(
+            f"{manifest_path} is damaged: it holds no checksum of {name}"
+        ) from None
     if not (folder / name).is_file():
         raise CheckpointError(f"{folder} lacks {name}")
     if _sha256(folder / name) != expected:
-        raise CheckpointError(f"{folder / name} is damaged: its contents differ from those "
-                              f"written (the SHA-256 recorded in {MANIFEST})")
+        raise CheckpointError(
+            f"{folder / name} is damaged: its contents differ from those "
+            f"written (the SHA-256 recorded in {MANIFEST})"
+        )
     return folder / name
 
 
@@ -309,16 +338,18 @@ def load_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"cannot read {path}: {error}") from None
 
 
-def fit_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor],
-                where: str | os.PathLike) -> None:
+def fit_weights(
+    model: torch.nn.Module, weights: dict[str, torch.Tensor], where: str | os.PathLike
+) -> None:
     """Load `weights` (from the checkpoint at `where`) into `model`; CheckpointError when they
     do not fit it."""
     try:
         model.load_state_dict(weights)
     except RuntimeError as error:  # missing keys or other shapes than the configuration's
         first_line = str(error).strip().splitlines()[0]
-        raise CheckpointError(f"{where}: the weights do not fit the stored configuration "
-                              f"({first_line})") from None
+        raise CheckpointError(
+            f"{where}: the weights do not fit the stored configuration ({first_line})"
+        ) from None
 
 
 def load_state(folder: str | os.PathLike) -> dict:
@@ -326,27 +357,35 @@ def load_state(folder: str | os.PathLike) -> dict:
     step."""
     folder = resolve(folder)
     if not (folder / STATE).is_file():
-        raise CheckpointError(f"{folder} holds weights but no training state ({STATE}), "
-                              "so it cannot be resumed")
+        raise CheckpointError(
+            f"{folder} holds weights but no training state ({STATE}), so it cannot be resumed"
+        )
     path = _verified(folder, STATE)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # zip, pickle and torch errors of every kind
         reason = str(error).strip().splitlines()
-        raise CheckpointError(f"cannot read {path}: {reason[0] if reason else repr(error)}") \
-            from None
+        raise CheckpointError(
+            f"cannot read {path}: {reason[0] if reason else repr(error)}"
+        ) from None
     weights_step = load_step(folder)
     if not isinstance(state, dict) or state.get("step") != weights_step:
         got = state.get("step") if isinstance(state, dict) else type(state).__name__
-        raise CheckpointError(f"{folder}: the weights are from step {weights_step} but the "
-                              f"training state from step {got}")
+        raise CheckpointError(
+            f"{folder}: the weights are from step {weights_step} but the "
+            f"training state from step {got}"
+        )
     return state
 
 
 def check_config(saved: dict, wanted: dict, where: str | os.PathLike) -> None:
     """CheckpointError naming every field where the checkpoint's configuration differs."""
-    differences = [f"{key} {saved.get(key)!r} (checkpoint) vs {wanted.get(key)!r}"
-                   for key in sorted(set(saved) | set(wanted)) if saved.get(key) != wanted.get(key)]
+    differences = [
+        f"{key} {saved.get(key)!r} (checkpoint) vs {wanted.get(key)!r}"
+        for key in sorted(set(saved) | set(wanted))
+        if saved.get(key) != wanted.get(key)
+    ]
     if differences:
-        raise CheckpointError(f"the checkpoint at {where} has another configuration: "
-                              + ", ".join(differences))
+        raise CheckpointError(
+            f"the checkpoint at {where} has another configuration: " + ", ".join(differences)
+        )

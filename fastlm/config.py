@@ -51,8 +51,12 @@ class ModelConfig:
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def check(self, model: str = "fastlm", device: torch.device | str | None = None,
-              name: Callable[[str], str] = str) -> None:
+    def check(
+        self,
+        model: str = "fastlm",
+        device: torch.device | str | None = None,
+        name: Callable[[str], str] = str,
+    ) -> None:
         """ValueError for a configuration `model` cannot run on `device`, saying what to change;
         `name` spells a field in the message (the commands pass their flags)."""
         for field in MODEL_FIELDS:
@@ -76,20 +80,51 @@ MODEL_FIELDS = tuple(field.name for field in dataclasses.fields(ModelConfig))
 # --context-length it accepts (max_context), and the training defaults that suit its size
 # (tiny: loss 5.6 -> 1.4 nats per byte in one to two minutes on two CPU cores).
 PRESETS = {
-    "tiny": dict(d_model=128, num_layers=4, num_heads=4, d_ff=384, context_length=128,
-                 max_context=512, batch_size=16, steps=400, lr=3e-3, eval_every=100,
-                 save_every=200),
-    "gpt2-small": dict(d_model=768, num_layers=12, num_heads=12, d_ff=2048, context_length=1024,
-                       max_context=1024, batch_size=16, steps=5000, lr=6e-4, eval_every=250,
-                       save_every=1000),
-    "gpt2-medium": dict(d_model=1024, num_layers=24, num_heads=16, d_ff=2816,
-                        context_length=1024, max_context=1024, batch_size=8, steps=5000, lr=3e-4,
-                        eval_every=250, save_every=1000),
+    "tiny": dict(
+        d_model=128,
+        num_layers=4,
+        num_heads=4,
+        d_ff=384,
+        context_length=128,
+        max_context=512,
+        batch_size=16,
+        steps=400,
+        lr=3e-3,
+        eval_every=100,
+        save_every=200,
+    ),
+    "gpt2-small": dict(
+        d_model=768,
+        num_layers=12,
+        num_heads=12,
+        d_ff=2048,
+        context_length=1024,
+        max_context=1024,
+        batch_size=16,
+        steps=5000,
+        lr=6e-4,
+        eval_every=250,
+        save_every=1000,
+    ),
+    "gpt2-medium": dict(
+        d_model=1024,
+        num_layers=24,
+        num_heads=16,
+        d_ff=2816,
+        context_length=1024,
+        max_context=1024,
+        batch_size=8,
+        steps=5000,
+        lr=3e-4,
+        eval_every=250,
+        save_every=1000,
+    ),
 }
 
 
-def build_model(config: ModelConfig, model: str = "fastlm",
-                device: torch.device | str | None = None) -> nn.Module:
+def build_model(
+    config: ModelConfig, model: str = "fastlm", device: torch.device | str | None = None
+) -> nn.Module:
     """`fastlm.Transformer` (model="fastlm") or `reference.Transformer` of `config`."""
     config.check(model, device)
     cls = Transformer if model == "fastlm" else reference.Transformer
@@ -112,6 +147,8 @@ def pick_device(name: str | None, local_rank: int = 0) -> torch.device:
             device = torch.device("cuda", local_rank)
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if device.index >= count:
-            raise ConfigError(f"{device} does not exist ({count} GPUs here): pass --device cpu "
-                              "or a GPU that exists (under torchrun: one process per GPU)")
+            raise ConfigError(
+                f"{device} does not exist ({count} GPUs here): pass --device cpu "
+                "or a GPU that exists (under torchrun: one process per GPU)"
+            )
     return device

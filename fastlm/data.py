@@ -58,8 +58,9 @@ class HFTokenizer:
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise DataError("--tokenizer needs the `tokenizers` package: "
-                            "pip install tokenizers") from None
+            raise DataError(
+                "--tokenizer needs the `tokenizers` package: pip install tokenizers"
+            ) from None
         self.path = Path(path)
         try:
             self._tokenizer = Tokenizer.from_file(str(self.path))
@@ -125,12 +126,12 @@ class _PrefixStreamDecoder(StreamDecoder):
         text = self._tokenizer.decode(self._ids)
         if text.endswith("\ufffd"):
             return ""
-        new, self._emitted = text[self._emitted:], len(text)
+        new, self._emitted = text[self._emitted :], len(text)
         return new
 
     def flush(self) -> str:
         text = self._tokenizer.decode(self._ids)
-        new, self._emitted = text[self._emitted:], len(text)
+        new, self._emitted = text[self._emitted :], len(text)
         return new
 
 
@@ -162,6 +163,7 @@ def corpus_files(path: str | os.PathLike | None) -> list[Path]:
         return [root]
     if not root.is_dir():
         raise DataError(f"--data: no such file or folder: {root}")
+
     def hidden(p: Path) -> bool:
         return any(part.startswith(".") for part in p.relative_to(root).parts)
 
@@ -209,9 +211,15 @@ class TokenSplit:
     val: torch.Tensor
 
 
-def load_split(data: str | os.PathLike | None, tokenizer: Tokenizer, context_length: int,
-               val_fraction: float, rank: int = 0, world_size: int = 1,
-               warn: Callable[[str], None] | None = None) -> TokenSplit:
+def load_split(
+    data: str | os.PathLike | None,
+    tokenizer: Tokenizer,
+    context_length: int,
+    val_fraction: float,
+    rank: int = 0,
+    world_size: int = 1,
+    warn: Callable[[str], None] | None = None,
+) -> TokenSplit:
     """Read the corpus, tokenize this rank's shard and split it into training and held-out tokens.
 
     Both parts must hold more than `context_length` tokens (one window plus its next token).
@@ -222,24 +230,33 @@ def load_split(data: str | os.PathLike | None, tokenizer: Tokenizer, context_len
     corpus = read_text(corpus_files(data))
     for path, count in corpus.replaced.items():
         if warn is not None:
-            warn(f"warning: {path} is not valid UTF-8: {count} undecodable bytes replaced by "
-                 "U+FFFD")
+            warn(
+                f"warning: {path} is not valid UTF-8: {count} undecodable bytes replaced by U+FFFD"
+            )
     text = corpus.text
     if not text.strip():
         where = f"the corpus at {data}" if data else "the default corpus"
-        skipped = (f" (skipped as binary, with NUL bytes: {_names(corpus.skipped)}; UTF-16 text "
-                   "must be converted to UTF-8)") if corpus.skipped else ""
+        skipped = (
+            (
+                f" (skipped as binary, with NUL bytes: {_names(corpus.skipped)}; UTF-16 text "
+                "must be converted to UTF-8)"
+            )
+            if corpus.skipped
+            else ""
+        )
         raise DataError(f"{where} is empty{skipped}")
     shard = len(text) // world_size
-    tokens = tokenizer.encode(text[rank * shard:(rank + 1) * shard])
+    tokens = tokenizer.encode(text[rank * shard : (rank + 1) * shard])
     n_val = int(len(tokens) * val_fraction)
-    split = TokenSplit(train=tokens[:len(tokens) - n_val], val=tokens[len(tokens) - n_val:])
+    split = TokenSplit(train=tokens[: len(tokens) - n_val], val=tokens[len(tokens) - n_val :])
     shortest = min(len(split.train), len(split.val))
     if shortest <= context_length:
         per_rank = f" per rank ({world_size} ranks)" if world_size > 1 else ""
-        raise DataError(f"the corpus is too small: {len(tokens)} tokens{per_rank}, split "
-                        f"{len(split.train)}/{len(split.val)} for training/held-out, but each part "
-                        f"needs more than --context-length={context_length}")
+        raise DataError(
+            f"the corpus is too small: {len(tokens)} tokens{per_rank}, split "
+            f"{len(split.train)}/{len(split.val)} for training/held-out, but each part "
+            f"needs more than --context-length={context_length}"
+        )
     return split
 
 
@@ -248,16 +265,24 @@ def load_split(data: str | os.PathLike | None, tokenizer: Tokenizer, context_len
 # --------------------------------------------------------------------------------------------
 
 
-def batch_at(tokens: torch.Tensor, context_length: int,
-             offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_at(
+    tokens: torch.Tensor, context_length: int, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and next-token targets [batch, context] starting at `offsets`."""
     index = offsets[:, None] + torch.arange(context_length + 1)  # (B, T + 1)
     window = tokens[index].long()
     return window[:, :-1], window[:, 1:]
 
 
-def training_batch(tokens: torch.Tensor, batch_size: int, context_length: int, seed: int,
-                   rank: int, step: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def training_batch(
+    tokens: torch.Tensor,
+    batch_size: int,
+    context_length: int,
+    seed: int,
+    rank: int,
+    step: int,
+    micro_step: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random windows of the training tokens, determined by (seed, rank, step, micro_step)."""
     # Hashes of int tuples do not depend on PYTHONHASHSEED, so every process draws the same.
     generator = torch.Generator().manual_seed(hash((seed, rank, step, micro_step)) & (2**63 - 1))
@@ -265,10 +290,10 @@ def training_batch(tokens: torch.Tensor, batch_size: int, context_length: int, s
     return batch_at(tokens, context_length, offsets)
 
 
-def eval_batches(tokens: torch.Tensor, batch_size: int, context_length: int,
-                 num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(
+    tokens: torch.Tensor, batch_size: int, context_length: int, num_batches: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The same held-out windows every time, spread evenly over the held-out tokens."""
     count = batch_size * num_batches
     offsets = torch.linspace(0, len(tokens) - context_length - 1, count).long()
-    return [batch_at(tokens, context_length, chunk)
-            for chunk in offsets.split(batch_size)]
+    return [batch_at(tokens, context_length, chunk) for chunk in offsets.split(batch_size)]

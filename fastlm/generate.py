@@ -27,18 +27,27 @@ from fastlm.data import DataError, load_tokenizer
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m fastlm.generate", description=__doc__.split("\n\n")[0])
+        prog="python -m fastlm.generate", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--checkpoint", required=True, help="folder written by fastlm.train")
     parser.add_argument("--prompt", required=True, help="text to continue (not empty)")
     parser.add_argument("--max-new-tokens", type=int, default=200, help="default: %(default)s")
-    parser.add_argument("--temperature", type=float, default=0.8,
-                        help="default: %(default)s; 0 is greedy")
+    parser.add_argument(
+        "--temperature", type=float, default=0.8, help="default: %(default)s; 0 is greedy"
+    )
     parser.add_argument("--top-k", type=int, help="sample among the k likeliest tokens")
-    parser.add_argument("--top-p", type=float, help="sample among the likeliest tokens whose "
-                        "probabilities add up to p")
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        help="sample among the likeliest tokens whose probabilities add up to p",
+    )
     parser.add_argument("--seed", type=int, default=0, help="default: %(default)s")
-    parser.add_argument("--model", choices=MODELS, default="fastlm",
-                        help="default: %(default)s; both load the same checkpoints")
+    parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default="fastlm",
+        help="default: %(default)s; both load the same checkpoints",
+    )
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     return parser.parse_args(argv)
 
@@ -67,15 +76,17 @@ def load_model(folder, model_name: str, device: torch.device | str):
     except KeyError as error:
         raise CheckpointError(f"{folder}: {error.args[0]}") from None
     except ValueError as error:
-        raise CheckpointError(f"{folder}: the stored configuration cannot run here: "
-                              f"{error}") from None
+        raise CheckpointError(
+            f"{folder}: the stored configuration cannot run here: {error}"
+        ) from None
     tokenizer_name = stored.get("tokenizer")
     if not isinstance(tokenizer_name, str):
         raise CheckpointError(f"{folder}: the stored configuration names no tokenizer")
     tokenizer_path = folder / checkpoint.TOKENIZER if tokenizer_name != "bytes" else None
     if tokenizer_path is not None and not tokenizer_path.is_file():
-        raise CheckpointError(f"{folder} was trained with a tokenizer file but holds no "
-                              f"{checkpoint.TOKENIZER}")
+        raise CheckpointError(
+            f"{folder} was trained with a tokenizer file but holds no {checkpoint.TOKENIZER}"
+        )
     tokenizer = load_tokenizer(tokenizer_path)
     if tokenizer.name != tokenizer_name:  # a Hugging Face tokenizer's name is its file's digest
         raise CheckpointError(f"{tokenizer_path} is not the tokenizer the model was trained with")
@@ -99,9 +110,16 @@ def stream(args: argparse.Namespace) -> int:
     started, count = time.perf_counter(), 0
     # A model may have a larger vocabulary than its tokenizer (--vocab-size): never draw an id
     # the tokenizer cannot decode.
-    for next_ids in sampling.sample_stream(model, prompt_ids, args.max_new_tokens,
-                                           args.temperature, args.top_k, args.top_p, generator,
-                                           vocab_size=tokenizer.vocab_size):
+    for next_ids in sampling.sample_stream(
+        model,
+        prompt_ids,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        args.top_p,
+        generator,
+        vocab_size=tokenizer.vocab_size,
+    ):
         sys.stdout.write(decoder.push(int(next_ids[0])))
         sys.stdout.flush()
         count += 1

@@ -62,16 +62,19 @@ class KVCache:
         self.length = 0
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Store this step's k, v [B, H, T, D] after the cached ones; return all of them [B, H, S, D]."""
+        """Store this step's k, v [B, H, T, D] after the cached ones; return all of them
+        [B, H, S, D]."""
         B, H, T, D = k.shape
         end = self.length + T
         if end > self.max_seq_len:
-            raise ValueError(f"the KV cache holds {self.max_seq_len} positions; {end} were asked for")
+            raise ValueError(
+                f"the KV cache holds {self.max_seq_len} positions; {end} were asked for"
+            )
         if self.k[layer] is None:
             self.k[layer] = k.new_zeros(B, H, self.max_seq_len, D)
             self.v[layer] = v.new_zeros(B, H, self.max_seq_len, D)
-        self.k[layer][:, :, self.length:end] = k
-        self.v[layer][:, :, self.length:end] = v
+        self.k[layer][:, :, self.length : end] = k
+        self.v[layer][:, :, self.length : end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
@@ -88,8 +91,9 @@ def _kernel_head_dim(head_dim: int) -> bool:
     return head_dim % 8 == 0 and head_dim <= MAX_HEAD_DIM
 
 
-def check_heads(d_model: int, num_heads: int, kernels: bool = True,
-                name: Callable[[str], str] = str) -> None:
+def check_heads(
+    d_model: int, num_heads: int, kernels: bool = True, name: Callable[[str], str] = str
+) -> None:
     """ValueError, saying what to change, unless `d_model` splits into `num_heads` heads of an
     even size (RoPE rotates pairs; the reference needs that too) and, where the Triton kernels
     run (`kernels`), of a size flash attention's kernel takes: a multiple of 8 up to 256.
@@ -100,22 +104,27 @@ def check_heads(d_model: int, num_heads: int, kernels: bool = True,
     head_dim = d_model // num_heads
     split = f"{d} {d_model} / {h} {num_heads} gives heads of {head_dim} dims"
     if head_dim % 2:
-        raise ValueError(f"{split}, but RoPE rotates pairs: choose {d} and {h} whose quotient "
-                         "is even")
+        raise ValueError(
+            f"{split}, but RoPE rotates pairs: choose {d} and {h} whose quotient is even"
+        )
     if kernels and not _kernel_head_dim(head_dim):
-        fits = [n for n in range(1, d_model + 1)
-                if d_model % n == 0 and _kernel_head_dim(d_model // n)]
+        fits = [
+            n for n in range(1, d_model + 1) if d_model % n == 0 and _kernel_head_dim(d_model // n)
+        ]
         hint = f" (with {d} {d_model}: {h} {min(fits, key=lambda n: abs(n - num_heads))})"
-        raise ValueError(f"{split}, but fastlm's attention kernel takes multiples of 8 up to "
-                         f"{MAX_HEAD_DIM}: change {d} or {h}{hint if fits else ''}, or run "
-                         "PyTorch's attention with FASTLM_BACKEND=torch")
+        raise ValueError(
+            f"{split}, but fastlm's attention kernel takes multiples of 8 up to "
+            f"{MAX_HEAD_DIM}: change {d} or {h}{hint if fits else ''}, or run "
+            "PyTorch's attention with FASTLM_BACKEND=torch"
+        )
 
 
 class MultiHeadAttentionWithRoPE(nn.Module):
     """Causal self-attention with RoPE; the parameters of reference.MultiHeadAttentionWithRoPE."""
 
-    def __init__(self, d_model: int, num_heads: int, max_seq_len: int, theta: float,
-                 device=None, dtype=None):
+    def __init__(
+        self, d_model: int, num_heads: int, max_seq_len: int, theta: float, device=None, dtype=None
+    ):
         super().__init__()
         check_heads(d_model, num_heads, kernels_run_on(device))
         self.d_model = d_model
@@ -126,9 +135,15 @@ class MultiHeadAttentionWithRoPE(nn.Module):
         self.output_proj = Linear(d_model, d_model, device, dtype)
         self.rope = RoPE(theta, self.head_dim, max_seq_len, device)
 
-    def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None, layer: int = 0, *,
-                positions_checked: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        token_positions: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        layer: int = 0,
+        *,
+        positions_checked: bool = False,
+    ) -> torch.Tensor:
         """positions_checked: the caller has checked token_positions' values (the model does,
         once for every layer)."""
         B, T, C = x.shape
@@ -138,9 +153,17 @@ class MultiHeadAttentionWithRoPE(nn.Module):
             token_positions = torch.arange(start, start + T, device=x.device)
             positions_checked = True
         if kv_cache is None:  # training: the projection's gradient is written as one tensor
-            out = rope_attention(self.qkv_proj(x), self.rope.cos_cached, self.rope.sin_cached,
-                                 token_positions, H, check_positions=not positions_checked)
-            return self.output_proj(out.transpose(1, 2).reshape(B, T, C))  # free: (B, T, H, D) memory
+            out = rope_attention(
+                self.qkv_proj(x),
+                self.rope.cos_cached,
+                self.rope.sin_cached,
+                token_positions,
+                H,
+                check_positions=not positions_checked,
+            )
+            return self.output_proj(
+                out.transpose(1, 2).reshape(B, T, C)
+            )  # free: (B, T, H, D) memory
         qkv = self.qkv_proj(x).view(B, T, 3, H, D)
         # q and k as one strided view: (B, T, 2, H, D) -> (B, 2H, T, D), rotated in its storage.
         self.rope(qkv[:, :, :2].flatten(2, 3).transpose(1, 2), token_positions)
@@ -155,18 +178,33 @@ class TransformerBlock(nn.Module):
     """Pre-norm block with the reference's attribute names (rms_norm1, mult_head_atten, rms_norm2,
     ffe), so its state_dict keys are the reference's."""
 
-    def __init__(self, d_model: int, num_heads: int, d_ff: int, max_seq_len: int, theta: float,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        d_ff: int,
+        max_seq_len: int,
+        theta: float,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.rms_norm1 = RmsNorm(d_model, device=device, dtype=dtype)
-        self.mult_head_atten = MultiHeadAttentionWithRoPE(d_model, num_heads, max_seq_len, theta,
-                                                          device, dtype)
+        self.mult_head_atten = MultiHeadAttentionWithRoPE(
+            d_model, num_heads, max_seq_len, theta, device, dtype
+        )
         self.rms_norm2 = RmsNorm(d_model, device=device, dtype=dtype)
         self.ffe = SwiGlu(d_model, d_ff, device, dtype)
 
-    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor | None],
-                token_positions: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                layer: int = 0, *, positions_checked: bool = False):
+    def forward(
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor | None],
+        token_positions: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        layer: int = 0,
+        *,
+        positions_checked: bool = False,
+    ):
         """x + attention + feed-forward, as the reference's block.
 
         `x` may also be the residual stream held as a pair (residual, delta) whose sum is the
@@ -178,8 +216,9 @@ class TransformerBlock(nn.Module):
         pair = isinstance(x, tuple)
         residual, delta = x if pair else (x, None)
         normed, residual = _add_norm(delta, residual, self.rms_norm1)
-        delta = self.mult_head_atten(normed, token_positions, kv_cache, layer,
-                                     positions_checked=positions_checked)
+        delta = self.mult_head_atten(
+            normed, token_positions, kv_cache, layer, positions_checked=positions_checked
+        )
         normed, residual = _add_norm(delta, residual, self.rms_norm2)
         delta = self.ffe(normed)
         return (residual, delta) if pair else residual + delta
@@ -193,8 +232,7 @@ def _add_norm(delta: torch.Tensor | None, residual: torch.Tensor, norm: RmsNorm)
     Under autocast delta is bf16 while the stream stays fp32; the sum promotes to fp32 as the
     reference's `x + delta` does, inside the kernel."""
     device = residual.device.type
-    out_dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
-                 else None)
+    out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     if delta is None:
         return rms_norm(residual, norm.g, norm.eps, out_dtype=out_dtype), residual
     return add_rms_norm(delta, residual, norm.g, norm.eps, out_dtype=out_dtype)
@@ -203,8 +241,18 @@ def _add_norm(delta: torch.Tensor | None, residual: torch.Tensor, norm: RmsNorm)
 class Transformer(nn.Module):
     """Decoder-only language model; a drop-in for reference.Transformer (same state_dict)."""
 
-    def __init__(self, vocab_size: int, context_length: int, d_model: int, num_layers: int,
-                 num_heads: int, d_ff: int, rope_theta: float, device=None, dtype=None):
+    def __init__(
+        self,
+        vocab_size: int,
+        context_length: int,
+        d_model: int,
+        num_layers: int,
+        num_heads: int,
+        d_ff: int,
+        rope_theta: float,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.vocab_size = vocab_size
         self.context_length = context_length
@@ -216,8 +264,12 @@ class Transformer(nn.Module):
         self.final_norm = RmsNorm(d_model, device=device, dtype=dtype)
         self.out_linear = Linear(d_model, vocab_size, device, dtype)
 
-    def hidden(self, token_ids: torch.Tensor, token_positions: torch.Tensor | None = None,
-               kv_cache: KVCache | None = None) -> torch.Tensor:
+    def hidden(
+        self,
+        token_ids: torch.Tensor,
+        token_positions: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
         """The final norm's output [B, T, C]: what out_linear turns into logits."""
         _check_tokens(token_ids, self.vocab_size, self.context_length, kv_cache)
         B, T = token_ids.shape
@@ -225,8 +277,9 @@ class Transformer(nn.Module):
             start = kv_cache.length if kv_cache is not None else 0
             token_positions = torch.arange(start, start + T, device=token_ids.device)
         else:  # checked once here rather than in every layer
-            token_positions = check_positions(token_positions, B, T, self.context_length,
-                                              token_ids.device)
+            token_positions = check_positions(
+                token_positions, B, T, self.context_length, token_ids.device
+            )
         stream = (self.embedding(token_ids), None)  # (residual, delta), each (B, T, C)
         for layer, block in enumerate(self.blocks):
             stream = block(stream, token_positions, kv_cache, layer, positions_checked=True)
@@ -235,19 +288,29 @@ class Transformer(nn.Module):
             kv_cache.length += token_ids.shape[-1]
         return _add_norm(delta, residual, self.final_norm)[0]
 
-    def forward(self, token_ids: torch.Tensor, token_positions: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        token_positions: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
         """Logits [B, T, vocab]. With a KV cache, token_ids are the tokens after the cached ones."""
         return self.out_linear(self.hidden(token_ids, token_positions, kv_cache))
 
-    def loss(self, token_ids: torch.Tensor, targets: torch.Tensor,
-             token_positions: torch.Tensor | None = None, ignore_index: int = -100) -> torch.Tensor:
+    def loss(
+        self,
+        token_ids: torch.Tensor,
+        targets: torch.Tensor,
+        token_positions: torch.Tensor | None = None,
+        ignore_index: int = -100,
+    ) -> torch.Tensor:
         """Mean cross-entropy of the logits at each position against `targets` (same shape as
         token_ids; the caller shifts), without materialising the logits."""
         if not isinstance(targets, torch.Tensor) or targets.shape != token_ids.shape:
             got = tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets)
-            raise ValueError(f"targets must have the shape of token_ids {tuple(token_ids.shape)}, "
-                             f"got {got}")
+            raise ValueError(
+                f"targets must have the shape of token_ids {tuple(token_ids.shape)}, got {got}"
+            )
         hidden = self.hidden(token_ids, token_positions)
         return linear_cross_entropy(hidden, self.out_linear.w, targets, ignore_index=ignore_index)
 
@@ -257,15 +320,18 @@ class Transformer(nn.Module):
         return KVCache(len(self.blocks), self.context_length)
 
 
-def _check_tokens(token_ids: torch.Tensor, vocab_size: int, context_length: int,
-                  kv_cache: KVCache | None) -> None:
+def _check_tokens(
+    token_ids: torch.Tensor, vocab_size: int, context_length: int, kv_cache: KVCache | None
+) -> None:
     """The reference's checks, ValueError naming token_ids, without a host sync on the hot path:
     token values are read back only from CPU tensors. On a GPU, and under torch.compile, an id
     outside the vocabulary trips a device-side assert instead (a RuntimeError at the next
     synchronisation; F.embedding would otherwise read out of bounds)."""
     if kv_cache is not None and kv_cache.length + token_ids.shape[-1] > context_length:
-        raise ValueError(f"token_ids: {kv_cache.length} cached + {token_ids.shape[-1]} new tokens "
-                         f"exceed context_length={context_length}")
+        raise ValueError(
+            f"token_ids: {kv_cache.length} cached + {token_ids.shape[-1]} new tokens "
+            f"exceed context_length={context_length}"
+        )
     on_host = token_ids.device.type == "cpu" and not torch.compiler.is_compiling()
     reference.check_token_input(token_ids, vocab_size, context_length, check_values=on_host)
     if not on_host:

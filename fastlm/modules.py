@@ -37,8 +37,9 @@ class RoPE(nn.Module):
     (NeoX / Hugging Face) layout.
     """
 
-    def __init__(self, theta: float, d_k: int, max_seq_len: int, device=None,
-                 interleaved: bool = True):
+    def __init__(
+        self, theta: float, d_k: int, max_seq_len: int, device=None, interleaved: bool = True
+    ):
         super().__init__()
         self.theta = theta
         self.d_k = d_k
@@ -52,13 +53,16 @@ class RoPE(nn.Module):
         """x: (..., T, d_k) as (T, D), (B, T, D) or (B, H, T, D); token_positions (T,) or (B, T)."""
         if x.shape[-1] != self.d_k:
             raise ValueError(f"x must have last dim d_k={self.d_k}, got {tuple(x.shape)}")
-        (x,) = rotate_in_place({"x": x}, self.cos_cached, self.sin_cached, token_positions,
-                                self.interleaved)
+        (x,) = rotate_in_place(
+            {"x": x}, self.cos_cached, self.sin_cached, token_positions, self.interleaved
+        )
         return x
 
     def extra_repr(self) -> str:
-        return (f"theta={self.theta}, d_k={self.d_k}, max_seq_len={self.max_seq_len}, "
-                f"interleaved={self.interleaved}")
+        return (
+            f"theta={self.theta}, d_k={self.d_k}, max_seq_len={self.max_seq_len}, "
+            f"interleaved={self.interleaved}"
+        )
 
 
 class SwiGlu(nn.Module):
@@ -83,7 +87,8 @@ class SwiGlu(nn.Module):
 
 
 class CrossEntropyLoss(nn.Module):
-    """Drop-in for fastlm.reference.CrossEntropyLoss (forward(logits, targets)), on `cross_entropy`."""
+    """Drop-in for fastlm.reference.CrossEntropyLoss (forward(logits, targets)), on
+    `cross_entropy`."""
 
     def __init__(self, ignore_index: int = -100):
         super().__init__()

@@ -109,7 +109,9 @@ class RoPE(nn.Module):
         self.theta = theta
         self.d_k = d_k
         self.max_seq_len = max_seq_len
-        inv_freq = 1.0 / theta ** (torch.arange(0, d_k, 2, device=device, dtype=torch.float32) / d_k)
+        inv_freq = 1.0 / theta ** (
+            torch.arange(0, d_k, 2, device=device, dtype=torch.float32) / d_k
+        )
         positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq).repeat_interleave(2, dim=-1)  # (L, d_k)
         self.register_buffer("cos_cached", freqs.cos(), persistent=False)
@@ -163,7 +165,9 @@ class MultiHeadAttention(nn.Module):
         self.qkv_proj = Linear(d_model, 3 * d_model, device, dtype)
         self.output_proj = Linear(d_model, d_model, device, dtype)
         self.attention = ScaledDotProductAttention()
-        causal = torch.triu(torch.ones(max_seq_len, max_seq_len, dtype=torch.bool, device=device), 1)
+        causal = torch.triu(
+            torch.ones(max_seq_len, max_seq_len, dtype=torch.bool, device=device), 1
+        )
         self.register_buffer("causal_mask", causal, persistent=False)
 
     def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -184,8 +188,9 @@ class MultiHeadAttention(nn.Module):
 class MultiHeadAttentionWithRoPE(MultiHeadAttention):
     """MultiHeadAttention with RoPE applied to q and k."""
 
-    def __init__(self, d_model: int, num_heads: int, max_seq_len: int, theta: float,
-                 device=None, dtype=None):
+    def __init__(
+        self, d_model: int, num_heads: int, max_seq_len: int, theta: float, device=None, dtype=None
+    ):
         super().__init__(d_model, num_heads, max_seq_len, device, dtype)
         self.rope = RoPE(theta, self.head_dim, max_seq_len, device)
 
@@ -204,12 +209,21 @@ class MultiHeadAttentionWithRoPE(MultiHeadAttention):
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.))."""
 
-    def __init__(self, d_model: int, num_heads: int, d_ff: int, max_seq_len: int, theta: float,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        d_ff: int,
+        max_seq_len: int,
+        theta: float,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.rms_norm1 = RmsNorm(d_model, device=device, dtype=dtype)
-        self.mult_head_atten = MultiHeadAttentionWithRoPE(d_model, num_heads, max_seq_len, theta,
-                                                          device, dtype)
+        self.mult_head_atten = MultiHeadAttentionWithRoPE(
+            d_model, num_heads, max_seq_len, theta, device, dtype
+        )
         self.rms_norm2 = RmsNorm(d_model, device=device, dtype=dtype)
         self.ffe = SwiGlu(d_model, d_ff, device, dtype)
 
@@ -218,28 +232,44 @@ class TransformerBlock(nn.Module):
         return x + self.ffe(self.rms_norm2(x))
 
 
-def check_token_input(token_ids: torch.Tensor, vocab_size: int, context_length: int,
-                      check_values: bool = True) -> None:
+def check_token_input(
+    token_ids: torch.Tensor, vocab_size: int, context_length: int, check_values: bool = True
+) -> None:
     """ValueError for a sequence longer than the context or (unless check_values is False: the
     check reads the ids back to the host) a token id outside the vocabulary."""
     if token_ids.dim() != 2 or token_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"token_ids must be an integer tensor of shape (batch, seq), "
-                         f"got {tuple(token_ids.shape)} {token_ids.dtype}")
+        raise ValueError(
+            f"token_ids must be an integer tensor of shape (batch, seq), "
+            f"got {tuple(token_ids.shape)} {token_ids.dtype}"
+        )
     if token_ids.shape[-1] > context_length:
-        raise ValueError(f"token_ids has {token_ids.shape[-1]} tokens, more than "
-                         f"context_length={context_length}")
+        raise ValueError(
+            f"token_ids has {token_ids.shape[-1]} tokens, more than context_length={context_length}"
+        )
     if not check_values or not token_ids.numel():
         return
     if token_ids.min() < 0 or token_ids.max() >= vocab_size:
-        raise ValueError(f"token_ids must lie in [0, {vocab_size}), got values in "
-                         f"[{int(token_ids.min())}, {int(token_ids.max())}]")
+        raise ValueError(
+            f"token_ids must lie in [0, {vocab_size}), got values in "
+            f"[{int(token_ids.min())}, {int(token_ids.max())}]"
+        )
 
 
 class Transformer(nn.Module):
     """Decoder-only language model: embedding, pre-norm blocks, final norm, vocabulary logits."""
 
-    def __init__(self, vocab_size: int, context_length: int, d_model: int, num_layers: int,
-                 num_heads: int, d_ff: int, rope_theta: float, device=None, dtype=None):
+    def __init__(
+        self,
+        vocab_size: int,
+        context_length: int,
+        d_model: int,
+        num_layers: int,
+        num_heads: int,
+        d_ff: int,
+        rope_theta: float,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.vocab_size = vocab_size
         self.context_length = context_length
@@ -251,8 +281,9 @@ class Transformer(nn.Module):
         self.final_norm = RmsNorm(d_model, device=device, dtype=dtype)
         self.out_linear = Linear(d_model, vocab_size, device, dtype)
 
-    def forward(self, token_ids: torch.Tensor,
-                token_positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, token_ids: torch.Tensor, token_positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         check_token_input(token_ids, self.vocab_size, self.context_length)
         x = self.embedding(token_ids)  # (B, T, C)
         for block in self.blocks:
@@ -300,13 +331,21 @@ class SGDDecay(torch.optim.Optimizer):
 class AdamW(torch.optim.Optimizer):
     """Adam with bias correction and decoupled weight decay (Loshchilov & Hutter)."""
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+    ):
         if lr < 0:
             raise ValueError(f"lr must be non-negative, got {lr}")
         if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"betas must lie in [0, 1), got {betas}")
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        super().__init__(
+            params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        )
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
@@ -331,8 +370,9 @@ class AdamW(torch.optim.Optimizer):
         return loss
 
 
-def cos_lr_scheduler(t: int, lr_max: float, lr_min: float, warmup_iters: int,
-                     cos_cycle_iters: int) -> float:
+def cos_lr_scheduler(
+    t: int, lr_max: float, lr_min: float, warmup_iters: int, cos_cycle_iters: int
+) -> float:
     """Linear warm-up to lr_max, cosine decay to lr_min at cos_cycle_iters, then lr_min."""
     if t < warmup_iters:
         return t / warmup_iters * lr_max

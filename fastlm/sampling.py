@@ -20,30 +20,41 @@ from collections.abc import Iterator
 import torch
 
 
-def check_sampling(temperature: float, top_k: int | None = None,
-                   top_p: float | None = None) -> None:
+def check_sampling(
+    temperature: float, top_k: int | None = None, top_p: float | None = None
+) -> None:
     """ValueError naming the argument for a setting the sampler cannot use."""
-    if (isinstance(temperature, bool) or not isinstance(temperature, numbers.Real)
-            or not math.isfinite(temperature) or temperature < 0):
-        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), "
-                         f"got {temperature}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral)
-                              or top_k < 1):
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, numbers.Real)
+        or not math.isfinite(temperature)
+        or temperature < 0
+    ):
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature}")
+    if top_k is not None and (
+        isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1
+    ):
         raise ValueError(f"top_k must be an integer >= 1, got {top_k}")
     if top_p is not None and (not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
         raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
 
 
-def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-                top_p: float | None = None,
-                generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """One token id per row of `logits` [B, V]; temperature 0 is greedy (argmax)."""
     check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1)
     if not torch.isfinite(logits).all():
-        raise ValueError("the model's logits are not all finite (inf or NaN), so there is no "
-                         "distribution to sample from; was the checkpoint trained to a NaN loss?")
+        raise ValueError(
+            "the model's logits are not all finite (inf or NaN), so there is no "
+            "distribution to sample from; was the checkpoint trained to a NaN loss?"
+        )
     # In float64 and relative to the row's maximum, dividing by any temperature > 0 stays
     # finite (the likeliest token at 0, the others below it), down to the smallest float.
     logits = logits.double()
@@ -63,10 +74,16 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
 
 
 @torch.no_grad()
-def sample_stream(model: torch.nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int,
-                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                  generator: torch.Generator | None = None,
-                  vocab_size: int | None = None) -> Iterator[torch.Tensor]:
+def sample_stream(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+    vocab_size: int | None = None,
+) -> Iterator[torch.Tensor]:
     """Yield the next token ids [B] one step at a time, for a prompt [T] or [B, T]; with
     `vocab_size`, only ids below it (those a tokenizer can decode) are ever drawn."""
     check_sampling(temperature, top_k, top_p)
@@ -100,13 +117,23 @@ def sample_stream(model: torch.nn.Module, prompt_ids: torch.Tensor, max_new_toke
             window, cache = window[:, -context:], None
 
 
-def sample(model: torch.nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int,
-           temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-           generator: torch.Generator | None = None, vocab_size: int | None = None) -> torch.Tensor:
+def sample(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
     """The prompt followed by `max_new_tokens` sampled tokens, in the prompt's shape ([T] or
     [B, T]). Temperature 0 is greedy; see `sample_stream` for `vocab_size`."""
-    new = list(sample_stream(model, prompt_ids, max_new_tokens, temperature, top_k, top_p,
-                             generator, vocab_size))
+    new = list(
+        sample_stream(
+            model, prompt_ids, max_new_tokens, temperature, top_k, top_p, generator, vocab_size
+        )
+    )
     tokens = prompt_ids if prompt_ids.dim() == 2 else prompt_ids.unsqueeze(0)
     out = torch.cat([tokens, *[t[:, None] for t in new]], dim=1)
     return out if prompt_ids.dim() == 2 else out.squeeze(0)

@@ -12,12 +12,7 @@ from __future__ import annotations
 
 import torch
 
-TOLERANCE = {
-    torch.float64: 1e-10,
-    torch.float32: 1e-4,
-    torch.float16: 5e-3,
-    torch.bfloat16: 3e-2,
-}
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -31,8 +26,13 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return torch.linalg.vector_norm(out64 - ref64).item() / denom
 
 
-def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, name: str = "output",
-                 scale: float = 1.0) -> None:
+def assert_close(
+    out: torch.Tensor,
+    ref: torch.Tensor,
+    dtype: torch.dtype,
+    name: str = "output",
+    scale: float = 1.0,
+) -> None:
     """Assert relative_error(out, ref) <= scale * TOLERANCE[dtype].
 
     `scale` is for quantities whose error grows with a reduction's length (say, a weight gradient

@@ -38,10 +38,15 @@ from tqdm import tqdm
 
 from fastlm import checkpoint, reference
 from fastlm.checkpoint import CheckpointError
-from fastlm.config import (MODEL_FIELDS, PRESETS, ConfigError, ModelConfig, build_model,
-                           pick_device)
-from fastlm.data import (DataError, TokenSplit, eval_batches, load_split, load_tokenizer,
-                         training_batch)
+from fastlm.config import MODEL_FIELDS, PRESETS, ConfigError, ModelConfig, build_model, pick_device
+from fastlm.data import (
+    DataError,
+    TokenSplit,
+    eval_batches,
+    load_split,
+    load_tokenizer,
+    training_batch,
+)
 
 LOSS_CURVE = checkpoint.LOSS_CURVE
 
@@ -96,22 +101,38 @@ def flops_per_token(model: nn.Module, config: dict) -> float:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    presets = "\n".join(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in preset.items())
-                        for name, preset in PRESETS.items())
+    presets = "\n".join(
+        f"  {name}: " + ", ".join(f"{k}={v}" for k, v in preset.items())
+        for name, preset in PRESETS.items()
+    )
     parser = argparse.ArgumentParser(
-        prog="python -m fastlm.train", description=__doc__.split("\n\n")[0],
-        epilog=f"presets:\n{presets}", formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", help="text file or folder (default: the Python standard "
-                        "library's sources, a few MB)")
+        prog="python -m fastlm.train",
+        description=__doc__.split("\n\n")[0],
+        epilog=f"presets:\n{presets}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--data",
+        help="text file or folder (default: the Python standard library's sources, a few MB)",
+    )
     parser.add_argument("--tokenizer", help="Hugging Face tokenizers JSON (default: UTF-8 bytes)")
-    parser.add_argument("--model", choices=("fastlm", "reference"), default="fastlm",
-                        help="default: %(default)s; both write the same checkpoints")
-    parser.add_argument("--preset", choices=list(PRESETS), default="tiny",
-                        help="model size and training defaults (listed below); default: tiny")
+    parser.add_argument(
+        "--model",
+        choices=("fastlm", "reference"),
+        default="fastlm",
+        help="default: %(default)s; both write the same checkpoints",
+    )
+    parser.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        default="tiny",
+        help="model size and training defaults (listed below); default: tiny",
+    )
     parser.add_argument("--out", help="checkpoint folder (default: checkpoints/PRESET)")
     parser.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="start afresh even though --out holds a checkpoint")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="start afresh even though --out holds a checkpoint"
+    )
 
     model = parser.add_argument_group("model (default: the preset's)")
     model.add_argument("--vocab-size", type=int, help="at least the tokenizer's vocabulary")
@@ -130,25 +151,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     optim.add_argument("--min-lr", type=float, help="final learning rate (default: lr / 10)")
     optim.add_argument("--warmup", type=int, help="warm-up steps (default: steps / 20)")
     optim.add_argument("--weight-decay", type=float, default=0.1, help="default: %(default)s")
-    optim.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.95),
-                       help="AdamW's (0.9 0.95)")
-    optim.add_argument("--grad-clip", type=float, default=1.0,
-                       help="max global gradient norm; 0: no clipping (1.0)")
+    optim.add_argument(
+        "--betas", type=float, nargs=2, default=(0.9, 0.95), help="AdamW's (0.9 0.95)"
+    )
+    optim.add_argument(
+        "--grad-clip",
+        type=float,
+        default=1.0,
+        help="max global gradient norm; 0: no clipping (1.0)",
+    )
     optim.add_argument("--seed", type=int, default=0, help="initial weights and batches (0)")
 
     run = parser.add_argument_group("run")
-    run.add_argument("--val-fraction", type=float, default=0.05,
-                     help="held-out share of the corpus (0.05)")
+    run.add_argument(
+        "--val-fraction", type=float, default=0.05, help="held-out share of the corpus (0.05)"
+    )
     run.add_argument("--eval-every", type=int, help="steps between held-out evaluations")
-    run.add_argument("--eval-batches", type=int, default=4,
-                     help="held-out batches per evaluation (4)")
-    run.add_argument("--save-every", type=int,
-                     help="steps between checkpoints (0: only at the end)")
+    run.add_argument(
+        "--eval-batches", type=int, default=4, help="held-out batches per evaluation (4)"
+    )
+    run.add_argument(
+        "--save-every", type=int, help="steps between checkpoints (0: only at the end)"
+    )
     run.add_argument("--device", help="default: cuda (this rank's GPU) when there is one, else cpu")
     run.add_argument("--compile", action="store_true", help="torch.compile the model and loss")
     run.add_argument("--fsdp", action="store_true", help="under torchrun, FSDP2 instead of DDP")
-    run.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, for the MFU "
-                     f"(default: known for {', '.join(PEAK_BF16_FLOPS)})")
+    run.add_argument(
+        "--peak-tflops",
+        type=float,
+        help="the GPU's dense bf16 peak, for the MFU "
+        f"(default: known for {', '.join(PEAK_BF16_FLOPS)})",
+    )
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
 
@@ -165,23 +198,44 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def check_args(args: argparse.Namespace) -> None:
     """ConfigError for values the model or the loop cannot use (the model's own fields are
     checked with the device, in `prepare`)."""
-    positive = ("context_length", "d_model", "num_layers", "num_heads", "d_ff", "steps",
-                "batch_size", "grad_accum", "eval_every", "eval_batches", "vocab_size")
+    positive = (
+        "context_length",
+        "d_model",
+        "num_layers",
+        "num_heads",
+        "d_ff",
+        "steps",
+        "batch_size",
+        "grad_accum",
+        "eval_every",
+        "eval_batches",
+        "vocab_size",
+    )
     for key in positive:
         value = getattr(args, key)
         if value is not None and value < 1:
             raise ConfigError(f"{flag(key)} must be at least 1, got {value}")
-    for key in ("lr", "min_lr", "weight_decay", "grad_clip", "val_fraction", "rope_theta",
-                "peak_tflops"):
+    for key in (
+        "lr",
+        "min_lr",
+        "weight_decay",
+        "grad_clip",
+        "val_fraction",
+        "rope_theta",
+        "peak_tflops",
+    ):
         value = getattr(args, key)
         if value is not None and not math.isfinite(value):
             raise ConfigError(f"{flag(key)} must be a finite number, got {value}")
     if args.context_length > args.max_context:
-        raise ConfigError(f"--context-length {args.context_length} is longer than preset "
-                          f"{args.preset} allows ({args.max_context})")
+        raise ConfigError(
+            f"--context-length {args.context_length} is longer than preset "
+            f"{args.preset} allows ({args.max_context})"
+        )
     if args.lr <= 0 or args.min_lr < 0:
-        raise ConfigError(f"--lr must be positive and --min-lr non-negative, "
-                          f"got {args.lr} and {args.min_lr}")
+        raise ConfigError(
+            f"--lr must be positive and --min-lr non-negative, got {args.lr} and {args.min_lr}"
+        )
     if args.weight_decay < 0:
         raise ConfigError(f"--weight-decay must be non-negative, got {args.weight_decay}")
     if not all(0 <= beta < 1 for beta in args.betas):
@@ -189,8 +243,9 @@ def check_args(args: argparse.Namespace) -> None:
     if not 0 <= args.warmup < args.steps:
         raise ConfigError(f"--warmup must lie in [0, --steps={args.steps}), got {args.warmup}")
     if args.grad_clip < 0:
-        raise ConfigError(f"--grad-clip must be non-negative (0: no clipping), "
-                          f"got {args.grad_clip}")
+        raise ConfigError(
+            f"--grad-clip must be non-negative (0: no clipping), got {args.grad_clip}"
+        )
     if args.save_every < 0:
         raise ConfigError(f"--save-every must be non-negative, got {args.save_every}")
     if args.peak_tflops is not None and args.peak_tflops <= 0:
@@ -203,8 +258,10 @@ def model_config(args: argparse.Namespace, tokenizer, device: torch.device) -> M
     """The model's configuration, checked for `--model` on `device`."""
     vocab_size = tokenizer.vocab_size if args.vocab_size is None else args.vocab_size
     if vocab_size < tokenizer.vocab_size:
-        raise ConfigError(f"--vocab-size {vocab_size} is smaller than the tokenizer's "
-                          f"vocabulary ({tokenizer.vocab_size})")
+        raise ConfigError(
+            f"--vocab-size {vocab_size} is smaller than the tokenizer's "
+            f"vocabulary ({tokenizer.vocab_size})"
+        )
     fields = {key: getattr(args, key) for key in MODEL_FIELDS if key != "vocab_size"}
     config = ModelConfig(vocab_size=vocab_size, **fields)
     try:
@@ -215,8 +272,21 @@ def model_config(args: argparse.Namespace, tokenizer, device: torch.device) -> M
 
 
 # Settings that shape the loss curve: a resumed run that changes one continues another curve.
-CURVE_SETTINGS = ("data", "tokenizer", "batch_size", "grad_accum", "lr", "min_lr", "warmup",
-                  "steps", "weight_decay", "betas", "grad_clip", "seed", "val_fraction")
+CURVE_SETTINGS = (
+    "data",
+    "tokenizer",
+    "batch_size",
+    "grad_accum",
+    "lr",
+    "min_lr",
+    "warmup",
+    "steps",
+    "weight_decay",
+    "betas",
+    "grad_clip",
+    "seed",
+    "val_fraction",
+)
 
 
 def curve_settings(args: argparse.Namespace, world_size: int) -> dict:
@@ -233,17 +303,21 @@ def resume_note(saved: dict, args: argparse.Namespace, world_size: int) -> str |
     if not changed:
         return None
     listed = ", ".join(f"{flag(key)} {settings[key]} (was {old.get(key)})" for key in changed)
-    note = (f"note: resuming with {listed}, so from step {step + 1} on the run differs from "
-            "the one the checkpoint began")
+    note = (
+        f"note: resuming with {listed}, so from step {step + 1} on the run differs from "
+        "the one the checkpoint began"
+    )
     schedule = ("lr", "min_lr", "warmup", "steps")
-    if set(changed) & set(schedule) and all(isinstance(old.get(key), (int, float))
-                                           for key in schedule):
+    if set(changed) & set(schedule) and all(
+        isinstance(old.get(key), (int, float)) for key in schedule
+    ):
         before = reference.cos_lr_scheduler(step, *(old[key] for key in schedule))
-        after = reference.cos_lr_scheduler(step + 1, args.lr, args.min_lr, args.warmup,
-                                           args.steps)
-        note += ("; the learning-rate schedule (warm-up, then cosine decay to --min-lr at "
-                 f"--steps) now follows the new settings: the rate goes from {before:.3g} at "
-                 f"step {step} to {after:.3g} at step {step + 1}")
+        after = reference.cos_lr_scheduler(step + 1, args.lr, args.min_lr, args.warmup, args.steps)
+        note += (
+            "; the learning-rate schedule (warm-up, then cosine decay to --min-lr at "
+            f"--steps) now follows the new settings: the rate goes from {before:.3g} at "
+            f"step {step} to {after:.3g} at step {step + 1}"
+        )
     return note
 
 
@@ -324,10 +398,12 @@ def distribute(loss_module: NextTokenLoss, run: Run, fsdp: bool) -> nn.Module:
     # The buffers (RoPE tables, causal masks) are constants: no broadcast before each forward.
     # torch 2.13 renamed the option (the old name warns on every rank).
     ddp_options = inspect.signature(nn.parallel.DistributedDataParallel).parameters
-    no_sync = "forward_sync_buffers" if "forward_sync_buffers" in ddp_options else \
-        "broadcast_buffers"
-    return nn.parallel.DistributedDataParallel(loss_module, device_ids=device_ids,
-                                               **{no_sync: False})
+    no_sync = (
+        "forward_sync_buffers" if "forward_sync_buffers" in ddp_options else "broadcast_buffers"
+    )
+    return nn.parallel.DistributedDataParallel(
+        loss_module, device_ids=device_ids, **{no_sync: False}
+    )
 
 
 def gradient_sync(module: nn.Module, enabled: bool):
@@ -340,8 +416,9 @@ def gradient_sync(module: nn.Module, enabled: bool):
     return contextlib.nullcontext()
 
 
-def make_optimizer(parameters, args: argparse.Namespace,
-                   device: torch.device) -> torch.optim.Optimizer:
+def make_optimizer(
+    parameters, args: argparse.Namespace, device: torch.device
+) -> torch.optim.Optimizer:
     """PyTorch's AdamW on every device, so that a checkpoint resumes on any: fused on CUDA
     (foreach under FSDP). reference.AdamW is the same math (tests/test_reference.py)."""
     hyper = dict(lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay)
@@ -374,16 +451,19 @@ def state_dict_options(**kwargs):
 
 def full_state(loss_module: NextTokenLoss, optimizer: torch.optim.Optimizer):
     """Unsharded weights and optimizer state (a collective under FSDP: every rank calls it)."""
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     options = state_dict_options(cpu_offload=True)
     weights = get_model_state_dict(loss_module.model, options=options)
     return weights, get_optimizer_state_dict(loss_module, optimizer, options=options)
 
 
-def load_optimizer(loss_module: NextTokenLoss, optimizer: torch.optim.Optimizer,
-                   state: dict) -> None:
+def load_optimizer(
+    loss_module: NextTokenLoss, optimizer: torch.optim.Optimizer, state: dict
+) -> None:
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     try:
@@ -435,8 +515,10 @@ def plot_losses(path: Path, train_losses: list[float], val_losses: list[list[flo
         figure.savefig(path, format="png")
     except OSError as error:  # a full disk, say
         path.unlink(missing_ok=True)
-        return f"could not write the loss curve {path.name} ({error.strerror}): this checkpoint " \
+        return (
+            f"could not write the loss curve {path.name} ({error.strerror}): this checkpoint "
             "has none"
+        )
     finally:
         plt.close(figure)
     return None
@@ -492,8 +574,16 @@ class Trainer:
     """This rank's share of a run: the model (wrapped for DDP or FSDP), optimizer, data and the
     loss history, which a checkpoint restores whole."""
 
-    def __init__(self, args: argparse.Namespace, run: Run, config: ModelConfig, tokenizer_name: str,
-                 out: Path, split: TokenSplit, saved: dict | None):
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        run: Run,
+        config: ModelConfig,
+        tokenizer_name: str,
+        out: Path,
+        split: TokenSplit,
+        saved: dict | None,
+    ):
         self.args, self.run, self.split, self.out = args, run, split, out
         self.config = {**config.as_dict(), "tokenizer": tokenizer_name}  # what a checkpoint keeps
         torch.manual_seed(args.seed)  # the same initial weights on every rank
@@ -505,16 +595,19 @@ class Trainer:
         self.optimizer = make_optimizer(self.wrapped.parameters(), args, run.device)
         if saved is not None:
             if saved["optimizer_kind"] != optimizer_kind(self.optimizer):
-                raise CheckpointError(f"{out} holds {saved['optimizer_kind']} state, but this run "
-                                      f"uses {optimizer_kind(self.optimizer)} (a checkpoint of "
-                                      "an older fastlm.train)")
+                raise CheckpointError(
+                    f"{out} holds {saved['optimizer_kind']} state, but this run "
+                    f"uses {optimizer_kind(self.optimizer)} (a checkpoint of "
+                    "an older fastlm.train)"
+                )
             load_optimizer(self.loss_module, self.optimizer, saved["optimizer"])
         self.loss_fn = torch.compile(self.wrapped) if args.compile else self.wrapped
         self.step = saved["step"] if saved else 0
         self.train_losses: list[float] = list(saved["train_losses"]) if saved else []
         self.val_losses: list[list[float]] = list(saved["val_losses"]) if saved else []
-        self.validation = eval_batches(split.val, args.batch_size, args.context_length,
-                                       args.eval_batches)
+        self.validation = eval_batches(
+            split.val, args.batch_size, args.context_length, args.eval_batches
+        )
 
     def autocast(self):
         if self.run.device.type == "cuda":
@@ -529,8 +622,9 @@ class Trainer:
         """One optimizer step; its loss averaged over micro-batches and ranks, and whether any
         rank asked to stop (one collective for both keeps the ranks stopping together)."""
         args = self.args
-        lr = reference.cos_lr_scheduler(self.step + 1, args.lr, args.min_lr, args.warmup,
-                                        args.steps)
+        lr = reference.cos_lr_scheduler(
+            self.step + 1, args.lr, args.min_lr, args.warmup, args.steps
+        )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
@@ -539,9 +633,15 @@ class Trainer:
             last = micro == args.grad_accum - 1
             if last and args.fsdp:
                 self.wrapped.set_requires_gradient_sync(True)
-            token_ids, targets = training_batch(self.split.train, args.batch_size,
-                                                args.context_length, args.seed, self.run.rank,
-                                                self.step, micro)
+            token_ids, targets = training_batch(
+                self.split.train,
+                args.batch_size,
+                args.context_length,
+                args.seed,
+                self.run.rank,
+                self.step,
+                micro,
+            )
             with gradient_sync(self.wrapped, last):
                 loss = self.loss(token_ids, targets)
                 (loss / args.grad_accum).backward()
@@ -570,11 +670,13 @@ class Trainer:
         weights, optimizer_state = full_state(self.loss_module, self.optimizer)
         if not self.run.is_main:
             return None
-        state = {"optimizer": optimizer_state,
-                 "optimizer_kind": optimizer_kind(self.optimizer),
-                 "train_losses": self.train_losses,
-                 "val_losses": self.val_losses,
-                 "settings": curve_settings(self.args, self.run.world_size)}
+        state = {
+            "optimizer": optimizer_state,
+            "optimizer_kind": optimizer_kind(self.optimizer),
+            "train_losses": self.train_losses,
+            "val_losses": self.val_losses,
+            "settings": curve_settings(self.args, self.run.world_size),
+        }
         # The curve is part of the checkpoint folder, which is replaced whole.
         with checkpoint.replacing(self.out) as folder:
             checkpoint.write(folder, weights, self.config, self.step, state, self.args.tokenizer)
@@ -588,8 +690,10 @@ def claim_out(args: argparse.Namespace, out: Path, config: dict, stack: contextl
     files, and a folder that cannot be written fails now rather than at the first save."""
     stack.enter_context(checkpoint.locked(out))
     if checkpoint.exists(out) and not (args.resume or args.overwrite):
-        raise CheckpointError(f"{args.out} already holds a checkpoint: pass --resume to continue "
-                              "it, --overwrite to replace it, or another --out")
+        raise CheckpointError(
+            f"{args.out} already holds a checkpoint: pass --resume to continue "
+            "it, --overwrite to replace it, or another --out"
+        )
     checkpoint.check_replaceable(out)
     if args.resume:
         checkpoint.check_config(checkpoint.load_config(out), config, args.out)
@@ -602,13 +706,16 @@ def load_saved(out: Path) -> dict:
     saved = checkpoint.load_state(folder)
     missing = [key for key in STATE_KEYS if key not in saved]
     if missing:
-        raise CheckpointError(f"{folder / checkpoint.STATE} lacks {', '.join(missing)}: it was "
-                              "not written by fastlm.train")
+        raise CheckpointError(
+            f"{folder / checkpoint.STATE} lacks {', '.join(missing)}: it was "
+            "not written by fastlm.train"
+        )
     return {**saved, "weights": checkpoint.load_weights(folder)}
 
 
-def prepare(args: argparse.Namespace, run: Run, out: Path, stack: contextlib.ExitStack,
-            say) -> Trainer:
+def prepare(
+    args: argparse.Namespace, run: Run, out: Path, stack: contextlib.ExitStack, say
+) -> Trainer:
     """Check the configuration and the checkpoint folder before reading any data, then build
     the trainer (restored from the checkpoint with --resume)."""
     tokenizer = load_tokenizer(args.tokenizer)
@@ -622,10 +729,22 @@ def prepare(args: argparse.Namespace, run: Run, out: Path, stack: contextlib.Exi
         if note:
             say(note)
         if args.steps <= saved["step"]:
-            say(f"note: the checkpoint is at step {saved['step']} and --steps is {args.steps}: "
-                "nothing to train (a larger --steps continues it)")
-    split = agree(run, lambda: load_split(args.data, tokenizer, args.context_length,
-                                          args.val_fraction, run.rank, run.world_size, say))
+            say(
+                f"note: the checkpoint is at step {saved['step']} and --steps is {args.steps}: "
+                "nothing to train (a larger --steps continues it)"
+            )
+    split = agree(
+        run,
+        lambda: load_split(
+            args.data,
+            tokenizer,
+            args.context_length,
+            args.val_fraction,
+            run.rank,
+            run.world_size,
+            say,
+        ),
+    )
     return Trainer(args, run, config, tokenizer.name, out, split, saved)
 
 
@@ -643,8 +762,7 @@ def train(args: argparse.Namespace) -> int:
         return run_training(args, run, out, stack)
 
 
-def run_training(args: argparse.Namespace, run: Run, out: Path,
-                 stack: contextlib.ExitStack) -> int:
+def run_training(args: argparse.Namespace, run: Run, out: Path, stack: contextlib.ExitStack) -> int:
     def say(message: str) -> None:
         if run.is_main:
             tqdm.write(message, file=sys.stderr)
@@ -654,12 +772,16 @@ def run_training(args: argparse.Namespace, run: Run, out: Path,
     tokens_per_step = args.batch_size * args.context_length * args.grad_accum * run.world_size
     work_per_token = flops_per_token(trainer.model, trainer.config)
     peak = peak_flops(args, run.device)
-    say(f"fastlm.train: {args.model} model, {parameters / 1e6:.2f}M parameters, preset "
+    say(
+        f"fastlm.train: {args.model} model, {parameters / 1e6:.2f}M parameters, preset "
         f"{args.preset}, {len(trainer.split.train) * run.world_size / 1e6:.2f}M training tokens, "
-        f"{run.world_size} x {run.device.type}" + (", FSDP" if args.fsdp else ""))
+        f"{run.world_size} x {run.device.type}" + (", FSDP" if args.fsdp else "")
+    )
     if peak:
-        say(f"MFU counts {work_per_token / 1e6:.1f} MFLOP/token (PaLM convention) against "
-            f"{peak / 1e12:.0f} TFLOP/s dense bf16 per GPU")
+        say(
+            f"MFU counts {work_per_token / 1e6:.1f} MFLOP/token (PaLM convention) against "
+            f"{peak / 1e12:.0f} TFLOP/s dense bf16 per GPU"
+        )
 
     def mfu(tokens_per_second: float) -> float | None:
         return work_per_token * tokens_per_second / (peak * run.world_size) if peak else None
@@ -668,9 +790,15 @@ def run_training(args: argparse.Namespace, run: Run, out: Path,
     interrupted, plot_note, diverged = False, None, False
     # A bar only on a terminal: in a log file each redraw would be a line of its own. The
     # line printed at each evaluation says the same.
-    progress = tqdm(total=args.steps, initial=min(trainer.step, args.steps), desc="training",
-                    file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
-                    disable=args.no_progress or not run.is_main or not sys.stderr.isatty())
+    progress = tqdm(
+        total=args.steps,
+        initial=min(trainer.step, args.steps),
+        desc="training",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        mininterval=0.5,
+        disable=args.no_progress or not run.is_main or not sys.stderr.isatty(),
+    )
     with StopRequest() as stop:
         while trainer.step < args.steps:
             started = time.perf_counter()
@@ -679,22 +807,28 @@ def run_training(args: argparse.Namespace, run: Run, out: Path,
             step = trainer.step
             if not math.isfinite(loss) and not diverged:
                 diverged = True
-                say(f"note: the training loss is {loss} at step {step}: the run diverged "
-                    "(a lower --lr, or --grad-clip, may help)")
+                say(
+                    f"note: the training loss is {loss} at step {step}: the run diverged "
+                    "(a lower --lr, or --grad-clip, may help)"
+                )
             postfix = {"loss": f"{loss:.3f}", "tok/s": f"{throughput.tokens_per_second:,.0f}"}
             if peak:
                 postfix["mfu"] = f"{mfu(throughput.tokens_per_second):.1%}"
             progress.set_postfix(postfix, refresh=False)
             progress.update()
             if step % args.eval_every == 0 or step == args.steps:
-                say(f"step {step}/{args.steps}: training loss {loss:.4f}, held-out loss "
-                    f"{trainer.evaluate():.4f}, {throughput.tokens_per_second:,.0f} tokens/s")
+                say(
+                    f"step {step}/{args.steps}: training loss {loss:.4f}, held-out loss "
+                    f"{trainer.evaluate():.4f}, {throughput.tokens_per_second:,.0f} tokens/s"
+                )
             periodic_save = args.save_every and step % args.save_every == 0
             if interrupted or step == args.steps or periodic_save:
                 plot_note = trainer.save()
             if interrupted:
-                say(f"interrupted: checkpoint of step {step} saved in {args.out}; "
-                    "--resume continues it")
+                say(
+                    f"interrupted: checkpoint of step {step} saved in {args.out}; "
+                    "--resume continues it"
+                )
                 break
     progress.close()
     if plot_note:
@@ -722,8 +856,10 @@ def run_training(args: argparse.Namespace, run: Run, out: Path,
             "world_size": run.world_size,
             "interrupted": interrupted,
         }
-        summary = {key: finite_or_none(value) if isinstance(value, float) else value
-                   for key, value in summary.items()}
+        summary = {
+            key: finite_or_none(value) if isinstance(value, float) else value
+            for key, value in summary.items()
+        }
         print(json.dumps(summary, allow_nan=False), flush=True)
     if run.world_size > 1:
         # Leave together: a rank that tears down its gloo connections while rank 0 is still

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from test_train import SUBPROCESS_ENV, TOY, file_hashes, run_main
 
 import fastlm.generate as generate_cli
 import fastlm.train as train_cli
 from fastlm import checkpoint
-from test_train import SUBPROCESS_ENV, TOY, file_hashes, run_main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -46,8 +46,9 @@ def copy(trained, tmp_path) -> Path:
 
 
 def resume(corpus: Path, out: Path, capsys, *extra) -> tuple[int, dict | None, str]:
-    return run_main(["--data", corpus, *TOY, "--steps", "4", "--resume", "--out", out, *extra],
-                    capsys)
+    return run_main(
+        ["--data", corpus, *TOY, "--steps", "4", "--resume", "--out", out, *extra], capsys
+    )
 
 
 def test_files_share_one_mode(trained):
@@ -82,7 +83,8 @@ def test_second_training_on_the_same_out_is_refused(trained, tmp_path, capsys):
         assert status == 2 and summary is None
         assert err.strip().splitlines() == [
             f"fastlm.train: error: {out} is in use by another training (pid {os.getpid()}): "
-            "wait for it to end, or choose another folder"]
+            "wait for it to end, or choose another folder"
+        ]
         assert not out.exists()
     status, _, err = run_main(args, capsys)  # the lock went with the holder
     assert status == 0, err
@@ -95,11 +97,13 @@ def test_out_below_a_file_fails_before_training(trained, tmp_path, capsys):
     status, _, err = run_main(["--data", trained[1], *TOY, "--steps", "2", "--out", out], capsys)
     assert status == 2
     assert err.strip().splitlines() == [
-        f"fastlm.train: error: cannot create {out}: {tmp_path / 'notes'} is a file, not a folder"]
+        f"fastlm.train: error: cannot create {out}: {tmp_path / 'notes'} is a file, not a folder"
+    ]
 
 
-def test_out_on_a_read_only_filesystem_fails_before_training(trained, tmp_path, capsys,
-                                                             monkeypatch):
+def test_out_on_a_read_only_filesystem_fails_before_training(
+    trained, tmp_path, capsys, monkeypatch
+):
     # As on a read-only mount (which root, running these tests, cannot be kept out of by
     # permissions): every creation below `disk` fails with EROFS.
     disk = tmp_path / "disk"
@@ -110,6 +114,7 @@ def test_out_on_a_read_only_filesystem_fails_before_training(trained, tmp_path, 
             if str(path).startswith(str(disk)):
                 raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
             return real(path, *args, **kwargs)
+
         return call
 
     monkeypatch.setattr(os, "open", refuse(os.open))
@@ -119,7 +124,8 @@ def test_out_on_a_read_only_filesystem_fails_before_training(trained, tmp_path, 
     assert status == 2
     assert err.strip().splitlines() == [
         f"fastlm.train: error: cannot write to {disk} (Read-only file system), where {out} "
-        "would be saved"]
+        "would be saved"
+    ]
 
 
 # Writes past a file size limit fail as on a full disk (EFBIG rather than ENOSPC), once the
@@ -140,21 +146,41 @@ def test_full_disk_during_a_save_keeps_the_checkpoint(trained, copy, tmp_path):
     limit = (copy / checkpoint.WEIGHTS).stat().st_size + 1024
     script = tmp_path / "full_disk.py"
     script.write_text(FULL_DISK)
-    result = subprocess.run([sys.executable, str(script), str(limit), "--data", str(trained[1]),
-                             *TOY, "--steps", "4", "--resume", "--out", str(copy)],
-                            capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            str(limit),
+            "--data",
+            str(trained[1]),
+            *TOY,
+            "--steps",
+            "4",
+            "--resume",
+            "--out",
+            str(copy),
+        ],
+        capture_output=True,
+        text=True,
+        env=SUBPROCESS_ENV,
+        timeout=120,
+    )
     assert result.returncode == 2 and result.stdout == "", result.stderr
     assert "Traceback" not in result.stderr, result.stderr
     [line] = [line for line in result.stderr.splitlines() if "error" in line]
     needed = sum(p.stat().st_size for p in copy.iterdir() if p.suffix in (".pt", ".safetensors"))
-    prefix = (f"fastlm.train: error: cannot save the checkpoint of step 4: writing "
-              f"{copy}.tmp/state.pt failed (")
+    prefix = (
+        f"fastlm.train: error: cannot save the checkpoint of step 4: writing "
+        f"{copy}.tmp/state.pt failed ("
+    )
     assert line.startswith(prefix), line
     estimate = re.search(r"\); the checkpoint needs about ([\d.]+) KiB and ", line)
     assert estimate and float(estimate[1]) == pytest.approx(needed / 1024, rel=0.1), line
     assert line.endswith("are free there (any previous checkpoint is kept)"), line
     assert file_hashes(copy) == before and sorted(os.listdir(tmp_path)) == [
-        "checkpoint", "full_disk.py"]
+        "checkpoint",
+        "full_disk.py",
+    ]
 
 
 def flip_byte(path: Path, offset: int) -> None:
@@ -177,7 +203,7 @@ def damage(case: str, folder: Path) -> None:
     state, weights = folder / checkpoint.STATE, folder / checkpoint.WEIGHTS
     manifest = folder / checkpoint.MANIFEST
     if case == "state truncated":
-        state.write_bytes(state.read_bytes()[:state.stat().st_size // 2])
+        state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
     elif case == "state empty":
         state.write_bytes(b"")
     elif case == "state flipped byte":
@@ -197,8 +223,13 @@ def damage(case: str, folder: Path) -> None:
         rewrite_weights(folder, metadata)
     elif case == "state without its keys":
         saved = checkpoint.load_state(folder)
-        checkpoint.save(folder, checkpoint.load_weights(folder), checkpoint.load_config(folder),
-                        2, {"train_losses": saved["train_losses"]})
+        checkpoint.save(
+            folder,
+            checkpoint.load_weights(folder),
+            checkpoint.load_config(folder),
+            2,
+            {"train_losses": saved["train_losses"]},
+        )
     else:
         raise AssertionError(case)
 
@@ -212,8 +243,11 @@ DAMAGES = {  # case: (what resuming says, what generating says; None: generate r
     "manifest not JSON": ("checkpoint.json is damaged", "checkpoint.json is damaged"),
     "config not JSON": ("its configuration is not a JSON object",) * 2,
     "step not an integer": ("its step 'two' is not a non-negative integer", None),
-    "state without its keys": ("state.pt lacks optimizer, optimizer_kind, val_losses, settings: "
-                               "it was not written by fastlm.train", None),
+    "state without its keys": (
+        "state.pt lacks optimizer, optimizer_kind, val_losses, settings: "
+        "it was not written by fastlm.train",
+        None,
+    ),
 }
 
 
@@ -226,8 +260,18 @@ def test_damaged_checkpoint_is_one_line(case, trained, copy, capsys):
     assert status == 2 and summary is None
     assert len(err.strip().splitlines()) == 1 and on_resume in err, err
     assert file_hashes(copy) == before
-    status = generate_cli.main(["--checkpoint", str(copy), "--prompt", "The", "--model",
-                                "reference", "--max-new-tokens", "2"])
+    status = generate_cli.main(
+        [
+            "--checkpoint",
+            str(copy),
+            "--prompt",
+            "The",
+            "--model",
+            "reference",
+            "--max-new-tokens",
+            "2",
+        ]
+    )
     out, err = capsys.readouterr()
     if on_generate is None:
         assert status == 0, err
@@ -254,9 +298,12 @@ def test_loss_curve_that_cannot_be_written_is_a_note(trained, tmp_path, capsys, 
 
     monkeypatch.setattr(Figure, "savefig", full)
     out = tmp_path / "run"
-    status, summary, err = run_main(["--data", trained[1], *TOY, "--steps", "2", "--out", out],
-                                    capsys)
+    status, summary, err = run_main(
+        ["--data", trained[1], *TOY, "--steps", "2", "--out", out], capsys
+    )
     assert status == 0 and summary["loss_curve"] is None, err
-    assert ("note: could not write the loss curve loss.png (No space left on device): this "
-            "checkpoint has none") in err
+    assert (
+        "note: could not write the loss curve loss.png (No space left on device): this "
+        "checkpoint has none"
+    ) in err
     assert checkpoint.load_state(out)["step"] == 2 and not (out / "loss.png").exists()

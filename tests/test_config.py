@@ -11,8 +11,15 @@ import torch
 
 import fastlm
 from fastlm import sampling
-from fastlm.config import (MODEL_FIELDS, MODELS, PRESETS, ConfigError, ModelConfig, build_model,
-                           pick_device)
+from fastlm.config import (
+    MODEL_FIELDS,
+    MODELS,
+    PRESETS,
+    ConfigError,
+    ModelConfig,
+    build_model,
+    pick_device,
+)
 
 # Parameters of each preset with byte tokens, as the README states them (0.9M, 85M, 309M).
 PRESET_PARAMETERS = {"tiny": 918_656, "gpt2-small": 85_347_072, "gpt2-medium": 308_855_808}
@@ -43,15 +50,21 @@ def test_config_round_trips_through_a_checkpoint_dict():
         ModelConfig.from_dict({k: v for k, v in stored.items() if k not in ("d_ff", "rope_theta")})
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(vocab_size=0), "vocab_size must be a positive integer, got 0"),
-    (dict(num_layers=2.5), "num_layers must be a positive integer, got 2.5"),
-    (dict(context_length=True), "context_length must be a positive integer, got True"),
-    (dict(rope_theta=0.0), "rope_theta must be a positive number, got 0.0"),
-    (dict(rope_theta=float("nan")), "rope_theta must be a positive number, got nan"),
-    (dict(d_model=100, num_heads=3), "d_model 100 must be a multiple of num_heads 3"),
-    (dict(d_model=96, num_heads=32), "d_model 96 / num_heads 32 gives heads of 3 dims, but RoPE"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(vocab_size=0), "vocab_size must be a positive integer, got 0"),
+        (dict(num_layers=2.5), "num_layers must be a positive integer, got 2.5"),
+        (dict(context_length=True), "context_length must be a positive integer, got True"),
+        (dict(rope_theta=0.0), "rope_theta must be a positive number, got 0.0"),
+        (dict(rope_theta=float("nan")), "rope_theta must be a positive number, got nan"),
+        (dict(d_model=100, num_heads=3), "d_model 100 must be a multiple of num_heads 3"),
+        (
+            dict(d_model=96, num_heads=32),
+            "d_model 96 / num_heads 32 gives heads of 3 dims, but RoPE",
+        ),
+    ],
+)
 def test_bad_config_names_the_field(change, message):
     config = ModelConfig(**{**preset_config("tiny").as_dict(), **change})
     for kind in MODELS:
@@ -62,9 +75,11 @@ def test_bad_config_names_the_field(change, message):
 def test_head_dims_for_the_kernels_only_where_they_run(monkeypatch):
     config = ModelConfig(**{**preset_config("tiny").as_dict(), "d_model": 48, "num_heads": 4})
     monkeypatch.setenv("FASTLM_BACKEND", "triton")
-    message = ("d_model 48 / num_heads 4 gives heads of 12 dims, but fastlm's attention kernel "
-               "takes multiples of 8 up to 256: change d_model or num_heads (with d_model 48: "
-               "num_heads 3), or run PyTorch's attention with FASTLM_BACKEND=torch")
+    message = (
+        "d_model 48 / num_heads 4 gives heads of 12 dims, but fastlm's attention kernel "
+        "takes multiples of 8 up to 256: change d_model or num_heads (with d_model 48: "
+        "num_heads 3), or run PyTorch's attention with FASTLM_BACKEND=torch"
+    )
     with pytest.raises(ValueError) as error:
         config.check("fastlm", "cpu")
     assert str(error.value) == message
@@ -109,13 +124,20 @@ print(json.dumps({"hint": hint, "sample": sample.__module__ + "." + sample.__nam
 
 
 def test_sampling_has_one_public_name_and_generate_is_the_command():
-    result = subprocess.run([sys.executable, "-c", NAMES], capture_output=True, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", NAMES],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     names = json.loads(result.stdout)
     assert names["sample"] == "fastlm.sampling.sample" and fastlm.sample is sampling.sample
-    assert names["hint"] == ("fastlm.generate is the command-line module (python -m "
-                             "fastlm.generate); to sample from Python, call "
-                             "fastlm.sample(model, prompt_ids, max_new_tokens, ...)")
+    assert names["hint"] == (
+        "fastlm.generate is the command-line module (python -m "
+        "fastlm.generate); to sample from Python, call "
+        "fastlm.sample(model, prompt_ids, max_new_tokens, ...)"
+    )
     assert names["generate"] == "module"  # a plain module: no class swapped in
     assert "fastlm.generate" in names["modules"] and "fastlm.train" not in names["modules"]

@@ -110,7 +110,9 @@ def test_cross_entropy_large_logits(device, dtype, centre, spread):
 
 
 # The interpreter's NumPy warns at the log(0) and -inf - (-inf) of the rows made only of -inf.
-@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+@pytest.mark.filterwarnings(
+    "ignore:divide by zero:RuntimeWarning", "ignore:invalid value:RuntimeWarning"
+)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cross_entropy_masked_logits(device, backend, dtype):
     """-inf logits (a masked vocabulary). The first MAX_BLOCK_V logits of every row are -inf: one
@@ -145,7 +147,9 @@ def test_cross_entropy_masked_logits(device, backend, dtype):
     loss.backward()
     assert loss.item() == expected.item() == float("inf")
     assert_close(logits.grad, logits64.grad, dtype, "dlogits")
-    assert torch.isnan(cross_entropy(torch.full((1, vocab), float("-inf"), device=device), targets[:1]))
+    assert torch.isnan(
+        cross_entropy(torch.full((1, vocab), float("-inf"), device=device), targets[:1])
+    )
 
 
 @pytest.mark.parametrize("layout", ["column_stride", "row_slice", "transposed"])
@@ -154,7 +158,7 @@ def test_cross_entropy_strided_logits(device, backend, layout):
     if layout == "column_stride":
         logits = torch.randn(3, 4, 2 * vocab, device=device)[..., ::2]
     elif layout == "row_slice":
-        logits = torch.randn(3, 4, vocab + 17, device=device)[..., 5:vocab + 5]
+        logits = torch.randn(3, 4, vocab + 17, device=device)[..., 5 : vocab + 5]
     else:
         logits = torch.randn(4, 3, vocab, device=device).transpose(0, 1)
     targets = random_targets((3, 4), vocab, device)
@@ -216,7 +220,8 @@ def test_custom_ignore_index_and_out_of_vocab_target(device, backend):
 
 def test_out_of_vocab_target_in_the_kernel_is_nan(device):
     """The kernel's own defence, under the host check: a target outside the vocabulary that
-    reaches it (on a GPU the device-side assert fires later) gives NaN, never a read out of bounds."""
+    reaches it (on a GPU the device-side assert fires later) gives NaN, never a read out of
+    bounds."""
     from fastlm.kernels.cross_entropy import _mean_loss
 
     logits = torch.randn(3, 40, device=device)
@@ -284,9 +289,13 @@ def test_cross_entropy_without_grad_mode(device, backend, grad_mode, inplace_bac
     for tensor in [logits, saved.clone().requires_grad_()]:
         with GRAD_MODES[grad_mode](), OpRecorder() as recorder:
             loss = cross_entropy(tensor, targets, inplace_backward=inplace_backward)
-        assert torch.equal(tensor.detach(), saved), "logits were overwritten with no gradient to compute"
+        assert torch.equal(tensor.detach(), saved), (
+            "logits were overwritten with no gradient to compute"
+        )
         if backend == "auto":  # the kernels' promise; the PyTorch backend makes fp32 copies
-            assert recorder.nbytes < saved.numel() * saved.element_size(), "a gradient buffer was allocated"
+            assert recorder.nbytes < saved.numel() * saved.element_size(), (
+                "a gradient buffer was allocated"
+            )
         assert not loss.requires_grad
         assert_close(loss, expected, torch.float32, "loss")
 
@@ -297,7 +306,9 @@ def test_linear_cross_entropy_matches_reference(device, backend, dtype, chunk_si
     """38 tokens: chunks of 7 and 16 leave a partial last chunk; None is one chunk here."""
     n_features, vocab = 24, 1100
     x = torch.randn(2, 19, n_features, device=device).to(dtype).requires_grad_()
-    weight = (torch.randn(vocab, n_features, device=device) / n_features**0.5).to(dtype).requires_grad_()
+    weight = (
+        (torch.randn(vocab, n_features, device=device) / n_features**0.5).to(dtype).requires_grad_()
+    )
     targets = random_targets((2, 19), vocab, device)
     grad_output = torch.rand((), device=device) + 0.5
     loss = linear_cross_entropy(x, weight, targets, IGNORE, chunk_size)
@@ -314,7 +325,8 @@ def test_linear_cross_entropy_matches_reference(device, backend, dtype, chunk_si
 def test_linear_cross_entropy_frozen_inputs(device, backend, grad_mode):
     """Only the gradients asked for are computed: besides each chunk's logits, one matmul per
     chunk for each input that requires grad, and none under no_grad / inference_mode (which
-    autograd.Function's needs_input_grad does not see), where no fp32 (V, C) dweight exists either."""
+    autograd.Function's needs_input_grad does not see), where no fp32 (V, C) dweight exists
+    either."""
     n_tokens, n_features, vocab, chunk_size = 10, 8, 90, 3
     n_chunks = 4
     grad_context = GRAD_MODES.get(grad_mode, contextlib.nullcontext)
@@ -462,8 +474,9 @@ def test_second_derivatives_raise(device, inplace_backward):
     x = torch.randn(4, 16, device=device, requires_grad=True)
     weight = torch.randn(300, 16, device=device, requires_grad=True)
     with pytest.raises(RuntimeError, match="second derivatives"):
-        (grad,) = torch.autograd.grad(linear_cross_entropy(x, weight, targets), x,
-                                      create_graph=True)
+        (grad,) = torch.autograd.grad(
+            linear_cross_entropy(x, weight, targets), x, create_graph=True
+        )
         grad.pow(2).sum().backward()
 
 
@@ -525,7 +538,9 @@ def test_bad_inputs(device):
         linear_cross_entropy(x, weight, targets, chunk_size=0)
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     leading=st.lists(st.integers(1, 6), min_size=0, max_size=2),
     vocab=st.integers(1, 1500),
@@ -540,7 +555,9 @@ def test_fuzz(device, leading, vocab, n_features, chunk_size, dtype, ignored_fra
     check_cross_entropy(logits, targets, dtype)
 
     x = torch.randn(*leading, n_features, device=device).to(dtype).requires_grad_()
-    weight = (torch.randn(vocab, n_features, device=device) / n_features**0.5).to(dtype).requires_grad_()
+    weight = (
+        (torch.randn(vocab, n_features, device=device) / n_features**0.5).to(dtype).requires_grad_()
+    )
     loss = linear_cross_entropy(x, weight, targets, chunk_size=chunk_size)
     loss.backward()
     ref_loss, (ref_dx, ref_dweight) = linear_reference(x, weight, targets)
@@ -575,7 +592,9 @@ def test_compiles_without_graph_breaks():
     targets = random_targets((2, 300), 5000, "cuda")
 
     def losses(x, weight, targets):
-        return linear_cross_entropy(x, weight, targets, chunk_size=128) + cross_entropy(x @ weight.T, targets)
+        return linear_cross_entropy(x, weight, targets, chunk_size=128) + cross_entropy(
+            x @ weight.T, targets
+        )
 
     compiled = torch.compile(losses, fullgraph=True)
     loss = compiled(x, weight, targets)

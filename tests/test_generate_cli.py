@@ -13,7 +13,6 @@ import fastlm.generate as generate_cli
 import fastlm.train as train_cli
 from fastlm.data import ByteTokenizer
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -22,11 +21,35 @@ def trained(tmp_path_factory):
     folder = tmp_path_factory.mktemp("generate")
     (folder / "corpus.txt").write_text("abcabcabd café " * 200)
     out = folder / "checkpoint"
-    status = train_cli.main(["--data", str(folder / "corpus.txt"), "--model", "reference",
-                             "--d-model", "32", "--num-layers", "1", "--num-heads", "2",
-                             "--d-ff", "64", "--context-length", "16", "--batch-size", "8",
-                             "--steps", "40", "--lr", "1e-2", "--no-progress", "--device", "cpu",
-                             "--out", str(out)])
+    status = train_cli.main(
+        [
+            "--data",
+            str(folder / "corpus.txt"),
+            "--model",
+            "reference",
+            "--d-model",
+            "32",
+            "--num-layers",
+            "1",
+            "--num-heads",
+            "2",
+            "--d-ff",
+            "64",
+            "--context-length",
+            "16",
+            "--batch-size",
+            "8",
+            "--steps",
+            "40",
+            "--lr",
+            "1e-2",
+            "--no-progress",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
+    )
     assert status == 0
     return out
 
@@ -38,23 +61,41 @@ def generate(capsys, *argv) -> tuple[int, str, str]:
 
 
 def test_generates_from_checkpoint(trained, capsys):
-    args = ["--checkpoint", trained, "--prompt", "abc", "--max-new-tokens", "24", "--model",
-            "reference"]
+    args = [
+        "--checkpoint",
+        trained,
+        "--prompt",
+        "abc",
+        "--max-new-tokens",
+        "24",
+        "--model",
+        "reference",
+    ]
     status, text, err = generate(capsys, *args, "--temperature", "0")
     assert status == 0, err
     assert text.startswith("abc") and text.endswith("\n")
     # 40 steps on a repetitive corpus: greedy decoding continues the pattern.
     assert "abcab" in text[3:]
-    sampled = [generate(capsys, *args, "--seed", "3", "--top-k", "5", "--top-p", "0.9")
-               for _ in range(2)]
+    sampled = [
+        generate(capsys, *args, "--seed", "3", "--top-k", "5", "--top-p", "0.9") for _ in range(2)
+    ]
     for status, text, err in sampled:
         assert status == 0 and text.startswith("abc") and len(text) > 4, err
     assert sampled[0][1] == sampled[1][1]
 
 
 def test_weights_file_path_and_package_function(trained, capsys):
-    status, text, err = generate(capsys, "--checkpoint", trained / "model.safetensors",
-                                 "--prompt", "é", "--max-new-tokens", "3", "--model", "reference")
+    status, text, err = generate(
+        capsys,
+        "--checkpoint",
+        trained / "model.safetensors",
+        "--prompt",
+        "é",
+        "--max-new-tokens",
+        "3",
+        "--model",
+        "reference",
+    )
     assert status == 0 and text.startswith("é"), err
     # Importing the CLI module rebinds the package attribute; calling it still samples.
     model, _ = generate_cli.load_model(trained, "reference", "cpu")
@@ -74,18 +115,24 @@ def test_byte_stream_never_splits_a_character():
     assert "".join(pieces) == "a\ufffdb\ufffd"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--checkpoint", "{tmp}/nowhere"], "no checkpoint"),
-    (["--checkpoint", "{ckpt}", "--prompt", ""], "--prompt must not be empty"),
-    (["--checkpoint", "{ckpt}", "--top-p", "1.5"], "top_p must lie in (0, 1], got 1.5"),
-    (["--checkpoint", "{ckpt}", "--temperature", "-1"], "temperature must be a finite number >= 0"),
-    (["--checkpoint", "{ckpt}", "--temperature", "nan"], "temperature must be a finite number"),
-    (["--checkpoint", "{ckpt}", "--max-new-tokens", "-1"], "--max-new-tokens"),
-    (["--checkpoint", "{tmp}/broken"], "cannot read"),
-    (["--checkpoint", "{ckpt}", "--device", "foo"], "--device must be cpu, cuda or cuda:N"),
-    (["--checkpoint", "{ckpt}", "--device", "meta"], "--device must be cpu, cuda or cuda:N"),
-    (["--checkpoint", "{ckpt}", "--device", "cuda:99"], "cuda:99 does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--checkpoint", "{tmp}/nowhere"], "no checkpoint"),
+        (["--checkpoint", "{ckpt}", "--prompt", ""], "--prompt must not be empty"),
+        (["--checkpoint", "{ckpt}", "--top-p", "1.5"], "top_p must lie in (0, 1], got 1.5"),
+        (
+            ["--checkpoint", "{ckpt}", "--temperature", "-1"],
+            "temperature must be a finite number >= 0",
+        ),
+        (["--checkpoint", "{ckpt}", "--temperature", "nan"], "temperature must be a finite number"),
+        (["--checkpoint", "{ckpt}", "--max-new-tokens", "-1"], "--max-new-tokens"),
+        (["--checkpoint", "{tmp}/broken"], "cannot read"),
+        (["--checkpoint", "{ckpt}", "--device", "foo"], "--device must be cpu, cuda or cuda:N"),
+        (["--checkpoint", "{ckpt}", "--device", "meta"], "--device must be cpu, cuda or cuda:N"),
+        (["--checkpoint", "{ckpt}", "--device", "cuda:99"], "cuda:99 does not exist"),
+    ],
+)
 def test_bad_input_is_one_line(argv, message, trained, tmp_path, capsys):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "model.safetensors").write_bytes(b"not safetensors")
@@ -99,22 +146,47 @@ def test_bad_input_is_one_line(argv, message, trained, tmp_path, capsys):
 
 def test_cli_streams_and_errors_without_traceback(trained):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "fastlm.generate", "--checkpoint", str(trained),
-               "--model", "reference", "--max-new-tokens", "8", "--temperature", "0"]
-    result = subprocess.run([*command, "--prompt", "abc"], capture_output=True, text=True,
-                            env=env, timeout=120)
+    command = [
+        sys.executable,
+        "-m",
+        "fastlm.generate",
+        "--checkpoint",
+        str(trained),
+        "--model",
+        "reference",
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "0",
+    ]
+    result = subprocess.run(
+        [*command, "--prompt", "abc"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("abc") and len(result.stdout) > 3
     assert "8 tokens" in result.stderr
-    result = subprocess.run([*command, "--prompt", "abc", "--top-k", "0"], capture_output=True,
-                            text=True, env=env, timeout=120)
+    result = subprocess.run(
+        [*command, "--prompt", "abc", "--top-k", "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip() == "fastlm.generate: error: top_k must be an integer >= 1, got 0"
 
 
 def test_fastlm_model_generates_like_the_reference(trained, capsys):
-    args = ["--checkpoint", trained, "--prompt", "abca", "--max-new-tokens", "6",
-            "--temperature", "0"]
+    args = [
+        "--checkpoint",
+        trained,
+        "--prompt",
+        "abca",
+        "--max-new-tokens",
+        "6",
+        "--temperature",
+        "0",
+    ]
     status, with_fastlm, err = generate(capsys, *args, "--model", "fastlm")
     assert status == 0, err
     status, with_reference, err = generate(capsys, *args, "--model", "reference")
@@ -123,12 +195,14 @@ def test_fastlm_model_generates_like_the_reference(trained, capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
 def test_cuda_without_cuda_is_one_line(trained, capsys):
-    status, text, err = generate(capsys, "--checkpoint", trained, "--prompt", "abc",
-                                 "--device", "cuda")
+    status, text, err = generate(
+        capsys, "--checkpoint", trained, "--prompt", "abc", "--device", "cuda"
+    )
     assert status == 2 and text == ""
     assert err.strip().splitlines() == [
         "fastlm.generate: error: cuda:0 does not exist (0 GPUs here): pass --device cpu or a GPU "
-        "that exists (under torchrun: one process per GPU)"]
+        "that exists (under torchrun: one process per GPU)"
+    ]
 
 
 def test_tiny_temperatures_sample_the_likeliest_token(trained):
@@ -169,22 +243,64 @@ def test_never_samples_ids_the_tokenizer_cannot_decode(tmp_path, capsys):
     # temperature sampling is nearly uniform, so without the limit about one id in six of them.
     (tmp_path / "corpus.txt").write_text("abcabd " * 200)
     out = tmp_path / "big-vocab"
-    status = train_cli.main(["--data", str(tmp_path / "corpus.txt"), "--model", "reference",
-                             "--d-model", "32", "--num-layers", "1", "--num-heads", "2",
-                             "--d-ff", "64", "--context-length", "16", "--batch-size", "4",
-                             "--steps", "2", "--vocab-size", "300", "--no-progress",
-                             "--device", "cpu", "--out", str(out)])
+    status = train_cli.main(
+        [
+            "--data",
+            str(tmp_path / "corpus.txt"),
+            "--model",
+            "reference",
+            "--d-model",
+            "32",
+            "--num-layers",
+            "1",
+            "--num-heads",
+            "2",
+            "--d-ff",
+            "64",
+            "--context-length",
+            "16",
+            "--batch-size",
+            "4",
+            "--steps",
+            "2",
+            "--vocab-size",
+            "300",
+            "--no-progress",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
+    )
     assert status == 0
     capsys.readouterr()
     model, tokenizer = generate_cli.load_model(out, "reference", "cpu")
     prompt = torch.tensor([97])
-    unlimited = fastlm.sample(model, prompt, 40, temperature=1000.0,
-                              generator=torch.Generator().manual_seed(0))
+    unlimited = fastlm.sample(
+        model, prompt, 40, temperature=1000.0, generator=torch.Generator().manual_seed(0)
+    )
     assert unlimited.max() >= 256  # the check below would be empty otherwise
-    limited = fastlm.sample(model, prompt, 40, temperature=1000.0, vocab_size=256,
-                            generator=torch.Generator().manual_seed(0))
+    limited = fastlm.sample(
+        model,
+        prompt,
+        40,
+        temperature=1000.0,
+        vocab_size=256,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert limited.max() < 256
-    status, text, err = generate(capsys, "--checkpoint", out, "--prompt", "a", "--model",
-                                 "reference", "--max-new-tokens", "40", "--temperature", "1000")
+    status, text, err = generate(
+        capsys,
+        "--checkpoint",
+        out,
+        "--prompt",
+        "a",
+        "--model",
+        "reference",
+        "--max-new-tokens",
+        "40",
+        "--temperature",
+        "1000",
+    )
     assert status == 0 and "40 tokens" in err, err
     assert text.startswith("a") and text.endswith("\n")

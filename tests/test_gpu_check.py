@@ -24,14 +24,22 @@ import gpu_report  # noqa: E402
 
 
 def run_script(*args, env=None, timeout=120):
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
-                          cwd=REPO, env={**os.environ, **(env or {})}, timeout=timeout)
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        timeout=timeout,
+    )
 
 
 def plan_rows(text: str) -> dict[str, int]:
     """The dry run's plan table: step name -> limit in seconds."""
-    return {m.group(1): int(m.group(2))
-            for m in re.finditer(r"^\| (\w+) \| (\d+) \| (fixed|elastic) \|", text, re.M)}
+    return {
+        m.group(1): int(m.group(2))
+        for m in re.finditer(r"^\| (\w+) \| (\d+) \| (fixed|elastic) \|", text, re.M)
+    }
 
 
 def test_bash_syntax():
@@ -43,8 +51,12 @@ def test_dry_run_plan_fits_the_budget():
     result = run_script("--dry-run")
     assert result.returncode == 0, result.stderr
     limits = plan_rows(result.stdout)
-    assert list(limits)[:4] == ["setup", "train_headline", "attention_headline",
-                                "kernels_headline"], "the headline measurements come first"
+    assert list(limits)[:4] == [
+        "setup",
+        "train_headline",
+        "attention_headline",
+        "kernels_headline",
+    ], "the headline measurements come first"
     assert list(limits).index("tests") < list(limits).index("attention_sweep")
     total = sum(limits.values())
     assert total <= BUDGET_S
@@ -79,19 +91,42 @@ def test_out_must_hold_nothing_else(tmp_path):
 
 def stage_folder(path: Path) -> Path:
     path.mkdir()
-    (path / "env.json").write_text(json.dumps({"gpu": "NVIDIA H200", "date": "2026-12-01T10:00:00",
-                                               "torch": "2.11.0", "commit": "abc1234"}))
-    (path / "steps.tsv").write_text("train_headline\t140\t140\t33\t0\t\n"
-                                    "tests\t110\t110\t110\t124\t\n"
-                                    "compile_report\t20\t0\t0\t-\tnot in this tree\n")
+    (path / "env.json").write_text(
+        json.dumps(
+            {
+                "gpu": "NVIDIA H200",
+                "date": "2026-12-01T10:00:00",
+                "torch": "2.11.0",
+                "commit": "abc1234",
+            }
+        )
+    )
+    (path / "steps.tsv").write_text(
+        "train_headline\t140\t140\t33\t0\t\n"
+        "tests\t110\t110\t110\t124\t\n"
+        "compile_report\t20\t0\t0\t-\tnot in this tree\n"
+    )
     (path / "train_headline.csv").write_text("seq,impl,tokens/s\n1024,fastlm,123\n")
-    (path / "train_headline.json").write_text(json.dumps({"stopped": None, "graph_breaks": {
-        "torch.compile(fastlm) seq=1024": {"graph_breaks": 2, "graphs": 3,
-                                           "reasons": {"data-dependent branch\nmore": 2}}}}))
+    (path / "train_headline.json").write_text(
+        json.dumps(
+            {
+                "stopped": None,
+                "graph_breaks": {
+                    "torch.compile(fastlm) seq=1024": {
+                        "graph_breaks": 2,
+                        "graphs": 3,
+                        "reasons": {"data-dependent branch\nmore": 2},
+                    }
+                },
+            }
+        )
+    )
     (path / "train_headline_summary.md").write_text("| a | b |\n|---|---|\n| 1 | 2 |\n")
     (path / "train_headline.png").write_bytes(os.urandom(1000))
-    (path / "tests.log").write_text("tests/test_x.py::test_a FAILED\nFAILED tests/test_x.py::"
-                                    "test_a - boom\n===== 1 failed, 5 passed in 9.0s =====\n")
+    (path / "tests.log").write_text(
+        "tests/test_x.py::test_a FAILED\nFAILED tests/test_x.py::"
+        "test_a - boom\n===== 1 failed, 5 passed in 9.0s =====\n"
+    )
     return path
 
 
@@ -213,16 +248,28 @@ def test_flow_returns_two_files_and_reports_the_limit(tmp_path):
     limits = {f"LIMIT_{name}": "3" for name in steps}
     out = tmp_path / "out"
     (tmp_path / "wheels").mkdir()
-    env = {"PYTHON": str(python), "WHEELS": str(tmp_path / "wheels"), "KILL_AFTER": "1",
-           "MARGIN": "0", "MIN_STEP": "1", "BUDGET": str(3 * len(steps)), **limits}
+    env = {
+        "PYTHON": str(python),
+        "WHEELS": str(tmp_path / "wheels"),
+        "KILL_AFTER": "1",
+        "MARGIN": "0",
+        "MIN_STEP": "1",
+        "BUDGET": str(3 * len(steps)),
+        **limits,
+    }
     result = run_script(str(out), env=env)
     assert result.returncode == 1, result.stdout + result.stderr  # a step hit its limit
     assert sorted(p.name for p in out.iterdir()) == ["results.tar.gz", "summary.md"]
 
     folder = "2026-01-02-fake-gpu-9000"
     names = members(out / "results.tar.gz")
-    for name in ("train_headline", "attention_headline", "attention_sweep", "kernels_sweep",
-                 "train_sweep"):
+    for name in (
+        "train_headline",
+        "attention_headline",
+        "attention_sweep",
+        "kernels_sweep",
+        "train_sweep",
+    ):
         assert f"{folder}/{name}.csv" in names and f"{folder}/{name}.log" in names
     assert f"{folder}/kernels_headline.log" in names and f"{folder}/steps.tsv" in names
     summary = (out / "summary.md").read_text()
@@ -230,11 +277,15 @@ def test_flow_returns_two_files_and_reports_the_limit(tmp_path):
     assert "| fake train_headline table |" in summary
     assert "Steps that hit their limits: kernels_headline." in summary
     # SIGINT ends the sleeping stand-in, unless this test runs with SIGINT ignored: then SIGKILL.
-    assert re.search(r"\| kernels_headline \| 3 \(3\) \| \d+ \| HIT ITS LIMIT: "
-                     r"(interrupted \(SIGINT\)|killed) \|", summary)
+    assert re.search(
+        r"\| kernels_headline \| 3 \(3\) \| \d+ \| HIT ITS LIMIT: "
+        r"(interrupted \(SIGINT\)|killed) \|",
+        summary,
+    )
     assert "measuring..." in summary  # the end of the cut step's log
     assert "`7 passed in 0.50s`" in summary
     with tarfile.open(out / "results.tar.gz") as tar:
         steps_tsv = tar.extractfile(f"{folder}/steps.tsv").read().decode()
     assert [line.split("\t")[0] for line in steps_tsv.splitlines()] == [
-        name for name in steps if name != "pack"]  # every step, in the plan's order
+        name for name in steps if name != "pack"
+    ]  # every step, in the plan's order

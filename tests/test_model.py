@@ -8,8 +8,15 @@ import fastlm
 from fastlm import reference as R
 from fastlm.testing import assert_close, relative_error
 
-CONFIG = dict(vocab_size=61, context_length=24, d_model=32, num_layers=2, num_heads=2, d_ff=48,
-              rope_theta=10000.0)
+CONFIG = dict(
+    vocab_size=61,
+    context_length=24,
+    d_model=32,
+    num_layers=2,
+    num_heads=2,
+    d_ff=48,
+    rope_theta=10000.0,
+)
 
 
 def _pair(device, dtype=torch.float32, config=CONFIG):
@@ -47,11 +54,15 @@ def test_state_dict_interchange_both_ways(device):
 
 def test_drop_in_submodules_share_reference_keys(device):
     args = (32, 2, 48, 24, 10000.0)
-    assert (fastlm.TransformerBlock(*args).state_dict().keys()
-            == R.TransformerBlock(*args).state_dict().keys())
+    assert (
+        fastlm.TransformerBlock(*args).state_dict().keys()
+        == R.TransformerBlock(*args).state_dict().keys()
+    )
     mha_args = (32, 2, 24, 10000.0)
-    assert (fastlm.MultiHeadAttentionWithRoPE(*mha_args).state_dict().keys()
-            == R.MultiHeadAttentionWithRoPE(*mha_args).state_dict().keys())
+    assert (
+        fastlm.MultiHeadAttentionWithRoPE(*mha_args).state_dict().keys()
+        == R.MultiHeadAttentionWithRoPE(*mha_args).state_dict().keys()
+    )
 
 
 def test_drop_in_block_matches_reference(device):
@@ -163,8 +174,11 @@ def test_kv_cache_logits_match_full_forward(device):
     model = fastlm.Transformer(**CONFIG, device=device)
     tokens = _tokens(device, batch=2, seq=9)
     cache = model.make_kv_cache()
-    steps = [model(tokens[:, :6], kv_cache=cache), model(tokens[:, 6:8], kv_cache=cache),
-             model(tokens[:, 8:], kv_cache=cache)]
+    steps = [
+        model(tokens[:, :6], kv_cache=cache),
+        model(tokens[:, 6:8], kv_cache=cache),
+        model(tokens[:, 8:], kv_cache=cache),
+    ]
     assert cache.length == 9
     assert_close(torch.cat(steps, dim=1), model(tokens), torch.float32, "cached logits")
 
@@ -199,9 +213,12 @@ def test_heads_the_kernel_cannot_take_run_on_the_torch_backend(device, monkeypat
     Triton kernels would run, the model refuses at construction, saying what to change."""
     config = {**CONFIG, "d_model": 8, "num_heads": 2}
     monkeypatch.setenv("FASTLM_BACKEND", "triton")
-    with pytest.raises(ValueError, match=r"d_model 8 / num_heads 2 gives heads of 4 dims, but "
-                       r"fastlm's attention kernel takes multiples of 8 up to 256: change "
-                       r"d_model or num_heads \(with d_model 8: num_heads 1\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"d_model 8 / num_heads 2 gives heads of 4 dims, but "
+        r"fastlm's attention kernel takes multiples of 8 up to 256: change "
+        r"d_model or num_heads \(with d_model 8: num_heads 1\)",
+    ):
         fastlm.Transformer(**config, device=device)
     monkeypatch.setenv("FASTLM_BACKEND", "torch")
     model, ref = _pair(device, config=config)

@@ -87,8 +87,11 @@ def test_rope_rotates_interleaved_pairs():
     # The reference tables are float32: a float32 bound.
     assert_close(rope(x, positions), expected, torch.float32)
     seq_positions = torch.arange(5, 15)
-    assert_close(rope(x, seq_positions), _rope_by_complex_multiplication(x, seq_positions, 1e4),
-                 torch.float32)
+    assert_close(
+        rope(x, seq_positions),
+        _rope_by_complex_multiplication(x, seq_positions, 1e4),
+        torch.float32,
+    )
     assert list(rope.state_dict()) == []
 
 
@@ -111,13 +114,27 @@ def test_multihead_attention_with_rope_default_positions():
 def test_block_keeps_original_attribute_names():
     block = R.TransformerBlock(32, 4, 64, 16, 10000.0)
     keys = set(block.state_dict())
-    assert {"rms_norm1.g", "rms_norm2.g", "mult_head_atten.qkv_proj.w",
-            "mult_head_atten.output_proj.w", "ffe.w1.w", "ffe.w2.w", "ffe.w3.w"} == keys
+    assert {
+        "rms_norm1.g",
+        "rms_norm2.g",
+        "mult_head_atten.qkv_proj.w",
+        "mult_head_atten.output_proj.w",
+        "ffe.w1.w",
+        "ffe.w2.w",
+        "ffe.w3.w",
+    } == keys
 
 
 def _tiny_transformer(**kwargs):
-    config = dict(vocab_size=61, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=48,
-                  rope_theta=10000.0)
+    config = dict(
+        vocab_size=61,
+        context_length=16,
+        d_model=32,
+        num_layers=2,
+        num_heads=4,
+        d_ff=48,
+        rope_theta=10000.0,
+    )
     config.update(kwargs)
     return R.Transformer(**config)
 

@@ -52,8 +52,9 @@ def check_rms_norm(x, weight, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 1000), (37, 1000), (37, 4096), (1, 4096), (64, 96),
-                                   (2, 3, 130), (3, 5, 77)])
+@pytest.mark.parametrize(
+    "shape", [(1, 1000), (37, 1000), (37, 4096), (1, 4096), (64, 96), (2, 3, 130), (3, 5, 77)]
+)
 def test_rms_norm(shape, dtype, device):
     check_rms_norm(*make_inputs(shape, dtype, device), dtype)
 
@@ -63,8 +64,8 @@ def test_fp32_weight_with_half_input(dtype, device):
     check_rms_norm(*make_inputs((37, 1000), dtype, device, weight_dtype=torch.float32), dtype)
 
 
-# Not hidden 1: there x_hat = +-1 up to eps, and dx = rstd * g * dy * (1 - x_hat^2) is a cancellation
-# that no fp32 implementation gets to 1e-4 (PyTorch's neither).
+# Not hidden 1: there x_hat = +-1 up to eps, and dx = rstd * g * dy * (1 - x_hat^2) is a
+# cancellation that no fp32 implementation gets to 1e-4 (PyTorch's neither).
 @pytest.mark.parametrize("shape", [(3, 65536), (2, 50000), (7, 2), (300, 3)])
 def test_extreme_hidden_sizes(shape, device):
     check_rms_norm(*make_inputs(shape, torch.bfloat16, device), torch.bfloat16)
@@ -94,7 +95,9 @@ def test_matches_reference_module(device):
     assert list(ours.state_dict()) == list(ref.state_dict()) == ["g"]
     x = torch.randn(2, 37, 1000, device=device)
     assert_close(ours(x), ref(x), torch.float32, "module y")
-    assert_close(ours(x), rms_norm64(x, ours.g.detach(), eps=1e-6), torch.float32, "module vs float64")
+    assert_close(
+        ours(x), rms_norm64(x, ours.g.detach(), eps=1e-6), torch.float32, "module vs float64"
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -164,7 +167,8 @@ def test_rms_norm_out_dtype(dtype, device):
 
 
 def test_add_rms_norm_one_output_used(device):
-    """Only normed used: the gradients of rms_norm(x + residual). Only summed used: passed through."""
+    """Only normed used: the gradients of rms_norm(x + residual). Only summed used: passed
+    through."""
     x, weight = make_inputs((37, 130), torch.float32, device)
     residual = leaf(torch.randn_like(x))
     normed, _ = add_rms_norm(x, residual, weight)
@@ -228,22 +232,25 @@ def test_empty_rows(device):
     assert x.grad.shape == (0, 64) and not weight.grad.any()
 
 
-@pytest.mark.parametrize("call, error, name", [
-    (lambda x, w, r: rms_norm(x.int(), w), TypeError, "x"),
-    (lambda x, w, r: rms_norm(x.tolist(), w), TypeError, "x"),
-    (lambda x, w, r: rms_norm(x, w.double()), TypeError, "weight"),
-    (lambda x, w, r: rms_norm(x, w.half()), TypeError, "weight"),
-    (lambda x, w, r: rms_norm(x, w[:-1]), ValueError, "weight"),
-    (lambda x, w, r: rms_norm(x, w[None]), ValueError, "weight"),
-    (lambda x, w, r: rms_norm(x[0, 0], w), ValueError, "x"),
-    (lambda x, w, r: rms_norm(x[..., :0], w[:0]), ValueError, "x"),
-    (lambda x, w, r: add_rms_norm(x, r[:, :-1], w), ValueError, "residual"),
-    (lambda x, w, r: add_rms_norm(x, r.int(), w), TypeError, "residual"),
-    (lambda x, w, r: add_rms_norm(x, r, w, out_dtype=torch.int8), TypeError, "out_dtype"),
-    (lambda x, w, r: rms_norm(x, w, out_dtype=torch.float64), TypeError, "out_dtype"),
-    (lambda x, w, r: add_rms_norm(x, None, w), TypeError, "residual"),
-    (lambda x, w, r: add_rms_norm(x, r, w[:3]), ValueError, "weight"),
-])
+@pytest.mark.parametrize(
+    "call, error, name",
+    [
+        (lambda x, w, r: rms_norm(x.int(), w), TypeError, "x"),
+        (lambda x, w, r: rms_norm(x.tolist(), w), TypeError, "x"),
+        (lambda x, w, r: rms_norm(x, w.double()), TypeError, "weight"),
+        (lambda x, w, r: rms_norm(x, w.half()), TypeError, "weight"),
+        (lambda x, w, r: rms_norm(x, w[:-1]), ValueError, "weight"),
+        (lambda x, w, r: rms_norm(x, w[None]), ValueError, "weight"),
+        (lambda x, w, r: rms_norm(x[0, 0], w), ValueError, "x"),
+        (lambda x, w, r: rms_norm(x[..., :0], w[:0]), ValueError, "x"),
+        (lambda x, w, r: add_rms_norm(x, r[:, :-1], w), ValueError, "residual"),
+        (lambda x, w, r: add_rms_norm(x, r.int(), w), TypeError, "residual"),
+        (lambda x, w, r: add_rms_norm(x, r, w, out_dtype=torch.int8), TypeError, "out_dtype"),
+        (lambda x, w, r: rms_norm(x, w, out_dtype=torch.float64), TypeError, "out_dtype"),
+        (lambda x, w, r: add_rms_norm(x, None, w), TypeError, "residual"),
+        (lambda x, w, r: add_rms_norm(x, r, w[:3]), ValueError, "weight"),
+    ],
+)
 def test_bad_input(call, error, name, device):
     x = torch.randn(4, 8, dtype=torch.bfloat16, device=device)
     weight = torch.randn(8, dtype=torch.bfloat16, device=device)
@@ -257,9 +264,16 @@ def test_hidden_too_large_for_the_kernels(device):
         rms_norm(x, weight)
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(rows=st.integers(1, 70), hidden=st.integers(8, 2100), dtype=st.sampled_from(DTYPES),
-       fused=st.booleans(), seed=st.integers(0, 2**31 - 1))
+@settings(
+    max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    rows=st.integers(1, 70),
+    hidden=st.integers(8, 2100),
+    dtype=st.sampled_from(DTYPES),
+    fused=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_fuzz(rows, hidden, dtype, fused, seed, device):
     generator = torch.Generator(device).manual_seed(seed)
     x, weight = make_inputs((rows, hidden), dtype, device, generator=generator)

@@ -34,20 +34,24 @@ def test_planted_cast_is_glue_of_its_exact_size():
     # Each cast reads one dtype and writes the other: (4 + 2) bytes per element.
     assert extra == {"_to_copy f32->bf16": (1, 6 * n * d), "_to_copy bf16->f32": (1, 6 * n * d)}
     assert {k: v for k, v in plain.items() if k[0] != "glue"} == {
-        k: v for k, v in planted.items() if k[0] != "glue"}
+        k: v for k, v in planted.items() if k[0] != "glue"
+    }
 
 
-@pytest.mark.parametrize("op, expected", [
-    # copy_ into a column slice: reads the source, writes the slice, never the rest of dst.
-    (lambda a, b, dst: dst[:, :3].copy_(b[:, :3]), lambda n, m: 2 * n * 3 * 4),
-    # in-place add: reads both operands, writes one.
-    (lambda a, b, dst: a.add_(b), lambda n, m: 3 * n * m * 4),
-    # a zero-fill writes its output; zero_ in place writes without reading.
-    (lambda a, b, dst: torch.zeros(a.shape), lambda n, m: n * m * 4),
-    (lambda a, b, dst: dst.zero_(), lambda n, m: n * m * 4),
-    # an expanded (stride 0) operand is read once per distinct element.
-    (lambda a, b, dst: a * b[:1].expand_as(a), lambda n, m: (n * m + m + n * m) * 4),
-])
+@pytest.mark.parametrize(
+    "op, expected",
+    [
+        # copy_ into a column slice: reads the source, writes the slice, never the rest of dst.
+        (lambda a, b, dst: dst[:, :3].copy_(b[:, :3]), lambda n, m: 2 * n * 3 * 4),
+        # in-place add: reads both operands, writes one.
+        (lambda a, b, dst: a.add_(b), lambda n, m: 3 * n * m * 4),
+        # a zero-fill writes its output; zero_ in place writes without reading.
+        (lambda a, b, dst: torch.zeros(a.shape), lambda n, m: n * m * 4),
+        (lambda a, b, dst: dst.zero_(), lambda n, m: n * m * 4),
+        # an expanded (stride 0) operand is read once per distinct element.
+        (lambda a, b, dst: a * b[:1].expand_as(a), lambda n, m: (n * m + m + n * m) * 4),
+    ],
+)
 def test_bytes_follow_the_rule(op, expected):
     n, m = torch.randint(4, 40, (2,)).tolist()
     a, b, dst = torch.randn(n, m), torch.randn(n, m), torch.randn(n, m)
@@ -69,12 +73,18 @@ def test_fit_separates_layers_tokens_and_weights():
             for w in weights:
                 h = (h.to(BF16) @ w.to(BF16)).to(F32)
             h.sum()
+
         return step
 
-    fits = {(f.category, f.name): f for f in
-            step_profile.profile(make_step, layers=(2, 5), batch_sizes=(3, 7), seq_len=seq)}
-    down, up, mm = (fits["glue", "_to_copy f32->bf16"], fits["glue", "_to_copy bf16->f32"],
-                    fits["gemm", "mm"])
+    fits = {
+        (f.category, f.name): f
+        for f in step_profile.profile(make_step, layers=(2, 5), batch_sizes=(3, 7), seq_len=seq)
+    }
+    down, up, mm = (
+        fits["glue", "_to_copy f32->bf16"],
+        fits["glue", "_to_copy bf16->f32"],
+        fits["gemm", "mm"],
+    )
     # Per layer: h and w cast down (6 bytes per element each), the product cast up, the GEMM
     # reading h and w and writing its product in bf16.
     assert (down.count_layer, up.count_layer, mm.count_layer) == (2, 1, 1)
@@ -82,7 +92,8 @@ def test_fit_separates_layers_tokens_and_weights():
     assert (up.token_bytes_layer, up.fixed_bytes_layer) == pytest.approx((6 * d, 0), abs=1e-9)
     assert (mm.token_bytes_layer, mm.fixed_bytes_layer) == pytest.approx((4 * d, 2 * d * d))
     assert (down.count_step, down.token_bytes_step, down.fixed_bytes_step) == pytest.approx(
-        (0, 0, 0), abs=1e-9)
+        (0, 0, 0), abs=1e-9
+    )
     # Once per step: the sum reads h (fp32) and writes one fp32 scalar.
     total = fits["glue", "sum"]
     assert (total.count_layer, total.count_step) == pytest.approx((0, 1), abs=1e-9)
@@ -107,10 +118,18 @@ def test_interpreter_copies_are_left_out_and_launches_counted(monkeypatch):
 
 @pytest.mark.parametrize("kind", step_profile.MODELS)
 def test_gemms_per_layer_match_the_block(kind):
-    config = dict(vocab_size=64, context_length=16, d_model=32, num_layers=1, num_heads=2,
-                  d_ff=48, rope_theta=10000.0)
-    fits = step_profile.profile_model(kind, config, layers=(1, 2), batch_sizes=(2, 3),
-                                      device="cpu", warmup_steps=0)
+    config = dict(
+        vocab_size=64,
+        context_length=16,
+        d_model=32,
+        num_layers=1,
+        num_heads=2,
+        d_ff=48,
+        rope_theta=10000.0,
+    )
+    fits = step_profile.profile_model(
+        kind, config, layers=(1, 2), batch_sizes=(2, 3), device="cpu", warmup_steps=0
+    )
     per_layer = {(f.category, f.name): f.count_layer for f in fits if f.count_layer}
     block = step_profile.build_model(kind, config, "meta").blocks[0]
     linears = sum(isinstance(m, reference.Linear) for m in block.modules())

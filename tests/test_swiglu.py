@@ -57,7 +57,7 @@ def test_strided_inputs(device):
     """Row-strided slices (no copy), a transposed input (copied to rows) and a strided grad."""
     M, N = 37, 130
     wide = torch.randn(M, N + 11, device=device, requires_grad=True)
-    gate = wide[:, 5:5 + N]  # rows with a leading stride of N + 11
+    gate = wide[:, 5 : 5 + N]  # rows with a leading stride of N + 11
     up_t = torch.randn(N, M, device=device, requires_grad=True)
     up = up_t.t()  # column-major
     grad_out = torch.randn(N, M, device=device).t()
@@ -65,8 +65,8 @@ def test_strided_inputs(device):
     out.backward(grad_out)
     expected, d_gate, d_up = reference_grads(gate, up, grad_out)
     assert_close(out, expected, torch.float32, "out")
-    assert_close(wide.grad[:, 5:5 + N], d_gate, torch.float32, "d gate")
-    assert torch.all(wide.grad[:, :5] == 0) and torch.all(wide.grad[:, 5 + N:] == 0)
+    assert_close(wide.grad[:, 5 : 5 + N], d_gate, torch.float32, "d gate")
+    assert torch.all(wide.grad[:, :5] == 0) and torch.all(wide.grad[:, 5 + N :] == 0)
     assert_close(up_t.grad.t(), d_up, torch.float32, "d up")
 
 
@@ -150,8 +150,12 @@ def test_bad_arguments_raise(device):
 
 
 @settings(max_examples=10, deadline=None)
-@given(rows=st.lists(st.integers(1, 5), min_size=0, max_size=2), d_ff=st.integers(1, 300),
-       dtype=st.sampled_from(DTYPES), packed=st.booleans())
+@given(
+    rows=st.lists(st.integers(1, 5), min_size=0, max_size=2),
+    d_ff=st.integers(1, 300),
+    dtype=st.sampled_from(DTYPES),
+    packed=st.booleans(),
+)
 def test_fuzz_shapes(rows, d_ff, dtype, packed):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gate_up = torch.randn(*rows, 2 * d_ff, device=device, dtype=dtype, requires_grad=True)

@@ -19,9 +19,29 @@ import fastlm.train as train_cli
 from fastlm import checkpoint, reference
 
 # CPU tests (bitwise resume holds on CPU), also on a machine with GPUs.
-TOY = ["--model", "reference", "--d-model", "32", "--num-layers", "2", "--num-heads", "2",
-       "--d-ff", "64", "--context-length", "16", "--batch-size", "4", "--eval-every", "4",
-       "--eval-batches", "2", "--no-progress", "--device", "cpu"]
+TOY = [
+    "--model",
+    "reference",
+    "--d-model",
+    "32",
+    "--num-layers",
+    "2",
+    "--num-heads",
+    "2",
+    "--d-ff",
+    "64",
+    "--context-length",
+    "16",
+    "--batch-size",
+    "4",
+    "--eval-every",
+    "4",
+    "--eval-batches",
+    "2",
+    "--no-progress",
+    "--device",
+    "cpu",
+]
 
 # Two threads on a shared two-core machine can be ten times slower than one.
 SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -55,11 +75,31 @@ def file_hashes(folder: Path) -> dict[str, str]:
 
 def test_trains_end_to_end(corpus, tmp_path, capsys):
     out = tmp_path / "run"
-    status, summary, err = run_main(["--data", corpus, *TOY, "--steps", "12", "--lr", "1e-2",
-                                     "--grad-accum", "2", "--out", out], capsys)
+    status, summary, err = run_main(
+        [
+            "--data",
+            corpus,
+            *TOY,
+            "--steps",
+            "12",
+            "--lr",
+            "1e-2",
+            "--grad-accum",
+            "2",
+            "--out",
+            out,
+        ],
+        capsys,
+    )
     assert status == 0, err
-    for key in ("initial_loss", "final_loss", "val_loss", "tokens_per_second",
-                "peak_memory_bytes", "checkpoint"):
+    for key in (
+        "initial_loss",
+        "final_loss",
+        "val_loss",
+        "tokens_per_second",
+        "peak_memory_bytes",
+        "checkpoint",
+    ):
         assert summary[key] is not None, key
     assert summary["final_loss"] < summary["initial_loss"] - 0.5
     assert summary["steps"] == 12 and summary["checkpoint"] == str(out)
@@ -70,8 +110,9 @@ def test_trains_end_to_end(corpus, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("model", ["reference", "fastlm"])
-def test_resume_after_ctrl_c_matches_uninterrupted_run(model, corpus, tmp_path, capsys,
-                                                       monkeypatch):
+def test_resume_after_ctrl_c_matches_uninterrupted_run(
+    model, corpus, tmp_path, capsys, monkeypatch
+):
     monkeypatch.setenv("FASTLM_BACKEND", "torch")  # the interpreted kernels are test_model's
     args = ["--data", corpus, *TOY, "--model", model, "--steps", "8", "--save-every", "3"]
     status, full, err = run_main([*args, "--out", tmp_path / "full"], capsys)
@@ -116,8 +157,10 @@ def test_fastlm_model_trains_like_the_reference(corpus, tmp_path, capsys, monkey
     monkeypatch.setenv("FASTLM_BACKEND", "torch")
     losses = {}
     for model in ("reference", "fastlm"):
-        status, summary, err = run_main(["--data", corpus, *TOY, "--model", model, "--steps", "8",
-                                         "--out", tmp_path / model], capsys)
+        status, summary, err = run_main(
+            ["--data", corpus, *TOY, "--model", model, "--steps", "8", "--out", tmp_path / model],
+            capsys,
+        )
         assert status == 0 and summary["model"] == model, err
         state = checkpoint.load_state(tmp_path / model)
         losses[model] = state["train_losses"] + [loss for _, loss in state["val_losses"]]
@@ -161,8 +204,11 @@ def test_crash_during_save_keeps_a_consistent_checkpoint(crash, tmp_path, monkey
     save(1)
     (out / "loss.png").write_bytes(b"png")  # a checkpoint file besides the two
     name, crash_at = CRASHES[crash]
-    owner, attribute = {"torch.save": (torch, "save"), "rename": (Path, "rename"),
-                        "rmtree": (checkpoint.shutil, "rmtree")}[name]
+    owner, attribute = {
+        "torch.save": (torch, "save"),
+        "rename": (Path, "rename"),
+        "rmtree": (checkpoint.shutil, "rmtree"),
+    }[name]
     real, calls = getattr(owner, attribute), []
 
     def crashing(*args, **kwargs):
@@ -231,44 +277,72 @@ def good_checkpoint(corpus, tmp_path, capsys) -> Path:
     return out
 
 
-@pytest.mark.parametrize("case, extra, message", [
-    ("missing data", ["--data", "{tmp}/nowhere", "--overwrite"], "no such file or folder"),
-    ("empty corpus", ["--data", "{tmp}/empty.txt", "--overwrite"], "empty"),
-    ("corpus too small", ["--data", "{tmp}/short.txt", "--overwrite"], "too small"),
-    ("context too long", ["--context-length", "4096", "--overwrite"], "longer than preset tiny"),
-    ("negative clip", ["--grad-clip", "-1", "--overwrite"], "--grad-clip must be non-negative"),
-    ("missing GPU", ["--device", "cuda:7", "--overwrite"], "cuda:7 does not exist"),
-    ("other config", ["--d-model", "48", "--resume"], "d_model 32 (checkpoint) vs 48"),
-    ("existing checkpoint", [], "already holds a checkpoint"),
-    ("missing tokenizer", ["--tokenizer", "{tmp}/none.json", "--overwrite"], "tokenizer"),
-    # Numbers that argparse takes but nothing can train with: refused before anything runs.
-    ("lr nan", ["--lr", "nan", "--overwrite"], "--lr must be a finite number, got nan"),
-    ("lr inf", ["--lr", "inf", "--overwrite"], "--lr must be a finite number, got inf"),
-    ("min-lr nan", ["--min-lr", "nan", "--overwrite"], "--min-lr must be a finite number"),
-    ("weight decay nan", ["--weight-decay", "nan", "--overwrite"],
-     "--weight-decay must be a finite number"),
-    ("negative weight decay", ["--weight-decay", "-0.1", "--overwrite"],
-     "--weight-decay must be non-negative"),
-    ("grad clip nan", ["--grad-clip", "nan", "--overwrite"], "--grad-clip must be a finite"),
-    ("rope theta 0", ["--rope-theta", "0", "--overwrite"],
-     "--rope-theta must be a positive number, got 0.0"),
-    ("rope theta -5", ["--rope-theta", "-5", "--overwrite"],
-     "--rope-theta must be a positive number, got -5.0"),
-    ("rope theta nan", ["--rope-theta", "nan", "--overwrite"], "--rope-theta must be a finite"),
-    ("betas", ["--betas", "1.5", "0.9", "--overwrite"], "--betas must both lie in [0, 1)"),
-    ("device foo", ["--device", "foo", "--overwrite"], "--device must be cpu, cuda or cuda:N"),
-    ("device meta", ["--device", "meta", "--overwrite"], "--device must be cpu, cuda or cuda:N"),
-    ("odd head dim", ["--d-model", "30", "--num-heads", "2", "--overwrite"],
-     "--d-model 30 / --num-heads 2 gives heads of 15 dims, but RoPE rotates pairs"),
-])
-def test_bad_input_is_one_line_and_keeps_checkpoint(case, extra, message, corpus, tmp_path,
-                                                    good_checkpoint, capsys):
+@pytest.mark.parametrize(
+    "case, extra, message",
+    [
+        ("missing data", ["--data", "{tmp}/nowhere", "--overwrite"], "no such file or folder"),
+        ("empty corpus", ["--data", "{tmp}/empty.txt", "--overwrite"], "empty"),
+        ("corpus too small", ["--data", "{tmp}/short.txt", "--overwrite"], "too small"),
+        (
+            "context too long",
+            ["--context-length", "4096", "--overwrite"],
+            "longer than preset tiny",
+        ),
+        ("negative clip", ["--grad-clip", "-1", "--overwrite"], "--grad-clip must be non-negative"),
+        ("missing GPU", ["--device", "cuda:7", "--overwrite"], "cuda:7 does not exist"),
+        ("other config", ["--d-model", "48", "--resume"], "d_model 32 (checkpoint) vs 48"),
+        ("existing checkpoint", [], "already holds a checkpoint"),
+        ("missing tokenizer", ["--tokenizer", "{tmp}/none.json", "--overwrite"], "tokenizer"),
+        # Numbers that argparse takes but nothing can train with: refused before anything runs.
+        ("lr nan", ["--lr", "nan", "--overwrite"], "--lr must be a finite number, got nan"),
+        ("lr inf", ["--lr", "inf", "--overwrite"], "--lr must be a finite number, got inf"),
+        ("min-lr nan", ["--min-lr", "nan", "--overwrite"], "--min-lr must be a finite number"),
+        (
+            "weight decay nan",
+            ["--weight-decay", "nan", "--overwrite"],
+            "--weight-decay must be a finite number",
+        ),
+        (
+            "negative weight decay",
+            ["--weight-decay", "-0.1", "--overwrite"],
+            "--weight-decay must be non-negative",
+        ),
+        ("grad clip nan", ["--grad-clip", "nan", "--overwrite"], "--grad-clip must be a finite"),
+        (
+            "rope theta 0",
+            ["--rope-theta", "0", "--overwrite"],
+            "--rope-theta must be a positive number, got 0.0",
+        ),
+        (
+            "rope theta -5",
+            ["--rope-theta", "-5", "--overwrite"],
+            "--rope-theta must be a positive number, got -5.0",
+        ),
+        ("rope theta nan", ["--rope-theta", "nan", "--overwrite"], "--rope-theta must be a finite"),
+        ("betas", ["--betas", "1.5", "0.9", "--overwrite"], "--betas must both lie in [0, 1)"),
+        ("device foo", ["--device", "foo", "--overwrite"], "--device must be cpu, cuda or cuda:N"),
+        (
+            "device meta",
+            ["--device", "meta", "--overwrite"],
+            "--device must be cpu, cuda or cuda:N",
+        ),
+        (
+            "odd head dim",
+            ["--d-model", "30", "--num-heads", "2", "--overwrite"],
+            "--d-model 30 / --num-heads 2 gives heads of 15 dims, but RoPE rotates pairs",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_and_keeps_checkpoint(
+    case, extra, message, corpus, tmp_path, good_checkpoint, capsys
+):
     (tmp_path / "empty.txt").write_text(" \n")
     (tmp_path / "short.txt").write_text("tiny")
     before = file_hashes(good_checkpoint)
     extra = [a.replace("{tmp}", str(tmp_path)) for a in extra]
-    status, summary, err = run_main(["--data", corpus, *TOY, "--steps", "4", *extra,
-                                     "--out", good_checkpoint], capsys)
+    status, summary, err = run_main(
+        ["--data", corpus, *TOY, "--steps", "4", *extra, "--out", good_checkpoint], capsys
+    )
     assert status == 2 and summary is None
     assert len(err.strip().splitlines()) == 1 and message in err, err
     assert file_hashes(good_checkpoint) == before
@@ -283,8 +357,10 @@ def test_hf_tokenizer(corpus, tmp_path, capsys):
     path = tmp_path / "tok.json"
     tokenizer.save(str(path))
     out = tmp_path / "hf"
-    status, summary, err = run_main(["--data", corpus / "a.txt", "--tokenizer", path, *TOY,
-                                     "--steps", "2", "--out", out], capsys)
+    status, summary, err = run_main(
+        ["--data", corpus / "a.txt", "--tokenizer", path, *TOY, "--steps", "2", "--out", out],
+        capsys,
+    )
     assert status == 0, err
     assert checkpoint.load_config(out)["vocab_size"] == tokenizer.get_vocab_size()
     assert (out / "tokenizer.json").is_file()
@@ -293,10 +369,13 @@ def test_hf_tokenizer(corpus, tmp_path, capsys):
 def test_missing_tokenizers_package_is_one_line(corpus, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes `import tokenizers` fail
     (tmp_path / "tok.json").write_text("{}")
-    status, _, err = run_main(["--data", corpus, *TOY, "--tokenizer", tmp_path / "tok.json",
-                               "--out", tmp_path / "out"], capsys)
-    assert status == 2 and err.strip() == ("fastlm.train: error: --tokenizer needs the "
-                                           "`tokenizers` package: pip install tokenizers")
+    status, _, err = run_main(
+        ["--data", corpus, *TOY, "--tokenizer", tmp_path / "tok.json", "--out", tmp_path / "out"],
+        capsys,
+    )
+    assert status == 2 and err.strip() == (
+        "fastlm.train: error: --tokenizer needs the `tokenizers` package: pip install tokenizers"
+    )
 
 
 def test_without_matplotlib_a_note_replaces_the_png(corpus, tmp_path, capsys, monkeypatch):
@@ -308,17 +387,31 @@ def test_without_matplotlib_a_note_replaces_the_png(corpus, tmp_path, capsys, mo
 
 
 def test_cli_error_has_no_traceback(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "fastlm.train", "--data", str(tmp_path / "no"),
-                             "--out", str(tmp_path / "out")],
-                            capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fastlm.train",
+            "--data",
+            str(tmp_path / "no"),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        env=SUBPROCESS_ENV,
+        timeout=120,
+    )
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [
-        f"fastlm.train: error: --data: no such file or folder: {tmp_path / 'no'}"]
+        f"fastlm.train: error: --data: no such file or folder: {tmp_path / 'no'}"
+    ]
     assert not (tmp_path / "out").exists()
 
 
 def strict_json(line: str) -> dict:
     """json.loads without Python's extensions: a bare NaN or Infinity is an error, as elsewhere."""
+
     def refuse(constant):
         raise ValueError(f"{constant} is not JSON")
 
@@ -329,24 +422,51 @@ def test_head_dim_the_kernels_cannot_run(corpus, tmp_path, capsys, monkeypatch):
     # Heads of 2 dims: PyTorch's attention runs them, fastlm's kernel does not (it takes
     # multiples of 8). Where the kernels would run the command refuses before training, saying
     # what to change; with the PyTorch backend it trains, as the reference does.
-    args = ["--data", corpus, *TOY, "--model", "fastlm", "--d-model", "16", "--num-heads", "8",
-            "--steps", "2"]
+    args = [
+        "--data",
+        corpus,
+        *TOY,
+        "--model",
+        "fastlm",
+        "--d-model",
+        "16",
+        "--num-heads",
+        "8",
+        "--steps",
+        "2",
+    ]
     monkeypatch.setenv("FASTLM_BACKEND", "triton")
     status, summary, err = run_main([*args, "--out", tmp_path / "kernels"], capsys)
     assert status == 2 and summary is None and not (tmp_path / "kernels").exists()
     assert err.strip().splitlines() == [
         "fastlm.train: error: --d-model 16 / --num-heads 8 gives heads of 2 dims, but fastlm's "
         "attention kernel takes multiples of 8 up to 256: change --d-model or --num-heads (with "
-        "--d-model 16: --num-heads 2), or run PyTorch's attention with FASTLM_BACKEND=torch"]
+        "--d-model 16: --num-heads 2), or run PyTorch's attention with FASTLM_BACKEND=torch"
+    ]
     monkeypatch.setenv("FASTLM_BACKEND", "torch")
     status, summary, err = run_main([*args, "--out", tmp_path / "torch"], capsys)
     assert status == 0 and summary["steps"] == 2, err
 
 
 def test_diverged_run_has_a_json_summary(corpus, tmp_path, capsys):
-    status = train_cli.main([str(a) for a in ["--data", corpus, *TOY, "--steps", "4", "--lr",
-                                              "1e30", "--grad-clip", "0", "--out",
-                                              tmp_path / "run"]])
+    status = train_cli.main(
+        [
+            str(a)
+            for a in [
+                "--data",
+                corpus,
+                *TOY,
+                "--steps",
+                "4",
+                "--lr",
+                "1e30",
+                "--grad-clip",
+                "0",
+                "--out",
+                tmp_path / "run",
+            ]
+        ]
+    )
     out, err = capsys.readouterr()
     summary = strict_json(out.strip().splitlines()[-1])
     assert status == 0
@@ -363,11 +483,14 @@ def test_resume_notes(corpus, tmp_path, capsys):
     before = file_hashes(out)
     # At or below the checkpoint's step: nothing to do, and it says so.
     for steps in ("4", "3"):
-        status, summary, err = run_main([*args, "--steps", steps, "--warmup", "0", "--resume"],
-                                        capsys)
+        status, summary, err = run_main(
+            [*args, "--steps", steps, "--warmup", "0", "--resume"], capsys
+        )
         assert status == 0 and summary["steps"] == 4, err
-        assert (f"note: the checkpoint is at step 4 and --steps is {steps}: nothing to train "
-                "(a larger --steps continues it)") in err, err
+        assert (
+            f"note: the checkpoint is at step 4 and --steps is {steps}: nothing to train "
+            "(a larger --steps continues it)"
+        ) in err, err
         assert file_hashes(out) == before
     # A larger --steps stretches the learning-rate schedule: the note says what changes.
     status, summary, err = run_main([*args, "--steps", "8", "--resume"], capsys)
@@ -375,17 +498,21 @@ def test_resume_notes(corpus, tmp_path, capsys):
     lr = train_cli.PRESETS["tiny"]["lr"]  # TOY's, and --min-lr is lr / 10
     lr_before = train_cli.reference.cos_lr_scheduler(4, lr, lr / 10, 0, 4)
     lr_after = train_cli.reference.cos_lr_scheduler(5, lr, lr / 10, 0, 8)
-    assert ("note: resuming with --steps 8 (was 4), so from step 5 on the run differs from the "
-            "one the checkpoint began; the learning-rate schedule (warm-up, then cosine decay to "
-            "--min-lr at --steps) now follows the new settings: the rate goes from "
-            f"{lr_before:.3g} at step 4 to {lr_after:.3g} at step 5") in err, err
+    assert (
+        "note: resuming with --steps 8 (was 4), so from step 5 on the run differs from the "
+        "one the checkpoint began; the learning-rate schedule (warm-up, then cosine decay to "
+        "--min-lr at --steps) now follows the new settings: the rate goes from "
+        f"{lr_before:.3g} at step 4 to {lr_after:.3g} at step 5"
+    ) in err, err
 
 
-def test_log_lines_instead_of_a_progress_bar_when_stderr_is_not_a_terminal(corpus, tmp_path,
-                                                                           capsys):
+def test_log_lines_instead_of_a_progress_bar_when_stderr_is_not_a_terminal(
+    corpus, tmp_path, capsys
+):
     toy = [a for a in TOY if a != "--no-progress"]
-    status, _, err = run_main(["--data", corpus, *toy, "--steps", "8", "--out", tmp_path / "run"],
-                              capsys)
+    status, _, err = run_main(
+        ["--data", corpus, *toy, "--steps", "8", "--out", tmp_path / "run"], capsys
+    )
     assert status == 0, err
     assert "\r" not in err and "training:" not in err, err  # no bar redraws in a log
     steps = [line.split(":")[0] for line in err.splitlines() if line.startswith("step ")]
@@ -403,14 +530,17 @@ def test_skipped_and_repaired_corpus_files_are_named(tmp_path, capsys):
     assert err.strip().splitlines() == [
         f"fastlm.train: error: the corpus at {folder} is empty (skipped as binary, with NUL "
         f"bytes: {folder / 'image.bin'}, {folder / 'notes-utf16.txt'}; UTF-16 text must be "
-        "converted to UTF-8)"]
+        "converted to UTF-8)"
+    ]
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("Un café, deux cafés. ".encode("latin-1") * 100)
-    status, _, err = run_main(["--data", latin1, *TOY, "--steps", "1", "--out",
-                               tmp_path / "latin1"], capsys)
+    status, _, err = run_main(
+        ["--data", latin1, *TOY, "--steps", "1", "--out", tmp_path / "latin1"], capsys
+    )
     assert status == 0, err
-    assert (f"warning: {latin1} is not valid UTF-8: 200 undecodable bytes replaced by U+FFFD"
-            in err), err
+    assert (
+        f"warning: {latin1} is not valid UTF-8: 200 undecodable bytes replaced by U+FFFD" in err
+    ), err
 
 
 def test_cpu_checkpoint_state_fits_the_cuda_optimizer(corpus, tmp_path, capsys):
@@ -422,8 +552,9 @@ def test_cpu_checkpoint_state_fits_the_cuda_optimizer(corpus, tmp_path, capsys):
     saved = checkpoint.load_state(out)
     args = train_cli.parse_args(["--lr", "1e-3"])
     config = checkpoint.load_config(out)
-    model = reference.Transformer(**{key: value for key, value in config.items()
-                                     if key != "tokenizer"})
+    model = reference.Transformer(
+        **{key: value for key, value in config.items() if key != "tokenizer"}
+    )
     cuda_optimizer = train_cli.make_optimizer(model.parameters(), args, torch.device("cuda"))
     assert train_cli.optimizer_kind(cuda_optimizer) == saved["optimizer_kind"]
     train_cli.load_optimizer(train_cli.NextTokenLoss(model), cuda_optimizer, saved["optimizer"])
@@ -436,8 +567,9 @@ def test_cpu_checkpoint_resumes_on_cuda(corpus, tmp_path, capsys):
     status, _, err = run_main(["--data", corpus, *TOY, "--steps", "2", "--out", out], capsys)
     assert status == 0, err
     toy_cuda = [a if a != "cpu" else "cuda" for a in TOY]
-    status, summary, err = run_main(["--data", corpus, *toy_cuda, "--steps", "4", "--out", out,
-                                     "--resume"], capsys)
+    status, summary, err = run_main(
+        ["--data", corpus, *toy_cuda, "--steps", "4", "--out", out, "--resume"], capsys
+    )
     assert status == 0 and summary["steps"] == 4 and summary["device"] == "cuda", err
 
 
@@ -482,21 +614,42 @@ def torchrun(tmp_path, data, name, *extra) -> tuple[subprocess.CompletedProcess,
     script.write_text(RANK_SCRIPT)
     records = tmp_path / f"records-{name}"
     records.mkdir()
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-               "--standalone", str(script), str(records), "--data", str(data), *TOY,
-               "--steps", "4", "--out", str(tmp_path / name), *extra]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=240,
-                            env={**SUBPROCESS_ENV, "FASTLM_BACKEND": "torch"})
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--standalone",
+        str(script),
+        str(records),
+        "--data",
+        str(data),
+        *TOY,
+        "--steps",
+        "4",
+        "--out",
+        str(tmp_path / name),
+        *extra,
+    ]
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**SUBPROCESS_ENV, "FASTLM_BACKEND": "torch"},
+    )
     return result, records
 
 
 def test_torchrun_ddp_and_fsdp_on_gloo(tmp_path, corpus):
     """Both models under DDP and FSDP2 (which shards the same computation): the same losses up
     to summation order. fastlm's FSDP run resumes the step-2 checkpoint of its DDP run."""
-    runs = {"reference-ddp": ["--model", "reference"],
-            "fastlm-ddp": ["--model", "fastlm", "--save-every", "2"],
-            "fastlm-fsdp": ["--model", "fastlm", "--fsdp", "--resume"],
-            "reference-fsdp": ["--model", "reference", "--fsdp"]}
+    runs = {
+        "reference-ddp": ["--model", "reference"],
+        "fastlm-ddp": ["--model", "fastlm", "--save-every", "2"],
+        "fastlm-fsdp": ["--model", "fastlm", "--fsdp", "--resume"],
+        "reference-fsdp": ["--model", "reference", "--fsdp"],
+    }
     summaries, hashes = {}, {}
     for name, extra in runs.items():
         if name == "fastlm-fsdp":
@@ -515,8 +668,9 @@ def test_torchrun_ddp_and_fsdp_on_gloo(tmp_path, corpus):
         assert summary["final_loss"] == pytest.approx(expected["final_loss"], rel=1e-5), name
         assert summary["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-5), name
         weights = checkpoint.load_weights(tmp_path / name)
-        assert all(torch.allclose(weights[k], expected_weights[k], rtol=1e-4, atol=1e-6)
-                   for k in weights), name
+        assert all(
+            torch.allclose(weights[k], expected_weights[k], rtol=1e-4, atol=1e-6) for k in weights
+        ), name
         if mode == "ddp":
             assert len(hashes[name]) == 2 and hashes[name][0] == hashes[name][1], name
     resumed = checkpoint.load_state(tmp_path / "fastlm-fsdp")["train_losses"]

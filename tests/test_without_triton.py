@@ -20,8 +20,9 @@ def _triton_hidden() -> bool:
         return True
 
 
-pytestmark = pytest.mark.skipif(not _triton_hidden(),
-                                reason="Triton is importable: run tests/without_triton.py")
+pytestmark = pytest.mark.skipif(
+    not _triton_hidden(), reason="Triton is importable: run tests/without_triton.py"
+)
 
 
 def test_fastlm_imports_and_knows_triton_is_missing():
@@ -50,12 +51,19 @@ def test_every_op_runs_on_pytorch():
     assert_close(normed, fastlm.rms_norm(x + residual, g), torch.float32, "add_rms_norm")
     gate, up = torch.randn(4, 16), torch.randn(4, 16)
     assert_close(fastlm.swiglu(gate, up), R.SiLu()(gate) * up, torch.float32, "swiglu")
-    assert_close(fastlm.swiglu_packed(torch.cat([gate, up], -1)), fastlm.swiglu(gate, up),
-                 torch.float32, "swiglu_packed")
+    assert_close(
+        fastlm.swiglu_packed(torch.cat([gate, up], -1)),
+        fastlm.swiglu(gate, up),
+        torch.float32,
+        "swiglu_packed",
+    )
     q, k, v = (torch.randn(1, 2, 9, 8) for _ in range(3))
-    assert_close(fastlm.flash_attention(q, k, v),
-                 torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
-                 torch.float32, "flash_attention")
+    assert_close(
+        fastlm.flash_attention(q, k, v),
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+        torch.float32,
+        "flash_attention",
+    )
     cos, sin = fastlm.kernels.rope_tables(10000.0, 8, 16)
     rotated = R.RoPE(10000.0, 8, 16)(q, torch.arange(9))
     fastlm.apply_rope_(q, k, cos, sin, torch.arange(9))
@@ -64,14 +72,24 @@ def test_every_op_runs_on_pytorch():
     expected = torch.nn.functional.cross_entropy(logits, targets)
     assert_close(fastlm.cross_entropy(logits, targets), expected, torch.float32, "cross_entropy")
     hidden, weight = torch.randn(5, 16), torch.randn(30, 16)
-    assert_close(fastlm.linear_cross_entropy(hidden, weight, targets),
-                 torch.nn.functional.cross_entropy(hidden @ weight.T, targets),
-                 torch.float32, "linear_cross_entropy")
+    assert_close(
+        fastlm.linear_cross_entropy(hidden, weight, targets),
+        torch.nn.functional.cross_entropy(hidden @ weight.T, targets),
+        torch.float32,
+        "linear_cross_entropy",
+    )
 
 
 def test_model_trains_on_pytorch():
-    config = dict(vocab_size=31, context_length=16, d_model=16, num_layers=1, num_heads=2,
-                  d_ff=24, rope_theta=10000.0)
+    config = dict(
+        vocab_size=31,
+        context_length=16,
+        d_model=16,
+        num_layers=1,
+        num_heads=2,
+        d_ff=24,
+        rope_theta=10000.0,
+    )
     model = fastlm.Transformer(**config)
     ref = R.Transformer(**config, dtype=torch.float64)
     ref.load_state_dict(model.state_dict())

@@ -12,8 +12,7 @@ import sys
 class _HideTriton(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name == "triton" or name.startswith("triton."):
-            raise ModuleNotFoundError(f"No module named {name!r} (hidden by {__file__})",
-                                      name=name)
+            raise ModuleNotFoundError(f"No module named {name!r} (hidden by {__file__})", name=name)
         return None
 
 

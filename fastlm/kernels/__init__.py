@@ -6,17 +6,40 @@ the kernels, their launchers, the torch.library registration (fake tensors and a
 the public functions, which apply the backend rule (`fastlm.backend.use_triton`) once.
 """
 
-from fastlm.kernels.attention import (attention_ref, flash_attention, rope_attention,
-                                     rope_attention_ref)
-from fastlm.kernels.cross_entropy import (cross_entropy, cross_entropy_ref, linear_cross_entropy,
-                                          linear_cross_entropy_ref)
+from fastlm.kernels.attention import (
+    attention_ref,
+    flash_attention,
+    rope_attention,
+    rope_attention_ref,
+)
+from fastlm.kernels.cross_entropy import (
+    cross_entropy,
+    cross_entropy_ref,
+    linear_cross_entropy,
+    linear_cross_entropy_ref,
+)
 from fastlm.kernels.rmsnorm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 from fastlm.kernels.rope import apply_rope_, rope_ref, rope_tables
 from fastlm.kernels.swiglu import swiglu, swiglu_packed, swiglu_packed_ref, swiglu_ref
 
 __all__ = [
-    "add_rms_norm", "apply_rope_", "cross_entropy", "flash_attention", "linear_cross_entropy",
-    "rms_norm", "rope_attention", "rope_tables", "swiglu", "swiglu_packed",
-    "add_rms_norm_ref", "attention_ref", "rope_attention_ref", "cross_entropy_ref", "linear_cross_entropy_ref",
-    "rms_norm_ref", "rope_ref", "swiglu_packed_ref", "swiglu_ref",
+    "add_rms_norm",
+    "apply_rope_",
+    "cross_entropy",
+    "flash_attention",
+    "linear_cross_entropy",
+    "rms_norm",
+    "rope_attention",
+    "rope_tables",
+    "swiglu",
+    "swiglu_packed",
+    "add_rms_norm_ref",
+    "attention_ref",
+    "rope_attention_ref",
+    "cross_entropy_ref",
+    "linear_cross_entropy_ref",
+    "rms_norm_ref",
+    "rope_ref",
+    "swiglu_packed_ref",
+    "swiglu_ref",
 ]

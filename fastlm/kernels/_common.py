@@ -114,9 +114,12 @@ def refuse_double_backward(backward_op, op_name: str) -> None:
     that raises, so `torch.autograd.grad(..., create_graph=True)` followed by a backward through
     the first gradient fails loudly instead of silently dropping the second-order terms.
     """
+
     def backward(ctx, *grads):
-        raise RuntimeError(f"fastlm.{op_name}: second derivatives are not supported (a backward "
-                           "through its gradient, e.g. after create_graph=True)")
+        raise RuntimeError(
+            f"fastlm.{op_name}: second derivatives are not supported (a backward "
+            "through its gradient, e.g. after create_graph=True)"
+        )
 
     def setup_context(ctx, inputs, output):
         pass
