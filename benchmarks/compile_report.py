@@ -59,7 +59,9 @@ from functools import partial
 from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
-    sys.exit("compile_report.py: unset TRITON_INTERPRET; the report compiles for CUDA targets")
+    print("compile_report.py: unset TRITON_INTERPRET; the report compiles for CUDA targets",
+          file=sys.stderr)
+    sys.exit(2)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
