@@ -139,6 +139,36 @@ def test_autograd_through_fused_qkv(dtype, interleaved, device):
     assert_close(weight.grad, weight_ref.grad, dtype, "d weight")
 
 
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_strided_head_dim(interleaved, device):
+    """A head dim without a unit stride (q transposed in memory) goes through a contiguous copy:
+    rotated in the caller's storage all the same, next to a k with a unit stride, and its gradient
+    (a strided region of the incoming one) is rotated back as well."""
+    B, H, T, D, max_seq_len = 2, 3, 11, 24, 32
+    weight = torch.randn(D, device=device, requires_grad=True)
+    base = torch.randn(B, H, D, T, device=device)
+    storage = base * weight[:, None]
+    q = storage.transpose(-1, -2)  # (B, H, T, D), stride T along D
+    k = torch.randn(B, 1, T, D, device=device) * weight
+    q0, k0 = q.detach().clone(), k.detach().clone()
+    positions = random_positions(None, T, max_seq_len, device)
+    cos, sin = rope_tables(THETA, D, max_seq_len, device=device)
+    pointer = storage.data_ptr()
+
+    apply_rope_(q, k, cos, sin, positions, interleaved=interleaved)
+    assert q.stride(-1) == T and storage.data_ptr() == pointer
+    assert_close(q, reference_rope(q0, positions, max_seq_len, interleaved), torch.float32, "q")
+    assert_close(k, reference_rope(k0, positions, max_seq_len, interleaved), torch.float32, "k")
+
+    upstream = torch.randn(B, H, T, D, device=device)
+    (q * upstream).sum().backward()
+    weight64 = weight.detach().double().requires_grad_()
+    q64 = (base.double() * weight64[:, None]).transpose(-1, -2)
+    rotated = reference_rope_autograd(q64, positions, max_seq_len, interleaved)
+    (rotated * upstream.double()).sum().backward()
+    assert_close(weight.grad, weight64.grad, torch.float32, "d weight")
+
+
 def reference_rope_autograd(x64, positions, max_seq_len, interleaved):
     """reference_rope, differentiable (the permutation is an index, autograd goes through it)."""
     d = x64.shape[-1]

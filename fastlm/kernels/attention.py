@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -83,45 +84,94 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 
 
-def _configs(interpreter_blocks: dict, cuda: list[tuple[dict, int, int]]) -> list[triton.Config]:
-    """One small config under the interpreter (autotuning there runs every config); the CUDA list,
-    as (block sizes, num_warps, num_stages), otherwise. Configs a head dim or dtype cannot fit in
-    shared memory fail to compile and are skipped by the autotuner.
+class CudaConfig(NamedTuple):
+    """An autotuning candidate on CUDA and the head blocks it takes.
 
-    FASTLM_AUTOTUNE=0 (read at import) keeps only the last CUDA config, the smallest, which every
-    head dim and dtype fits: for test runs, where tuning each new shape would compile every config.
+    max_block_d / max_block_d_fp32: the largest BLOCK_D it takes with fp16/bf16 or fp32 inputs
+    without spilling registers or needing more shared memory than an H100 or an A100 has, as
+    `benchmarks/compile_report.py` reads them off the compiled kernels (0: never).
     """
+
+    blocks: dict
+    num_warps: int
+    num_stages: int
+    max_block_d: int
+    max_block_d_fp32: int
+
+
+def fitting_configs(cuda: list[CudaConfig], block_d: int, element_size: int) -> list[CudaConfig]:
+    """The configs of a CUDA list that take head blocks of BLOCK_D at this input element size."""
+    return [config for config in cuda
+            if block_d <= (config.max_block_d_fp32 if element_size == 4 else config.max_block_d)]
+
+
+def _configs(interpreter_blocks: dict, cuda: list[CudaConfig]) -> list[triton.Config]:
+    """One small config under the interpreter (autotuning there runs every config); the CUDA list
+    otherwise, which `_prune_to_fitting` cuts down per launch."""
+    for block_d, element_size in ((MAX_HEAD_DIM, 2), (MAX_HEAD_DIM, 4)):
+        assert fitting_configs(cuda, block_d, element_size), "a head dim no config takes"
     if interpreting():
         return [triton.Config(interpreter_blocks, num_warps=4, num_stages=1)]
-    if os.environ.get("FASTLM_AUTOTUNE", "1") == "0":
-        cuda = cuda[-1:]
-    return [triton.Config(blocks, num_warps=warps, num_stages=stages)
-            for blocks, warps, stages in cuda]
+    return [triton.Config(c.blocks, num_warps=c.num_warps, num_stages=c.num_stages) for c in cuda]
 
 
-# Hopper-first: 128-row query blocks with 64/128-key blocks, 3-4 stages. The last configs are the
-# small ones head dim 256 and fp32 inputs fit into. Kept short: every config compiles per tuning key.
-_FWD_CONFIGS = _configs(
-    {"BLOCK_M": 64, "BLOCK_N": 32},
-    [({"BLOCK_M": 128, "BLOCK_N": 64}, warps, stages) for warps in (4, 8) for stages in (3, 4)]
-    + [({"BLOCK_M": 128, "BLOCK_N": 128}, 8, stages) for stages in (3, 4)]
-    + [({"BLOCK_M": 64, "BLOCK_N": 64}, 4, 3), ({"BLOCK_M": 64, "BLOCK_N": 32}, 4, 2),
-       ({"BLOCK_M": 32, "BLOCK_N": 32}, 4, 1)],
-)
-# dK/dV keep a key block's k, v, dk, dv on chip and stream query blocks past it.
-_DKDV_CONFIGS = _configs(
-    {"BLOCK_M": 32, "BLOCK_N": 64},
-    [({"BLOCK_M": 32, "BLOCK_N": 128}, 4, stages) for stages in (2, 3)]
-    + [({"BLOCK_M": 64, "BLOCK_N": 128}, 8, stages) for stages in (2, 3)]
-    + [({"BLOCK_M": 64, "BLOCK_N": 64}, 4, 3), ({"BLOCK_M": 32, "BLOCK_N": 32}, 4, 1)],
-)
+def _prune_to_fitting(cuda: list[CudaConfig]):
+    """An autotuner's early_config_prune: the configs that fit the launch's head block and dtype.
+
+    FASTLM_AUTOTUNE=0 keeps only the last of them, the smallest: for test runs, where tuning each
+    new shape would compile every config.
+    """
+    def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+        if interpreting():
+            return configs
+        fitting = fitting_configs(cuda, kwargs["BLOCK_D"], named_args["Q"].element_size())
+        if os.environ.get("FASTLM_AUTOTUNE", "1") == "0":
+            fitting = fitting[-1:]
+        chosen = {(tuple(c.blocks.items()), c.num_warps, c.num_stages) for c in fitting}
+        return [c for c in configs
+                if (tuple(c.kwargs.items()), c.num_warps, c.num_stages) in chosen]
+    return {"early_config_prune": prune}
+
+
+def _config(block_m: int, block_n: int, warps: int, stages: int, max_block_d: int,
+            max_block_d_fp32: int) -> CudaConfig:
+    return CudaConfig({"BLOCK_M": block_m, "BLOCK_N": block_n}, warps, stages, max_block_d,
+                      max_block_d_fp32)
+
+
+# Largest first. Hopper-first: 128-row query blocks for head dims up to 128, 64-row blocks (still
+# Hopper's wgmma) up to 256; the last config of each dtype is the smallest (FASTLM_AUTOTUNE=0).
+# Every config that spilled or overflowed shared memory on sm_90a or sm_80 at a head dim is
+# limited below it (compile_report.py's rows); head dim 256 and fp32 leave few configs.
+FWD_CUDA_CONFIGS = [
+    _config(128, 128, 8, 3, 64, 0),
+    _config(128, 64, 4, 3, 64, 0),
+    _config(128, 64, 8, 3, 128, 64),
+    _config(128, 64, 8, 4, 128, 64),
+    _config(64, 64, 4, 3, 128, 0),
+    _config(64, 32, 8, 1, 256, 128),
+    _config(32, 32, 4, 1, 256, 0),
+    _config(32, 32, 8, 1, 0, 256),
+]
+# dK/dV keep a key block's k, v, dk, dv on chip and stream query blocks past it: its fp32 dk and
+# dv accumulators take twice the registers of the forward's one, hence the small key blocks.
+DKDV_CUDA_CONFIGS = [
+    _config(32, 128, 8, 2, 64, 64),
+    _config(32, 64, 4, 3, 128, 0),
+    _config(16, 64, 4, 2, 128, 64),
+    _config(32, 32, 8, 1, 256, 256),
+]
 # dQ keeps a query block's q, dO, dq on chip and streams key blocks past it.
-_DQ_CONFIGS = _configs(
-    {"BLOCK_M": 64, "BLOCK_N": 32},
-    [({"BLOCK_M": 128, "BLOCK_N": 32}, 4, stages) for stages in (2, 3)]
-    + [({"BLOCK_M": 128, "BLOCK_N": 64}, 8, stages) for stages in (2, 3)]
-    + [({"BLOCK_M": 64, "BLOCK_N": 64}, 4, 3), ({"BLOCK_M": 32, "BLOCK_N": 32}, 4, 1)],
-)
+DQ_CUDA_CONFIGS = [
+    _config(128, 64, 8, 3, 128, 0),
+    _config(64, 32, 8, 2, 256, 128),
+    _config(64, 32, 4, 2, 128, 128),
+    _config(32, 32, 4, 1, 256, 128),
+    _config(16, 32, 8, 1, 0, 256),
+]
+_FWD_CONFIGS = _configs({"BLOCK_M": 64, "BLOCK_N": 32}, FWD_CUDA_CONFIGS)
+_DKDV_CONFIGS = _configs({"BLOCK_M": 32, "BLOCK_N": 64}, DKDV_CUDA_CONFIGS)
+_DQ_CONFIGS = _configs({"BLOCK_M": 64, "BLOCK_N": 32}, DQ_CUDA_CONFIGS)
 # Tuned per power-of-two bucket of the sequence lengths, so a growing KV cache does not retune.
 _TUNING_KEY = ["q_bucket", "k_bucket", "BLOCK_D", "CAUSAL", "DOT_PRECISION"]
 
@@ -205,7 +255,8 @@ def _fwd_key_blocks(acc, m_i, l_i, q, K_head, V_head, stride_kn, stride_kd, stri
     return acc, m_i, l_i
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=_TUNING_KEY)
+@triton.autotune(configs=_FWD_CONFIGS, key=_TUNING_KEY,
+                  prune_configs_by=_prune_to_fitting(FWD_CUDA_CONFIGS))
 @triton.jit
 def _attention_fwd_kernel(
     Q, K, V, O, LSE,
@@ -319,7 +370,8 @@ def _dkdv_query_blocks(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head,
     return dk, dv
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=_TUNING_KEY)
+@triton.autotune(configs=_DKDV_CONFIGS, key=_TUNING_KEY,
+                  prune_configs_by=_prune_to_fitting(DKDV_CUDA_CONFIGS))
 @triton.jit
 def _attention_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, LSE, DELTA,
@@ -415,7 +467,8 @@ def _dq_key_blocks(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kd, 
     return dq
 
 
-@triton.autotune(configs=_DQ_CONFIGS, key=_TUNING_KEY)
+@triton.autotune(configs=_DQ_CONFIGS, key=_TUNING_KEY,
+                  prune_configs_by=_prune_to_fitting(DQ_CUDA_CONFIGS))
 @triton.jit
 def _attention_bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE, DELTA,
@@ -528,6 +581,7 @@ def _attention_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float,
     _attention_bwd_delta_kernel[_grid(Nq, "BLOCK_M", B * Hq)](
         o, do, delta, *o.stride(), *do.stride(), Hq, Nq,
         HEAD_DIM=D, BLOCK_D=flags["BLOCK_D"], BLOCK_M=delta_block,
+        num_warps=8,  # at 4, fp32 O and dO tiles of head dim 64 spill on sm_90a (compile_report.py)
     )
 
     dq, dk, dv = out or (_empty_heads_like(q), _empty_heads_like(k), _empty_heads_like(v))

@@ -162,13 +162,15 @@ def _tile(n: int, rows: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for a hidden size `n` and `rows` rows.
 
     A whole row is one block. Small rows are stacked into tiles of about 4096 elements, so a
-    program has enough work to hide memory latency. Warps grow with the tile to keep about 16
-    elements per thread (a few 16-byte vector loads each), up to 32 warps at 64K.
+    program has enough work to hide memory latency. Warps grow with the tile to keep about 8
+    elements per thread (one 16-byte vector of bf16 per tensor), up to 32 warps at 64K: at 16
+    elements per thread ptxas fits the bf16 forward into 32 registers for sm_80 by spilling
+    (benchmarks/compile_report.py).
     """
     block_n = triton.next_power_of_2(n)
     block_m = min(max(4096 // block_n, 1), 64, triton.next_power_of_2(rows))
     elements = block_m * block_n
-    num_warps = 32 if elements >= 32768 else min(max(elements // 512, 4), 16)
+    num_warps = 32 if elements >= 32768 else min(max(elements // 256, 4), 16)
     return block_m, block_n, num_warps
 
 

@@ -71,41 +71,56 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: t
 
 
 @triton.jit
-def _rotate_heads(X, Y, x_tokens, y_tokens, stride_xh, stride_xd, stride_yh, stride_yd, n_heads,
-                  token_mask, cos, sin, pair, pair_mask,
-                  PAIR_STEP: tl.constexpr, PAIR_GAP: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BF16_BY_HAND: tl.constexpr):
+def _rotate_heads(X, Y, x_tokens, y_tokens, stride_xh, stride_yh, n_heads, token_mask, cos, sin,
+                  HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BF16_BY_HAND: tl.constexpr):
     """Rotate every head of a block of tokens from X into Y (which may be X).
 
-    x_tokens, y_tokens: (BLOCK_T,) offsets of each token's head 0; cos, sin: (BLOCK_T, BLOCK_HALF).
+    x_tokens, y_tokens: (BLOCK_T,) offsets of each token's head 0; the head dim has a unit stride.
+    cos, sin: (BLOCK_T, BLOCK_HALF). Every access runs along a head's contiguous elements, which
+    the compiler turns into 16-byte vectors: the interleaved layout loads whole heads and splits
+    the pairs in registers, the half-split layout loads the two halves.
     """
-    # Element index of both members of each pair, (BLOCK_HALF, 2): loading the pair as the last
-    # axis keeps the interleaved layout's loads contiguous instead of two stride-2 gathers.
-    member = (pair[:, None] * PAIR_STEP + tl.arange(0, 2)[None, :] * PAIR_GAP)[None, None, :, :]
     cos, sin = cos[:, None, :], sin[:, None, :]  # (BLOCK_T, 1, BLOCK_HALF): shared by all heads
+    pair = tl.arange(0, BLOCK_HALF)[None, None, :]
+    element = tl.arange(0, 2 * BLOCK_HALF)[None, None, :]
     for h0 in range(0, n_heads, BLOCK_H):
-        heads = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)[None, :, None, None]
-        mask = (token_mask[:, None, None, None] & (heads < n_heads)
-                & pair_mask[None, None, :, None])  # (BLOCK_T, BLOCK_H, BLOCK_HALF, 1)
-        x_ptrs = X + x_tokens[:, None, None, None] + heads * stride_xh + member * stride_xd
-        x1, x2 = tl.split(tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32))
-        y = tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin)
-        y_ptrs = Y + y_tokens[:, None, None, None] + heads * stride_yh + member * stride_yd
-        tl.store(y_ptrs, round_to(y, Y.dtype.element_ty, BF16_BY_HAND), mask=mask)
+        heads = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)[None, :, None]
+        row_mask = token_mask[:, None, None] & (heads < n_heads)  # (BLOCK_T, BLOCK_H, 1)
+        x_rows = X + x_tokens[:, None, None] + heads * stride_xh
+        y_rows = Y + y_tokens[:, None, None] + heads * stride_yh
+        if INTERLEAVED:  # pairs (x[2i], x[2i + 1])
+            mask = row_mask & (element < 2 * HALF)
+            x = tl.load(x_rows + element, mask=mask, other=0.0).to(tl.float32)
+            x1, x2 = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_H, BLOCK_HALF, 2)))
+        else:  # pairs (x[i], x[i + HALF])
+            mask = row_mask & (pair < HALF)
+            x1 = tl.load(x_rows + pair, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(x_rows + HALF + pair, mask=mask, other=0.0).to(tl.float32)
+        y1 = round_to(x1 * cos - x2 * sin, Y.dtype.element_ty, BF16_BY_HAND)
+        y2 = round_to(x2 * cos + x1 * sin, Y.dtype.element_ty, BF16_BY_HAND)
+        if INTERLEAVED:
+            y = tl.reshape(tl.join(y1, y2), (BLOCK_T, BLOCK_H, 2 * BLOCK_HALF))
+            tl.store(y_rows + element, y, mask=mask)
+        else:
+            tl.store(y_rows + pair, y1, mask=mask)
+            tl.store(y_rows + HALF + pair, y2, mask=mask)
 
 
 @triton.jit
 def _rope_kernel(Q, K, QOut, KOut, COS, SIN, POS,
-                 stride_qb, stride_qh, stride_qt, stride_qd,
-                 stride_qob, stride_qoh, stride_qot, stride_qod,
-                 stride_kb, stride_kh, stride_kt, stride_kd,
-                 stride_kob, stride_koh, stride_kot, stride_kod,
+                 stride_qb, stride_qh, stride_qt,
+                 stride_qob, stride_qoh, stride_qot,
+                 stride_kb, stride_kh, stride_kt,
+                 stride_kob, stride_koh, stride_kot,
                  stride_pb, stride_pt,
                  T, HQ, HK, MAX_SEQ_LEN,
                  HALF: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                  BF16_BY_HAND: tl.constexpr):
-    """One program per (batch, block of BLOCK_T tokens): all heads of q and of k there."""
+    """One program per (batch, block of BLOCK_T tokens): all heads of q and of k there.
+
+    Every tensor's head dim has a unit stride (the launcher sees to it)."""
     pid = tl.program_id(0)
     n_token_blocks = tl.cdiv(T, BLOCK_T)
     b = (pid // n_token_blocks).to(tl.int64)
@@ -118,24 +133,19 @@ def _rope_kernel(Q, K, QOut, KOut, COS, SIN, POS,
     position = tl.minimum(tl.maximum(position, 0), MAX_SEQ_LEN - 1)
 
     pair = tl.arange(0, BLOCK_HALF)
-    pair_mask = pair < HALF
     table = position[:, None] * HALF + pair[None, :]  # (BLOCK_T, BLOCK_HALF)
-    table_mask = token_mask[:, None] & pair_mask[None, :]
+    table_mask = token_mask[:, None] & (pair < HALF)[None, :]
     cos = tl.load(COS + table, mask=table_mask, other=0.0).to(tl.float32)
     sin = tl.load(SIN + table, mask=table_mask, other=0.0).to(tl.float32)
     if INVERSE:
         sin = -sin
 
-    PAIR_STEP: tl.constexpr = 2 if INTERLEAVED else 1
-    PAIR_GAP: tl.constexpr = 1 if INTERLEAVED else HALF
     _rotate_heads(Q, QOut, b * stride_qb + t * stride_qt, b * stride_qob + t * stride_qot,
-                  stride_qh, stride_qd, stride_qoh, stride_qod, HQ,
-                  token_mask, cos, sin, pair, pair_mask, PAIR_STEP, PAIR_GAP, BLOCK_H,
-                  BF16_BY_HAND)
+                  stride_qh, stride_qoh, HQ, token_mask, cos, sin,
+                  HALF, INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_HALF, BF16_BY_HAND)
     _rotate_heads(K, KOut, b * stride_kb + t * stride_kt, b * stride_kob + t * stride_kot,
-                  stride_kh, stride_kd, stride_koh, stride_kod, HK,
-                  token_mask, cos, sin, pair, pair_mask, PAIR_STEP, PAIR_GAP, BLOCK_H,
-                  BF16_BY_HAND)
+                  stride_kh, stride_koh, HK, token_mask, cos, sin,
+                  HALF, INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_HALF, BF16_BY_HAND)
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,9 +156,14 @@ def _rope_kernel(Q, K, QOut, KOut, COS, SIN, POS,
 def _launch(xs: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...], cos: torch.Tensor,
             sin: torch.Tensor, positions: torch.Tensor, interleaved: bool, inverse: bool) -> None:
     """Rotate xs[i] into outs[i] (the same tensor for in place), all in one launch."""
-    q, q_out = _as_4d(xs[0]), _as_4d(outs[0])
+    # The kernel needs a unit stride along the head dim, which views of a QKV projection have. A
+    # tensor without one (a rare transposed layout) is rotated in a contiguous copy instead.
+    sources = tuple(x if x.stride(-1) == 1 else x.contiguous() for x in xs)
+    targets = tuple(out if out.stride(-1) == 1 else source if out is x else torch.empty_like(source)
+                    for x, out, source in zip(xs, outs, sources))
+    q, q_out = _as_4d(sources[0]), _as_4d(targets[0])
     # Without k the kernel's k loop runs zero times; q stands in for its pointers.
-    k, k_out = (_as_4d(xs[1]), _as_4d(outs[1])) if len(xs) == 2 else (q, q_out)
+    k, k_out = (_as_4d(sources[1]), _as_4d(targets[1])) if len(xs) == 2 else (q, q_out)
     n_k_heads = k.shape[1] if len(xs) == 2 else 0
     B, HQ, T, D = q.shape
     half = D // 2
@@ -167,13 +182,16 @@ def _launch(xs: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...], cos: t
         num_warps = max(1, min(8, block_t * block_h * 2 * block_half // 512))
     _rope_kernel[(B * triton.cdiv(T, block_t),)](
         q, k, q_out, k_out, cos, sin, positions,
-        *q.stride(), *q_out.stride(), *k.stride(), *k_out.stride(),
+        *q.stride()[:3], *q_out.stride()[:3], *k.stride()[:3], *k_out.stride()[:3],
         stride_pb, positions.stride(-1),
         T, HQ, n_k_heads, cos.shape[0],
         HALF=half, INTERLEAVED=interleaved, INVERSE=inverse,
         BLOCK_T=block_t, BLOCK_HALF=block_half, BLOCK_H=block_h,
         BF16_BY_HAND=interpreter_bf16(q_out.dtype), num_warps=num_warps,
     )
+    for out, target in zip(outs, targets):
+        if target is not out:
+            out.copy_(target)
 
 
 # --------------------------------------------------------------------------------------------

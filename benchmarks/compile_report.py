@@ -1,0 +1,601 @@
+"""Every fastlm Triton kernel as a GPU would compile it, read without a GPU.
+
+Triton compiles for a GPU target on any machine, and its wheel ships `ptxas`. For each kernel
+launch of fastlm at the shapes that matter (bf16, fp16, fp32; head dims 64, 128 and the largest
+attention takes; hidden 4096; causal and not) and for each config the launcher or autotuner may
+use, this compiles for sm_90a (H100/H200) and sm_80 (A100) and reads off:
+
+- registers per thread, spill stores/loads and the stack frame (ptxas -v, Triton's own flags);
+- shared memory used (Triton's metadata) against the arch's per-block limit;
+- tensor cores (`wgmma.mma_async` on sm_90, `mma.sync` on sm_80), TMA (`cp.async.bulk.tensor`);
+- the widest and narrowest global access on the main path: the PTX loads, stores and async
+  copies whose address is computed (followed back through the PTX data flow) from a pointer
+  argument of the data dtype under test, so that an index or an fp32 table does not count in a
+  bf16 kernel;
+- barriers (`bar.sync` / `barrier.sync` in the PTX).
+
+A row is flagged when it spills or needs more shared memory than its arch has, and the exit status
+is 1 when any shipped row is flagged (or fails to compile). Shipped: every config the launcher
+picks, and every config an attention autotuner tries at the row's head block and dtype
+(`attention.fitting_configs` of `attention.*_CUDA_CONFIGS`, which the autotuners prune to; the
+last of them is the FASTLM_AUTOTUNE=0 config, marked "default"). Only shipped configs are
+compiled.
+
+The launch arguments are not written out here: each case calls fastlm's own launcher on meta
+tensors (shapes, strides and dtypes, no memory) with every kernel's `run` replaced by a recorder,
+so strides, block sizes and warps are exactly what the launcher would pass on a GPU. Recorded
+arguments are specialised as a launch does (ints equal to 1 become constants, ints and 16-byte
+aligned pointers divisible by 16 get `tt.divisibility`), then compiled with `triton.compile`.
+
+Triton's on-disk cache (TRITON_CACHE_DIR, default ~/.triton/cache) keeps every compiled kernel
+under a key that includes the kernel's source; the ptxas report is stored beside it. A second run
+with unchanged kernels reads everything from there in seconds; a changed kernel recompiles.
+
+    python benchmarks/compile_report.py [--arch sm_90a sm_80] [--json rows.json] [--quick]
+
+Run it without TRITON_INTERPRET: under the interpreter the autotuners hold one config and the
+launchers choose interpreter tiles. This script refuses to run with TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import importlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    print("compile_report.py: unset TRITON_INTERPRET; the report compiles for CUDA targets",
+          file=sys.stderr)
+    sys.exit(2)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.autotuner import Autotuner  # noqa: E402
+from triton.runtime.cache import get_cache_manager  # noqa: E402
+from triton.runtime.jit import JITFunction, MockTensor  # noqa: E402
+
+# This checkout's kernels, whether or not (and wherever) fastlm is installed.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# The modules (fastlm.kernels re-exports functions under some of the same names).
+attention, cross_entropy, rmsnorm, rope, swiglu = (
+    importlib.import_module(f"fastlm.kernels.{name}")
+    for name in ("attention", "cross_entropy", "rmsnorm", "rope", "swiglu"))
+
+#: Targets: compute capability and the largest shared memory one block may use (opt-in limit).
+ARCHS = {"sm_90a": (90, 232448), "sm_80": (80, 166912)}
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TOKENS = 16384  # rows of the row-wise kernels: 4 sequences of 4096 tokens
+HIDDEN = 4096
+D_FF = 11008  # LLaMA-7B's at hidden 4096
+VOCAB = 32000
+SEQ = 4096
+
+
+# --------------------------------------------------------------------------------------------
+# Recording launches
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Launch:
+    """One recorded kernel launch: the kernel object and its arguments by name."""
+
+    kernel: JITFunction | Autotuner
+    args: dict
+    options: dict  # num_warps, num_stages, ... as passed to the launch
+
+
+def _kernel_objects() -> list[JITFunction | Autotuner]:
+    modules = (attention, cross_entropy, rmsnorm, rope, swiglu)
+    kernels = {id(obj): obj for module in modules for obj in vars(module).values()
+               if isinstance(obj, (JITFunction, Autotuner))}  # helpers are imported in several
+    return list(kernels.values())
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Launch]]:
+    """Within the block, fastlm's kernels record their launches instead of running."""
+    launches: list[Launch] = []
+    kernels = _kernel_objects()
+
+    def recorder(kernel):
+        fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
+
+        def run(*args, grid, warmup, **kwargs):
+            named = dict(zip(fn.arg_names, args))
+            named.update((k, v) for k, v in kwargs.items() if k in fn.arg_names)
+            options = {k: v for k, v in kwargs.items() if k not in fn.arg_names}
+            launches.append(Launch(kernel, named, options))
+        return run
+
+    for kernel in kernels:
+        kernel.run = recorder(kernel)  # an instance attribute shadows the class's `run`
+    try:
+        yield launches
+    finally:
+        for kernel in kernels:
+            del kernel.run
+
+
+def meta(shape, dtype) -> torch.Tensor:
+    return torch.empty(shape, device="meta", dtype=dtype)
+
+
+@contextlib.contextmanager
+def triton_backend(*modules):
+    """Make `use_triton` say yes for meta tensors in the given launcher modules."""
+    saved = [module.use_triton for module in modules]
+    for module in modules:
+        module.use_triton = lambda x: True
+    try:
+        yield
+    finally:
+        for module, use in zip(modules, saved):
+            module.use_triton = use
+
+
+# --------------------------------------------------------------------------------------------
+# The cases: each calls a launcher on meta tensors
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    op: str  # what the launch computes, e.g. "RMSNorm fwd"
+    label: str  # the specialisation, e.g. "bf16 N=4096"
+    launch: Callable[[], None]
+    fields: dict = field(default_factory=dict)  # the specialisation as data, for --json
+
+
+def rmsnorm_cases(dtypes) -> Iterator[Case]:
+    for name in dtypes:
+        dtype = DTYPES[name]
+        x, r, w = meta((TOKENS, HIDDEN), dtype), meta((TOKENS, HIDDEN), dtype), meta((HIDDEN,), dtype)
+        rstd = meta((TOKENS,), torch.float32)
+        fields, label = dict(dtype=name, hidden=HIDDEN), f"{name} N={HIDDEN}"
+        forward, backward = rmsnorm._rms_norm_forward, rmsnorm._rms_norm_backward
+        yield Case("RMSNorm fwd", label, partial(forward, x, None, w, 1e-5), fields)
+        yield Case("add+RMSNorm fwd", label, partial(forward, x, r, w, 1e-5), fields)
+        yield Case("RMSNorm bwd", label, partial(backward, x, None, x, w, rstd), fields)
+        yield Case("add+RMSNorm bwd", label, partial(backward, x, r, x, w, rstd), fields)
+
+
+def rope_cases(dtypes, head_dims) -> Iterator[Case]:
+    """q and k rotated in place as views of a fused QKV projection output, as in the model."""
+    for name in dtypes:
+        for d in head_dims:
+            heads = HIDDEN // d
+            qkv = meta((TOKENS // SEQ, SEQ, 3, heads, d), DTYPES[name])
+            q, k = qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1].transpose(1, 2)
+            cos, sin = meta((SEQ, d // 2), torch.float32), meta((SEQ, d // 2), torch.float32)
+            positions = meta((SEQ,), torch.int64)
+            for interleaved in (True, False):
+                layout = "interleaved" if interleaved else "half-split"
+                yield Case(f"RoPE {layout}", f"{name} D={d}",
+                           partial(rope._launch, (q, k), (q, k), cos, sin, positions, interleaved,
+                                   False),
+                           dict(dtype=name, head_dim=d, layout=layout))
+
+
+def swiglu_cases(dtypes) -> Iterator[Case]:
+    for name in dtypes:
+        gate, up = meta((TOKENS, D_FF), DTYPES[name]), meta((TOKENS, D_FF), DTYPES[name])
+        fields, label = dict(dtype=name, d_ff=D_FF), f"{name} N={D_FF}"
+        yield Case("SwiGLU fwd", label, partial(swiglu._forward_rows, gate, up, gate), fields)
+        yield Case("SwiGLU bwd", label,
+                   partial(swiglu._backward_rows, gate, gate, up, gate, up), fields)
+
+
+def cross_entropy_cases(dtypes) -> Iterator[Case]:
+    for name in dtypes:
+        logits = meta((TOKENS // 2, VOCAB), DTYPES[name])
+        targets = meta((TOKENS // 2,), torch.int64)
+        loss = meta((TOKENS // 2,), torch.float32)
+        fields, label = dict(dtype=name, vocab=VOCAB), f"{name} V={VOCAB}"
+        for op, grad in (("cross-entropy fwd+grad", logits), ("cross-entropy fwd", None)):
+            yield Case(op, label, partial(cross_entropy._cross_entropy_rows, logits, targets, -100,
+                                          loss, grad), fields)
+
+
+def attention_cases(specs) -> Iterator[Case]:
+    """q, k, v as views of a fused QKV output, outputs and gradients token-major, as in the model."""
+    for name, d, causal in specs:
+        heads, dtype = HIDDEN // d, DTYPES[name]
+        qkv = meta((TOKENS // SEQ, SEQ, 3, heads, d), dtype)
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+        o = meta((TOKENS // SEQ, SEQ, heads, d), dtype).transpose(1, 2)
+        lse = meta((TOKENS // SEQ, heads, SEQ), torch.float32)
+        fields = dict(dtype=name, head_dim=d, causal=causal)
+        label = f"{name} D={d} {'causal' if causal else 'full'}"
+        scale = d ** -0.5
+        yield Case("attention fwd", label,
+                   partial(attention._attention_forward, q, k, v, causal, scale, True), fields)
+        yield Case("attention bwd", label,
+                   partial(attention._attention_backward, o, q, k, v, o, lse, causal, scale, True),
+                   fields)
+
+
+def cases(quick: bool) -> list[Case]:
+    """Everything; `quick`: bf16 only, attention at head dim 128 causal (the CI test's rows)."""
+    if quick:
+        dtypes, head_dims = ["bf16"], [64, 128]
+        attention_specs = [("bf16", 128, True)]
+    else:
+        dtypes, head_dims = list(DTYPES), [64, 128]
+        # Every head block class for both element sizes (the configs' limits), non-causal and
+        # fp16 where they could differ from bf16 causal: at the most common head dim.
+        attention_specs = ([(name, d, True) for name in ("bf16", "fp32")
+                            for d in (64, 128, attention.MAX_HEAD_DIM)]
+                           + [("bf16", 128, False), ("fp16", 128, True)])
+    return [*rmsnorm_cases(dtypes), *rope_cases(dtypes, head_dims), *swiglu_cases(dtypes),
+            *cross_entropy_cases(dtypes), *attention_cases(attention_specs)]
+
+
+# --------------------------------------------------------------------------------------------
+# From launches to compile tasks
+# --------------------------------------------------------------------------------------------
+
+
+class _Pointer(MockTensor):
+    """A tensor argument as Triton's launch specialisation sees it: a dtype and an address, here
+    the byte offset into a 16-byte aligned allocation (what PyTorch's allocators return)."""
+
+    def __init__(self, t: torch.Tensor):
+        super().__init__(t.dtype)
+        self.offset = t.storage_offset() * t.element_size()
+
+    def data_ptr(self):
+        return self.offset
+
+
+def specialise(fn: JITFunction, args: dict) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) for ASTSource, as a launch with these arguments makes them."""
+    signature, constexprs, attrs = {}, {}, {}
+    for index, param in enumerate(fn.params):
+        value = args.get(param.name, param.default)
+        if param.is_constexpr:
+            signature[param.name], constexprs[param.name] = "constexpr", value
+            continue
+        if isinstance(value, torch.Tensor):
+            value = _Pointer(value)
+        kind, key = native_specialize_impl(BaseBackend, value, param.is_const,
+                                           not param.do_not_specialize,
+                                           not param.do_not_specialize_on_alignment)
+        signature[param.name] = kind
+        if kind == "constexpr":  # an int equal to 1
+            constexprs[param.name] = value
+        elif key:
+            attrs[(index,)] = BaseBackend.parse_attr(key)
+    return signature, constexprs, attrs
+
+
+@dataclass
+class Task:
+    """One compile: picklable, for the worker processes."""
+
+    op: str
+    label: str
+    fields: dict
+    module: str
+    kernel: str
+    blocks: dict
+    default: bool  # the FASTLM_AUTOTUNE=0 config of an autotuned kernel
+    arch: str
+    signature: dict
+    constexprs: dict
+    attrs: dict
+    options: dict
+
+
+def _blocks(args: dict) -> dict:
+    return {k: v for k, v in args.items() if k.startswith("BLOCK_") and k != "BLOCK_D"}
+
+
+def shipped_configs(launch: Launch) -> list[attention.CudaConfig]:
+    """The configs an attention autotuner tries for this launch (its head block and dtype); the
+    last is the one FASTLM_AUTOTUNE=0 keeps."""
+    lists = {attention._attention_fwd_kernel: attention.FWD_CUDA_CONFIGS,
+             attention._attention_bwd_dkdv_kernel: attention.DKDV_CUDA_CONFIGS,
+             attention._attention_bwd_dq_kernel: attention.DQ_CUDA_CONFIGS}
+    return attention.fitting_configs(lists[launch.kernel], launch.args["BLOCK_D"],
+                                     launch.args["Q"].element_size())
+
+
+def tasks(all_cases: list[Case], archs: list[str]) -> list[Task]:
+    out = []
+    for case in all_cases:
+        with recording() as launches, triton_backend(swiglu, cross_entropy):
+            case.launch()
+        for launch in launches:
+            fn = launch.kernel.fn if isinstance(launch.kernel, Autotuner) else launch.kernel
+            if isinstance(launch.kernel, Autotuner):
+                configs = shipped_configs(launch)
+                variants = [({**launch.args, **c.blocks},
+                             dict(num_warps=c.num_warps, num_stages=c.num_stages),
+                             i == len(configs) - 1)
+                            for i, c in enumerate(configs)]
+            else:
+                variants = [(launch.args, launch.options, False)]
+            for args, options, default in variants:
+                signature, constexprs, attrs = specialise(fn, args)
+                for arch in archs:
+                    out.append(Task(case.op, case.label, case.fields, fn.fn.__module__,
+                                    fn.fn.__name__, _blocks(args), default, arch, signature,
+                                    constexprs, attrs, options))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Compiling and reading the result (runs in worker processes)
+# --------------------------------------------------------------------------------------------
+
+# A launch on a GPU gets Triton's default too; its notice about a future change is noise here.
+warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+# ptxas's report of each fresh compile is printed (and captured below) instead of discarded.
+triton.knobs.nvidia.dump_ptxas_log = True
+
+PTXAS_LOG = "ptxas_v.log"
+
+
+def _gpu_name(capability: int) -> str:
+    return f"sm_{capability}{'a' if capability >= 90 else ''}"
+
+
+def _run_ptxas(ptx: str, capability: int) -> str:
+    """ptxas -v on the PTX with the flags Triton uses for its cubin."""
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp, "kernel.ptx")
+        source.write_text(ptx)
+        result = subprocess.run(
+            [get_ptxas(capability).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
+             f"--gpu-name={_gpu_name(capability)}", str(source), "-o", str(Path(tmp, "k.cubin"))],
+            capture_output=True, text=True, check=True)
+    return result.stderr
+
+
+def _ptxas_log(compiled, printed: str, capability: int) -> tuple[str, bool]:
+    """The ptxas -v report of a compiled kernel, kept in Triton's cache beside it; and whether it
+    came from there."""
+    cache = get_cache_manager(compiled.hash)
+    filename = f"{compiled.name}.{PTXAS_LOG}"
+    if "registers" in printed:  # a fresh compile: Triton's own ptxas run printed it
+        cache.put(printed, filename, binary=False)
+        return printed, False
+    path = cache.get_file(filename)
+    if path is not None:
+        return Path(path).read_text(), True
+    log = _run_ptxas(compiled.asm["ptx"], capability)
+    cache.put(log, filename, binary=False)
+    return log, False
+
+
+def _number(pattern: str, text: str) -> int:
+    match = re.search(pattern, text)
+    return int(match.group(1)) if match else 0
+
+
+_PTX_ACCESS = re.compile(r"^\s*(?:@!?%\w+\s+)?((?:ld|st)\.global[\w.:]*|cp\.async\.c[ag]\.shared"
+                         r"\.global)\s+(.*)$")
+_PTX_DEF = re.compile(r"^\s*(?:@!?%\w+\s+)?([a-z][\w.:]*)\s+(%rd\d+)\s*,(.*)$")
+_PTX_BITS = re.compile(r"^[bsuf](8|16|32|64)$|^bf16$")
+
+
+def _access_bytes(opcode: str, operands: str) -> int:
+    if opcode.startswith("cp.async"):  # cp.async.cg.shared.global [dst], [src], bytes
+        return int(operands.split(",")[2].strip().rstrip(";"), 0)
+    vector, bits = 1, 0
+    for part in opcode.split("."):
+        if re.fullmatch(r"v\d+", part):
+            vector = int(part[1:])
+        elif _PTX_BITS.match(part):
+            bits = 16 if part == "bf16" else int(part[1:])
+    return vector * bits // 8
+
+
+def _pointer_params(ptx: str) -> Callable[[str], set[int]]:
+    """For a 64-bit register, the kernel parameters (by index) its value is computed from: the
+    PTX data flow, followed back through every definition (loop-carried ones included)."""
+    sources: dict[str, set[str]] = {}
+    for line in ptx.splitlines():
+        match = _PTX_DEF.match(line)
+        if match and not match.group(1).startswith(("st.", "cp.")):
+            operands = match.group(3)
+            sources.setdefault(match.group(2), set()).update(
+                re.findall(r"%rd\d+|_param_\d+", operands))
+    resolved: dict[str, set[int]] = {}
+
+    def params(register: str) -> set[int]:
+        if register not in resolved:
+            resolved[register] = set()  # a cycle through a loop adds nothing new
+            found = set()
+            for source in sources.get(register, ()):
+                if source.startswith("_param_"):
+                    found.add(int(source.removeprefix("_param_")))
+                else:
+                    found |= params(source)
+            resolved[register] = found
+        return resolved[register]
+    return params
+
+
+def global_accesses(ptx: str, main_params: set[int]) -> dict[str, Counter]:
+    """Bytes per global access instruction (static counts), loads and stores: all of them, and
+    those of the main path (addresses computed from a parameter in `main_params`)."""
+    params = _pointer_params(ptx)
+    counts = {key: Counter() for key in ("ld", "st", "ld_main", "st_main")}
+    for line in ptx.splitlines():
+        match = _PTX_ACCESS.match(line)
+        if not match:
+            continue
+        opcode, operands = match.groups()
+        kind = "st" if opcode.startswith("st") else "ld"
+        size = _access_bytes(opcode, operands)
+        counts[kind][size] += 1
+        addresses = re.findall(r"\[\s*(%rd\d+)", operands)  # cp.async: [shared], [global]
+        address = addresses[-1] if opcode.startswith("cp.async") else addresses[0]
+        if params(address) & main_params:
+            counts[f"{kind}_main"][size] += 1
+    return counts
+
+
+def main_params(signature: dict, dtype: str) -> set[int]:
+    """PTX parameter indices of the pointers to `dtype` (constexprs are not parameters)."""
+    runtime = [kind for kind in signature.values() if kind != "constexpr"]
+    return {i for i, kind in enumerate(runtime) if kind == f"*{dtype}"}
+
+
+def compile_task(task: Task) -> dict:
+    """Compile one task and read its resources; a compile error is a flagged row."""
+    capability, shared_limit = ARCHS[task.arch]
+    row = dict(op=task.op, kernel=task.kernel, case=task.label, **task.fields, blocks=task.blocks,
+               default=task.default, arch=task.arch, shared_limit=shared_limit, problems=[])
+    start = time.perf_counter()
+    try:
+        kernel = getattr(importlib.import_module(task.module), task.kernel)
+        fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            compiled = triton.compile(ASTSource(fn, task.signature, task.constexprs, task.attrs),
+                                      target=GPUTarget("cuda", capability, 32),
+                                      options=task.options)
+        log, cached = _ptxas_log(compiled, printed.getvalue(), capability)
+    except Exception as error:  # a compile failure is reported as a flagged row
+        message = " ".join(str(error).split())[:300]
+        row.update(problems=[f"compile error: {type(error).__name__}: {message}"],
+                   seconds=time.perf_counter() - start)
+        return row
+    ptx, meta_data = compiled.asm["ptx"], compiled.metadata
+    accesses = global_accesses(ptx, main_params(task.signature, task.fields["dtype"]))
+    row.update(
+        num_warps=meta_data.num_warps, num_stages=meta_data.num_stages,
+        registers=_number(r"Used (\d+) registers", log),
+        spill_stores=_number(r"(\d+) bytes spill stores", log),
+        spill_loads=_number(r"(\d+) bytes spill loads", log),
+        stack=_number(r"(\d+) bytes stack frame", log),
+        ptxas_barriers=_number(r"used (\d+) barriers", log),
+        shared=meta_data.shared,
+        wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"),
+        tma=ptx.count("cp.async.bulk.tensor"),
+        barriers=len(re.findall(r"\b(?:bar|barrier)\.sync\b", ptx)),
+        accesses={k: dict(sorted(v.items())) for k, v in accesses.items()},
+        seconds=time.perf_counter() - start, cached=cached,
+    )
+    if row["spill_stores"] or row["spill_loads"]:
+        row["problems"].append("spills")
+    if row["shared"] > shared_limit:
+        row["problems"].append("shared memory")
+    return row
+
+
+# --------------------------------------------------------------------------------------------
+# Table and command line
+# --------------------------------------------------------------------------------------------
+
+
+def _widths(sizes: dict) -> str:
+    if not sizes:
+        return "-"
+    low, high = min(sizes), max(sizes)
+    return str(high) if low == high else f"{low}-{high}"
+
+
+def _config(row: dict) -> str:
+    blocks = " ".join(f"{k.removeprefix('BLOCK_')}{v}" for k, v in row["blocks"].items())
+    text = f"{blocks} w{row.get('num_warps', '?')} s{row.get('num_stages', '?')}"
+    return text + " (default)" if row["default"] else text
+
+
+def table(rows: list[dict]) -> str:
+    columns = ["op", "kernel", "case", "config", "arch", "regs", "spill st/ld B", "smem KB / limit",
+               "tensor cores", "TMA", "main ld B", "main st B", "bar.sync", "flags"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        if "registers" not in row:
+            cells = [row["op"], f"`{row['kernel']}`", row["case"], _config(row), row["arch"]]
+            cells += ["-"] * 8 + ["; ".join(row["problems"])]
+        else:
+            accesses = row["accesses"]
+            tensor_cores = ("wgmma" if row["wgmma"] else "") + ("mma" if row["mma"] else "")
+            cells = [row["op"], f"`{row['kernel']}`", row["case"], _config(row), row["arch"],
+                     str(row["registers"]), f"{row['spill_stores']}/{row['spill_loads']}",
+                     f"{row['shared'] / 1024:.0f} / {row['shared_limit'] / 1024:.0f}",
+                     tensor_cores or "-", "yes" if row["tma"] else "-",
+                     _widths(accesses["ld_main"]), _widths(accesses["st_main"]),
+                     str(row["barriers"]), ", ".join(row["problems"]) or "ok"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run(task_list: list[Task], jobs: int) -> list[dict]:
+    """Compile every task (the slow ones first, so that the pool drains evenly); rows in order."""
+    order = sorted(range(len(task_list)), key=lambda i: (not task_list[i].op.startswith("attention"),
+                                                         -len(task_list[i].blocks)))
+    rows: list[dict | None] = [None] * len(task_list)
+    if jobs == 1:
+        for i in order:
+            rows[i] = compile_task(task_list[i])
+        return rows
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(compile_task, task_list[i]): i for i in order}
+        for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+            rows[futures[future]] = future.result()
+            if done % 50 == 0:
+                print(f"compile_report: {done}/{len(task_list)} compiled", file=sys.stderr)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", nargs="+", choices=list(ARCHS), default=list(ARCHS),
+                        help="targets (default: all)")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the rows as JSON here")
+    parser.add_argument("--quick", action="store_true",
+                        help="bf16 only; attention at head dim 128, causal (the CI test's rows)")
+    parser.add_argument("--op", action="append", metavar="TEXT",
+                        help="only ops whose name contains TEXT (repeatable)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="compiler processes (default: one per CPU)")
+    args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
+
+    start = time.perf_counter()
+    selected = [case for case in cases(args.quick)
+                if not args.op or any(text in case.op for text in args.op)]
+    if not selected:
+        parser.error(f"no op matches {args.op}")
+    rows = run(tasks(selected, args.arch), args.jobs)
+    print(table(rows))
+    flagged = [row for row in rows if row["problems"]]
+    cached = sum(bool(row.get("cached")) for row in rows)
+    print(f"\n{len(rows)} rows ({cached} from the cache), {len(flagged)} flagged, "
+          f"{time.perf_counter() - start:.0f} s; triton {triton.__version__}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    return 1 if flagged else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

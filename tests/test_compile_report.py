@@ -1,0 +1,141 @@
+"""The kernels as Triton compiles them for an H100/H200 (sm_90a), checked without a GPU.
+
+Runs `benchmarks/compile_report.py --quick --arch sm_90a` once (bf16 row-wise kernels at hidden
+4096, RoPE at head dims 64 and 128, every attention config at head dim 128, causal) and checks its
+rows: no shipped config spills registers or needs more shared memory than Hopper has, the
+memory-bound kernels move 16-byte vectors on their main path, and attention uses Hopper's tensor
+cores (wgmma).
+
+The report must compile for CUDA, so it runs in a subprocess without TRITON_INTERPRET (which
+conftest.py sets here). Triton's on-disk cache makes a rerun with unchanged kernels take seconds;
+without it (a fresh machine) every row is compiled.
+"""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+REPO = Path(__file__).resolve().parent.parent
+
+#: The memory-bound ops: each must reach 16-byte loads (and stores, where it stores bf16 data).
+MEMORY_BOUND = ("RMSNorm fwd", "add+RMSNorm fwd", "RMSNorm bwd", "add+RMSNorm bwd",
+                "RoPE interleaved", "RoPE half-split", "SwiGLU fwd", "SwiGLU bwd",
+                "cross-entropy fwd+grad", "cross-entropy fwd")
+#: The attention kernels that multiply matrices (the delta kernel is a row sum).
+TENSOR_CORE_KERNELS = ("_attention_fwd_kernel", "_attention_bwd_dkdv_kernel",
+                       "_attention_bwd_dq_kernel")
+
+
+def _ptxas_missing() -> str | None:
+    """Why the report cannot run here, or None."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        path = get_ptxas(90).path
+    except Exception as error:  # no NVIDIA backend in this Triton build, or no ptxas in it
+        return f"Triton's ptxas for sm_90a is not available: {error}"
+    if not os.access(path, os.X_OK):
+        return f"Triton's ptxas for sm_90a is not executable at {path}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    """(completed process, rows) of one quick sm_90a report."""
+    reason = _ptxas_missing()
+    if reason:
+        pytest.skip(reason)
+    rows_path = tmp_path_factory.mktemp("compile_report") / "rows.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "compile_report.py"), "--quick",
+         "--arch", "sm_90a", "--json", str(rows_path)],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    assert rows_path.exists(), f"no rows written:\n{result.stdout}\n{result.stderr}"
+    return result, json.loads(rows_path.read_text())
+
+
+def _describe(row: dict) -> str:
+    return (f"{row['op']} {row['kernel']} {row['case']} {row['blocks']} "
+            f"w{row.get('num_warps')} s{row.get('num_stages')}")
+
+
+def test_report_runs_and_prints_its_table(report):
+    result, rows = report
+    assert result.returncode == 0, f"exit status {result.returncode}:\n{result.stdout}\n{result.stderr}"
+    assert result.stdout.startswith("| op | kernel |")
+    assert len(result.stdout.splitlines()) >= len(rows) + 2  # header, rule, one line per row
+    ops = {row["op"] for row in rows}
+    assert set(MEMORY_BOUND) | {"attention fwd", "attention bwd"} <= ops
+    kernels = {row["kernel"] for row in rows}
+    assert set(TENSOR_CORE_KERNELS) | {"_attention_bwd_delta_kernel"} <= kernels
+
+
+def test_no_shipped_config_spills_or_overflows_shared_memory(report):
+    _, rows = report
+    assert all(row["arch"] == "sm_90a" for row in rows)
+    flagged = [f"{_describe(row)}: {', '.join(row['problems'])}" for row in rows if row["problems"]]
+    assert not flagged, "\n".join(flagged)
+    for row in rows:  # the flags above come from these numbers
+        assert row["spill_stores"] == row["spill_loads"] == 0, _describe(row)
+        assert 0 <= row["shared"] <= row["shared_limit"] == 232448, _describe(row)
+        assert 0 < row["registers"] <= 255, _describe(row)
+
+
+def test_memory_bound_kernels_move_16_byte_vectors(report):
+    _, rows = report
+    checked = set()
+    for row in rows:
+        if row["op"] not in MEMORY_BOUND:
+            continue
+        assert row["dtype"] == "bf16"
+        accesses = row["accesses"]
+        widest_load = max(map(int, accesses["ld_main"]), default=0)
+        assert widest_load == 16, f"{_describe(row)}: main-path loads {accesses['ld_main']}"
+        if row["op"] != "cross-entropy fwd":  # the loss alone is fp32: no bf16 store there
+            widest_store = max(map(int, accesses["st_main"]), default=0)
+            assert widest_store == 16, f"{_describe(row)}: main-path stores {accesses['st_main']}"
+        checked.add(row["op"])
+    assert checked == set(MEMORY_BOUND)
+
+
+def test_attention_uses_hopper_tensor_cores(report):
+    """Every config the autotuners try at head dim 128 bf16 uses wgmma, except the smallest one
+    that FASTLM_AUTOTUNE=0 keeps for test runs (32-row blocks: below a warpgroup's 64 rows)."""
+    _, rows = report
+    tuned = [row for row in rows if row["kernel"] in TENSOR_CORE_KERNELS and not row["default"]]
+    assert {row["kernel"] for row in tuned} == set(TENSOR_CORE_KERNELS)
+    without = [_describe(row) for row in tuned if not row["wgmma"]]
+    assert not without, "no wgmma in:\n" + "\n".join(without)
+    for row in tuned:  # and Hopper's tensor cores only: no Ampere-style mma.sync left over
+        assert row["mma"] == 0, _describe(row)
+
+
+def test_autotuners_try_the_configs_the_report_compiles(monkeypatch):
+    """The report compiles `fitting_configs`; on CUDA the autotuners prune to the same configs
+    (to the last of them under FASTLM_AUTOTUNE=0), for every head block and element size."""
+    attention = importlib.import_module("fastlm.kernels.attention")
+    monkeypatch.setattr(attention, "interpreting", lambda: False)  # prune as on CUDA
+    autotuned = ((attention._attention_fwd_kernel, attention.FWD_CUDA_CONFIGS),
+                 (attention._attention_bwd_dkdv_kernel, attention.DKDV_CUDA_CONFIGS),
+                 (attention._attention_bwd_dq_kernel, attention.DQ_CUDA_CONFIGS))
+    for kernel, cuda in autotuned:
+        every = [triton.Config(dict(c.blocks), num_warps=c.num_warps, num_stages=c.num_stages)
+                 for c in cuda]
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            q = torch.empty(0, dtype=dtype)
+            for block_d in (16, 32, 64, 128, 256):
+                expected = [(c.blocks, c.num_warps, c.num_stages)
+                            for c in attention.fitting_configs(cuda, block_d, q.element_size())]
+                for autotune, keep in (("1", expected), ("0", expected[-1:])):
+                    monkeypatch.setenv("FASTLM_AUTOTUNE", autotune)
+                    kept = kernel.early_config_prune(every, {"Q": q}, BLOCK_D=block_d)
+                    assert [(c.kwargs, c.num_warps, c.num_stages) for c in kept] == keep
+                    assert kept, f"no config for BLOCK_D={block_d} {dtype}"
