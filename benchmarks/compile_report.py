@@ -175,10 +175,16 @@ def rmsnorm_cases(dtypes) -> Iterator[Case]:
         rstd = meta((TOKENS,), torch.float32)
         fields, label = dict(dtype=name, hidden=HIDDEN), f"{name} N={HIDDEN}"
         forward, backward = rmsnorm._rms_norm_forward, rmsnorm._rms_norm_backward
-        yield Case("RMSNorm fwd", label, partial(forward, x, None, w, 1e-5), fields)
-        yield Case("add+RMSNorm fwd", label, partial(forward, x, r, w, 1e-5), fields)
-        yield Case("RMSNorm bwd", label, partial(backward, x, None, x, w, rstd), fields)
-        yield Case("add+RMSNorm bwd", label, partial(backward, x, r, x, w, rstd), fields)
+        yield Case("RMSNorm fwd", label, partial(forward, x, None, w, 1e-5, dtype), fields)
+        yield Case("add+RMSNorm fwd", label, partial(forward, x, r, w, 1e-5, dtype), fields)
+        yield Case("RMSNorm bwd", label, partial(backward, x, None, x, w, rstd, dtype), fields)
+        yield Case("add+RMSNorm bwd", label, partial(backward, x, r, x, w, rstd, dtype), fields)
+        if dtype != torch.float32:  # the autocast stream: a half delta, fp32 residual and weight
+            r32, w32 = meta((TOKENS, HIDDEN), torch.float32), meta((HIDDEN,), torch.float32)
+            mixed = f"{name}+fp32 N={HIDDEN}"
+            yield Case("add+RMSNorm fwd", mixed, partial(forward, x, r32, w32, 1e-5, dtype), fields)
+            yield Case("add+RMSNorm bwd", mixed,
+                       partial(backward, x, r32, r32, w32, rstd, dtype, torch.float32), fields)
 
 
 def rope_cases(dtypes, head_dims) -> Iterator[Case]:
@@ -211,11 +217,15 @@ def cross_entropy_cases(dtypes) -> Iterator[Case]:
     for name in dtypes:
         logits = meta((TOKENS // 2, VOCAB), DTYPES[name])
         targets = meta((TOKENS // 2,), torch.int64)
-        loss = meta((TOKENS // 2,), torch.float32)
+        loss, lse = meta((TOKENS // 2,), torch.float32), meta((TOKENS // 2,), torch.float32)
+        scale = meta((), torch.float32)
         fields, label = dict(dtype=name, vocab=VOCAB), f"{name} V={VOCAB}"
         for op, grad in (("cross-entropy fwd+grad", logits), ("cross-entropy fwd", None)):
             yield Case(op, label, partial(cross_entropy._cross_entropy_rows, logits, targets, -100,
-                                          loss, grad), fields)
+                                          loss, lse, grad), fields)
+        yield Case("cross-entropy bwd", label,
+                   partial(cross_entropy._cross_entropy_grad_rows, logits, targets, -100, lse,
+                           scale), fields)
 
 
 def attention_cases(specs) -> Iterator[Case]:
