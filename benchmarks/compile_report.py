@@ -59,8 +59,10 @@ from functools import partial
 from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
-    print("compile_report.py: unset TRITON_INTERPRET; the report compiles for CUDA targets",
-          file=sys.stderr)
+    print(
+        "compile_report.py: unset TRITON_INTERPRET; the report compiles for CUDA targets",
+        file=sys.stderr,
+    )
     sys.exit(2)
 
 import torch  # noqa: E402
@@ -79,7 +81,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # The modules (fastlm.kernels re-exports functions under some of the same names).
 attention, cross_entropy, rmsnorm, rope, swiglu = (
     importlib.import_module(f"fastlm.kernels.{name}")
-    for name in ("attention", "cross_entropy", "rmsnorm", "rope", "swiglu"))
+    for name in ("attention", "cross_entropy", "rmsnorm", "rope", "swiglu")
+)
 
 #: Targets: compute capability and the largest shared memory one block may use (opt-in limit).
 ARCHS = {"sm_90a": (90, 232448), "sm_80": (80, 166912)}
@@ -108,8 +111,12 @@ class Launch:
 
 def _kernel_objects() -> list[JITFunction | Autotuner]:
     modules = (attention, cross_entropy, rmsnorm, rope, swiglu)
-    kernels = {id(obj): obj for module in modules for obj in vars(module).values()
-               if isinstance(obj, (JITFunction, Autotuner))}  # helpers are imported in several
+    kernels = {
+        id(obj): obj
+        for module in modules
+        for obj in vars(module).values()
+        if isinstance(obj, (JITFunction, Autotuner))
+    }  # helpers are imported in several
     return list(kernels.values())
 
 
@@ -127,6 +134,7 @@ def recording() -> Iterator[list[Launch]]:
             named.update((k, v) for k, v in kwargs.items() if k in fn.arg_names)
             options = {k: v for k, v in kwargs.items() if k not in fn.arg_names}
             launches.append(Launch(kernel, named, options))
+
         return run
 
     for kernel in kernels:
@@ -171,7 +179,11 @@ class Case:
 def rmsnorm_cases(dtypes) -> Iterator[Case]:
     for name in dtypes:
         dtype = DTYPES[name]
-        x, r, w = meta((TOKENS, HIDDEN), dtype), meta((TOKENS, HIDDEN), dtype), meta((HIDDEN,), dtype)
+        x, r, w = (
+            meta((TOKENS, HIDDEN), dtype),
+            meta((TOKENS, HIDDEN), dtype),
+            meta((HIDDEN,), dtype),
+        )
         rstd = meta((TOKENS,), torch.float32)
         fields, label = dict(dtype=name, hidden=HIDDEN), f"{name} N={HIDDEN}"
         forward, backward = rmsnorm._rms_norm_forward, rmsnorm._rms_norm_backward
@@ -183,8 +195,12 @@ def rmsnorm_cases(dtypes) -> Iterator[Case]:
             r32, w32 = meta((TOKENS, HIDDEN), torch.float32), meta((HIDDEN,), torch.float32)
             mixed = f"{name}+fp32 N={HIDDEN}"
             yield Case("add+RMSNorm fwd", mixed, partial(forward, x, r32, w32, 1e-5, dtype), fields)
-            yield Case("add+RMSNorm bwd", mixed,
-                       partial(backward, x, r32, r32, w32, rstd, dtype, torch.float32), fields)
+            yield Case(
+                "add+RMSNorm bwd",
+                mixed,
+                partial(backward, x, r32, r32, w32, rstd, dtype, torch.float32),
+                fields,
+            )
 
 
 def rope_cases(dtypes, head_dims) -> Iterator[Case]:
@@ -198,10 +214,12 @@ def rope_cases(dtypes, head_dims) -> Iterator[Case]:
             positions = meta((SEQ,), torch.int64)
             for interleaved in (True, False):
                 layout = "interleaved" if interleaved else "half-split"
-                yield Case(f"RoPE {layout}", f"{name} D={d}",
-                           partial(rope._launch, (q, k), (q, k), cos, sin, positions, interleaved,
-                                   False),
-                           dict(dtype=name, head_dim=d, layout=layout))
+                yield Case(
+                    f"RoPE {layout}",
+                    f"{name} D={d}",
+                    partial(rope._launch, (q, k), (q, k), cos, sin, positions, interleaved, False),
+                    dict(dtype=name, head_dim=d, layout=layout),
+                )
 
 
 def swiglu_cases(dtypes) -> Iterator[Case]:
@@ -209,8 +227,9 @@ def swiglu_cases(dtypes) -> Iterator[Case]:
         gate, up = meta((TOKENS, D_FF), DTYPES[name]), meta((TOKENS, D_FF), DTYPES[name])
         fields, label = dict(dtype=name, d_ff=D_FF), f"{name} N={D_FF}"
         yield Case("SwiGLU fwd", label, partial(swiglu._forward_rows, gate, up, gate), fields)
-        yield Case("SwiGLU bwd", label,
-                   partial(swiglu._backward_rows, gate, gate, up, gate, up), fields)
+        yield Case(
+            "SwiGLU bwd", label, partial(swiglu._backward_rows, gate, gate, up, gate, up), fields
+        )
 
 
 def cross_entropy_cases(dtypes) -> Iterator[Case]:
@@ -221,15 +240,23 @@ def cross_entropy_cases(dtypes) -> Iterator[Case]:
         scale = meta((), torch.float32)
         fields, label = dict(dtype=name, vocab=VOCAB), f"{name} V={VOCAB}"
         for op, grad in (("cross-entropy fwd+grad", logits), ("cross-entropy fwd", None)):
-            yield Case(op, label, partial(cross_entropy._cross_entropy_rows, logits, targets, -100,
-                                          loss, lse, grad), fields)
-        yield Case("cross-entropy bwd", label,
-                   partial(cross_entropy._cross_entropy_grad_rows, logits, targets, -100, lse,
-                           scale), fields)
+            yield Case(
+                op,
+                label,
+                partial(cross_entropy._cross_entropy_rows, logits, targets, -100, loss, lse, grad),
+                fields,
+            )
+        yield Case(
+            "cross-entropy bwd",
+            label,
+            partial(cross_entropy._cross_entropy_grad_rows, logits, targets, -100, lse, scale),
+            fields,
+        )
 
 
 def attention_cases(specs) -> Iterator[Case]:
-    """q, k, v as views of a fused QKV output, outputs and gradients token-major, as in the model."""
+    """q, k, v as views of a fused QKV output, outputs and gradients token-major, as in the
+    model."""
     for name, d, causal in specs:
         heads, dtype = HIDDEN // d, DTYPES[name]
         qkv = meta((TOKENS // SEQ, SEQ, 3, heads, d), dtype)
@@ -238,12 +265,19 @@ def attention_cases(specs) -> Iterator[Case]:
         lse = meta((TOKENS // SEQ, heads, SEQ), torch.float32)
         fields = dict(dtype=name, head_dim=d, causal=causal)
         label = f"{name} D={d} {'causal' if causal else 'full'}"
-        scale = d ** -0.5
-        yield Case("attention fwd", label,
-                   partial(attention._attention_forward, q, k, v, causal, scale, True), fields)
-        yield Case("attention bwd", label,
-                   partial(attention._attention_backward, o, q, k, v, o, lse, causal, scale, True),
-                   fields)
+        scale = d**-0.5
+        yield Case(
+            "attention fwd",
+            label,
+            partial(attention._attention_forward, q, k, v, causal, scale, True),
+            fields,
+        )
+        yield Case(
+            "attention bwd",
+            label,
+            partial(attention._attention_backward, o, q, k, v, o, lse, causal, scale, True),
+            fields,
+        )
 
 
 def cases(quick: bool) -> list[Case]:
@@ -255,11 +289,16 @@ def cases(quick: bool) -> list[Case]:
         dtypes, head_dims = list(DTYPES), [64, 128]
         # Every head block class for both element sizes (the configs' limits), non-causal and
         # fp16 where they could differ from bf16 causal: at the most common head dim.
-        attention_specs = ([(name, d, True) for name in ("bf16", "fp32")
-                            for d in (64, 128, attention.MAX_HEAD_DIM)]
-                           + [("bf16", 128, False), ("fp16", 128, True)])
-    return [*rmsnorm_cases(dtypes), *rope_cases(dtypes, head_dims), *swiglu_cases(dtypes),
-            *cross_entropy_cases(dtypes), *attention_cases(attention_specs)]
+        attention_specs = [
+            (name, d, True) for name in ("bf16", "fp32") for d in (64, 128, attention.MAX_HEAD_DIM)
+        ] + [("bf16", 128, False), ("fp16", 128, True)]
+    return [
+        *rmsnorm_cases(dtypes),
+        *rope_cases(dtypes, head_dims),
+        *swiglu_cases(dtypes),
+        *cross_entropy_cases(dtypes),
+        *attention_cases(attention_specs),
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,9 +328,13 @@ def specialise(fn: JITFunction, args: dict) -> tuple[dict, dict, dict]:
             continue
         if isinstance(value, torch.Tensor):
             value = _Pointer(value)
-        kind, key = native_specialize_impl(BaseBackend, value, param.is_const,
-                                           not param.do_not_specialize,
-                                           not param.do_not_specialize_on_alignment)
+        kind, key = native_specialize_impl(
+            BaseBackend,
+            value,
+            param.is_const,
+            not param.do_not_specialize,
+            not param.do_not_specialize_on_alignment,
+        )
         signature[param.name] = kind
         if kind == "constexpr":  # an int equal to 1
             constexprs[param.name] = value
@@ -325,11 +368,14 @@ def _blocks(args: dict) -> dict:
 def shipped_configs(launch: Launch) -> list[attention.CudaConfig]:
     """The configs an attention autotuner tries for this launch (its head block and dtype); the
     last is the one FASTLM_AUTOTUNE=0 keeps."""
-    lists = {attention._attention_fwd_kernel: attention.FWD_CUDA_CONFIGS,
-             attention._attention_bwd_dkdv_kernel: attention.DKDV_CUDA_CONFIGS,
-             attention._attention_bwd_dq_kernel: attention.DQ_CUDA_CONFIGS}
-    return attention.fitting_configs(lists[launch.kernel], launch.args["BLOCK_D"],
-                                     launch.args["Q"].element_size())
+    lists = {
+        attention._attention_fwd_kernel: attention.FWD_CUDA_CONFIGS,
+        attention._attention_bwd_dkdv_kernel: attention.DKDV_CUDA_CONFIGS,
+        attention._attention_bwd_dq_kernel: attention.DQ_CUDA_CONFIGS,
+    }
+    return attention.fitting_configs(
+        lists[launch.kernel], launch.args["BLOCK_D"], launch.args["Q"].element_size()
+    )
 
 
 def tasks(all_cases: list[Case], archs: list[str]) -> list[Task]:
@@ -341,18 +387,35 @@ def tasks(all_cases: list[Case], archs: list[str]) -> list[Task]:
             fn = launch.kernel.fn if isinstance(launch.kernel, Autotuner) else launch.kernel
             if isinstance(launch.kernel, Autotuner):
                 configs = shipped_configs(launch)
-                variants = [({**launch.args, **c.blocks},
-                             dict(num_warps=c.num_warps, num_stages=c.num_stages),
-                             i == len(configs) - 1)
-                            for i, c in enumerate(configs)]
+                variants = [
+                    (
+                        {**launch.args, **c.blocks},
+                        dict(num_warps=c.num_warps, num_stages=c.num_stages),
+                        i == len(configs) - 1,
+                    )
+                    for i, c in enumerate(configs)
+                ]
             else:
                 variants = [(launch.args, launch.options, False)]
             for args, options, default in variants:
                 signature, constexprs, attrs = specialise(fn, args)
                 for arch in archs:
-                    out.append(Task(case.op, case.label, case.fields, fn.fn.__module__,
-                                    fn.fn.__name__, _blocks(args), default, arch, signature,
-                                    constexprs, attrs, options))
+                    out.append(
+                        Task(
+                            case.op,
+                            case.label,
+                            case.fields,
+                            fn.fn.__module__,
+                            fn.fn.__name__,
+                            _blocks(args),
+                            default,
+                            arch,
+                            signature,
+                            constexprs,
+                            attrs,
+                            options,
+                        )
+                    )
     return out
 
 
@@ -378,9 +441,20 @@ def _run_ptxas(ptx: str, capability: int) -> str:
         source = Path(tmp, "kernel.ptx")
         source.write_text(ptx)
         result = subprocess.run(
-            [get_ptxas(capability).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
-             f"--gpu-name={_gpu_name(capability)}", str(source), "-o", str(Path(tmp, "k.cubin"))],
-            capture_output=True, text=True, check=True)
+            [
+                get_ptxas(capability).path,
+                "-lineinfo",
+                "-v",
+                "--regAllocOptLevel=2",
+                f"--gpu-name={_gpu_name(capability)}",
+                str(source),
+                "-o",
+                str(Path(tmp, "k.cubin")),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     return result.stderr
 
 
@@ -405,8 +479,10 @@ def _number(pattern: str, text: str) -> int:
     return int(match.group(1)) if match else 0
 
 
-_PTX_ACCESS = re.compile(r"^\s*(?:@!?%\w+\s+)?((?:ld|st)\.global[\w.:]*|cp\.async\.c[ag]\.shared"
-                         r"\.global)\s+(.*)$")
+_PTX_ACCESS = re.compile(
+    r"^\s*(?:@!?%\w+\s+)?((?:ld|st)\.global[\w.:]*|cp\.async\.c[ag]\.shared"
+    r"\.global)\s+(.*)$"
+)
 _PTX_DEF = re.compile(r"^\s*(?:@!?%\w+\s+)?([a-z][\w.:]*)\s+(%rd\d+)\s*,(.*)$")
 _PTX_BITS = re.compile(r"^[bsuf](8|16|32|64)$|^bf16$")
 
@@ -432,7 +508,8 @@ def _pointer_params(ptx: str) -> Callable[[str], set[int]]:
         if match and not match.group(1).startswith(("st.", "cp.")):
             operands = match.group(3)
             sources.setdefault(match.group(2), set()).update(
-                re.findall(r"%rd\d+|_param_\d+", operands))
+                re.findall(r"%rd\d+|_param_\d+", operands)
+            )
     resolved: dict[str, set[int]] = {}
 
     def params(register: str) -> set[int]:
@@ -446,6 +523,7 @@ def _pointer_params(ptx: str) -> Callable[[str], set[int]]:
                     found |= params(source)
             resolved[register] = found
         return resolved[register]
+
     return params
 
 
@@ -478,38 +556,54 @@ def main_params(signature: dict, dtype: str) -> set[int]:
 def compile_task(task: Task) -> dict:
     """Compile one task and read its resources; a compile error is a flagged row."""
     capability, shared_limit = ARCHS[task.arch]
-    row = dict(op=task.op, kernel=task.kernel, case=task.label, **task.fields, blocks=task.blocks,
-               default=task.default, arch=task.arch, shared_limit=shared_limit, problems=[])
+    row = dict(
+        op=task.op,
+        kernel=task.kernel,
+        case=task.label,
+        **task.fields,
+        blocks=task.blocks,
+        default=task.default,
+        arch=task.arch,
+        shared_limit=shared_limit,
+        problems=[],
+    )
     start = time.perf_counter()
     try:
         kernel = getattr(importlib.import_module(task.module), task.kernel)
         fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
-            compiled = triton.compile(ASTSource(fn, task.signature, task.constexprs, task.attrs),
-                                      target=GPUTarget("cuda", capability, 32),
-                                      options=task.options)
+            compiled = triton.compile(
+                ASTSource(fn, task.signature, task.constexprs, task.attrs),
+                target=GPUTarget("cuda", capability, 32),
+                options=task.options,
+            )
         log, cached = _ptxas_log(compiled, printed.getvalue(), capability)
     except Exception as error:  # a compile failure is reported as a flagged row
         message = " ".join(str(error).split())[:300]
-        row.update(problems=[f"compile error: {type(error).__name__}: {message}"],
-                   seconds=time.perf_counter() - start)
+        row.update(
+            problems=[f"compile error: {type(error).__name__}: {message}"],
+            seconds=time.perf_counter() - start,
+        )
         return row
     ptx, meta_data = compiled.asm["ptx"], compiled.metadata
     accesses = global_accesses(ptx, main_params(task.signature, task.fields["dtype"]))
     row.update(
-        num_warps=meta_data.num_warps, num_stages=meta_data.num_stages,
+        num_warps=meta_data.num_warps,
+        num_stages=meta_data.num_stages,
         registers=_number(r"Used (\d+) registers", log),
         spill_stores=_number(r"(\d+) bytes spill stores", log),
         spill_loads=_number(r"(\d+) bytes spill loads", log),
         stack=_number(r"(\d+) bytes stack frame", log),
         ptxas_barriers=_number(r"used (\d+) barriers", log),
         shared=meta_data.shared,
-        wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"),
+        wgmma=ptx.count("wgmma.mma_async"),
+        mma=ptx.count("mma.sync"),
         tma=ptx.count("cp.async.bulk.tensor"),
         barriers=len(re.findall(r"\b(?:bar|barrier)\.sync\b", ptx)),
         accesses={k: dict(sorted(v.items())) for k, v in accesses.items()},
-        seconds=time.perf_counter() - start, cached=cached,
+        seconds=time.perf_counter() - start,
+        cached=cached,
     )
     if row["spill_stores"] or row["spill_loads"]:
         row["problems"].append("spills")
@@ -537,8 +631,22 @@ def _config(row: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    columns = ["op", "kernel", "case", "config", "arch", "regs", "spill st/ld B", "smem KB / limit",
-               "tensor cores", "TMA", "main ld B", "main st B", "bar.sync", "flags"]
+    columns = [
+        "op",
+        "kernel",
+        "case",
+        "config",
+        "arch",
+        "regs",
+        "spill st/ld B",
+        "smem KB / limit",
+        "tensor cores",
+        "TMA",
+        "main ld B",
+        "main st B",
+        "bar.sync",
+        "flags",
+    ]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
         if "registers" not in row:
@@ -547,20 +655,32 @@ def table(rows: list[dict]) -> str:
         else:
             accesses = row["accesses"]
             tensor_cores = ("wgmma" if row["wgmma"] else "") + ("mma" if row["mma"] else "")
-            cells = [row["op"], f"`{row['kernel']}`", row["case"], _config(row), row["arch"],
-                     str(row["registers"]), f"{row['spill_stores']}/{row['spill_loads']}",
-                     f"{row['shared'] / 1024:.0f} / {row['shared_limit'] / 1024:.0f}",
-                     tensor_cores or "-", "yes" if row["tma"] else "-",
-                     _widths(accesses["ld_main"]), _widths(accesses["st_main"]),
-                     str(row["barriers"]), ", ".join(row["problems"]) or "ok"]
+            cells = [
+                row["op"],
+                f"`{row['kernel']}`",
+                row["case"],
+                _config(row),
+                row["arch"],
+                str(row["registers"]),
+                f"{row['spill_stores']}/{row['spill_loads']}",
+                f"{row['shared'] / 1024:.0f} / {row['shared_limit'] / 1024:.0f}",
+                tensor_cores or "-",
+                "yes" if row["tma"] else "-",
+                _widths(accesses["ld_main"]),
+                _widths(accesses["st_main"]),
+                str(row["barriers"]),
+                ", ".join(row["problems"]) or "ok",
+            ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def run(task_list: list[Task], jobs: int) -> list[dict]:
     """Compile every task (the slow ones first, so that the pool drains evenly); rows in order."""
-    order = sorted(range(len(task_list)), key=lambda i: (not task_list[i].op.startswith("attention"),
-                                                         -len(task_list[i].blocks)))
+    order = sorted(
+        range(len(task_list)),
+        key=lambda i: (not task_list[i].op.startswith("attention"), -len(task_list[i].blocks)),
+    )
     rows: list[dict | None] = [None] * len(task_list)
     if jobs == 1:
         for i in order:
@@ -577,30 +697,47 @@ def run(task_list: list[Task], jobs: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", nargs="+", choices=list(ARCHS), default=list(ARCHS),
-                        help="targets (default: all)")
+    parser.add_argument(
+        "--arch", nargs="+", choices=list(ARCHS), default=list(ARCHS), help="targets (default: all)"
+    )
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the rows as JSON here")
-    parser.add_argument("--quick", action="store_true",
-                        help="bf16 only; attention at head dim 128, causal (the CI test's rows)")
-    parser.add_argument("--op", action="append", metavar="TEXT",
-                        help="only ops whose name contains TEXT (repeatable)")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
-                        help="compiler processes (default: one per CPU)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="bf16 only; attention at head dim 128, causal (the CI test's rows)",
+    )
+    parser.add_argument(
+        "--op",
+        action="append",
+        metavar="TEXT",
+        help="only ops whose name contains TEXT (repeatable)",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="compiler processes (default: one per CPU)",
+    )
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error("--jobs must be at least 1")
 
     start = time.perf_counter()
-    selected = [case for case in cases(args.quick)
-                if not args.op or any(text in case.op for text in args.op)]
+    selected = [
+        case
+        for case in cases(args.quick)
+        if not args.op or any(text in case.op for text in args.op)
+    ]
     if not selected:
         parser.error(f"no op matches {args.op}")
     rows = run(tasks(selected, args.arch), args.jobs)
     print(table(rows))
     flagged = [row for row in rows if row["problems"]]
     cached = sum(bool(row.get("cached")) for row in rows)
-    print(f"\n{len(rows)} rows ({cached} from the cache), {len(flagged)} flagged, "
-          f"{time.perf_counter() - start:.0f} s; triton {triton.__version__}")
+    print(
+        f"\n{len(rows)} rows ({cached} from the cache), {len(flagged)} flagged, "
+        f"{time.perf_counter() - start:.0f} s; triton {triton.__version__}"
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1) + "\n")

@@ -25,18 +25,31 @@ import triton
 REPO = Path(__file__).resolve().parent.parent
 
 #: The memory-bound ops: each must reach 16-byte loads (and stores, where it stores bf16 data).
-MEMORY_BOUND = ("RMSNorm fwd", "add+RMSNorm fwd", "RMSNorm bwd", "add+RMSNorm bwd",
-                "RoPE interleaved", "RoPE half-split", "SwiGLU fwd", "SwiGLU bwd",
-                "cross-entropy fwd+grad", "cross-entropy fwd")
+MEMORY_BOUND = (
+    "RMSNorm fwd",
+    "add+RMSNorm fwd",
+    "RMSNorm bwd",
+    "add+RMSNorm bwd",
+    "RoPE interleaved",
+    "RoPE half-split",
+    "SwiGLU fwd",
+    "SwiGLU bwd",
+    "cross-entropy fwd+grad",
+    "cross-entropy fwd",
+)
 #: The attention kernels that multiply matrices (the delta kernel is a row sum).
-TENSOR_CORE_KERNELS = ("_attention_fwd_kernel", "_attention_bwd_dkdv_kernel",
-                       "_attention_bwd_dq_kernel")
+TENSOR_CORE_KERNELS = (
+    "_attention_fwd_kernel",
+    "_attention_bwd_dkdv_kernel",
+    "_attention_bwd_dq_kernel",
+)
 
 
 def _ptxas_missing() -> str | None:
     """Why the report cannot run here, or None."""
     try:
         from triton.backends.nvidia.compiler import get_ptxas
+
         path = get_ptxas(90).path
     except Exception as error:  # no NVIDIA backend in this Triton build, or no ptxas in it
         return f"Triton's ptxas for sm_90a is not available: {error}"
@@ -55,21 +68,37 @@ def report(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "compile_report.py"), "--quick",
-         "--arch", "sm_90a", "--json", str(rows_path)],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "compile_report.py"),
+            "--quick",
+            "--arch",
+            "sm_90a",
+            "--json",
+            str(rows_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=900,
+    )
     assert rows_path.exists(), f"no rows written:\n{result.stdout}\n{result.stderr}"
     return result, json.loads(rows_path.read_text())
 
 
 def _describe(row: dict) -> str:
-    return (f"{row['op']} {row['kernel']} {row['case']} {row['blocks']} "
-            f"w{row.get('num_warps')} s{row.get('num_stages')}")
+    return (
+        f"{row['op']} {row['kernel']} {row['case']} {row['blocks']} "
+        f"w{row.get('num_warps')} s{row.get('num_stages')}"
+    )
 
 
 def test_report_runs_and_prints_its_table(report):
     result, rows = report
-    assert result.returncode == 0, f"exit status {result.returncode}:\n{result.stdout}\n{result.stderr}"
+    assert result.returncode == 0, (
+        f"exit status {result.returncode}:\n{result.stdout}\n{result.stderr}"
+    )
     assert result.stdout.startswith("| op | kernel |")
     assert len(result.stdout.splitlines()) >= len(rows) + 2  # header, rule, one line per row
     ops = {row["op"] for row in rows}
@@ -123,17 +152,23 @@ def test_autotuners_try_the_configs_the_report_compiles(monkeypatch):
     (to the last of them under FASTLM_AUTOTUNE=0), for every head block and element size."""
     attention = importlib.import_module("fastlm.kernels.attention")
     monkeypatch.setattr(attention, "interpreting", lambda: False)  # prune as on CUDA
-    autotuned = ((attention._attention_fwd_kernel, attention.FWD_CUDA_CONFIGS),
-                 (attention._attention_bwd_dkdv_kernel, attention.DKDV_CUDA_CONFIGS),
-                 (attention._attention_bwd_dq_kernel, attention.DQ_CUDA_CONFIGS))
+    autotuned = (
+        (attention._attention_fwd_kernel, attention.FWD_CUDA_CONFIGS),
+        (attention._attention_bwd_dkdv_kernel, attention.DKDV_CUDA_CONFIGS),
+        (attention._attention_bwd_dq_kernel, attention.DQ_CUDA_CONFIGS),
+    )
     for kernel, cuda in autotuned:
-        every = [triton.Config(dict(c.blocks), num_warps=c.num_warps, num_stages=c.num_stages)
-                 for c in cuda]
+        every = [
+            triton.Config(dict(c.blocks), num_warps=c.num_warps, num_stages=c.num_stages)
+            for c in cuda
+        ]
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             q = torch.empty(0, dtype=dtype)
             for block_d in (16, 32, 64, 128, 256):
-                expected = [(c.blocks, c.num_warps, c.num_stages)
-                            for c in attention.fitting_configs(cuda, block_d, q.element_size())]
+                expected = [
+                    (c.blocks, c.num_warps, c.num_stages)
+                    for c in attention.fitting_configs(cuda, block_d, q.element_size())
+                ]
                 for autotune, keep in (("1", expected), ("0", expected[-1:])):
                     monkeypatch.setenv("FASTLM_AUTOTUNE", autotune)
                     kept = kernel.early_config_prune(every, {"Q": q}, BLOCK_D=block_d)

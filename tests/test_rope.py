@@ -22,8 +22,9 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 THETA = 10000.0
 
 
-def reference_rope(x: torch.Tensor, positions: torch.Tensor, max_seq_len: int,
-                   interleaved: bool = True) -> torch.Tensor:
+def reference_rope(
+    x: torch.Tensor, positions: torch.Tensor, max_seq_len: int, interleaved: bool = True
+) -> torch.Tensor:
     """reference.RoPE on float64; the half-split layout goes through it by permuting the last dim
     into interleaved order (x[i], x[i + d/2]) -> (x'[2i], x'[2i + 1]) and back."""
     d = x.shape[-1]
@@ -81,8 +82,8 @@ def qkv_views(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int):
     B, T, _ = qkv.shape
     C, Ck = n_heads * head_dim, n_kv_heads * head_dim
     q = qkv[..., :C].view(B, T, n_heads, head_dim).transpose(1, 2)
-    k = qkv[..., C:C + Ck].view(B, T, n_kv_heads, head_dim).transpose(1, 2)
-    v = qkv[..., C + Ck:].view(B, T, n_kv_heads, head_dim).transpose(1, 2)
+    k = qkv[..., C : C + Ck].view(B, T, n_kv_heads, head_dim).transpose(1, 2)
+    v = qkv[..., C + Ck :].view(B, T, n_kv_heads, head_dim).transpose(1, 2)
     return q, k, v
 
 
@@ -199,7 +200,8 @@ def test_input_gradient_and_determinism(dtype, device):
 
     x64 = x0.detach().to(torch.float64).requires_grad_()
     reference_rope_autograd(x64 * scale.double(), positions, max_seq_len, True).backward(
-        grad_out.double())
+        grad_out.double()
+    )
     assert_close(grads[0], x64.grad, dtype, "d x0")
 
 
@@ -213,8 +215,9 @@ def test_shared_incoming_gradient_is_not_overwritten(device):
     y = RoPE(THETA, D, 16, device=device)(a * 1.0, positions)
     (y + b).sum().backward()
     assert torch.equal(b.grad, torch.ones_like(b))
-    expected = reference_rope_autograd(torch.ones(T, D, dtype=torch.float64, device=device),
-                                       positions, 16, True)
+    expected = reference_rope_autograd(
+        torch.ones(T, D, dtype=torch.float64, device=device), positions, 16, True
+    )
     # The gradient of sum(rope(a)) w.r.t. a is the all-ones tensor rotated by -angle.
     cos, sin = rope_tables(THETA, D, 16, device=device)
     c, s = cos[positions].double(), sin[positions].double()
@@ -301,9 +304,16 @@ def test_module_state_and_buffers(device):
 
 
 @settings(max_examples=10, deadline=None)
-@given(batch=st.integers(1, 3), heads=st.integers(1, 4), kv_heads=st.integers(1, 3),
-       seq=st.integers(1, 20), half_dim=st.integers(1, 40), offset=st.integers(0, 50),
-       interleaved=st.booleans(), dtype=st.sampled_from(DTYPES))
+@given(
+    batch=st.integers(1, 3),
+    heads=st.integers(1, 4),
+    kv_heads=st.integers(1, 3),
+    seq=st.integers(1, 20),
+    half_dim=st.integers(1, 40),
+    offset=st.integers(0, 50),
+    interleaved=st.booleans(),
+    dtype=st.sampled_from(DTYPES),
+)
 def test_fuzz_shapes(batch, heads, kv_heads, seq, half_dim, offset, interleaved, dtype):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     D, max_seq_len = 2 * half_dim, offset + seq
@@ -333,7 +343,6 @@ def test_cuda_positions_checked_on_device():
     assert ok.returncode == 0, ok.stderr.decode()
     bad = subprocess.run([sys.executable, "-c", script.format(offset=5)], capture_output=True)
     assert bad.returncode != 0 and b"assert" in bad.stderr.lower(), bad.stderr.decode()
-
 
 
 def test_second_derivatives_raise_in_place_and_are_exact_functionally(device):

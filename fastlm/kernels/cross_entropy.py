@@ -47,11 +47,17 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from fastlm.backend import interpreting, use_triton
-from fastlm.kernels._common import (as_rows, check_float, check_match, empty,
-                                    refuse_double_backward, tl, triton)
+from fastlm.kernels._common import (
+    as_rows,
+    check_float,
+    check_match,
+    empty,
+    refuse_double_backward,
+    tl,
+    triton,
+)
 
 #: Largest vocabulary block a program loads at once (a row of more entries loops over blocks).
 #: The interpreter's is smaller so that the test suite's vocabularies span several blocks.
@@ -69,8 +75,9 @@ CHUNK_LOGITS_BYTES = 128 * 2**20
 # --------------------------------------------------------------------------------------------
 
 
-def cross_entropy_ref(logits: torch.Tensor, targets: torch.Tensor,
-                      ignore_index: int = -100) -> torch.Tensor:
+def cross_entropy_ref(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
     """The mean cross-entropy in PyTorch, fp32 inside (fp64 for fp64), with the kernel's rules:
     0 when every target is ignored, and an ignored row adds nothing, not even a NaN gradient
     (its logits never enter the math)."""
@@ -84,8 +91,9 @@ def cross_entropy_ref(logits: torch.Tensor, targets: torch.Tensor,
     return row_loss.sum() / counted.sum().clamp_min(1)
 
 
-def linear_cross_entropy_ref(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                             ignore_index: int = -100) -> torch.Tensor:
+def linear_cross_entropy_ref(
+    x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
     """cross_entropy_ref(x @ weight.T, ...) with the weight in x's dtype: the logits
     materialised, as an unfused model has them."""
     return cross_entropy_ref(x @ weight.to(x.dtype).T, targets, ignore_index)
@@ -98,9 +106,17 @@ def linear_cross_entropy_ref(x: torch.Tensor, weight: torch.Tensor, targets: tor
 
 @triton.jit
 def _cross_entropy_fwd_kernel(
-    Logits, Targets, Loss, LSE, DLogits,
-    stride_lm, stride_dm, n_cols, ignore_index,
-    BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr,
+    Logits,
+    Targets,
+    Loss,
+    LSE,
+    DLogits,
+    stride_lm,
+    stride_dm,
+    n_cols,
+    ignore_index,
+    BLOCK_V: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
 ):
     """One program per row: Loss[row] and LSE[row] (fp32) and, under WRITE_GRAD,
     DLogits[row] = softmax - onehot (unscaled)."""
@@ -122,7 +138,9 @@ def _cross_entropy_fwd_kernel(
         # Every logit so far -inf (masked): new_max is -inf and exp(-inf - (-inf)) would be NaN.
         # Any finite reference works while the sum is 0, so take 0 until a finite logit is seen.
         max_ref = tl.where(new_max == float("-inf"), 0.0, new_max)
-        running_sum = running_sum * tl.exp(running_max - max_ref) + tl.sum(tl.exp(x - max_ref), axis=0)
+        running_sum = running_sum * tl.exp(running_max - max_ref) + tl.sum(
+            tl.exp(x - max_ref), axis=0
+        )
         running_max = new_max
     lse = running_max + tl.log(running_sum)
 
@@ -143,8 +161,15 @@ def _cross_entropy_fwd_kernel(
 
 @triton.jit
 def _cross_entropy_bwd_kernel(
-    Logits, Targets, LSE, Scale, DLogits,
-    stride_lm, stride_dm, n_cols, ignore_index,
+    Logits,
+    Targets,
+    LSE,
+    Scale,
+    DLogits,
+    stride_lm,
+    stride_dm,
+    n_cols,
+    ignore_index,
     BLOCK_V: tl.constexpr,
 ):
     """One program per (row, block of BLOCK_V columns): DLogits = (softmax - onehot) * Scale,
@@ -173,9 +198,14 @@ def _block_v(n_cols: int) -> tuple[int, int]:
     return block_v, 8 if block_v >= 2048 else 4
 
 
-def _cross_entropy_rows(rows: torch.Tensor, targets: torch.Tensor, ignore_index: int,
-                        row_loss: torch.Tensor, lse: torch.Tensor,
-                        dlogits: torch.Tensor | None) -> None:
+def _cross_entropy_rows(
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    row_loss: torch.Tensor,
+    lse: torch.Tensor,
+    dlogits: torch.Tensor | None,
+) -> None:
     """Per-row losses and lse of rows (N, V) (unit column stride) into row_loss and lse (N,)
     fp32, and softmax - onehot into dlogits (N, V) unless it is None; dlogits may be rows."""
     n_rows, n_cols = rows.shape
@@ -185,14 +215,28 @@ def _cross_entropy_rows(rows: torch.Tensor, targets: torch.Tensor, ignore_index:
     write_grad = dlogits is not None
     grad_out = dlogits if write_grad else rows  # never written when WRITE_GRAD is off
     _cross_entropy_fwd_kernel[(n_rows,)](
-        rows, targets, row_loss, lse, grad_out,
-        rows.stride(0), grad_out.stride(0), n_cols, ignore_index,
-        BLOCK_V=block_v, WRITE_GRAD=write_grad, num_warps=num_warps,
+        rows,
+        targets,
+        row_loss,
+        lse,
+        grad_out,
+        rows.stride(0),
+        grad_out.stride(0),
+        n_cols,
+        ignore_index,
+        BLOCK_V=block_v,
+        WRITE_GRAD=write_grad,
+        num_warps=num_warps,
     )
 
 
-def _cross_entropy_grad_rows(rows: torch.Tensor, targets: torch.Tensor, ignore_index: int,
-                             lse: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _cross_entropy_grad_rows(
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    lse: torch.Tensor,
+    scale: torch.Tensor,
+) -> torch.Tensor:
     """(softmax - onehot) * scale of rows (N, V) as a new tensor of rows' dtype."""
     dlogits = empty(rows.shape, device=rows.device, dtype=rows.dtype)
     n_rows, n_cols = rows.shape
@@ -200,20 +244,30 @@ def _cross_entropy_grad_rows(rows: torch.Tensor, targets: torch.Tensor, ignore_i
         return dlogits
     block_v, num_warps = _block_v(n_cols)
     _cross_entropy_bwd_kernel[(n_rows, triton.cdiv(n_cols, block_v))](
-        rows, targets, lse, scale, dlogits,
-        rows.stride(0), dlogits.stride(0), n_cols, ignore_index,
-        BLOCK_V=block_v, num_warps=num_warps,
+        rows,
+        targets,
+        lse,
+        scale,
+        dlogits,
+        rows.stride(0),
+        dlogits.stride(0),
+        n_cols,
+        ignore_index,
+        BLOCK_V=block_v,
+        num_warps=num_warps,
     )
     return dlogits
 
 
 def _count_valid(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """n_valid as a device tensor (no host sync), at least 1 so that all-ignored gives 0, not NaN."""
+    """n_valid as a device tensor (no host sync), at least 1 so that all-ignored gives 0, not
+    NaN."""
     return (targets != ignore_index).sum().clamp_min(1)
 
 
-def _mean_loss(rows: torch.Tensor, flat_targets: torch.Tensor, ignore_index: int,
-               dlogits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _mean_loss(
+    rows: torch.Tensor, flat_targets: torch.Tensor, ignore_index: int, dlogits: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The mean loss of rows (N, V), n_valid and lse (N,); softmax - onehot into dlogits unless
     it is None."""
     row_loss = empty((rows.shape[0],), device=rows.device, dtype=torch.float32)
@@ -238,7 +292,9 @@ def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc += a @ b
 
 
-def _linear_cross_entropy_chunks(x, weight, targets, ignore_index, chunk_size, need_dx, need_dweight):
+def _linear_cross_entropy_chunks(
+    x, weight, targets, ignore_index, chunk_size, need_dx, need_dweight
+):
     """The mean loss of x (..., C) @ weight^T and n_valid, chunk by chunk, with the unscaled
     dx (N, C) and fp32 dweight (V, C) (sums of softmax - onehot terms) where asked for, else None.
     The logits are computed in x's dtype: an fp32 weight with half-precision x is cast once."""
@@ -253,13 +309,21 @@ def _linear_cross_entropy_chunks(x, weight, targets, ignore_index, chunk_size, n
     lse = empty((n_rows,), device=x.device, dtype=torch.float32)
     dx = empty((n_rows, n_features), device=x.device, dtype=x.dtype) if need_dx else None
     # fp32 across chunks, so that a half-precision chunk's share is never rounded on its own.
-    dweight = torch.zeros(weight.shape, device=x.device, dtype=torch.float32) if need_dweight else None
+    dweight = (
+        torch.zeros(weight.shape, device=x.device, dtype=torch.float32) if need_dweight else None
+    )
     for start in range(0, n_rows, chunk_size):
         end = min(start + chunk_size, n_rows)
         x_chunk = rows[start:end]
         logits = x_chunk @ weight_x.T  # (chunk, V), the only logits alive
-        _cross_entropy_rows(logits, flat_targets[start:end], ignore_index, row_loss[start:end],
-                            lse[start:end], logits if write_grad else None)
+        _cross_entropy_rows(
+            logits,
+            flat_targets[start:end],
+            ignore_index,
+            row_loss[start:end],
+            lse[start:end],
+            logits if write_grad else None,
+        )
         if need_dx:
             torch.mm(logits, weight_x, out=dx[start:end])
         if need_dweight:
@@ -276,8 +340,9 @@ def _linear_cross_entropy_chunks(x, weight, targets, ignore_index, chunk_size, n
 
 
 @torch.library.custom_op("fastlm::cross_entropy", mutates_args=())
-def _cross_entropy_op(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _cross_entropy_op(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mean loss, n_valid, lse (N,) fp32)."""
     return _mean_loss(as_rows(logits), targets.reshape(-1).contiguous(), ignore_index, None)
 
@@ -285,16 +350,25 @@ def _cross_entropy_op(logits: torch.Tensor, targets: torch.Tensor, ignore_index:
 @_cross_entropy_op.register_fake
 def _(logits, targets, ignore_index):
     rows = logits.shape[:-1].numel()
-    return (logits.new_empty((), dtype=torch.float32),
-            targets.new_empty((), dtype=torch.int64), logits.new_empty(rows, dtype=torch.float32))
+    return (
+        logits.new_empty((), dtype=torch.float32),
+        targets.new_empty((), dtype=torch.int64),
+        logits.new_empty(rows, dtype=torch.float32),
+    )
 
 
 @torch.library.custom_op("fastlm::cross_entropy_backward", mutates_args=())
-def _cross_entropy_backward_op(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
-                               lse: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _cross_entropy_backward_op(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    lse: torch.Tensor,
+    scale: torch.Tensor,
+) -> torch.Tensor:
     """dlogits = (softmax - onehot) * scale for counted rows, 0 for ignored ones; logits' shape."""
-    dlogits = _cross_entropy_grad_rows(as_rows(logits), targets.reshape(-1).contiguous(),
-                                       ignore_index, lse, scale)
+    dlogits = _cross_entropy_grad_rows(
+        as_rows(logits), targets.reshape(-1).contiguous(), ignore_index, lse, scale
+    )
     return dlogits.view(logits.shape)
 
 
@@ -304,8 +378,9 @@ def _(logits, targets, ignore_index, lse, scale):
 
 
 @torch.library.custom_op("fastlm::cross_entropy_", mutates_args=("logits",))
-def _cross_entropy_inplace_op(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
+def _cross_entropy_inplace_op(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, n_valid), with softmax - onehot written over logits (unit last-dim stride)."""
     rows = logits.view(-1, logits.shape[-1])
     loss, n_valid, _ = _mean_loss(rows, targets.reshape(-1).contiguous(), ignore_index, rows)
@@ -318,14 +393,20 @@ def _(logits, targets, ignore_index):
 
 
 @torch.library.custom_op("fastlm::linear_cross_entropy", mutates_args=())
-def _linear_cross_entropy_op(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                             ignore_index: int, chunk_size: int, need_dx: bool,
-                             need_dweight: bool
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _linear_cross_entropy_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    chunk_size: int,
+    need_dx: bool,
+    need_dweight: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, n_valid, unscaled dx of x's shape or empty, unscaled fp32 dweight or empty): a
     gradient not asked for is an empty tensor (custom ops return tensors, not None)."""
     loss, n_valid, dx, dweight = _linear_cross_entropy_chunks(
-        x, weight, targets, ignore_index, chunk_size, need_dx, need_dweight)
+        x, weight, targets, ignore_index, chunk_size, need_dx, need_dweight
+    )
     dx = dx.view(x.shape) if need_dx else x.new_empty(0)
     dweight = dweight if need_dweight else weight.new_empty(0, dtype=torch.float32)
     return loss, n_valid, dx, dweight
@@ -335,8 +416,12 @@ def _linear_cross_entropy_op(x: torch.Tensor, weight: torch.Tensor, targets: tor
 def _(x, weight, targets, ignore_index, chunk_size, need_dx, need_dweight):
     dx = x.new_empty(x.shape if need_dx else 0)
     dweight = weight.new_empty(weight.shape if need_dweight else 0, dtype=torch.float32)
-    return (x.new_empty((), dtype=torch.float32), targets.new_empty((), dtype=torch.int64), dx,
-            dweight)
+    return (
+        x.new_empty((), dtype=torch.float32),
+        targets.new_empty((), dtype=torch.int64),
+        dx,
+        dweight,
+    )
 
 
 def _grad_scale(grad_output: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
@@ -355,8 +440,7 @@ def _cross_entropy_setup(ctx, inputs, output):
 def _cross_entropy_grad(ctx, grad_loss, *_):
     logits, targets, lse, n_valid = ctx.saved_tensors
     scale = _grad_scale(grad_loss, n_valid)
-    return (_cross_entropy_backward_op(logits, targets, ctx.ignore_index, lse, scale),
-            None, None)
+    return (_cross_entropy_backward_op(logits, targets, ctx.ignore_index, lse, scale), None, None)
 
 
 def _linear_cross_entropy_setup(ctx, inputs, output):
@@ -371,8 +455,10 @@ def _linear_cross_entropy_setup(ctx, inputs, output):
 
 def _linear_cross_entropy_grad(ctx, grad_loss, *_):
     if torch.is_grad_enabled():  # create_graph=True: dx, dweight were computed without a graph
-        raise RuntimeError("fastlm.linear_cross_entropy: second derivatives are not supported "
-                           "(create_graph=True through its backward)")
+        raise RuntimeError(
+            "fastlm.linear_cross_entropy: second derivatives are not supported "
+            "(create_graph=True through its backward)"
+        )
     dx, dweight, n_valid = ctx.saved_tensors
     need_dx, need_dweight = ctx.need
     scale = _grad_scale(grad_loss, n_valid)
@@ -382,10 +468,14 @@ def _linear_cross_entropy_grad(ctx, grad_loss, *_):
     return grad_x, grad_weight, None, None, None, None, None
 
 
-torch.library.register_autograd("fastlm::cross_entropy", _cross_entropy_grad,
-                                setup_context=_cross_entropy_setup)
-torch.library.register_autograd("fastlm::linear_cross_entropy", _linear_cross_entropy_grad,
-                                setup_context=_linear_cross_entropy_setup)
+torch.library.register_autograd(
+    "fastlm::cross_entropy", _cross_entropy_grad, setup_context=_cross_entropy_setup
+)
+torch.library.register_autograd(
+    "fastlm::linear_cross_entropy",
+    _linear_cross_entropy_grad,
+    setup_context=_linear_cross_entropy_setup,
+)
 refuse_double_backward("fastlm::cross_entropy_backward", "cross_entropy")
 
 
@@ -407,14 +497,17 @@ class _CrossEntropyInPlace(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _):
         if torch.is_grad_enabled():  # create_graph=True: the gradient was computed without a graph
-            raise RuntimeError("fastlm.cross_entropy: second derivatives are not supported "
-                               "(create_graph=True through its backward)")
+            raise RuntimeError(
+                "fastlm.cross_entropy: second derivatives are not supported "
+                "(create_graph=True through its backward)"
+            )
         if ctx.scaled:
             raise RuntimeError(
                 "cross_entropy(inplace_backward=True): a second backward through the same graph "
                 "(retain_graph=True). The first scaled the gradient in place (over the logits), "
                 "so it cannot be used again: compute the loss again, or use the default "
-                "inplace_backward=False.")
+                "inplace_backward=False."
+            )
         ctx.scaled = True
         dlogits, n_valid = ctx.saved_tensors
         return dlogits.mul_(_grad_scale(grad_loss, n_valid)), None, None
@@ -425,14 +518,17 @@ class _CrossEntropyInPlace(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------
 
 
-def _check_targets(targets: object, leading_shape: torch.Size, device: torch.device, of: str) -> None:
+def _check_targets(
+    targets: object, leading_shape: torch.Size, device: torch.device, of: str
+) -> None:
     if not isinstance(targets, torch.Tensor):
         raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
     if targets.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"targets must be int64 or int32, got {targets.dtype}")
     if targets.shape != leading_shape:
         raise ValueError(
-            f"targets must have the leading shape of {of}, {tuple(leading_shape)}, got {tuple(targets.shape)}"
+            f"targets must have the leading shape of {of}, {tuple(leading_shape)}, "
+            f"got {tuple(targets.shape)}"
         )
     if targets.device != device:
         raise ValueError(f"targets is on {targets.device}, but {of} is on {device}")
@@ -458,17 +554,27 @@ def _check_target_values(targets: torch.Tensor, vocab_size: int, ignore_index: i
 
 def _overwritable(logits: torch.Tensor) -> None:
     """ValueError unless writing the gradient over logits is safe."""
-    if logits.is_leaf or (logits._base is not None and logits._base.requires_grad
-                          and logits._base.is_leaf):
-        raise ValueError("inplace_backward=True would overwrite logits, a leaf tensor that requires "
-                         "grad (or a view of one)")
+    if logits.is_leaf or (
+        logits._base is not None and logits._base.requires_grad and logits._base.is_leaf
+    ):
+        raise ValueError(
+            "inplace_backward=True would overwrite logits, a leaf tensor that requires "
+            "grad (or a view of one)"
+        )
     if torch._debug_has_internal_overlap(logits) == 1:  # 1: yes (0: no, 2: too hard to tell)
-        raise ValueError("inplace_backward=True needs logits whose elements do not share memory "
-                         "(an expanded tensor, say): pass logits.contiguous()")
+        raise ValueError(
+            "inplace_backward=True needs logits whose elements do not share memory "
+            "(an expanded tensor, say): pass logits.contiguous()"
+        )
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, *,
-                  inplace_backward: bool = False) -> torch.Tensor:
+def cross_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    *,
+    inplace_backward: bool = False,
+) -> torch.Tensor:
     """Mean cross-entropy of logits (..., V) against targets (...), skipping ignore_index.
 
     F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index) except
@@ -478,16 +584,16 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
     bad target trips a device-side assert (checking on the host would need a sync).
 
     The forward saves the log-sum-exp of each row; the backward computes the gradient from the
-    logits and it into a new tensor. With `inplace_backward=True` the forward writes the gradient
-    into `logits` itself instead, and the backward scales it there, saving that tensor: when a
-    gradient is needed and logits' rows are one stride apart with a unit last-dim stride, logits
-    are overwritten and must not be used afterwards, and the graph supports one backward (a
-    second, after retain_graph=True, raises RuntimeError); otherwise it is the default path. The
-    PyTorch backend ignores inplace_backward. A leaf that requires grad (or a view of one) and logits whose elements overlap
-    are refused; any other autograd node that saved `logits` raises at its backward, as after
-    any in-place op. Without a gradient (torch.no_grad, inference_mode, or logits that do not
-    require grad) logits are never written. Second derivatives are not supported (an error, not
-    a silent zero).
+    logits and the lse into a new tensor. With `inplace_backward=True` the forward writes the
+    gradient into `logits` itself instead, and the backward scales it there, saving that tensor: when a
+    gradient is needed and logits' rows are one stride apart with a unit last-dim stride, logits are
+    overwritten and must not be used afterwards, and the graph supports one backward (a second,
+    after retain_graph=True, raises RuntimeError); otherwise it is the default path. The PyTorch
+    backend ignores inplace_backward. A leaf that requires grad (or a view of one) and logits whose
+    elements overlap are refused; any other autograd node that saved `logits` raises at its
+    backward, as after any in-place op. Without a gradient (torch.no_grad, inference_mode, or logits
+    that do not require grad) logits are never written. Second derivatives are not supported (an
+    error, not a silent zero).
     """
     check_float("logits", logits)
     if logits.ndim == 0 or logits.shape[-1] == 0:
@@ -522,21 +628,26 @@ def default_chunk_size(n_tokens: int, vocab_size: int, dtype: torch.dtype) -> in
     return max(1, math.ceil(n_tokens / n_chunks))
 
 
-def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         ignore_index: int = -100, chunk_size: int | None = None) -> torch.Tensor:
+def linear_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
     """cross_entropy(x @ weight.T, targets, ignore_index) without the (tokens, V) logits.
 
-    x (..., C) (the final norm's output), weight (V, C) (nn.Linear's / out_linear.w's
-    [out, in] layout), targets (...). Tokens run in chunks of `chunk_size` rows (default:
-    `default_chunk_size`, at most 128 MiB of logits per chunk); each chunk's logits are computed
-    in x's dtype and turned into its dx and its share of dweight in the forward, so the peak
-    extra memory is one chunk's logits plus dx (x's size), an fp32 dweight (V, C), a copy of
-    the weight in x's dtype if it has another, and, where the device lacks a GEMM with an fp32
-    result from half inputs (CPU), one (V, C) partial product. Only the gradients needed are computed (those of the
-    inputs that require grad, none under torch.no_grad or inference_mode); the backward scales
-    them by grad_output / n_valid into new tensors. Second derivatives raise. The mean,
-    ignore_index, all-ignored and target rules are cross_entropy's; the loss is fp32, the
-    gradients have x's and weight's dtypes. The PyTorch backend materialises the logits.
+    x (..., C) (the final norm's output), weight (V, C) (nn.Linear's / out_linear.w's [out, in]
+    layout), targets (...). Tokens run in chunks of `chunk_size` rows (default:
+    `default_chunk_size`, at most 128 MiB of logits per chunk); each chunk's logits are computed in
+    x's dtype and turned into its dx and its share of dweight in the forward, so the peak extra
+    memory is one chunk's logits plus dx (x's size), an fp32 dweight (V, C), a copy of the weight in
+    x's dtype if it has another, and, where the device lacks a GEMM with an fp32 result from half
+    inputs (CPU), one (V, C) partial product. Only the gradients needed are computed (those of the
+    inputs that require grad, none under torch.no_grad or inference_mode); the backward scales them
+    by grad_output / n_valid into new tensors. Second derivatives raise. The mean, ignore_index,
+    all-ignored and target rules are cross_entropy's; the loss is fp32, the gradients have x's and
+    weight's dtypes. The PyTorch backend materialises the logits.
 
     weight may be fp32 with half-precision x (master weights): the logits are computed in x's
     dtype and the weight's gradient is accumulated and returned in fp32, never rounded to x's
@@ -562,8 +673,9 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
         )
     _check_targets(targets, x.shape[:-1], x.device, "x")
     check_ignore_index(ignore_index)
-    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
-                                   or chunk_size < 1):
+    if chunk_size is not None and (
+        not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
+    ):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     _check_target_values(targets, weight.shape[0], ignore_index)
     if not use_triton(x):
@@ -572,5 +684,6 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
         chunk_size = default_chunk_size(targets.numel(), weight.shape[0], x.dtype)
     grad_enabled = torch.is_grad_enabled()
     need_dx, need_dweight = x.requires_grad and grad_enabled, weight.requires_grad and grad_enabled
-    return _linear_cross_entropy_op(x, weight, targets, ignore_index, chunk_size, need_dx,
-                                    need_dweight)[0]
+    return _linear_cross_entropy_op(
+        x, weight, targets, ignore_index, chunk_size, need_dx, need_dweight
+    )[0]

@@ -22,12 +22,12 @@ the normed output in `out_dtype` (the dtype the next GEMM reads), so no cast run
 the backward dx leaves in bf16 and dresidual in fp32 from the same registers.
 
 Kernel layout:
-- Forward: one program per tile of BLOCK_M rows x BLOCK_N = next_power_of_2(N) columns, so each row
-  is read once and written once; small hidden sizes get several rows per tile. rstd (fp32, one per
-  row) is saved for the backward.
-- Backward: a grid sized to the GPU; each program walks tiles pid, pid + G, pid + 2G, ..., writes dx,
-  and accumulates its rows' dg in fp32 registers, stored as one row of a (G, N) fp32 buffer that a
-  single `.sum(0)` reduces. No atomics: for a given device and shape the result is bitwise
+- Forward: one program per tile of BLOCK_M rows x BLOCK_N = next_power_of_2(N) columns, so each
+  row is read once and written once; small hidden sizes get several rows per tile. rstd (fp32, one
+  per row) is saved for the backward.
+- Backward: a grid sized to the GPU; each program walks tiles pid, pid + G, pid + 2G, ..., writes
+  dx, and accumulates its rows' dg in fp32 registers, stored as one row of a (G, N) fp32 buffer
+  that a single `.sum(0)` reduces. No atomics: for a given device and shape the result is bitwise
   reproducible.
 
 Weight dtype: either x's dtype or float32 (fp32 master weights with half-precision activations). The
@@ -39,8 +39,18 @@ from __future__ import annotations
 import torch
 
 from fastlm.backend import interpreting, use_triton
-from fastlm.kernels._common import (FLOAT_DTYPES, as_rows, check_float, check_match, device_sms,
-                                    empty, refuse_double_backward, round_to, tl, triton)
+from fastlm.kernels._common import (
+    FLOAT_DTYPES,
+    as_rows,
+    check_float,
+    check_match,
+    device_sms,
+    empty,
+    refuse_double_backward,
+    round_to,
+    tl,
+    triton,
+)
 
 #: The largest hidden size the kernels take: a row lives in one block of registers.
 MAX_HIDDEN = 65536
@@ -50,8 +60,9 @@ MAX_HIDDEN = 65536
 # --------------------------------------------------------------------------------------------
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """RMSNorm in PyTorch: fp32 inside (fp64 for fp64 input), the result in out_dtype (default:
     x's dtype)."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -60,9 +71,13 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
     return y.to(out_dtype or x.dtype)
 
 
-def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float = 1e-5, out_dtype: torch.dtype | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_ref(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-5,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm_ref(x + residual), x + residual) in PyTorch."""
     summed = x + residual
     return rms_norm_ref(summed, weight, eps, out_dtype), summed
@@ -73,12 +88,21 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 # --------------------------------------------------------------------------------------------
 
 
-
 @triton.jit
 def _rms_norm_fwd(
-    X, R, S, Y, W, Rstd,
-    stride_xm, stride_rm, stride_sm, stride_ym,
-    M, N, eps,
+    X,
+    R,
+    S,
+    Y,
+    W,
+    Rstd,
+    stride_xm,
+    stride_rm,
+    stride_sm,
+    stride_ym,
+    M,
+    N,
+    eps,
     HAS_RESIDUAL: tl.constexpr,
     BF16_BY_HAND: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -111,9 +135,21 @@ def _rms_norm_fwd(
 
 @triton.jit
 def _rms_norm_bwd(
-    DY, DS, X, W, Rstd, DX, DX2, DW_partial,
-    stride_dym, stride_dsm, stride_xm, stride_dxm, stride_dx2m,
-    M, N,
+    DY,
+    DS,
+    X,
+    W,
+    Rstd,
+    DX,
+    DX2,
+    DW_partial,
+    stride_dym,
+    stride_dsm,
+    stride_xm,
+    stride_dxm,
+    stride_dx2m,
+    M,
+    N,
     HAS_DRESIDUAL: tl.constexpr,
     TWO_OUTPUTS: tl.constexpr,
     BF16_BY_HAND: tl.constexpr,
@@ -148,11 +184,17 @@ def _rms_norm_bwd(
             # The residual stream's own gradient joins here, so dx and dresidual leave in one store.
             ds = tl.load(DS + row_start * stride_dsm + cols[None, :], mask=mask, other=0.0)
             dx += ds.to(tl.float32)
-        tl.store(DX + row_start * stride_dxm + cols[None, :],
-                 round_to(dx, DX.dtype.element_ty, BF16_BY_HAND), mask=mask)
+        tl.store(
+            DX + row_start * stride_dxm + cols[None, :],
+            round_to(dx, DX.dtype.element_ty, BF16_BY_HAND),
+            mask=mask,
+        )
         if TWO_OUTPUTS:  # the same gradient in a second dtype (a bf16 delta beside an fp32 stream)
-            tl.store(DX2 + row_start * stride_dx2m + cols[None, :],
-                     round_to(dx, DX2.dtype.element_ty, BF16_BY_HAND), mask=mask)
+            tl.store(
+                DX2 + row_start * stride_dx2m + cols[None, :],
+                round_to(dx, DX2.dtype.element_ty, BF16_BY_HAND),
+                mask=mask,
+            )
         dw_acc += dy * x_hat
 
     tl.store(DW_partial + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
@@ -186,15 +228,23 @@ def _backward_programs(x: torch.Tensor, num_tiles: int, num_warps: int) -> int:
     return max(1, min(num_tiles, device_sms(x) * per_sm))
 
 
-def _rms_norm_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                      eps: float, out_dtype: torch.dtype):
+def _rms_norm_forward(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    out_dtype: torch.dtype,
+):
     """Launch the forward on (rows, N) views. Returns (y in out_dtype, summed in the promoted
     dtype of x and residual or None, rstd)."""
     weight = weight.contiguous()  # the kernels read it with a unit stride
     M, N = x.shape
     y = empty((M, N), device=x.device, dtype=out_dtype)
-    summed = (empty((M, N), device=x.device, dtype=torch.promote_types(x.dtype, residual.dtype))
-              if residual is not None else None)
+    summed = (
+        empty((M, N), device=x.device, dtype=torch.promote_types(x.dtype, residual.dtype))
+        if residual is not None
+        else None
+    )
     rstd = empty((M,), device=x.device, dtype=torch.float32)
     if M == 0:
         return y, summed, rstd
@@ -203,18 +253,37 @@ def _rms_norm_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: to
     r = residual if residual is not None else y
     s = summed if summed is not None else y
     _rms_norm_fwd[(triton.cdiv(M, block_m),)](
-        x, r, s, y, weight, rstd,
-        x.stride(0), r.stride(0), s.stride(0), y.stride(0),
-        M, N, eps,
-        HAS_RESIDUAL=residual is not None, BF16_BY_HAND=interpreting(),
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        x,
+        r,
+        s,
+        y,
+        weight,
+        rstd,
+        x.stride(0),
+        r.stride(0),
+        s.stride(0),
+        y.stride(0),
+        M,
+        N,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BF16_BY_HAND=interpreting(),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
     )
     return y, summed, rstd
 
 
-def _rms_norm_backward(dy: torch.Tensor, d_summed: torch.Tensor | None, x: torch.Tensor,
-                       weight: torch.Tensor, rstd: torch.Tensor, dx_dtype: torch.dtype,
-                       dx2_dtype: torch.dtype | None = None):
+def _rms_norm_backward(
+    dy: torch.Tensor,
+    d_summed: torch.Tensor | None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    dx_dtype: torch.dtype,
+    dx2_dtype: torch.dtype | None = None,
+):
     """Launch the backward on (rows, N) views. Returns (dx, dx2 or None, dweight): dx (already
     holding d_summed) in dx_dtype and, if dx2_dtype is given, the same gradient in that dtype."""
     M, N = x.shape
@@ -229,12 +298,27 @@ def _rms_norm_backward(dy: torch.Tensor, d_summed: torch.Tensor | None, x: torch
     ds = d_summed if d_summed is not None else dy
     second = dx2 if dx2 is not None else dx  # never written through without TWO_OUTPUTS
     _rms_norm_bwd[(num_programs,)](
-        dy, ds, x, weight, rstd, dx, second, dw_partial,
-        dy.stride(0), ds.stride(0), x.stride(0), dx.stride(0), second.stride(0),
-        M, N,
-        HAS_DRESIDUAL=d_summed is not None, TWO_OUTPUTS=dx2 is not None,
+        dy,
+        ds,
+        x,
+        weight,
+        rstd,
+        dx,
+        second,
+        dw_partial,
+        dy.stride(0),
+        ds.stride(0),
+        x.stride(0),
+        dx.stride(0),
+        second.stride(0),
+        M,
+        N,
+        HAS_DRESIDUAL=d_summed is not None,
+        TWO_OUTPUTS=dx2 is not None,
         BF16_BY_HAND=interpreting(),
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
     )
     return dx, dx2, dw_partial.sum(0).to(weight.dtype)
 
@@ -245,8 +329,9 @@ def _rms_norm_backward(dy: torch.Tensor, d_summed: torch.Tensor | None, x: torch
 
 
 @torch.library.custom_op("fastlm::rms_norm", mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_op(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, rstd): y of x's shape in out_dtype, rstd (x.shape[:-1]) fp32 for the backward."""
     y, _, rstd = _rms_norm_forward(as_rows(x), None, weight, eps, out_dtype)
     return y.view(x.shape), rstd.view(x.shape[:-1])
@@ -258,31 +343,44 @@ def _(x, weight, eps, out_dtype):
 
 
 @torch.library.custom_op("fastlm::add_rms_norm", mutates_args=())
-def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                     out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _add_rms_norm_op(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(normed in out_dtype, summed in x's and residual's promoted dtype, rstd)."""
-    normed, summed, rstd = _rms_norm_forward(as_rows(x), as_rows(residual), weight, eps,
-                                             out_dtype)
+    normed, summed, rstd = _rms_norm_forward(as_rows(x), as_rows(residual), weight, eps, out_dtype)
     return normed.view(x.shape), summed.view(x.shape), rstd.view(x.shape[:-1])
 
 
 @_add_rms_norm_op.register_fake
 def _(x, residual, weight, eps, out_dtype):
     summed_dtype = torch.promote_types(x.dtype, residual.dtype)
-    return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape, dtype=summed_dtype),
-            x.new_empty(x.shape[:-1], dtype=torch.float32))
+    return (
+        x.new_empty(x.shape, dtype=out_dtype),
+        x.new_empty(x.shape, dtype=summed_dtype),
+        x.new_empty(x.shape[:-1], dtype=torch.float32),
+    )
 
 
 @torch.library.custom_op("fastlm::rms_norm_backward", mutates_args=())
-def _rms_norm_backward_op(dy: torch.Tensor, d_summed: torch.Tensor | None, x: torch.Tensor,
-                          weight: torch.Tensor, rstd: torch.Tensor, dx_dtype: torch.dtype,
-                          dx2_dtype: torch.dtype | None
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _rms_norm_backward_op(
+    dy: torch.Tensor,
+    d_summed: torch.Tensor | None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    dx_dtype: torch.dtype,
+    dx2_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx in dx_dtype, the same in dx2_dtype or an empty tensor, dweight); dx already holds
     d_summed, the residual stream's own gradient, if given."""
     d_summed_rows = as_rows(d_summed) if d_summed is not None else None
-    dx, dx2, dweight = _rms_norm_backward(as_rows(dy), d_summed_rows, as_rows(x), weight,
-                                          rstd.reshape(-1), dx_dtype, dx2_dtype)
+    dx, dx2, dweight = _rms_norm_backward(
+        as_rows(dy), d_summed_rows, as_rows(x), weight, rstd.reshape(-1), dx_dtype, dx2_dtype
+    )
     dx2 = dx2.view(x.shape) if dx2 is not None else x.new_empty(0)
     return dx.view(x.shape), dx2, dweight
 
@@ -325,14 +423,16 @@ def _add_rms_norm_grad(ctx, d_normed, d_summed, _):
     # x and residual enter only through their sum, so both receive its gradient, each in its
     # own dtype: one tensor when the dtypes agree, two stores of the same registers otherwise.
     second = residual_dtype if residual_dtype != x_dtype else None
-    dx, dx2, dweight = _rms_norm_backward_op(d_normed, d_summed, summed, weight, rstd, x_dtype,
-                                             second)
+    dx, dx2, dweight = _rms_norm_backward_op(
+        d_normed, d_summed, summed, weight, rstd, x_dtype, second
+    )
     return dx, dx2 if second is not None else dx, dweight, None, None
 
 
 torch.library.register_autograd("fastlm::rms_norm", _rms_norm_grad, setup_context=_rms_norm_setup)
-torch.library.register_autograd("fastlm::add_rms_norm", _add_rms_norm_grad,
-                                setup_context=_add_rms_norm_setup)
+torch.library.register_autograd(
+    "fastlm::add_rms_norm", _add_rms_norm_grad, setup_context=_add_rms_norm_setup
+)
 refuse_double_backward("fastlm::rms_norm_backward", "rms_norm")
 
 
@@ -345,10 +445,14 @@ def _check_args(x: torch.Tensor, weight: torch.Tensor) -> None:
     check_float("x", x)
     check_float("weight", weight)
     if x.dim() == 0 or x.shape[-1] == 0:
-        raise ValueError(f"x must have a non-empty last dim to normalise, got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"x must have a non-empty last dim to normalise, got shape {tuple(x.shape)}"
+        )
     if weight.shape != (x.shape[-1],):
-        raise ValueError(f"weight must have shape ({x.shape[-1]},) to match x's last dim, "
-                         f"got {tuple(weight.shape)}")
+        raise ValueError(
+            f"weight must have shape ({x.shape[-1]},) to match x's last dim, "
+            f"got {tuple(weight.shape)}"
+        )
     if weight.dtype != torch.float32:
         check_match("weight", weight, "x", x)
     elif weight.device != x.device:
@@ -358,7 +462,9 @@ def _check_args(x: torch.Tensor, weight: torch.Tensor) -> None:
 def _check_residual(residual: torch.Tensor, x: torch.Tensor) -> None:
     check_float("residual", residual)
     if residual.shape != x.shape:
-        raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+        raise ValueError(
+            f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}"
+        )
     if residual.device != x.device:
         raise ValueError(f"residual is on {residual.device}, but x is on {x.device}")
 
@@ -376,13 +482,20 @@ def _kernels_take(x: torch.Tensor) -> bool:
     if not use_triton(x):
         return False
     if x.shape[-1] > MAX_HIDDEN:
-        raise ValueError(f"x has hidden size {x.shape[-1]}; the Triton kernels take at most "
-                         f"{MAX_HIDDEN} (FASTLM_BACKEND=torch runs any size)")
+        raise ValueError(
+            f"x has hidden size {x.shape[-1]}; the Triton kernels take at most "
+            f"{MAX_HIDDEN} (FASTLM_BACKEND=torch runs any size)"
+        )
     return True
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *,
-             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-5,
+    *,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """RMSNorm of x over its last dim, scaled by `weight`, as `reference.RmsNorm`.
 
     x: (..., N) float32/float16/bfloat16, any leading shape; rows may be strided (a slice of a wider
@@ -397,9 +510,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *,
     return _rms_norm_op(x, weight, float(eps), out_dtype)[0]
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float = 1e-5, *, out_dtype: torch.dtype | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-5,
+    *,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual, weight), x + residual) in one pass: a block's residual add fused
     with the next norm.
 

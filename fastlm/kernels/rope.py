@@ -26,8 +26,15 @@ from __future__ import annotations
 import torch
 
 from fastlm.backend import interpreting, use_triton
-from fastlm.kernels._common import (check_float, check_match, empty_like, interpreter_bf16,
-                                    round_to, tl, triton)
+from fastlm.kernels._common import (
+    check_float,
+    check_match,
+    empty_like,
+    interpreter_bf16,
+    round_to,
+    tl,
+    triton,
+)
 
 # --------------------------------------------------------------------------------------------
 # Reference math (the PyTorch backend, and what the tests and benchmarks compare with)
@@ -48,8 +55,14 @@ def _positions_4d(positions: torch.Tensor) -> torch.Tensor:
     return positions.view(1, 1, -1) if positions.dim() == 1 else positions[:, None, :]
 
 
-def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-             interleaved: bool = True, inverse: bool = False) -> torch.Tensor:
+def rope_ref(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    interleaved: bool = True,
+    inverse: bool = False,
+) -> torch.Tensor:
     """x (T, D), (B, T, D) or (B, H, T, D) rotated as a new tensor of x's dtype (fp32 inside,
     fp64 for fp64); `inverse` rotates by -angle (the backward)."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -71,9 +84,24 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: t
 
 
 @triton.jit
-def _rotate_heads(X, Y, x_tokens, y_tokens, stride_xh, stride_yh, n_heads, token_mask, cos, sin,
-                  HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+def _rotate_heads(
+    X,
+    Y,
+    x_tokens,
+    y_tokens,
+    stride_xh,
+    stride_yh,
+    n_heads,
+    token_mask,
+    cos,
+    sin,
+    HALF: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr,
+):
     """Rotate every head of a block of tokens from X into Y (which may be X).
 
     x_tokens, y_tokens: (BLOCK_T,) offsets of each token's head 0; the head dim has a unit stride.
@@ -108,16 +136,40 @@ def _rotate_heads(X, Y, x_tokens, y_tokens, stride_xh, stride_yh, n_heads, token
 
 
 @triton.jit
-def _rope_kernel(Q, K, QOut, KOut, COS, SIN, POS,
-                 stride_qb, stride_qh, stride_qt,
-                 stride_qob, stride_qoh, stride_qot,
-                 stride_kb, stride_kh, stride_kt,
-                 stride_kob, stride_koh, stride_kot,
-                 stride_pb, stride_pt,
-                 T, HQ, HK, MAX_SEQ_LEN,
-                 HALF: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BF16_BY_HAND: tl.constexpr):
+def _rope_kernel(
+    Q,
+    K,
+    QOut,
+    KOut,
+    COS,
+    SIN,
+    POS,
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_qob,
+    stride_qoh,
+    stride_qot,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_kob,
+    stride_koh,
+    stride_kot,
+    stride_pb,
+    stride_pt,
+    T,
+    HQ,
+    HK,
+    MAX_SEQ_LEN,
+    HALF: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    INVERSE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr,
+):
     """One program per (batch, block of BLOCK_T tokens): all heads of q and of k there.
 
     Every tensor's head dim has a unit stride (the launcher sees to it)."""
@@ -140,12 +192,42 @@ def _rope_kernel(Q, K, QOut, KOut, COS, SIN, POS,
     if INVERSE:
         sin = -sin
 
-    _rotate_heads(Q, QOut, b * stride_qb + t * stride_qt, b * stride_qob + t * stride_qot,
-                  stride_qh, stride_qoh, HQ, token_mask, cos, sin,
-                  HALF, INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_HALF, BF16_BY_HAND)
-    _rotate_heads(K, KOut, b * stride_kb + t * stride_kt, b * stride_kob + t * stride_kot,
-                  stride_kh, stride_koh, HK, token_mask, cos, sin,
-                  HALF, INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_HALF, BF16_BY_HAND)
+    _rotate_heads(
+        Q,
+        QOut,
+        b * stride_qb + t * stride_qt,
+        b * stride_qob + t * stride_qot,
+        stride_qh,
+        stride_qoh,
+        HQ,
+        token_mask,
+        cos,
+        sin,
+        HALF,
+        INTERLEAVED,
+        BLOCK_T,
+        BLOCK_H,
+        BLOCK_HALF,
+        BF16_BY_HAND,
+    )
+    _rotate_heads(
+        K,
+        KOut,
+        b * stride_kb + t * stride_kt,
+        b * stride_kob + t * stride_kot,
+        stride_kh,
+        stride_koh,
+        HK,
+        token_mask,
+        cos,
+        sin,
+        HALF,
+        INTERLEAVED,
+        BLOCK_T,
+        BLOCK_H,
+        BLOCK_HALF,
+        BF16_BY_HAND,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,14 +235,23 @@ def _rope_kernel(Q, K, QOut, KOut, COS, SIN, POS,
 # --------------------------------------------------------------------------------------------
 
 
-def _launch(xs: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...], cos: torch.Tensor,
-            sin: torch.Tensor, positions: torch.Tensor, interleaved: bool, inverse: bool) -> None:
+def _launch(
+    xs: tuple[torch.Tensor, ...],
+    outs: tuple[torch.Tensor, ...],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    interleaved: bool,
+    inverse: bool,
+) -> None:
     """Rotate xs[i] into outs[i] (the same tensor for in place), all in one launch."""
     # The kernel needs a unit stride along the head dim, which views of a QKV projection have. A
     # tensor without one (a rare transposed layout) is rotated in a contiguous copy instead.
     sources = tuple(x if x.stride(-1) == 1 else x.contiguous() for x in xs)
-    targets = tuple(out if out.stride(-1) == 1 else source if out is x else torch.empty_like(source)
-                    for x, out, source in zip(xs, outs, sources))
+    targets = tuple(
+        out if out.stride(-1) == 1 else source if out is x else torch.empty_like(source)
+        for x, out, source in zip(xs, outs, sources)
+    )
     q, q_out = _as_4d(sources[0]), _as_4d(targets[0])
     # Without k the kernel's k loop runs zero times; q stands in for its pointers.
     k, k_out = (_as_4d(sources[1]), _as_4d(targets[1])) if len(xs) == 2 else (q, q_out)
@@ -181,13 +272,31 @@ def _launch(xs: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...], cos: t
         block_t = max(1, min(triton.next_power_of_2(T), 4096 // (block_h * 2 * block_half)))
         num_warps = max(1, min(8, block_t * block_h * 2 * block_half // 512))
     _rope_kernel[(B * triton.cdiv(T, block_t),)](
-        q, k, q_out, k_out, cos, sin, positions,
-        *q.stride()[:3], *q_out.stride()[:3], *k.stride()[:3], *k_out.stride()[:3],
-        stride_pb, positions.stride(-1),
-        T, HQ, n_k_heads, cos.shape[0],
-        HALF=half, INTERLEAVED=interleaved, INVERSE=inverse,
-        BLOCK_T=block_t, BLOCK_HALF=block_half, BLOCK_H=block_h,
-        BF16_BY_HAND=interpreter_bf16(q_out.dtype), num_warps=num_warps,
+        q,
+        k,
+        q_out,
+        k_out,
+        cos,
+        sin,
+        positions,
+        *q.stride()[:3],
+        *q_out.stride()[:3],
+        *k.stride()[:3],
+        *k_out.stride()[:3],
+        stride_pb,
+        positions.stride(-1),
+        T,
+        HQ,
+        n_k_heads,
+        cos.shape[0],
+        HALF=half,
+        INTERLEAVED=interleaved,
+        INVERSE=inverse,
+        BLOCK_T=block_t,
+        BLOCK_HALF=block_half,
+        BLOCK_H=block_h,
+        BF16_BY_HAND=interpreter_bf16(q_out.dtype),
+        num_warps=num_warps,
     )
     for out, target in zip(outs, targets):
         if target is not out:
@@ -200,9 +309,15 @@ def _launch(xs: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...], cos: t
 
 
 @torch.library.custom_op("fastlm::rope_", mutates_args=("q", "k"))
-def _rope_inplace_op(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor,
-                     sin: torch.Tensor, positions: torch.Tensor, interleaved: bool,
-                     inverse: bool) -> None:
+def _rope_inplace_op(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    interleaved: bool,
+    inverse: bool,
+) -> None:
     """Rotate q and k (if given) in their own storage, in one launch."""
     xs = (q,) if k is None else (q, k)
     if q.numel():
@@ -215,8 +330,14 @@ def _(q, k, cos, sin, positions, interleaved, inverse):
 
 
 @torch.library.custom_op("fastlm::rope", mutates_args=())
-def _rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-             interleaved: bool, inverse: bool) -> torch.Tensor:
+def _rope_op(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    interleaved: bool,
+    inverse: bool,
+) -> torch.Tensor:
     """x rotated into a new contiguous tensor."""
     out = empty_like(x)
     if x.numel():
@@ -268,8 +389,16 @@ class _RoPEFunction(torch.autograd.Function):
         ctx.interleaved = interleaved
         ctx.root_layouts = [(r.shape, r.stride(), r.storage_offset()) for r in roots]
         # For each rotated tensor: which root it lies in, whether it is that root, its geometry.
-        ctx.regions = [(next(i for i, r in enumerate(roots) if r is _root(t)), t._base is None,
-                        t.shape, t.stride(), t.storage_offset()) for t in rotated]
+        ctx.regions = [
+            (
+                next(i for i, r in enumerate(roots) if r is _root(t)),
+                t._base is None,
+                t.shape,
+                t.stride(),
+                t.storage_offset(),
+            )
+            for t in rotated
+        ]
         return roots
 
     @staticmethod
@@ -284,17 +413,20 @@ class _RoPEFunction(torch.autograd.Function):
             if not any(index == i and is_root for index, is_root, *_ in ctx.regions):
                 # A base whose untouched parts (v, say) pass their gradient through unchanged;
                 # the rotated regions are then rotated in place in this copy, which we own.
-                grads[i] = torch.empty_strided(shape, stride, dtype=root_grads[i].dtype,
-                                               device=root_grads[i].device)
+                grads[i] = torch.empty_strided(
+                    shape, stride, dtype=root_grads[i].dtype, device=root_grads[i].device
+                )
                 grads[i].copy_(root_grads[i])
         regions = []
         for index, is_root, shape, stride, offset in ctx.regions:
             if is_root:  # One read and one write per element, into a fresh buffer.
-                grads[index] = _rope_op(root_grads[index], cos, sin, positions, ctx.interleaved,
-                                        True)
+                grads[index] = _rope_op(
+                    root_grads[index], cos, sin, positions, ctx.interleaved, True
+                )
             else:
-                regions.append(grads[index].as_strided(shape, stride,
-                                                       offset - ctx.root_layouts[index][2]))
+                regions.append(
+                    grads[index].as_strided(shape, stride, offset - ctx.root_layouts[index][2])
+                )
         if regions:
             _rope_inplace_op(*_q_and_k(regions), cos, sin, positions, ctx.interleaved, True)
         return (None, None, None, None, None, *grads)
@@ -309,8 +441,9 @@ def _q_and_k(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Ten
 # --------------------------------------------------------------------------------------------
 
 
-def rope_tables(theta: float, d_k: int, max_seq_len: int, device=None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    theta: float, d_k: int, max_seq_len: int, device=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position * theta^(-2i / d_k), each (max_seq_len, d_k // 2) float32.
 
     Computed exactly as `fastlm.reference.RoPE` computes its tables (one column per pair).
@@ -325,44 +458,58 @@ def rope_tables(theta: float, d_k: int, max_seq_len: int, device=None
     return angles.cos(), angles.sin()
 
 
-def check_positions(token_positions: object, batch: int, seq: int, max_seq_len: int,
-                    device: torch.device, check_values: bool = True) -> torch.Tensor:
+def check_positions(
+    token_positions: object,
+    batch: int,
+    seq: int,
+    max_seq_len: int,
+    device: torch.device,
+    check_values: bool = True,
+) -> torch.Tensor:
     """Validated positions for `batch` sequences of `seq` tokens on `device`, returned there; see
     apply_rope_ for how CUDA values are checked. Without check_values only their type, shape and
     device are (for a caller that checked the values once, for every layer)."""
     if not isinstance(token_positions, torch.Tensor):
-        raise TypeError("token_positions must be a torch.Tensor, got "
-                        f"{type(token_positions).__name__}")
+        raise TypeError(
+            f"token_positions must be a torch.Tensor, got {type(token_positions).__name__}"
+        )
     if token_positions.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"token_positions must be int32 or int64, got {token_positions.dtype}")
     shape = tuple(token_positions.shape)
     if not (shape == (seq,) or (len(shape) == 2 and shape[1] == seq and shape[0] in (1, batch))):
-        raise ValueError(f"token_positions must have shape ({seq},) or ({batch}, {seq}), got "
-                         f"{shape}")
+        raise ValueError(
+            f"token_positions must have shape ({seq},) or ({batch}, {seq}), got {shape}"
+        )
     message = f"token_positions must lie in [0, {max_seq_len})"
     on_host = token_positions.device.type == "cpu"
     if not check_values:
         pass
     elif on_host and not torch.compiler.is_compiling():
-        if token_positions.numel() and (token_positions.min() < 0
-                                        or token_positions.max() >= max_seq_len):
-            raise ValueError(f"{message}, got values in [{int(token_positions.min())}, "
-                             f"{int(token_positions.max())}]")
+        if token_positions.numel() and (
+            token_positions.min() < 0 or token_positions.max() >= max_seq_len
+        ):
+            raise ValueError(
+                f"{message}, got values in [{int(token_positions.min())}, "
+                f"{int(token_positions.max())}]"
+            )
     elif token_positions.device == torch.device(device):  # on the device, or compiled
         in_range = ((token_positions >= 0) & (token_positions < max_seq_len)).all()
         torch._assert_async(in_range, message)
     if not on_host and token_positions.device != torch.device(device):
-        raise ValueError(f"token_positions is on {token_positions.device}, but the rotated tensor "
-                         f"is on {device}")
+        raise ValueError(
+            f"token_positions is on {token_positions.device}, but the rotated tensor is on {device}"
+        )
     return token_positions.to(device)
 
 
-def _check_positions(token_positions: object, x: torch.Tensor, max_seq_len: int,
-                     check_values: bool = True) -> torch.Tensor:
+def _check_positions(
+    token_positions: object, x: torch.Tensor, max_seq_len: int, check_values: bool = True
+) -> torch.Tensor:
     """check_positions for the rotated tensor x, (T, D) to (B, H, T, D)."""
     x4 = _as_4d(x)
-    return check_positions(token_positions, x4.shape[0], x4.shape[2], max_seq_len, x.device,
-                           check_values)
+    return check_positions(
+        token_positions, x4.shape[0], x4.shape[2], max_seq_len, x.device, check_values
+    )
 
 
 def check_rotatable(name: str, t: object) -> None:
@@ -375,13 +522,21 @@ def check_rotatable(name: str, t: object) -> None:
     if torch.is_grad_enabled() and t.requires_grad and not torch.compiler.is_compiling():
         base = t._base
         if t.is_leaf or (base is not None and base.is_leaf and base.requires_grad):
-            raise ValueError(f"{name} is a leaf tensor that requires grad (or a view of one); RoPE "
-                             "rotates in place, so pass a computed tensor or use torch.no_grad()")
+            raise ValueError(
+                f"{name} is a leaf tensor that requires grad (or a view of one); RoPE "
+                "rotates in place, so pass a computed tensor or use torch.no_grad()"
+            )
 
 
-def check_rope_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    token_positions: object, *, name: str = "q", check_values: bool = True
-                    ) -> torch.Tensor:
+def check_rope_args(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    token_positions: object,
+    *,
+    name: str = "q",
+    check_values: bool = True,
+) -> torch.Tensor:
     """The tables against x (named `name` in errors), and the positions (see _check_positions);
     returns the positions on x's device."""
     check_float("cos", cos)
@@ -390,15 +545,22 @@ def check_rope_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if d % 2:
         raise ValueError(f"the head dim of {name} must be even, got {d}")
     if cos.dim() != 2 or cos.shape[1] != d // 2 or sin.shape != cos.shape:
-        raise ValueError(f"cos and sin must both be (max_seq_len, {d // 2}), got "
-                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+        raise ValueError(
+            f"cos and sin must both be (max_seq_len, {d // 2}), got "
+            f"{tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
     if cos.device != x.device:
         raise ValueError(f"cos is on {cos.device}, but {name} is on {x.device}")
     return _check_positions(token_positions, x, cos.shape[0], check_values)
 
 
-def rotate_in_place(tensors: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-                    token_positions: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, ...]:
+def rotate_in_place(
+    tensors: dict[str, torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    token_positions: torch.Tensor,
+    interleaved: bool,
+) -> tuple[torch.Tensor, ...]:
     """Check everything on the host, then rotate the tensors (one or two, by the names their
     errors use) in place together; the backend rule is decided here."""
     (first_name, first), *rest = tensors.items()
@@ -408,8 +570,10 @@ def rotate_in_place(tensors: dict[str, torch.Tensor], cos: torch.Tensor, sin: to
         check_match(name, t, first_name, first)
         a, b = _as_4d(t), _as_4d(first)
         if (a.shape[0], a.shape[2], a.shape[3]) != (b.shape[0], b.shape[2], b.shape[3]):
-            raise ValueError(f"{name} {tuple(t.shape)} and {first_name} {tuple(first.shape)} must "
-                             "agree in batch, sequence and head dim (heads may differ)")
+            raise ValueError(
+                f"{name} {tuple(t.shape)} and {first_name} {tuple(first.shape)} must "
+                "agree in batch, sequence and head dim (heads may differ)"
+            )
         if t is first:
             raise ValueError(f"{name} and {first_name} are the same tensor")
     positions = check_rope_args(first, cos, sin, token_positions, name=first_name)
@@ -431,14 +595,19 @@ def rotate_in_place(tensors: dict[str, torch.Tensor], cos: torch.Tensor, sin: to
         if not any(_root(t) is r for r in roots):
             roots.append(_root(t))
     # Tables are small: a copy, if ever needed, is cheap; the kernel indexes dense (L, D/2) rows.
-    _RoPEFunction.apply(cos.contiguous(), sin.contiguous(), positions, interleaved, rotated,
-                        *roots)
+    _RoPEFunction.apply(cos.contiguous(), sin.contiguous(), positions, interleaved, rotated, *roots)
     return rotated
 
 
-def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                token_positions: torch.Tensor, *, interleaved: bool = True
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rope_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    token_positions: torch.Tensor,
+    *,
+    interleaved: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k in place, in one launch, and return them (the same tensor objects).
 
     q: (B, Hq, T, D), k: (B, Hk, T, D); Hq and Hk may differ (grouped-query attention). Also

@@ -19,8 +19,17 @@ from __future__ import annotations
 import torch
 
 from fastlm.backend import interpreting, use_triton
-from fastlm.kernels._common import (as_rows, check_float, check_match, empty, interpreter_bf16,
-                                    refuse_double_backward, round_to, tl, triton)
+from fastlm.kernels._common import (
+    as_rows,
+    check_float,
+    check_match,
+    empty,
+    interpreter_bf16,
+    refuse_double_backward,
+    round_to,
+    tl,
+    triton,
+)
 
 # --------------------------------------------------------------------------------------------
 # Reference math (the PyTorch backend, and what the tests and benchmarks compare with)
@@ -40,15 +49,25 @@ def swiglu_packed_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return swiglu_ref(gate, up)
 
 
-
 # --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _swiglu_fwd_kernel(G, U, Y, stride_gm, stride_um, stride_ym, M, N,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+def _swiglu_fwd_kernel(
+    G,
+    U,
+    Y,
+    stride_gm,
+    stride_um,
+    stride_ym,
+    M,
+    N,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr,
+):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -56,14 +75,31 @@ def _swiglu_fwd_kernel(G, U, Y, stride_gm, stride_um, stride_ym, M, N,
     up = tl.load(U + rows[:, None] * stride_um + cols[None, :], mask=mask, other=0.0)
     gate, up = gate.to(tl.float32), up.to(tl.float32)
     y = gate * tl.sigmoid(gate) * up
-    tl.store(Y + rows[:, None] * stride_ym + cols[None, :],
-             round_to(y, Y.dtype.element_ty, BF16_BY_HAND), mask=mask)
+    tl.store(
+        Y + rows[:, None] * stride_ym + cols[None, :],
+        round_to(y, Y.dtype.element_ty, BF16_BY_HAND),
+        mask=mask,
+    )
 
 
 @triton.jit
-def _swiglu_bwd_kernel(DY, G, U, DG, DU, stride_dym, stride_gm, stride_um, stride_dgm, stride_dum,
-                       M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BF16_BY_HAND: tl.constexpr):
+def _swiglu_bwd_kernel(
+    DY,
+    G,
+    U,
+    DG,
+    DU,
+    stride_dym,
+    stride_gm,
+    stride_um,
+    stride_dgm,
+    stride_dum,
+    M,
+    N,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr,
+):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -74,10 +110,16 @@ def _swiglu_bwd_kernel(DY, G, U, DG, DU, stride_dym, stride_gm, stride_um, strid
     sig = tl.sigmoid(gate)
     d_gate = dy * up * sig * (1.0 + gate * (1.0 - sig))
     d_up = dy * gate * sig
-    tl.store(DG + rows[:, None] * stride_dgm + cols[None, :],
-             round_to(d_gate, DG.dtype.element_ty, BF16_BY_HAND), mask=mask)
-    tl.store(DU + rows[:, None] * stride_dum + cols[None, :],
-             round_to(d_up, DU.dtype.element_ty, BF16_BY_HAND), mask=mask)
+    tl.store(
+        DG + rows[:, None] * stride_dgm + cols[None, :],
+        round_to(d_gate, DG.dtype.element_ty, BF16_BY_HAND),
+        mask=mask,
+    )
+    tl.store(
+        DU + rows[:, None] * stride_dum + cols[None, :],
+        round_to(d_up, DU.dtype.element_ty, BF16_BY_HAND),
+        mask=mask,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,19 +143,43 @@ def _forward_rows(gate: torch.Tensor, up: torch.Tensor, y: torch.Tensor) -> None
     if gate.numel() == 0:
         return
     grid, config = _launch_config(M, N)
-    _swiglu_fwd_kernel[grid](gate, up, y, gate.stride(0), up.stride(0), y.stride(0), M, N,
-                             BF16_BY_HAND=interpreter_bf16(y.dtype), **config)
+    _swiglu_fwd_kernel[grid](
+        gate,
+        up,
+        y,
+        gate.stride(0),
+        up.stride(0),
+        y.stride(0),
+        M,
+        N,
+        BF16_BY_HAND=interpreter_bf16(y.dtype),
+        **config,
+    )
 
 
-def _backward_rows(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d_gate: torch.Tensor,
-                   d_up: torch.Tensor) -> None:
+def _backward_rows(
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d_gate: torch.Tensor, d_up: torch.Tensor
+) -> None:
     M, N = gate.shape
     if gate.numel() == 0:
         return
     grid, config = _launch_config(M, N)
-    _swiglu_bwd_kernel[grid](dy, gate, up, d_gate, d_up, dy.stride(0), gate.stride(0),
-                             up.stride(0), d_gate.stride(0), d_up.stride(0), M, N,
-                             BF16_BY_HAND=interpreter_bf16(d_gate.dtype), **config)
+    _swiglu_bwd_kernel[grid](
+        dy,
+        gate,
+        up,
+        d_gate,
+        d_up,
+        dy.stride(0),
+        gate.stride(0),
+        up.stride(0),
+        d_gate.stride(0),
+        d_up.stride(0),
+        M,
+        N,
+        BF16_BY_HAND=interpreter_bf16(d_gate.dtype),
+        **config,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,12 +200,18 @@ def _(gate, up):
 
 
 @torch.library.custom_op("fastlm::swiglu_backward", mutates_args=())
-def _swiglu_backward_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def _swiglu_backward_op(
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     d_gate = empty(gate.shape, device=gate.device, dtype=gate.dtype)
     d_up = empty(up.shape, device=up.device, dtype=up.dtype)
-    _backward_rows(as_rows(dy), as_rows(gate), as_rows(up),
-                   d_gate.view(-1, d_gate.shape[-1]), d_up.view(-1, d_up.shape[-1]))
+    _backward_rows(
+        as_rows(dy),
+        as_rows(gate),
+        as_rows(up),
+        d_gate.view(-1, d_gate.shape[-1]),
+        d_up.view(-1, d_up.shape[-1]),
+    )
     return d_gate, d_up
 
 
@@ -169,8 +241,7 @@ def _swiglu_packed_backward_op(dy: torch.Tensor, gate_up: torch.Tensor) -> torch
     rows = as_rows(gate_up)
     d_gate_up = empty(gate_up.shape, device=gate_up.device, dtype=gate_up.dtype)
     d_rows = d_gate_up.view(-1, 2 * d_ff)
-    _backward_rows(as_rows(dy), rows[:, :d_ff], rows[:, d_ff:], d_rows[:, :d_ff],
-                   d_rows[:, d_ff:])
+    _backward_rows(as_rows(dy), rows[:, :d_ff], rows[:, d_ff:], d_rows[:, :d_ff], d_rows[:, d_ff:])
     return d_gate_up
 
 
@@ -192,8 +263,9 @@ def _swiglu_packed_grad(ctx, dy):
 
 
 torch.library.register_autograd("fastlm::swiglu", _swiglu_grad, setup_context=_save_inputs)
-torch.library.register_autograd("fastlm::swiglu_packed", _swiglu_packed_grad,
-                                setup_context=_save_inputs)
+torch.library.register_autograd(
+    "fastlm::swiglu_packed", _swiglu_packed_grad, setup_context=_save_inputs
+)
 refuse_double_backward("fastlm::swiglu_backward", "swiglu")
 refuse_double_backward("fastlm::swiglu_packed_backward", "swiglu_packed")
 
@@ -229,8 +301,9 @@ def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
     """
     check_float("gate_up", gate_up)
     if gate_up.dim() == 0 or gate_up.shape[-1] == 0 or gate_up.shape[-1] % 2:
-        raise ValueError(f"gate_up must have an even, non-empty last dim (gate | up), got "
-                         f"{tuple(gate_up.shape)}")
+        raise ValueError(
+            f"gate_up must have an even, non-empty last dim (gate | up), got {tuple(gate_up.shape)}"
+        )
     if not use_triton(gate_up):
         return swiglu_packed_ref(gate_up)
     return _swiglu_packed_op(gate_up)
