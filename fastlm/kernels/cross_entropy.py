@@ -585,9 +585,9 @@ def cross_entropy(
 
     The forward saves the log-sum-exp of each row; the backward computes the gradient from the
     logits and the lse into a new tensor. With `inplace_backward=True` the forward writes the
-    gradient into `logits` itself instead, and the backward scales it there, saving that tensor: when a
-    gradient is needed and logits' rows are one stride apart with a unit last-dim stride, logits are
-    overwritten and must not be used afterwards, and the graph supports one backward (a second,
+    gradient into `logits` itself instead, and the backward scales it there, saving that tensor:
+    when a gradient is needed and logits' rows are one stride apart with a unit last-dim stride,
+    logits are overwritten and must not be used afterwards, and the graph supports one backward (a second,
     after retain_graph=True, raises RuntimeError); otherwise it is the default path. The PyTorch
     backend ignores inplace_backward. A leaf that requires grad (or a view of one) and logits whose
     elements overlap are refused; any other autograd node that saved `logits` raises at its
