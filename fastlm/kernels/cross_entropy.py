@@ -587,13 +587,13 @@ def cross_entropy(
     logits and the lse into a new tensor. With `inplace_backward=True` the forward writes the
     gradient into `logits` itself instead, and the backward scales it there, saving that tensor:
     when a gradient is needed and logits' rows are one stride apart with a unit last-dim stride,
-    logits are overwritten and must not be used afterwards, and the graph supports one backward (a second,
-    after retain_graph=True, raises RuntimeError); otherwise it is the default path. The PyTorch
-    backend ignores inplace_backward. A leaf that requires grad (or a view of one) and logits whose
-    elements overlap are refused; any other autograd node that saved `logits` raises at its
-    backward, as after any in-place op. Without a gradient (torch.no_grad, inference_mode, or logits
-    that do not require grad) logits are never written. Second derivatives are not supported (an
-    error, not a silent zero).
+    logits are overwritten and must not be used afterwards, and the graph supports one backward (a
+    second, after retain_graph=True, raises RuntimeError); otherwise it is the default path. The
+    PyTorch backend ignores inplace_backward. A leaf that requires grad (or a view of one) and
+    logits whose elements overlap are refused; any other autograd node that saved `logits` raises
+    at its backward, as after any in-place op. Without a gradient (torch.no_grad, inference_mode,
+    or logits that do not require grad) logits are never written. Second derivatives are not
+    supported (an error, not a silent zero).
     """
     check_float("logits", logits)
     if logits.ndim == 0 or logits.shape[-1] == 0:
