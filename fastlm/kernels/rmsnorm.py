@@ -200,6 +200,11 @@ def _rms_norm_bwd(
     tl.store(DW_partial + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
 
 
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+
+
 def _tile(n: int, rows: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for a hidden size `n` and `rows` rows.
 

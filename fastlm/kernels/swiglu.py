@@ -123,8 +123,9 @@ def _swiglu_bwd_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# Launchers: every tensor is (M, N) rows with a unit column stride; rows may be strided
+# Launchers
 # --------------------------------------------------------------------------------------------
+# Every tensor is (M, N) rows with a unit column stride; rows may be strided.
 
 
 def _launch_config(M: int, N: int) -> tuple[tuple[int, int], dict]:
