@@ -44,12 +44,13 @@ def make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, device, std=1.0):
     return q, k, v
 
 
-def run(q, k, v, causal, softmax_scale=None):
+def run(q, k, v, causal, softmax_scale=None, deterministic=True):
     """Output and (dq, dk, dv) of flash_attention for a random dO; fp32 asks for full-precision dots
     so that the fp32 bound also holds on a GPU (TF32 is tested on its own)."""
     for t in (q, k, v):
         t.grad = None
-    o = flash_attention(q, k, v, causal, softmax_scale, allow_tf32=False)
+    o = flash_attention(q, k, v, causal, softmax_scale, allow_tf32=False,
+                        deterministic=deterministic)
     do = torch.randn_like(o)
     o.backward(do)
     return o, do, (q.grad, k.grad, v.grad)
@@ -62,8 +63,8 @@ def reference_run(q, k, v, do, causal, softmax_scale=None):
     return o, (q64.grad, k64.grad, v64.grad)
 
 
-def check_against_reference(q, k, v, causal, softmax_scale=None):
-    o, do, grads = run(q, k, v, causal, softmax_scale)
+def check_against_reference(q, k, v, causal, softmax_scale=None, deterministic=True):
+    o, do, grads = run(q, k, v, causal, softmax_scale, deterministic)
     ref_o, ref_grads = reference_run(q, k, v, do, causal, softmax_scale)
     dtype = q.dtype
     assert o.dtype == dtype and o.shape == q.shape
@@ -108,6 +109,13 @@ CASES = [
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,dtype", CASES)
 def test_matches_reference(device, B, Hq, Hkv, Nq, Nk, D, causal, dtype):
     check_against_reference(*make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, device), causal)
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,dtype", CASES)
+def test_atomic_dq_schedule_matches_reference(device, B, Hq, Hkv, Nq, Nk, D, causal, dtype):
+    """deterministic=False: dQ added with atomics inside the dK/dV pass, on every shape case."""
+    check_against_reference(*make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, device), causal,
+                            deterministic=False)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -184,7 +192,8 @@ def test_strided_inputs_need_no_copy(device):
     assert o.transpose(1, 2).is_contiguous(), "o should keep q's [B, N, H, D] memory layout"
     with torch.no_grad(), _CopyRecorder(qkv) as recorder:  # inside the ops: the launchers
         o_launched, lse = _attention_forward(q, k, v, True, D**-0.5, True)
-        _attention_backward(do, q, k, v, o_launched, lse, True, D**-0.5, True)
+        for deterministic in (True, False):
+            _attention_backward(do, q, k, v, o_launched, lse, True, D**-0.5, True, deterministic)
     assert not recorder.copies, f"the launchers copied q, k, v by {recorder.copies}"
 
     contiguous = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
@@ -207,7 +216,7 @@ def test_strided_inputs_need_no_copy(device):
 
 def test_backward_is_deterministic(device):
     q, k, v = make_inputs(1, 4, 2, 130, 130, 32, torch.float16, device)
-    o = flash_attention(q, k, v, causal=True)
+    o = flash_attention(q, k, v, causal=True, deterministic=True)
     do = torch.randn_like(o)
     first = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
     second = torch.autograd.grad(o, (q, k, v), do)
@@ -215,7 +224,8 @@ def test_backward_is_deterministic(device):
         assert torch.equal(a, b)
 
 
-def test_fully_masked_rows_give_zeros(device):
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_fully_masked_rows_give_zeros(device, deterministic):
     """The public function rejects Nq > Nk; the kernels, given it, mask every key for the first
     Nq - Nk queries (they would see keys j <= i - (Nq - Nk) < 0). Those rows must be 0, not NaN."""
     Nq, Nk, D = 77, 40, 16
@@ -223,7 +233,8 @@ def test_fully_masked_rows_give_zeros(device):
     scale = D ** -0.5
     o, lse = _attention_forward(q.detach(), k.detach(), v.detach(), True, scale, False)
     do = torch.randn_like(o)
-    dq, dk, dv = _attention_backward(do, q.detach(), k.detach(), v.detach(), o, lse, True, scale, False)
+    dq, dk, dv = _attention_backward(do, q.detach(), k.detach(), v.detach(), o, lse, True, scale,
+                                     False, deterministic)
     hidden = Nq - Nk
     assert torch.equal(o[:, :, :hidden], torch.zeros_like(o[:, :, :hidden]))
     assert torch.equal(dq[:, :, :hidden], torch.zeros_like(dq[:, :, :hidden]))
@@ -470,6 +481,10 @@ def test_rope_attention_is_deterministic_and_matches_the_torch_backend(device, m
         runs.append(leaf.grad.clone())
     assert torch.equal(runs[0], runs[1])
     assert_close(runs[0], runs[2].double(), torch.float16, "kernels vs torch backend")
+    monkeypatch.setenv("FASTLM_BACKEND", "auto")
+    leaf.grad = None
+    rope_attention(leaf * 1, cos, sin, positions, 4, 2, deterministic=False).backward(do)
+    assert_close(leaf.grad, runs[2].double(), torch.float16, "atomic-dQ schedule vs torch backend")
 
 
 @pytest.mark.parametrize("call,error,message", [

@@ -285,14 +285,16 @@ def _attention_bwd_delta_kernel(
 
 
 @triton.jit
-def _dkdv_query_blocks(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head,
-                       stride_qm, stride_qd, stride_dom, stride_dod,
-                       offs_n, offs_d, lo, hi, n_q, causal_shift, qk_scale,
+def _dkdv_query_blocks(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, DQ_head,
+                       stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
+                       offs_n, offs_d, lo, hi, n_q, causal_shift, softmax_scale, qk_scale,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        CHECK_ROWS: tl.constexpr, CAUSAL_MASK: tl.constexpr, TO_FP32: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr):
-    """Add to (dk, dv) of one key block the query blocks starting in [lo, hi) of one query head."""
+                       DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+    """Add to (dk, dv) of one key block the query blocks starting in [lo, hi) of one query head;
+    with ATOMIC_DQ also add this key block's share of dq, s * dS k, to the fp32 DQ_head."""
     offs_m = lo + tl.arange(0, BLOCK_M)
+    dq_ptrs = DQ_head + offs_m.to(tl.int64)[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
     q_ptrs = Q_head + offs_m.to(tl.int64)[:, None] * stride_qm + offs_d[None, :] * stride_qd
     do_ptrs = DO_head + offs_m.to(tl.int64)[:, None] * stride_dom + offs_d[None, :] * stride_dod
     for _ in range(lo, hi, BLOCK_M):
@@ -313,6 +315,11 @@ def _dkdv_query_blocks(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head,
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        if ATOMIC_DQ:  # the fifth matmul: other key blocks add to the same rows, in any order
+            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION)
+            tl.atomic_add(dq_ptrs, dq * softmax_scale, sem="relaxed",
+                          mask=(offs_m[:, None] < n_q) & (offs_d[None, :] < HEAD_DIM))
+            dq_ptrs += BLOCK_M * stride_dqm
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
         offs_m += BLOCK_M
@@ -322,18 +329,22 @@ def _dkdv_query_blocks(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head,
 @triton.autotune(configs=_DKDV_CONFIGS, key=_TUNING_KEY)
 @triton.jit
 def _attention_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE, DELTA,
+    Q, K, V, DO, DK, DV, DQ, LSE, DELTA,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     num_kv_heads, group, n_q, n_k, softmax_scale, qk_scale, q_bucket, k_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    TO_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TO_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """dK and dV of one key block; with ATOMIC_DQ also dQ, added with fp32 atomics into a zeroed
+    DQ (FA2's 5-matmul schedule: one pass, no dQ kernel, sums in no fixed order). Without it
+    DQ is unused."""
     # In order: the first key blocks, seen by the most causal queries, are already the longest.
     start_n, batch_kv_head = _block_start_and_batch_head(n_k, BLOCK_N, False)
     batch = (batch_kv_head // num_kv_heads).to(tl.int64)
@@ -366,23 +377,40 @@ def _attention_bwd_dkdv_kernel(
         row_stats = (batch * num_kv_heads * group + head) * n_q
         LSE_head = LSE + row_stats
         DELTA_head = DELTA + row_stats
+        DQ_head = DQ + batch * stride_dqb + head * stride_dqh
         dk, dv = _dkdv_query_blocks(
-            dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, stride_qm, stride_qd, stride_dom, stride_dod,
-            offs_n, offs_d, diag_lo, tl.minimum(full_lo, n_q), n_q, causal_shift, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, TO_FP32, DOT_PRECISION)
+            dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, DQ_head,
+            stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
+            offs_n, offs_d, diag_lo, tl.minimum(full_lo, n_q), n_q, causal_shift, softmax_scale, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, TO_FP32, DOT_PRECISION, ATOMIC_DQ)
         dk, dv = _dkdv_query_blocks(
-            dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, stride_qm, stride_qd, stride_dom, stride_dod,
-            offs_n, offs_d, full_lo, full_hi, n_q, causal_shift, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_M, False, False, TO_FP32, DOT_PRECISION)
+            dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, DQ_head,
+            stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
+            offs_n, offs_d, full_lo, full_hi, n_q, causal_shift, softmax_scale, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_M, False, False, TO_FP32, DOT_PRECISION, ATOMIC_DQ)
         dk, dv = _dkdv_query_blocks(
-            dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, stride_qm, stride_qd, stride_dom, stride_dod,
-            offs_n, offs_d, full_hi, n_q, n_q, causal_shift, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_M, True, False, TO_FP32, DOT_PRECISION)
+            dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, DQ_head,
+            stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
+            offs_n, offs_d, full_hi, n_q, n_q, causal_shift, softmax_scale, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_M, True, False, TO_FP32, DOT_PRECISION, ATOMIC_DQ)
 
     dk_ptrs = DK + batch * stride_dkb + kv_head * stride_dkh + rows * stride_dkn + offs_d[None, :] * stride_dkd
     dv_ptrs = DV + batch * stride_dvb + kv_head * stride_dvh + rows * stride_dvn + offs_d[None, :] * stride_dvd
     _store_tile(dk_ptrs, dk * softmax_scale, offs_n, n_k, offs_d, HEAD_DIM)
     _store_tile(dv_ptrs, dv, offs_n, n_k, offs_d, HEAD_DIM)
+
+
+# The atomic schedule's one backward pass holds a dq tile besides dk and dv: the deterministic
+# pass's configs, less its widest, and fewer stages. Its own autotuner, because the timing runs
+# add into DQ and must find it zeroed before each.
+_DKDV_DQ_CONFIGS = _configs(
+    {"BLOCK_M": 32, "BLOCK_N": 64},
+    [({"BLOCK_M": 32, "BLOCK_N": 128}, 4, stages) for stages in (2, 3)]
+    + [({"BLOCK_M": 64, "BLOCK_N": 128}, 8, 2), ({"BLOCK_M": 64, "BLOCK_N": 64}, 4, 2),
+       ({"BLOCK_M": 32, "BLOCK_N": 32}, 4, 1)],
+)
+_attention_bwd_dkdv_dq_kernel = triton.autotune(
+    configs=_DKDV_DQ_CONFIGS, key=_TUNING_KEY, reset_to_zero=["DQ"])(_attention_bwd_dkdv_kernel.fn)
 
 
 @triton.jit
@@ -516,9 +544,13 @@ def _attention_forward(q, k, v, causal: bool, softmax_scale: float, allow_tf32: 
 
 
 def _attention_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, allow_tf32: bool,
+                        deterministic: bool,
                         out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
     """dq, dk, dv from the saved forward inputs, output and log-sum-exp; written into `out`
-    (any strides: views of one packed gradient, say) when given."""
+    (any strides: views of one packed gradient, say) when given.
+
+    deterministic: a dK/dV pass and a dQ pass, no atomics (bitwise reproducible); otherwise one
+    pass that adds dQ with fp32 atomics into a zeroed fp32 buffer, then casts it into dq."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -532,10 +564,18 @@ def _attention_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float,
 
     dq, dk, dv = out or (_empty_heads_like(q), _empty_heads_like(k), _empty_heads_like(v))
     scales = (softmax_scale, softmax_scale * LOG2_E, _bucket(Nq), _bucket(Nk))
+    if not deterministic:
+        dq_acc = _empty_heads_like(q, torch.float32).zero_()
+        _attention_bwd_dkdv_dq_kernel[_grid(Nk, "BLOCK_N", B * Hkv)](
+            q, k, v, do, dk, dv, dq_acc, lse, delta,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+            *dq_acc.stride(), Hkv, group, Nq, Nk, *scales, ATOMIC_DQ=True, **flags,
+        )
+        return dq.copy_(dq_acc), dk, dv
     _attention_bwd_dkdv_kernel[_grid(Nk, "BLOCK_N", B * Hkv)](
-        q, k, v, do, dk, dv, lse, delta,
+        q, k, v, do, dk, dv, dk, lse, delta,  # dk stands in for the unused DQ
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-        Hkv, group, Nq, Nk, *scales, **flags,
+        *dk.stride(), Hkv, group, Nq, Nk, *scales, ATOMIC_DQ=False, **flags,
     )
     _attention_bwd_dq_kernel[_grid(Nq, "BLOCK_M", B * Hq)](
         q, k, v, do, dq, lse, delta,
@@ -559,14 +599,15 @@ def _check_kernel_head_dim(D: int) -> None:
 
 @torch.library.custom_op("fastlm::flash_attention", mutates_args=())
 def _flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                        softmax_scale: float, allow_tf32: bool
+                        softmax_scale: float, allow_tf32: bool, deterministic: bool
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse): o (B, Hq, Nq, D) in q's memory layout, lse (B, Hq, Nq) fp32 base 2."""
+    """(o, lse): o (B, Hq, Nq, D) in q's memory layout, lse (B, Hq, Nq) fp32 base 2.
+    deterministic picks the backward's schedule (the forward has one)."""
     return _attention_forward(q, k, v, causal, softmax_scale, allow_tf32)
 
 
 @_flash_attention_op.register_fake
-def _(q, k, v, causal, softmax_scale, allow_tf32):
+def _(q, k, v, causal, softmax_scale, allow_tf32, deterministic):
     B, Hq, Nq, _ = q.shape
     return _empty_heads_like(q), q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
@@ -574,30 +615,32 @@ def _(q, k, v, causal, softmax_scale, allow_tf32):
 @torch.library.custom_op("fastlm::flash_attention_backward", mutates_args=())
 def _flash_attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                                  v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                                 causal: bool, softmax_scale: float, allow_tf32: bool
+                                 causal: bool, softmax_scale: float, allow_tf32: bool,
+                                 deterministic: bool
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _attention_backward(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32)
+    return _attention_backward(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32,
+                               deterministic)
 
 
 @_flash_attention_backward_op.register_fake
-def _(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32):
+def _(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, deterministic):
     return _empty_heads_like(q), _empty_heads_like(k), _empty_heads_like(v)
 
 
 def _flash_attention_setup(ctx, inputs, output):
     """Saves q, k, v, o and the (B, Hq, Nq) fp32 log-sum-exp: memory linear in the sequence."""
-    q, k, v, causal, softmax_scale, allow_tf32 = inputs
+    q, k, v, causal, softmax_scale, allow_tf32, deterministic = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
     ctx.set_materialize_grads(False)  # lse has no gradient: no zero tensor for it
     ctx.mark_non_differentiable(lse)
-    ctx.flags = (causal, softmax_scale, allow_tf32)
+    ctx.flags = (causal, softmax_scale, allow_tf32, deterministic)
 
 
 def _flash_attention_grad(ctx, do, _):
     q, k, v, o, lse = ctx.saved_tensors
     dq, dk, dv = _flash_attention_backward_op(do, q, k, v, o, lse, *ctx.flags)
-    return dq, dk, dv, None, None, None
+    return dq, dk, dv, None, None, None, None
 
 
 torch.library.register_autograd("fastlm::flash_attention", _flash_attention_grad,
@@ -640,7 +683,8 @@ def _check_inputs(q, k, v, causal, softmax_scale) -> None:
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                    softmax_scale: float | None = None, *, allow_tf32: bool = True) -> torch.Tensor:
+                    softmax_scale: float | None = None, *, allow_tf32: bool = True,
+                    deterministic: bool = True) -> torch.Tensor:
     """softmax(softmax_scale * q k^T [+ causal mask]) v without materialising the scores.
 
     q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D) with Hq a multiple of Hkv (grouped-query / multi-query
@@ -651,6 +695,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     (the PyTorch backend takes any).
     dtypes: float16, bfloat16, float32 (all three the same); softmax statistics in fp32.
     allow_tf32: for float32 inputs on a GPU, False makes the dots full fp32 instead of TF32.
+    deterministic: the backward's schedule. True (the default): a dK/dV pass and a dQ pass with
+    no atomics, bitwise reproducible for a given config. False: FA2's 5-matmul schedule, one pass
+    that also adds dQ with fp32 atomics (less recomputation; gradients equal to rounding only).
     Returns o (B, Hq, Nq, D) in q's dtype; differentiable in q, k and v.
     """
     _check_inputs(q, k, v, causal, softmax_scale)
@@ -658,7 +705,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     if not use_triton(q) or q.numel() == 0:
         return attention_ref(q, k, v, causal, scale)
     _check_kernel_head_dim(q.shape[-1])
-    return _flash_attention_op(q, k, v, causal, scale, bool(allow_tf32))[0]
+    return _flash_attention_op(q, k, v, causal, scale, bool(allow_tf32), bool(deterministic))[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -674,13 +721,15 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 def _flash_attention_backward_into_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                                       v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                                       causal: bool, softmax_scale: float, allow_tf32: bool,
-                                      dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+                                      deterministic: bool, dq: torch.Tensor, dk: torch.Tensor,
+                                      dv: torch.Tensor) -> None:
     """flash_attention's backward written into dq, dk, dv (views of one buffer, say)."""
-    _attention_backward(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, out=(dq, dk, dv))
+    _attention_backward(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, deterministic,
+                        out=(dq, dk, dv))
 
 
 @_flash_attention_backward_into_op.register_fake
-def _(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, dq, dk, dv):
+def _(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, deterministic, dq, dk, dv):
     return None
 
 
@@ -704,14 +753,15 @@ class _PackedRopeAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, cos, sin, positions, num_heads, num_kv_heads, causal, softmax_scale,
-                allow_tf32, interleaved):
+                allow_tf32, deterministic, interleaved):
         q, k, v = _split_heads(qkv, num_heads, num_kv_heads)
         torch.ops.fastlm.rope_(q, k, cos, sin, positions, interleaved, False)
-        o, lse = _flash_attention_op(q, k, v, causal, softmax_scale, allow_tf32)
+        o, lse = _flash_attention_op(q, k, v, causal, softmax_scale, allow_tf32, deterministic)
         ctx.mark_dirty(qkv)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(qkv, o, lse, cos, sin, positions)
-        ctx.args = (num_heads, num_kv_heads, causal, softmax_scale, allow_tf32, interleaved)
+        ctx.args = (num_heads, num_kv_heads, causal, softmax_scale, allow_tf32, deterministic,
+                    interleaved)
         return o, qkv
 
     @staticmethod
@@ -720,16 +770,17 @@ class _PackedRopeAttention(torch.autograd.Function):
             raise RuntimeError("fastlm.rope_attention: second derivatives are not supported "
                                "(create_graph=True through its backward)")
         qkv, o, lse, cos, sin, positions = ctx.saved_tensors
-        num_heads, num_kv_heads, causal, softmax_scale, allow_tf32, interleaved = ctx.args
+        num_heads, num_kv_heads, causal, softmax_scale, allow_tf32, deterministic, interleaved = \
+            ctx.args
         dqkv = empty(qkv.shape, device=qkv.device, dtype=qkv.dtype)
         if do is None:
-            return dqkv.zero_(), *[None] * 9
+            return dqkv.zero_(), *[None] * 10
         q, k, v = _split_heads(qkv, num_heads, num_kv_heads)
         dq, dk, dv = _split_heads(dqkv, num_heads, num_kv_heads)
         _flash_attention_backward_into_op(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32,
-                                          dq, dk, dv)
+                                          deterministic, dq, dk, dv)
         torch.ops.fastlm.rope_(dq, dk, cos, sin, positions, interleaved, True)
-        return dqkv, *[None] * 9
+        return dqkv, *[None] * 10
 
 
 def rope_attention_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -747,13 +798,13 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    token_positions: torch.Tensor, num_heads: int, num_kv_heads: int | None = None,
                    causal: bool = True, softmax_scale: float | None = None, *,
                    interleaved: bool = True, allow_tf32: bool = True,
-                   check_positions: bool = True) -> torch.Tensor:
+                   deterministic: bool = True, check_positions: bool = True) -> torch.Tensor:
     """Attention of a fused q|k|v projection with RoPE: the model's attention in one call.
 
     qkv: (B, T, (Hq + 2 Hkv) * D), the projection's output (q's heads, then k's, then v's);
     Hkv = num_kv_heads (default num_heads) divides Hq. cos, sin, token_positions, interleaved as in
     `apply_rope_` (check_positions=False skips the range check of the positions, for a caller
-    that checked them once for all layers); causal, softmax_scale, allow_tf32 as in
+    that checked them once for all layers); causal, softmax_scale, allow_tf32, deterministic as in
     `flash_attention`. Returns o (B, Hq, T, D) in (B, T, Hq, D) memory, so that
     `o.transpose(1, 2).reshape(B, T, Hq * D)` is free.
 
@@ -785,4 +836,4 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         return _empty_heads_like(q)
     return _PackedRopeAttention.apply(qkv, cos.contiguous(), sin.contiguous(), positions,
                                       num_heads, num_kv_heads, causal, scale, bool(allow_tf32),
-                                      interleaved)[0]
+                                      bool(deterministic), interleaved)[0]
