@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from fastlm.kernels.attention import (_attention_backward, _attention_forward, _split_heads,
-                                     flash_attention, rope_attention, rope_attention_ref)
+from fastlm.kernels.attention import (_attention_backward, _attention_forward, _empty_heads_like,
+                                      _split_heads, _use_tensor_descriptors,
+                                      flash_attention, rope_attention, rope_attention_ref)
 from fastlm.kernels.rope import apply_rope_, rope_tables
 from fastlm.reference import ScaledDotProductAttention
 from fastlm.testing import TOLERANCE, assert_close
@@ -109,6 +110,42 @@ CASES = [
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,dtype", CASES)
 def test_matches_reference(device, B, Hq, Hkv, Nq, Nk, D, causal, dtype):
     check_against_reference(*make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, device), causal)
+
+
+# A subset of CASES through each forward path, forced: every dtype, a padded head dim (80), GQA
+# and MQA, Nq < Nk, rows past a block.
+PATH_CASES = [CASES[i] for i in (1, 2, 3, 7, 8, 11)]
+
+
+@pytest.mark.parametrize("tma", ["1", "0"], ids=["descriptor", "pointer"])
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,dtype", PATH_CASES)
+def test_forward_paths_match_reference(device, monkeypatch, tma, B, Hq, Hkv, Nq, Nk, D, causal,
+                                       dtype):
+    """FASTLM_ATTENTION_TMA forces the tensor-descriptor forward (1) or the pointer one (0)."""
+    monkeypatch.setenv("FASTLM_ATTENTION_TMA", tma)
+    q, k, v = make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, device)
+    o = _empty_heads_like(q.detach())
+    assert _use_tensor_descriptors(q, k, v, o) == (tma == "1")
+    check_against_reference(q, k, v, causal)
+
+
+def test_descriptor_forward_reads_packed_qkv_in_place(device, monkeypatch):
+    """A packed q|k|v (row stride (Hq + 2 Hkv) D) takes the descriptor path and agrees with the
+    pointer path; a misaligned view falls back to pointers."""
+    B, T, Hq, Hkv, D = 2, 77, 4, 2, 32
+    qkv = torch.randn(B, T, (Hq + 2 * Hkv) * D, device=device, dtype=torch.float16)
+    q, k, v = _split_heads(qkv, Hq, Hkv)
+    monkeypatch.setenv("FASTLM_ATTENTION_TMA", "1")
+    assert _use_tensor_descriptors(q, k, v, _empty_heads_like(q))
+    o_tma, lse_tma = _attention_forward(q, k, v, True, D**-0.5, True)
+    monkeypatch.setenv("FASTLM_ATTENTION_TMA", "0")
+    o_ptr, lse_ptr = _attention_forward(q, k, v, True, D**-0.5, True)
+    assert_close(o_tma, o_ptr.double(), torch.float16, "o, descriptor vs pointer path")
+    assert_close(lse_tma, lse_ptr.double(), torch.float32, "lse, descriptor vs pointer path")
+    monkeypatch.setenv("FASTLM_ATTENTION_TMA", "1")
+    shifted = torch.randn(B * T * 8 * D + 1, device=device, dtype=torch.float16)[1:]
+    q, k, v = _split_heads(shifted.view(B, T, 8 * D), Hq, Hkv)  # base 2 bytes past alignment
+    assert not _use_tensor_descriptors(q, k, v, _empty_heads_like(q))
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,dtype", CASES)

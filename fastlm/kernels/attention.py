@@ -26,14 +26,21 @@ Backward, with dO, recomputing P = 2^(t - LSE) block by block:
 One program per (key block, batch * key/value head) computes dK and dV, looping over the G query
 heads of its group, so grouped heads need no atomics; another kernel, one program per (query block,
 batch * query head), computes dQ. Every grid is 1-D, block index fastest (`_block_start_and_batch_head`).
+With deterministic=False the dK/dV pass also computes dQ = s * dS k for its key block and adds it
+with fp32 atomics into a zeroed buffer (FA2's 5-matmul schedule): one pass, P computed once.
 
-Determinism: no atomics, and every sum has an order fixed by the block sizes, so with the same
-(BLOCK_M, BLOCK_N) configs the output and gradients are bitwise reproducible. In one process each
-kernel's config is chosen once per tuning key (`_TUNING_KEY` and the dtypes) and kept: repeated calls
-are bitwise equal. Across processes they need not be: on CUDA the autotuner picks configs by timing,
-so another run, GPU or Triton version may pick other block sizes and round differently (equal to
-rounding, not bitwise). TRITON_CACHE_AUTOTUNING=1 makes later processes on the same machine reuse the
-timings stored on disk. The interpreter has a single config.
+Forward data movement: on sm_90+ with a Triton that has `tl.make_tensor_descriptor`, q, k, v, o
+move through tensor descriptors (TMA), one 2-D [rows, D] view per (batch, head) built on the device;
+otherwise (sm_80, older Triton, unaligned views) through masked pointer loads. The choice is made
+on the host per call from cached device facts and cheap stride checks (`_use_tensor_descriptors`).
+
+Determinism (deterministic=True, the default): no atomics, and every sum has an order fixed by the
+block sizes, so with the same (BLOCK_M, BLOCK_N) configs the output and gradients are bitwise
+reproducible. In one process each kernel's config is chosen once per tuning key (`_TUNING_KEY` and
+the dtypes) and kept: repeated calls are bitwise equal. Across processes they need not be: on CUDA
+the autotuner picks configs by timing, so another run, GPU or Triton version may pick other block
+sizes and round differently (equal to rounding, not bitwise). TRITON_CACHE_AUTOTUNING=1 makes later
+processes on the same machine reuse the timings stored on disk. The interpreter has a single config.
 
 Precision: fp16/bf16 dots accumulate in fp32. fp32 inputs use TF32 dots on a GPU by default
 (`allow_tf32=False` asks for full fp32 dots); Triton's interpreter computes fp32 dots exactly.
@@ -41,6 +48,7 @@ Precision: fp16/bf16 dots accumulate in fp32. fp32 inputs use TF32 dots on a GPU
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -170,35 +178,54 @@ def _block_start_and_batch_head(n_rows, BLOCK: tl.constexpr, LAST_BLOCK_FIRST: t
 
 
 @triton.jit
+def _online_softmax_step(acc, m_i, l_i, q, k, v, offs_m, offs_n, n_k, causal_shift, qk_scale,
+                         MASKED: tl.constexpr, CAUSAL: tl.constexpr, SCALE_POSITIVE: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    """(acc, m_i, l_i) after one key block k, v (rows offs_n); m_i is in scaled (base-2) units.
+
+    With a positive scale the row max is taken on the unscaled scores (the max commutes with the
+    scaling) and each score is scaled and shifted by one FMA, qk * qk_scale - m. A zero or
+    negative scale (allowed, never hot) scales first. MASKED blocks may hold keys >= n_k or
+    (CAUSAL) keys some rows must not see.
+    """
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+    if SCALE_POSITIVE:
+        fma_scale = qk_scale
+    else:
+        qk = qk * qk_scale
+        fma_scale = 1.0
+    if MASKED:
+        visible = offs_n[None, :] < n_k
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
+        qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * fma_scale)
+    # A row that has seen no key yet keeps m = -inf; subtract 0 so that 2^(-inf - -inf) is not NaN.
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk * fma_scale - m_ref[:, None])
+    alpha = tl.math.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _fwd_key_blocks(acc, m_i, l_i, q, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
                     offs_m, offs_d, lo, hi, n_k, causal_shift, qk_scale,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASKED: tl.constexpr, CAUSAL: tl.constexpr, TO_FP32: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
-    """Online-softmax update of (acc, m_i, l_i) with the key blocks starting in [lo, hi).
-
-    MASKED blocks may hold keys >= n_k or (CAUSAL) keys some rows must not see.
-    """
+                    SCALE_POSITIVE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online-softmax update of (acc, m_i, l_i) with the key blocks starting in [lo, hi),
+    loaded through pointers."""
     offs_n = lo + tl.arange(0, BLOCK_N)
     k_ptrs = K_head + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = V_head + offs_n.to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd
     for _ in range(lo, hi, BLOCK_N):
         k = _load_tile(k_ptrs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TO_FP32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
-        if MASKED:
-            visible = offs_n[None, :] < n_k
-            if CAUSAL:
-                visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
-            qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        # A row that has seen no key yet keeps m = -inf; subtract 0 so that 2^(-inf - -inf) is not NaN.
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(qk - m_ref[:, None])
-        alpha = tl.math.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_tile(v_ptrs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TO_FP32)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, offs_m, offs_n, n_k,
+                                             causal_shift, qk_scale, MASKED, CAUSAL,
+                                             SCALE_POSITIVE, DOT_PRECISION)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
         offs_n += BLOCK_N
@@ -215,7 +242,7 @@ def _attention_fwd_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     num_heads, group, n_q, n_k, qk_scale, q_bucket, k_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    TO_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TO_FP32: tl.constexpr, SCALE_POSITIVE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_m, batch_head = _block_start_and_batch_head(n_q, BLOCK_M, CAUSAL)
@@ -231,6 +258,29 @@ def _attention_fwd_kernel(
     K_head = K + batch * stride_kb + kv_head * stride_kh
     V_head = V + batch * stride_vb + kv_head * stride_vh
 
+    acc, m_i, l_i, causal_shift, full_end, masked_end = _fwd_start(
+        start_m, n_q, n_k, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D)
+    acc, m_i, l_i = _fwd_key_blocks(
+        acc, m_i, l_i, q, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_d, 0, full_end, n_k, causal_shift, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, TO_FP32, SCALE_POSITIVE, DOT_PRECISION)
+    acc, m_i, l_i = _fwd_key_blocks(
+        acc, m_i, l_i, q, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_d, full_end, masked_end, n_k, causal_shift, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, TO_FP32, SCALE_POSITIVE, DOT_PRECISION)
+
+    o, lse = _fwd_finish(acc, m_i, l_i)
+    o_ptrs = (O + batch * stride_ob + head * stride_oh
+              + offs_m.to(tl.int64)[:, None] * stride_om + offs_d[None, :] * stride_od)
+    _store_tile(o_ptrs, o, offs_m, n_q, offs_d, HEAD_DIM)
+    tl.store(LSE + batch_head.to(tl.int64) * n_q + offs_m, lse, mask=offs_m < n_q)
+
+
+@triton.jit
+def _fwd_start(start_m, n_q, n_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The online softmax's empty state (acc, m_i, l_i), the causal shift Nk - Nq, and
+    (full_end, masked_end): key blocks [0, full_end) need no mask, [full_end, masked_end) do."""
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -243,23 +293,93 @@ def _attention_fwd_kernel(
     else:
         full_end = n_k // BLOCK_N * BLOCK_N
         masked_end = n_k
-    acc, m_i, l_i = _fwd_key_blocks(
-        acc, m_i, l_i, q, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_d, 0, full_end, n_k, causal_shift, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, TO_FP32, DOT_PRECISION)
-    acc, m_i, l_i = _fwd_key_blocks(
-        acc, m_i, l_i, q, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_d, full_end, masked_end, n_k, causal_shift, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, TO_FP32, DOT_PRECISION)
+    return acc, m_i, l_i, causal_shift, full_end, masked_end
 
-    # A row that saw no key (l = 0) gets O = 0 and LSE = +inf, so the backward's P = 2^(t - LSE) is 0.
+
+@triton.jit
+def _fwd_finish(acc, m_i, l_i):
+    """O and the base-2 LSE of each row. A row that saw no key (l = 0) gets O = 0 and LSE = +inf,
+    so the backward's P = 2^(t - LSE) is 0."""
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
-    o_ptrs = (O + batch * stride_ob + head * stride_oh
-              + offs_m.to(tl.int64)[:, None] * stride_om + offs_d[None, :] * stride_od)
-    _store_tile(o_ptrs, o, offs_m, n_q, offs_d, HEAD_DIM)
     lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
+    return o, lse
+
+
+@triton.jit
+def _fwd_key_blocks_tma(acc, m_i, l_i, q, k_desc, v_desc, offs_m, lo, hi, n_k, causal_shift,
+                        qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                        CAUSAL: tl.constexpr, TO_FP32: tl.constexpr, SCALE_POSITIVE: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """_fwd_key_blocks with k and v read through tensor descriptors (TMA on sm_90+): rows past
+    the head's n_k and the head-dim padding come back as zeros, with no masks to compute."""
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        k = k_desc.load([start_n, 0])
+        v = v_desc.load([start_n, 0])
+        if TO_FP32:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, offs_m, offs_n, n_k,
+                                             causal_shift, qk_scale, MASKED, CAUSAL,
+                                             SCALE_POSITIVE, DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attention_fwd_tma_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    num_heads, group, n_q, n_k, qk_scale, q_bucket, k_bucket,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    TO_FP32: tl.constexpr, SCALE_POSITIVE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The forward with q, k, v, o moved by tensor descriptors, one 2-D [rows, HEAD_DIM] view per
+    (batch, head) with unit last stride: any row stride, so a packed q|k|v (row stride 3C) is read
+    in place. Out-of-bounds rows and columns load as zeros; their stores are dropped."""
+    start_m, batch_head = _block_start_and_batch_head(n_q, BLOCK_M, CAUSAL)
+    batch = (batch_head // num_heads).to(tl.int64)
+    head = (batch_head % num_heads).to(tl.int64)
+    kv_head = head // group
+    q_desc = tl.make_tensor_descriptor(Q + batch * stride_qb + head * stride_qh, [n_q, HEAD_DIM],
+                                       [stride_qm, 1], [BLOCK_M, BLOCK_D])
+    k_desc = tl.make_tensor_descriptor(K + batch * stride_kb + kv_head * stride_kh,
+                                       [n_k, HEAD_DIM], [stride_kn, 1], [BLOCK_N, BLOCK_D])
+    v_desc = tl.make_tensor_descriptor(V + batch * stride_vb + kv_head * stride_vh,
+                                       [n_k, HEAD_DIM], [stride_vn, 1], [BLOCK_N, BLOCK_D])
+    o_desc = tl.make_tensor_descriptor(O + batch * stride_ob + head * stride_oh, [n_q, HEAD_DIM],
+                                       [stride_om, 1], [BLOCK_M, BLOCK_D])
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = q_desc.load([start_m, 0])
+    if TO_FP32:
+        q = q.to(tl.float32)
+
+    acc, m_i, l_i, causal_shift, full_end, masked_end = _fwd_start(
+        start_m, n_q, n_k, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D)
+    acc, m_i, l_i = _fwd_key_blocks_tma(
+        acc, m_i, l_i, q, k_desc, v_desc, offs_m, 0, full_end, n_k, causal_shift, qk_scale,
+        BLOCK_N, False, CAUSAL, TO_FP32, SCALE_POSITIVE, DOT_PRECISION, WARP_SPECIALIZE)
+    acc, m_i, l_i = _fwd_key_blocks_tma(
+        acc, m_i, l_i, q, k_desc, v_desc, offs_m, full_end, masked_end, n_k, causal_shift,
+        qk_scale, BLOCK_N, True, CAUSAL, TO_FP32, SCALE_POSITIVE, DOT_PRECISION, False)
+
+    o, lse = _fwd_finish(acc, m_i, l_i)
+    o_desc.store([start_m, 0], o.to(o_desc.dtype))
     tl.store(LSE + batch_head.to(tl.int64) * n_q + offs_m, lse, mask=offs_m < n_q)
+
+
+# The descriptor forward's own list (the pointer list's shapes: TMA moves the same tiles).
+_FWD_TMA_CONFIGS = _configs(
+    {"BLOCK_M": 64, "BLOCK_N": 32},
+    [({"BLOCK_M": 128, "BLOCK_N": 64}, warps, stages) for warps in (4, 8) for stages in (2, 3)]
+    + [({"BLOCK_M": 128, "BLOCK_N": 128}, 8, 2), ({"BLOCK_M": 64, "BLOCK_N": 64}, 4, 3),
+       ({"BLOCK_M": 64, "BLOCK_N": 32}, 4, 2)],
+)
+_attention_fwd_tma_autotuned = triton.autotune(configs=_FWD_TMA_CONFIGS, key=_TUNING_KEY)(
+    _attention_fwd_tma_kernel)
 
 
 @triton.jit
@@ -400,17 +520,32 @@ def _attention_bwd_dkdv_kernel(
     _store_tile(dv_ptrs, dv, offs_n, n_k, offs_d, HEAD_DIM)
 
 
-# The atomic schedule's one backward pass holds a dq tile besides dk and dv: the deterministic
-# pass's configs, less its widest, and fewer stages. Its own autotuner, because the timing runs
-# add into DQ and must find it zeroed before each.
-_DKDV_DQ_CONFIGS = _configs(
-    {"BLOCK_M": 32, "BLOCK_N": 64},
-    [({"BLOCK_M": 32, "BLOCK_N": 128}, 4, stages) for stages in (2, 3)]
-    + [({"BLOCK_M": 64, "BLOCK_N": 128}, 8, 2), ({"BLOCK_M": 64, "BLOCK_N": 64}, 4, 2),
-       ({"BLOCK_M": 32, "BLOCK_N": 32}, 4, 1)],
-)
+# The atomic schedule's one backward pass holds a dq tile besides dk, dv, k and v, so it fits
+# narrower query blocks than the deterministic pass. Each config is listed with the largest head
+# block it compiles for sm_90a without spills (ptxas -v, bf16, Triton 3.9: D 64 and 128 checked,
+# 256 not); the autotuner keeps those that fit the launch's BLOCK_D. The last is the fallback.
+_DKDV_DQ_CUDA = [
+    (({"BLOCK_M": 32, "BLOCK_N": 128}, 8, 2), 64),
+    (({"BLOCK_M": 16, "BLOCK_N": 64}, 4, 2), 64),
+    (({"BLOCK_M": 16, "BLOCK_N": 64}, 8, 2), 128),
+    (({"BLOCK_M": 16, "BLOCK_N": 32}, 4, 1), MAX_HEAD_DIM),
+]
+_DKDV_DQ_CONFIGS = _configs({"BLOCK_M": 32, "BLOCK_N": 64}, [c for c, _ in _DKDV_DQ_CUDA])
+_DKDV_DQ_MAX_BLOCK_D = {(blocks["BLOCK_M"], blocks["BLOCK_N"], warps): max_d
+                        for (blocks, warps, _), max_d in _DKDV_DQ_CUDA}
+
+
+def _spill_free_for_head_block(configs, named_args, **kwargs):
+    """The atomic pass's configs that compile without spills at this launch's head block."""
+    fitting = [c for c in configs if kwargs["BLOCK_D"] <= _DKDV_DQ_MAX_BLOCK_D.get(
+        (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps), MAX_HEAD_DIM)]
+    return fitting or configs[-1:]
+
+
 _attention_bwd_dkdv_dq_kernel = triton.autotune(
-    configs=_DKDV_DQ_CONFIGS, key=_TUNING_KEY, reset_to_zero=["DQ"])(_attention_bwd_dkdv_kernel.fn)
+    configs=_DKDV_DQ_CONFIGS, key=_TUNING_KEY, reset_to_zero=["DQ"],
+    prune_configs_by={"early_config_prune": _spill_free_for_head_block},
+)(_attention_bwd_dkdv_kernel.fn)
 
 
 @triton.jit
@@ -529,17 +664,64 @@ def _kernel_flags(q: torch.Tensor, causal: bool, allow_tf32: bool) -> dict:
     )
 
 
+# Tensor descriptors (TMA on sm_90+) for the forward: FASTLM_ATTENTION_TMA=1 forces them wherever
+# this Triton has them (the interpreter too, which is how the tests run both paths), 0 forbids
+# them; unset, they are used on CUDA devices of capability 9 or more. Read at each call.
+_HAS_TENSOR_DESCRIPTORS = hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
+# Warp specialisation of the descriptor forward's unmasked key loop (`tl.range(...,
+# warp_specialize=True)`) is off: with Triton 3.9 for sm_90a it aborts in the
+# NVGPUWarpSpecialization pass at 4 warps, and at 8 warps compiles to the same kernel as without
+# it (no setmaxnreg, equal registers): no producer/consumer split on Hopper yet.
+_WARP_SPECIALIZE = False
+
+
+@functools.cache
+def _device_has_tma(device: torch.device) -> bool:
+    """Once per device: a CUDA GPU of compute capability 9.0 or more."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _descriptor_allocator(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for descriptors built on the device (Triton asks through set_allocator)."""
+    return torch.empty(size, dtype=torch.uint8, device=_descriptor_allocator.device)
+
+
+def _use_tensor_descriptors(*tensors: torch.Tensor) -> bool:
+    """Whether the forward takes the descriptor path for these (q, k, v, o): the device and this
+    Triton can, and every tensor has a unit last stride and 16-byte aligned base and strides
+    (what a TMA descriptor requires); otherwise the pointer path."""
+    mode = os.environ.get("FASTLM_ATTENTION_TMA", "")
+    if mode == "0" or not _HAS_TENSOR_DESCRIPTORS:
+        return False
+    if mode != "1" and (interpreting() or not _device_has_tma(tensors[0].device)):
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if (t.stride(-1) != 1 or t.data_ptr() % 16
+                or any(stride * size % 16 for stride in t.stride()[:-1])):
+            return False
+    if getattr(_descriptor_allocator, "device", None) != tensors[0].device:
+        _descriptor_allocator.device = tensors[0].device
+        triton.set_allocator(_descriptor_allocator)
+    return True
+
+
 def _attention_forward(q, k, v, causal: bool, softmax_scale: float, allow_tf32: bool):
     """o (B, Hq, Nq, D) and the base-2 log-sum-exp (B, Hq, Nq) fp32 of checked inputs."""
     B, Hq, Nq, _ = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     o = _empty_heads_like(q)
     lse = empty((B, Hq, Nq), device=q.device, dtype=torch.float32)
-    _attention_fwd_kernel[_grid(Nq, "BLOCK_M", B * Hq)](
-        q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        Hq, Hq // Hkv, Nq, Nk, softmax_scale * LOG2_E, _bucket(Nq), _bucket(Nk),
-        **_kernel_flags(q, causal, allow_tf32),
-    )
+    args = (Hq, Hq // Hkv, Nq, Nk, softmax_scale * LOG2_E, _bucket(Nq), _bucket(Nk))
+    flags = dict(_kernel_flags(q, causal, allow_tf32), SCALE_POSITIVE=softmax_scale > 0)
+    grid = _grid(Nq, "BLOCK_M", B * Hq)
+    if _use_tensor_descriptors(q, k, v, o):
+        _attention_fwd_tma_autotuned[grid](
+            q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+            *args, WARP_SPECIALIZE=_WARP_SPECIALIZE, **flags)
+    else:
+        _attention_fwd_kernel[grid](
+            q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *args, **flags)
     return o, lse
 
 
