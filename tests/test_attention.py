@@ -156,8 +156,14 @@ def test_atomic_dq_schedule_matches_reference(device, B, Hq, Hkv, Nq, Nk, D, cau
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_softmax_scale(device, causal):
-    check_against_reference(*make_inputs(1, 2, 1, 77, 130, 32, torch.float32, device), causal, softmax_scale=0.3)
+@pytest.mark.parametrize("tma", ["1", "0"], ids=["descriptor", "pointer"])
+@pytest.mark.parametrize("scale", [0.3, -0.3, 0.0])
+def test_softmax_scale(device, monkeypatch, causal, tma, scale):
+    """A positive scale takes the row max of the unscaled scores; zero and negative ones scale
+    first (the max would not commute with them)."""
+    monkeypatch.setenv("FASTLM_ATTENTION_TMA", tma)
+    check_against_reference(*make_inputs(1, 2, 1, 77, 130, 32, torch.float32, device), causal,
+                            softmax_scale=scale)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
