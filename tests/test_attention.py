@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from fastlm.kernels.attention import (_attention_backward, _attention_forward, _split_heads,
-                                     flash_attention, rope_attention, rope_attention_ref)
+from fastlm.kernels.attention import (_attention_backward, _attention_forward, _empty_heads_like,
+                                      _split_heads, _use_tensor_descriptors,
+                                      flash_attention, rope_attention, rope_attention_ref)
 from fastlm.kernels.rope import apply_rope_, rope_tables
 from fastlm.reference import ScaledDotProductAttention
 from fastlm.testing import TOLERANCE, assert_close
@@ -44,12 +45,13 @@ def make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, device, std=1.0):
     return q, k, v
 
 
-def run(q, k, v, causal, softmax_scale=None):
+def run(q, k, v, causal, softmax_scale=None, deterministic=True):
     """Output and (dq, dk, dv) of flash_attention for a random dO; fp32 asks for full-precision dots
     so that the fp32 bound also holds on a GPU (TF32 is tested on its own)."""
     for t in (q, k, v):
         t.grad = None
-    o = flash_attention(q, k, v, causal, softmax_scale, allow_tf32=False)
+    o = flash_attention(q, k, v, causal, softmax_scale, allow_tf32=False,
+                        deterministic=deterministic)
     do = torch.randn_like(o)
     o.backward(do)
     return o, do, (q.grad, k.grad, v.grad)
@@ -62,8 +64,8 @@ def reference_run(q, k, v, do, causal, softmax_scale=None):
     return o, (q64.grad, k64.grad, v64.grad)
 
 
-def check_against_reference(q, k, v, causal, softmax_scale=None):
-    o, do, grads = run(q, k, v, causal, softmax_scale)
+def check_against_reference(q, k, v, causal, softmax_scale=None, deterministic=True):
+    o, do, grads = run(q, k, v, causal, softmax_scale, deterministic)
     ref_o, ref_grads = reference_run(q, k, v, do, causal, softmax_scale)
     dtype = q.dtype
     assert o.dtype == dtype and o.shape == q.shape
@@ -110,9 +112,58 @@ def test_matches_reference(device, B, Hq, Hkv, Nq, Nk, D, causal, dtype):
     check_against_reference(*make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, device), causal)
 
 
+# A subset of CASES through each forward path, forced: every dtype, a padded head dim (80), GQA
+# and MQA, Nq < Nk, rows past a block.
+PATH_CASES = [CASES[i] for i in (1, 2, 3, 7, 8, 11)]
+
+
+@pytest.mark.parametrize("tma", ["1", "0"], ids=["descriptor", "pointer"])
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,dtype", PATH_CASES)
+def test_forward_paths_match_reference(device, monkeypatch, tma, B, Hq, Hkv, Nq, Nk, D, causal,
+                                       dtype):
+    """FASTLM_ATTENTION_TMA forces the tensor-descriptor forward (1) or the pointer one (0)."""
+    monkeypatch.setenv("FASTLM_ATTENTION_TMA", tma)
+    q, k, v = make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, device)
+    o = _empty_heads_like(q.detach())
+    assert _use_tensor_descriptors(q, k, v, o) == (tma == "1")
+    check_against_reference(q, k, v, causal)
+
+
+def test_descriptor_forward_reads_packed_qkv_in_place(device, monkeypatch):
+    """A packed q|k|v (row stride (Hq + 2 Hkv) D) takes the descriptor path and agrees with the
+    pointer path; a misaligned view falls back to pointers."""
+    B, T, Hq, Hkv, D = 2, 77, 4, 2, 32
+    qkv = torch.randn(B, T, (Hq + 2 * Hkv) * D, device=device, dtype=torch.float16)
+    q, k, v = _split_heads(qkv, Hq, Hkv)
+    monkeypatch.setenv("FASTLM_ATTENTION_TMA", "1")
+    assert _use_tensor_descriptors(q, k, v, _empty_heads_like(q))
+    o_tma, lse_tma = _attention_forward(q, k, v, True, D**-0.5, True)
+    monkeypatch.setenv("FASTLM_ATTENTION_TMA", "0")
+    o_ptr, lse_ptr = _attention_forward(q, k, v, True, D**-0.5, True)
+    assert_close(o_tma, o_ptr.double(), torch.float16, "o, descriptor vs pointer path")
+    assert_close(lse_tma, lse_ptr.double(), torch.float32, "lse, descriptor vs pointer path")
+    monkeypatch.setenv("FASTLM_ATTENTION_TMA", "1")
+    shifted = torch.randn(B * T * 8 * D + 1, device=device, dtype=torch.float16)[1:]
+    q, k, v = _split_heads(shifted.view(B, T, 8 * D), Hq, Hkv)  # base 2 bytes past alignment
+    assert not _use_tensor_descriptors(q, k, v, _empty_heads_like(q))
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,dtype", CASES)
+def test_atomic_dq_schedule_matches_reference(device, B, Hq, Hkv, Nq, Nk, D, causal, dtype):
+    """deterministic=False: dQ added with atomics inside the dK/dV pass, on every shape case."""
+    check_against_reference(*make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, device), causal,
+                            deterministic=False)
+
+
 @pytest.mark.parametrize("causal", [True, False])
-def test_softmax_scale(device, causal):
-    check_against_reference(*make_inputs(1, 2, 1, 77, 130, 32, torch.float32, device), causal, softmax_scale=0.3)
+@pytest.mark.parametrize("tma", ["1", "0"], ids=["descriptor", "pointer"])
+@pytest.mark.parametrize("scale", [0.3, -0.3, 0.0])
+def test_softmax_scale(device, monkeypatch, causal, tma, scale):
+    """A positive scale takes the row max of the unscaled scores; zero and negative ones scale
+    first (the max would not commute with them)."""
+    monkeypatch.setenv("FASTLM_ATTENTION_TMA", tma)
+    check_against_reference(*make_inputs(1, 2, 1, 77, 130, 32, torch.float32, device), causal,
+                            softmax_scale=scale)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -184,7 +235,8 @@ def test_strided_inputs_need_no_copy(device):
     assert o.transpose(1, 2).is_contiguous(), "o should keep q's [B, N, H, D] memory layout"
     with torch.no_grad(), _CopyRecorder(qkv) as recorder:  # inside the ops: the launchers
         o_launched, lse = _attention_forward(q, k, v, True, D**-0.5, True)
-        _attention_backward(do, q, k, v, o_launched, lse, True, D**-0.5, True)
+        for deterministic in (True, False):
+            _attention_backward(do, q, k, v, o_launched, lse, True, D**-0.5, True, deterministic)
     assert not recorder.copies, f"the launchers copied q, k, v by {recorder.copies}"
 
     contiguous = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
@@ -207,7 +259,7 @@ def test_strided_inputs_need_no_copy(device):
 
 def test_backward_is_deterministic(device):
     q, k, v = make_inputs(1, 4, 2, 130, 130, 32, torch.float16, device)
-    o = flash_attention(q, k, v, causal=True)
+    o = flash_attention(q, k, v, causal=True, deterministic=True)
     do = torch.randn_like(o)
     first = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
     second = torch.autograd.grad(o, (q, k, v), do)
@@ -215,7 +267,8 @@ def test_backward_is_deterministic(device):
         assert torch.equal(a, b)
 
 
-def test_fully_masked_rows_give_zeros(device):
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_fully_masked_rows_give_zeros(device, deterministic):
     """The public function rejects Nq > Nk; the kernels, given it, mask every key for the first
     Nq - Nk queries (they would see keys j <= i - (Nq - Nk) < 0). Those rows must be 0, not NaN."""
     Nq, Nk, D = 77, 40, 16
@@ -223,7 +276,8 @@ def test_fully_masked_rows_give_zeros(device):
     scale = D ** -0.5
     o, lse = _attention_forward(q.detach(), k.detach(), v.detach(), True, scale, False)
     do = torch.randn_like(o)
-    dq, dk, dv = _attention_backward(do, q.detach(), k.detach(), v.detach(), o, lse, True, scale, False)
+    dq, dk, dv = _attention_backward(do, q.detach(), k.detach(), v.detach(), o, lse, True, scale,
+                                     False, deterministic)
     hidden = Nq - Nk
     assert torch.equal(o[:, :, :hidden], torch.zeros_like(o[:, :, :hidden]))
     assert torch.equal(dq[:, :, :hidden], torch.zeros_like(dq[:, :, :hidden]))
@@ -470,6 +524,10 @@ def test_rope_attention_is_deterministic_and_matches_the_torch_backend(device, m
         runs.append(leaf.grad.clone())
     assert torch.equal(runs[0], runs[1])
     assert_close(runs[0], runs[2].double(), torch.float16, "kernels vs torch backend")
+    monkeypatch.setenv("FASTLM_BACKEND", "auto")
+    leaf.grad = None
+    rope_attention(leaf * 1, cos, sin, positions, 4, 2, deterministic=False).backward(do)
+    assert_close(leaf.grad, runs[2].double(), torch.float16, "atomic-dQ schedule vs torch backend")
 
 
 @pytest.mark.parametrize("call,error,message", [

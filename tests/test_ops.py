@@ -28,7 +28,8 @@ def _op_cases(device):
     x, residual, weight = _randn(5, 48, **g), _randn(5, 48, **g), _randn(48, **g)
     rstd = torch.rand(5, device=device) + 0.5
     q, k, v = _randn(1, 2, 37, 16, **g), _randn(1, 1, 37, 16, **g), _randn(1, 1, 37, 16, **g)
-    o, lse = torch.ops.fastlm.flash_attention(q.detach(), k.detach(), v.detach(), True, 0.25, False)
+    o, lse = torch.ops.fastlm.flash_attention(q.detach(), k.detach(), v.detach(), True, 0.25, False,
+                                              True)
     cos, sin = rope_tables(10000.0, 16, 64, device=device)
     positions = torch.arange(3, 40, device=device)
     targets = torch.randint(0, 300, (6,), device=device)
@@ -46,13 +47,13 @@ def _op_cases(device):
         "swiglu_packed": (ops.swiglu_packed, (_randn(4, 80, **g),)),
         "swiglu_packed_backward": (ops.swiglu_packed_backward,
                                    (_randn(4, 40, **n), _randn(4, 80, **n))),
-        "flash_attention": (ops.flash_attention, (q, k, v, True, 0.25, False)),
+        "flash_attention": (ops.flash_attention, (q, k, v, True, 0.25, False, False)),
         "flash_attention_backward": (ops.flash_attention_backward,
                                      (_randn(1, 2, 37, 16, **n), q.detach(), k.detach(),
-                                      v.detach(), o, lse, True, 0.25, False)),
+                                      v.detach(), o, lse, True, 0.25, False, False)),
         "flash_attention_backward_": (ops.flash_attention_backward_,
                                       (_randn(1, 2, 37, 16, **n), q.detach(), k.detach(),
-                                       v.detach(), o, lse, True, 0.25, False,
+                                       v.detach(), o, lse, True, 0.25, False, True,
                                        *(_randn(1, h, 37, 16, **n) for h in (2, 1, 1)))),
         "rope": (ops.rope, (_randn(1, 2, 37, 16, **g), cos, sin, positions, True, False)),
         "rope_": (ops.rope_, (_randn(1, 2, 37, 16, **n), _randn(1, 1, 37, 16, **n), cos, sin,

@@ -26,14 +26,21 @@ Backward, with dO, recomputing P = 2^(t - LSE) block by block:
 One program per (key block, batch * key/value head) computes dK and dV, looping over the G query
 heads of its group, so grouped heads need no atomics; another kernel, one program per (query block,
 batch * query head), computes dQ. Every grid is 1-D, block index fastest (`_block_start_and_batch_head`).
+With deterministic=False the dK/dV pass also computes dQ = s * dS k for its key block and adds it
+with fp32 atomics into a zeroed buffer (FA2's 5-matmul schedule): one pass, P computed once.
 
-Determinism: no atomics, and every sum has an order fixed by the block sizes, so with the same
-(BLOCK_M, BLOCK_N) configs the output and gradients are bitwise reproducible. In one process each
-kernel's config is chosen once per tuning key (`_TUNING_KEY` and the dtypes) and kept: repeated calls
-are bitwise equal. Across processes they need not be: on CUDA the autotuner picks configs by timing,
-so another run, GPU or Triton version may pick other block sizes and round differently (equal to
-rounding, not bitwise). TRITON_CACHE_AUTOTUNING=1 makes later processes on the same machine reuse the
-timings stored on disk. The interpreter has a single config.
+Forward data movement: on sm_90+ with a Triton that has `tl.make_tensor_descriptor`, q, k, v, o
+move through tensor descriptors (TMA), one 2-D [rows, D] view per (batch, head) built on the device;
+otherwise (sm_80, older Triton, unaligned views) through masked pointer loads. The choice is made
+on the host per call from cached device facts and cheap stride checks (`_use_tensor_descriptors`).
+
+Determinism (deterministic=True, the default): no atomics, and every sum has an order fixed by the
+block sizes, so with the same (BLOCK_M, BLOCK_N) configs the output and gradients are bitwise
+reproducible. In one process each kernel's config is chosen once per tuning key (`_TUNING_KEY` and
+the dtypes) and kept: repeated calls are bitwise equal. Across processes they need not be: on CUDA
+the autotuner picks configs by timing, so another run, GPU or Triton version may pick other block
+sizes and round differently (equal to rounding, not bitwise). TRITON_CACHE_AUTOTUNING=1 makes later
+processes on the same machine reuse the timings stored on disk. The interpreter has a single config.
 
 Precision: fp16/bf16 dots accumulate in fp32. fp32 inputs use TF32 dots on a GPU by default
 (`allow_tf32=False` asks for full fp32 dots); Triton's interpreter computes fp32 dots exactly.
@@ -41,6 +48,7 @@ Precision: fp16/bf16 dots accumulate in fp32. fp32 inputs use TF32 dots on a GPU
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -220,35 +228,54 @@ def _block_start_and_batch_head(n_rows, BLOCK: tl.constexpr, LAST_BLOCK_FIRST: t
 
 
 @triton.jit
+def _online_softmax_step(acc, m_i, l_i, q, k, v, offs_m, offs_n, n_k, causal_shift, qk_scale,
+                         MASKED: tl.constexpr, CAUSAL: tl.constexpr, SCALE_POSITIVE: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    """(acc, m_i, l_i) after one key block k, v (rows offs_n); m_i is in scaled (base-2) units.
+
+    With a positive scale the row max is taken on the unscaled scores (the max commutes with the
+    scaling) and each score is scaled and shifted by one FMA, qk * qk_scale - m. A zero or
+    negative scale (allowed, never hot) scales first. MASKED blocks may hold keys >= n_k or
+    (CAUSAL) keys some rows must not see.
+    """
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+    if SCALE_POSITIVE:
+        fma_scale = qk_scale
+    else:
+        qk = qk * qk_scale
+        fma_scale = 1.0
+    if MASKED:
+        visible = offs_n[None, :] < n_k
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
+        qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * fma_scale)
+    # A row that has seen no key yet keeps m = -inf; subtract 0 so that 2^(-inf - -inf) is not NaN.
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk * fma_scale - m_ref[:, None])
+    alpha = tl.math.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _fwd_key_blocks(acc, m_i, l_i, q, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
                     offs_m, offs_d, lo, hi, n_k, causal_shift, qk_scale,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASKED: tl.constexpr, CAUSAL: tl.constexpr, TO_FP32: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
-    """Online-softmax update of (acc, m_i, l_i) with the key blocks starting in [lo, hi).
-
-    MASKED blocks may hold keys >= n_k or (CAUSAL) keys some rows must not see.
-    """
+                    SCALE_POSITIVE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online-softmax update of (acc, m_i, l_i) with the key blocks starting in [lo, hi),
+    loaded through pointers."""
     offs_n = lo + tl.arange(0, BLOCK_N)
     k_ptrs = K_head + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = V_head + offs_n.to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd
     for _ in range(lo, hi, BLOCK_N):
         k = _load_tile(k_ptrs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TO_FP32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
-        if MASKED:
-            visible = offs_n[None, :] < n_k
-            if CAUSAL:
-                visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
-            qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        # A row that has seen no key yet keeps m = -inf; subtract 0 so that 2^(-inf - -inf) is not NaN.
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(qk - m_ref[:, None])
-        alpha = tl.math.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_tile(v_ptrs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TO_FP32)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, offs_m, offs_n, n_k,
+                                             causal_shift, qk_scale, MASKED, CAUSAL,
+                                             SCALE_POSITIVE, DOT_PRECISION)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
         offs_n += BLOCK_N
@@ -266,7 +293,7 @@ def _attention_fwd_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     num_heads, group, n_q, n_k, qk_scale, q_bucket, k_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    TO_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TO_FP32: tl.constexpr, SCALE_POSITIVE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_m, batch_head = _block_start_and_batch_head(n_q, BLOCK_M, CAUSAL)
@@ -282,6 +309,29 @@ def _attention_fwd_kernel(
     K_head = K + batch * stride_kb + kv_head * stride_kh
     V_head = V + batch * stride_vb + kv_head * stride_vh
 
+    acc, m_i, l_i, causal_shift, full_end, masked_end = _fwd_start(
+        start_m, n_q, n_k, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D)
+    acc, m_i, l_i = _fwd_key_blocks(
+        acc, m_i, l_i, q, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_d, 0, full_end, n_k, causal_shift, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, TO_FP32, SCALE_POSITIVE, DOT_PRECISION)
+    acc, m_i, l_i = _fwd_key_blocks(
+        acc, m_i, l_i, q, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_d, full_end, masked_end, n_k, causal_shift, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, TO_FP32, SCALE_POSITIVE, DOT_PRECISION)
+
+    o, lse = _fwd_finish(acc, m_i, l_i)
+    o_ptrs = (O + batch * stride_ob + head * stride_oh
+              + offs_m.to(tl.int64)[:, None] * stride_om + offs_d[None, :] * stride_od)
+    _store_tile(o_ptrs, o, offs_m, n_q, offs_d, HEAD_DIM)
+    tl.store(LSE + batch_head.to(tl.int64) * n_q + offs_m, lse, mask=offs_m < n_q)
+
+
+@triton.jit
+def _fwd_start(start_m, n_q, n_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The online softmax's empty state (acc, m_i, l_i), the causal shift Nk - Nq, and
+    (full_end, masked_end): key blocks [0, full_end) need no mask, [full_end, masked_end) do."""
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -294,23 +344,93 @@ def _attention_fwd_kernel(
     else:
         full_end = n_k // BLOCK_N * BLOCK_N
         masked_end = n_k
-    acc, m_i, l_i = _fwd_key_blocks(
-        acc, m_i, l_i, q, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_d, 0, full_end, n_k, causal_shift, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, TO_FP32, DOT_PRECISION)
-    acc, m_i, l_i = _fwd_key_blocks(
-        acc, m_i, l_i, q, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_d, full_end, masked_end, n_k, causal_shift, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, TO_FP32, DOT_PRECISION)
+    return acc, m_i, l_i, causal_shift, full_end, masked_end
 
-    # A row that saw no key (l = 0) gets O = 0 and LSE = +inf, so the backward's P = 2^(t - LSE) is 0.
+
+@triton.jit
+def _fwd_finish(acc, m_i, l_i):
+    """O and the base-2 LSE of each row. A row that saw no key (l = 0) gets O = 0 and LSE = +inf,
+    so the backward's P = 2^(t - LSE) is 0."""
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
-    o_ptrs = (O + batch * stride_ob + head * stride_oh
-              + offs_m.to(tl.int64)[:, None] * stride_om + offs_d[None, :] * stride_od)
-    _store_tile(o_ptrs, o, offs_m, n_q, offs_d, HEAD_DIM)
     lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
+    return o, lse
+
+
+@triton.jit
+def _fwd_key_blocks_tma(acc, m_i, l_i, q, k_desc, v_desc, offs_m, lo, hi, n_k, causal_shift,
+                        qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                        CAUSAL: tl.constexpr, TO_FP32: tl.constexpr, SCALE_POSITIVE: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """_fwd_key_blocks with k and v read through tensor descriptors (TMA on sm_90+): rows past
+    the head's n_k and the head-dim padding come back as zeros, with no masks to compute."""
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        k = k_desc.load([start_n, 0])
+        v = v_desc.load([start_n, 0])
+        if TO_FP32:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, offs_m, offs_n, n_k,
+                                             causal_shift, qk_scale, MASKED, CAUSAL,
+                                             SCALE_POSITIVE, DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attention_fwd_tma_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    num_heads, group, n_q, n_k, qk_scale, q_bucket, k_bucket,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    TO_FP32: tl.constexpr, SCALE_POSITIVE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The forward with q, k, v, o moved by tensor descriptors, one 2-D [rows, HEAD_DIM] view per
+    (batch, head) with unit last stride: any row stride, so a packed q|k|v (row stride 3C) is read
+    in place. Out-of-bounds rows and columns load as zeros; their stores are dropped."""
+    start_m, batch_head = _block_start_and_batch_head(n_q, BLOCK_M, CAUSAL)
+    batch = (batch_head // num_heads).to(tl.int64)
+    head = (batch_head % num_heads).to(tl.int64)
+    kv_head = head // group
+    q_desc = tl.make_tensor_descriptor(Q + batch * stride_qb + head * stride_qh, [n_q, HEAD_DIM],
+                                       [stride_qm, 1], [BLOCK_M, BLOCK_D])
+    k_desc = tl.make_tensor_descriptor(K + batch * stride_kb + kv_head * stride_kh,
+                                       [n_k, HEAD_DIM], [stride_kn, 1], [BLOCK_N, BLOCK_D])
+    v_desc = tl.make_tensor_descriptor(V + batch * stride_vb + kv_head * stride_vh,
+                                       [n_k, HEAD_DIM], [stride_vn, 1], [BLOCK_N, BLOCK_D])
+    o_desc = tl.make_tensor_descriptor(O + batch * stride_ob + head * stride_oh, [n_q, HEAD_DIM],
+                                       [stride_om, 1], [BLOCK_M, BLOCK_D])
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = q_desc.load([start_m, 0])
+    if TO_FP32:
+        q = q.to(tl.float32)
+
+    acc, m_i, l_i, causal_shift, full_end, masked_end = _fwd_start(
+        start_m, n_q, n_k, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D)
+    acc, m_i, l_i = _fwd_key_blocks_tma(
+        acc, m_i, l_i, q, k_desc, v_desc, offs_m, 0, full_end, n_k, causal_shift, qk_scale,
+        BLOCK_N, False, CAUSAL, TO_FP32, SCALE_POSITIVE, DOT_PRECISION, WARP_SPECIALIZE)
+    acc, m_i, l_i = _fwd_key_blocks_tma(
+        acc, m_i, l_i, q, k_desc, v_desc, offs_m, full_end, masked_end, n_k, causal_shift,
+        qk_scale, BLOCK_N, True, CAUSAL, TO_FP32, SCALE_POSITIVE, DOT_PRECISION, False)
+
+    o, lse = _fwd_finish(acc, m_i, l_i)
+    o_desc.store([start_m, 0], o.to(o_desc.dtype))
     tl.store(LSE + batch_head.to(tl.int64) * n_q + offs_m, lse, mask=offs_m < n_q)
+
+
+# The descriptor forward's own list (the pointer list's shapes: TMA moves the same tiles).
+_FWD_TMA_CONFIGS = _configs(
+    {"BLOCK_M": 64, "BLOCK_N": 32},
+    [({"BLOCK_M": 128, "BLOCK_N": 64}, warps, stages) for warps in (4, 8) for stages in (2, 3)]
+    + [({"BLOCK_M": 128, "BLOCK_N": 128}, 8, 2), ({"BLOCK_M": 64, "BLOCK_N": 64}, 4, 3),
+       ({"BLOCK_M": 64, "BLOCK_N": 32}, 4, 2)],
+)
+_attention_fwd_tma_autotuned = triton.autotune(configs=_FWD_TMA_CONFIGS, key=_TUNING_KEY)(
+    _attention_fwd_tma_kernel)
 
 
 @triton.jit
@@ -336,14 +456,16 @@ def _attention_bwd_delta_kernel(
 
 
 @triton.jit
-def _dkdv_query_blocks(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head,
-                       stride_qm, stride_qd, stride_dom, stride_dod,
-                       offs_n, offs_d, lo, hi, n_q, causal_shift, qk_scale,
+def _dkdv_query_blocks(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, DQ_head,
+                       stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
+                       offs_n, offs_d, lo, hi, n_q, causal_shift, softmax_scale, qk_scale,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        CHECK_ROWS: tl.constexpr, CAUSAL_MASK: tl.constexpr, TO_FP32: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr):
-    """Add to (dk, dv) of one key block the query blocks starting in [lo, hi) of one query head."""
+                       DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+    """Add to (dk, dv) of one key block the query blocks starting in [lo, hi) of one query head;
+    with ATOMIC_DQ also add this key block's share of dq, s * dS k, to the fp32 DQ_head."""
     offs_m = lo + tl.arange(0, BLOCK_M)
+    dq_ptrs = DQ_head + offs_m.to(tl.int64)[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
     q_ptrs = Q_head + offs_m.to(tl.int64)[:, None] * stride_qm + offs_d[None, :] * stride_qd
     do_ptrs = DO_head + offs_m.to(tl.int64)[:, None] * stride_dom + offs_d[None, :] * stride_dod
     for _ in range(lo, hi, BLOCK_M):
@@ -364,6 +486,11 @@ def _dkdv_query_blocks(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head,
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        if ATOMIC_DQ:  # the fifth matmul: other key blocks add to the same rows, in any order
+            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION)
+            tl.atomic_add(dq_ptrs, dq * softmax_scale, sem="relaxed",
+                          mask=(offs_m[:, None] < n_q) & (offs_d[None, :] < HEAD_DIM))
+            dq_ptrs += BLOCK_M * stride_dqm
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
         offs_m += BLOCK_M
@@ -374,18 +501,22 @@ def _dkdv_query_blocks(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head,
                   prune_configs_by=_prune_to_fitting(DKDV_CUDA_CONFIGS))
 @triton.jit
 def _attention_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE, DELTA,
+    Q, K, V, DO, DK, DV, DQ, LSE, DELTA,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     num_kv_heads, group, n_q, n_k, softmax_scale, qk_scale, q_bucket, k_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    TO_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TO_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """dK and dV of one key block; with ATOMIC_DQ also dQ, added with fp32 atomics into a zeroed
+    DQ (FA2's 5-matmul schedule: one pass, no dQ kernel, sums in no fixed order). Without it
+    DQ is unused."""
     # In order: the first key blocks, seen by the most causal queries, are already the longest.
     start_n, batch_kv_head = _block_start_and_batch_head(n_k, BLOCK_N, False)
     batch = (batch_kv_head // num_kv_heads).to(tl.int64)
@@ -418,23 +549,55 @@ def _attention_bwd_dkdv_kernel(
         row_stats = (batch * num_kv_heads * group + head) * n_q
         LSE_head = LSE + row_stats
         DELTA_head = DELTA + row_stats
+        DQ_head = DQ + batch * stride_dqb + head * stride_dqh
         dk, dv = _dkdv_query_blocks(
-            dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, stride_qm, stride_qd, stride_dom, stride_dod,
-            offs_n, offs_d, diag_lo, tl.minimum(full_lo, n_q), n_q, causal_shift, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, TO_FP32, DOT_PRECISION)
+            dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, DQ_head,
+            stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
+            offs_n, offs_d, diag_lo, tl.minimum(full_lo, n_q), n_q, causal_shift, softmax_scale, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, TO_FP32, DOT_PRECISION, ATOMIC_DQ)
         dk, dv = _dkdv_query_blocks(
-            dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, stride_qm, stride_qd, stride_dom, stride_dod,
-            offs_n, offs_d, full_lo, full_hi, n_q, causal_shift, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_M, False, False, TO_FP32, DOT_PRECISION)
+            dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, DQ_head,
+            stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
+            offs_n, offs_d, full_lo, full_hi, n_q, causal_shift, softmax_scale, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_M, False, False, TO_FP32, DOT_PRECISION, ATOMIC_DQ)
         dk, dv = _dkdv_query_blocks(
-            dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, stride_qm, stride_qd, stride_dom, stride_dod,
-            offs_n, offs_d, full_hi, n_q, n_q, causal_shift, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_M, True, False, TO_FP32, DOT_PRECISION)
+            dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, DQ_head,
+            stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
+            offs_n, offs_d, full_hi, n_q, n_q, causal_shift, softmax_scale, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_M, True, False, TO_FP32, DOT_PRECISION, ATOMIC_DQ)
 
     dk_ptrs = DK + batch * stride_dkb + kv_head * stride_dkh + rows * stride_dkn + offs_d[None, :] * stride_dkd
     dv_ptrs = DV + batch * stride_dvb + kv_head * stride_dvh + rows * stride_dvn + offs_d[None, :] * stride_dvd
     _store_tile(dk_ptrs, dk * softmax_scale, offs_n, n_k, offs_d, HEAD_DIM)
     _store_tile(dv_ptrs, dv, offs_n, n_k, offs_d, HEAD_DIM)
+
+
+# The atomic schedule's one backward pass holds a dq tile besides dk, dv, k and v, so it fits
+# narrower query blocks than the deterministic pass. Each config is listed with the largest head
+# block it compiles for sm_90a without spills (ptxas -v, bf16, Triton 3.9: D 64 and 128 checked,
+# 256 not); the autotuner keeps those that fit the launch's BLOCK_D. The last is the fallback.
+_DKDV_DQ_CUDA = [
+    (({"BLOCK_M": 32, "BLOCK_N": 128}, 8, 2), 64),
+    (({"BLOCK_M": 16, "BLOCK_N": 64}, 4, 2), 64),
+    (({"BLOCK_M": 16, "BLOCK_N": 64}, 8, 2), 128),
+    (({"BLOCK_M": 16, "BLOCK_N": 32}, 4, 1), MAX_HEAD_DIM),
+]
+_DKDV_DQ_CONFIGS = _configs({"BLOCK_M": 32, "BLOCK_N": 64}, [c for c, _ in _DKDV_DQ_CUDA])
+_DKDV_DQ_MAX_BLOCK_D = {(blocks["BLOCK_M"], blocks["BLOCK_N"], warps): max_d
+                        for (blocks, warps, _), max_d in _DKDV_DQ_CUDA}
+
+
+def _spill_free_for_head_block(configs, named_args, **kwargs):
+    """The atomic pass's configs that compile without spills at this launch's head block."""
+    fitting = [c for c in configs if kwargs["BLOCK_D"] <= _DKDV_DQ_MAX_BLOCK_D.get(
+        (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps), MAX_HEAD_DIM)]
+    return fitting or configs[-1:]
+
+
+_attention_bwd_dkdv_dq_kernel = triton.autotune(
+    configs=_DKDV_DQ_CONFIGS, key=_TUNING_KEY, reset_to_zero=["DQ"],
+    prune_configs_by={"early_config_prune": _spill_free_for_head_block},
+)(_attention_bwd_dkdv_kernel.fn)
 
 
 @triton.jit
@@ -554,24 +717,75 @@ def _kernel_flags(q: torch.Tensor, causal: bool, allow_tf32: bool) -> dict:
     )
 
 
+# Tensor descriptors (TMA on sm_90+) for the forward: FASTLM_ATTENTION_TMA=1 forces them wherever
+# this Triton has them (the interpreter too, which is how the tests run both paths), 0 forbids
+# them; unset, they are used on CUDA devices of capability 9 or more. Read at each call.
+_HAS_TENSOR_DESCRIPTORS = hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
+# Warp specialisation of the descriptor forward's unmasked key loop (`tl.range(...,
+# warp_specialize=True)`) is off: with Triton 3.9 for sm_90a it aborts in the
+# NVGPUWarpSpecialization pass at 4 warps, and at 8 warps compiles to the same kernel as without
+# it (no setmaxnreg, equal registers): no producer/consumer split on Hopper yet.
+_WARP_SPECIALIZE = False
+
+
+@functools.cache
+def _device_has_tma(device: torch.device) -> bool:
+    """Once per device: a CUDA GPU of compute capability 9.0 or more."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _descriptor_allocator(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for descriptors built on the device (Triton asks through set_allocator)."""
+    return torch.empty(size, dtype=torch.uint8, device=_descriptor_allocator.device)
+
+
+def _use_tensor_descriptors(*tensors: torch.Tensor) -> bool:
+    """Whether the forward takes the descriptor path for these (q, k, v, o): the device and this
+    Triton can, and every tensor has a unit last stride and 16-byte aligned base and strides
+    (what a TMA descriptor requires); otherwise the pointer path."""
+    mode = os.environ.get("FASTLM_ATTENTION_TMA", "")
+    if mode == "0" or not _HAS_TENSOR_DESCRIPTORS:
+        return False
+    if mode != "1" and (interpreting() or not _device_has_tma(tensors[0].device)):
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if (t.stride(-1) != 1 or t.data_ptr() % 16
+                or any(stride * size % 16 for stride in t.stride()[:-1])):
+            return False
+    if getattr(_descriptor_allocator, "device", None) != tensors[0].device:
+        _descriptor_allocator.device = tensors[0].device
+        triton.set_allocator(_descriptor_allocator)
+    return True
+
+
 def _attention_forward(q, k, v, causal: bool, softmax_scale: float, allow_tf32: bool):
     """o (B, Hq, Nq, D) and the base-2 log-sum-exp (B, Hq, Nq) fp32 of checked inputs."""
     B, Hq, Nq, _ = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     o = _empty_heads_like(q)
     lse = empty((B, Hq, Nq), device=q.device, dtype=torch.float32)
-    _attention_fwd_kernel[_grid(Nq, "BLOCK_M", B * Hq)](
-        q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        Hq, Hq // Hkv, Nq, Nk, softmax_scale * LOG2_E, _bucket(Nq), _bucket(Nk),
-        **_kernel_flags(q, causal, allow_tf32),
-    )
+    args = (Hq, Hq // Hkv, Nq, Nk, softmax_scale * LOG2_E, _bucket(Nq), _bucket(Nk))
+    flags = dict(_kernel_flags(q, causal, allow_tf32), SCALE_POSITIVE=softmax_scale > 0)
+    grid = _grid(Nq, "BLOCK_M", B * Hq)
+    if _use_tensor_descriptors(q, k, v, o):
+        _attention_fwd_tma_autotuned[grid](
+            q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+            *args, WARP_SPECIALIZE=_WARP_SPECIALIZE, **flags)
+    else:
+        _attention_fwd_kernel[grid](
+            q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *args, **flags)
     return o, lse
 
 
 def _attention_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, allow_tf32: bool,
+                        deterministic: bool,
                         out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
     """dq, dk, dv from the saved forward inputs, output and log-sum-exp; written into `out`
-    (any strides: views of one packed gradient, say) when given."""
+    (any strides: views of one packed gradient, say) when given.
+
+    deterministic: a dK/dV pass and a dQ pass, no atomics (bitwise reproducible); otherwise one
+    pass that adds dQ with fp32 atomics into a zeroed fp32 buffer, then casts it into dq."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -586,10 +800,18 @@ def _attention_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float,
 
     dq, dk, dv = out or (_empty_heads_like(q), _empty_heads_like(k), _empty_heads_like(v))
     scales = (softmax_scale, softmax_scale * LOG2_E, _bucket(Nq), _bucket(Nk))
+    if not deterministic:
+        dq_acc = _empty_heads_like(q, torch.float32).zero_()
+        _attention_bwd_dkdv_dq_kernel[_grid(Nk, "BLOCK_N", B * Hkv)](
+            q, k, v, do, dk, dv, dq_acc, lse, delta,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+            *dq_acc.stride(), Hkv, group, Nq, Nk, *scales, ATOMIC_DQ=True, **flags,
+        )
+        return dq.copy_(dq_acc), dk, dv
     _attention_bwd_dkdv_kernel[_grid(Nk, "BLOCK_N", B * Hkv)](
-        q, k, v, do, dk, dv, lse, delta,
+        q, k, v, do, dk, dv, dk, lse, delta,  # dk stands in for the unused DQ
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-        Hkv, group, Nq, Nk, *scales, **flags,
+        *dk.stride(), Hkv, group, Nq, Nk, *scales, ATOMIC_DQ=False, **flags,
     )
     _attention_bwd_dq_kernel[_grid(Nq, "BLOCK_M", B * Hq)](
         q, k, v, do, dq, lse, delta,
@@ -613,14 +835,15 @@ def _check_kernel_head_dim(D: int) -> None:
 
 @torch.library.custom_op("fastlm::flash_attention", mutates_args=())
 def _flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                        softmax_scale: float, allow_tf32: bool
+                        softmax_scale: float, allow_tf32: bool, deterministic: bool
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse): o (B, Hq, Nq, D) in q's memory layout, lse (B, Hq, Nq) fp32 base 2."""
+    """(o, lse): o (B, Hq, Nq, D) in q's memory layout, lse (B, Hq, Nq) fp32 base 2.
+    deterministic picks the backward's schedule (the forward has one)."""
     return _attention_forward(q, k, v, causal, softmax_scale, allow_tf32)
 
 
 @_flash_attention_op.register_fake
-def _(q, k, v, causal, softmax_scale, allow_tf32):
+def _(q, k, v, causal, softmax_scale, allow_tf32, deterministic):
     B, Hq, Nq, _ = q.shape
     return _empty_heads_like(q), q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
@@ -628,30 +851,32 @@ def _(q, k, v, causal, softmax_scale, allow_tf32):
 @torch.library.custom_op("fastlm::flash_attention_backward", mutates_args=())
 def _flash_attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                                  v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                                 causal: bool, softmax_scale: float, allow_tf32: bool
+                                 causal: bool, softmax_scale: float, allow_tf32: bool,
+                                 deterministic: bool
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _attention_backward(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32)
+    return _attention_backward(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32,
+                               deterministic)
 
 
 @_flash_attention_backward_op.register_fake
-def _(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32):
+def _(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, deterministic):
     return _empty_heads_like(q), _empty_heads_like(k), _empty_heads_like(v)
 
 
 def _flash_attention_setup(ctx, inputs, output):
     """Saves q, k, v, o and the (B, Hq, Nq) fp32 log-sum-exp: memory linear in the sequence."""
-    q, k, v, causal, softmax_scale, allow_tf32 = inputs
+    q, k, v, causal, softmax_scale, allow_tf32, deterministic = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
     ctx.set_materialize_grads(False)  # lse has no gradient: no zero tensor for it
     ctx.mark_non_differentiable(lse)
-    ctx.flags = (causal, softmax_scale, allow_tf32)
+    ctx.flags = (causal, softmax_scale, allow_tf32, deterministic)
 
 
 def _flash_attention_grad(ctx, do, _):
     q, k, v, o, lse = ctx.saved_tensors
     dq, dk, dv = _flash_attention_backward_op(do, q, k, v, o, lse, *ctx.flags)
-    return dq, dk, dv, None, None, None
+    return dq, dk, dv, None, None, None, None
 
 
 torch.library.register_autograd("fastlm::flash_attention", _flash_attention_grad,
@@ -694,7 +919,8 @@ def _check_inputs(q, k, v, causal, softmax_scale) -> None:
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                    softmax_scale: float | None = None, *, allow_tf32: bool = True) -> torch.Tensor:
+                    softmax_scale: float | None = None, *, allow_tf32: bool = True,
+                    deterministic: bool = True) -> torch.Tensor:
     """softmax(softmax_scale * q k^T [+ causal mask]) v without materialising the scores.
 
     q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D) with Hq a multiple of Hkv (grouped-query / multi-query
@@ -705,6 +931,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     (the PyTorch backend takes any).
     dtypes: float16, bfloat16, float32 (all three the same); softmax statistics in fp32.
     allow_tf32: for float32 inputs on a GPU, False makes the dots full fp32 instead of TF32.
+    deterministic: the backward's schedule. True (the default): a dK/dV pass and a dQ pass with
+    no atomics, bitwise reproducible for a given config. False: FA2's 5-matmul schedule, one pass
+    that also adds dQ with fp32 atomics (less recomputation; gradients equal to rounding only).
     Returns o (B, Hq, Nq, D) in q's dtype; differentiable in q, k and v.
     """
     _check_inputs(q, k, v, causal, softmax_scale)
@@ -712,7 +941,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     if not use_triton(q) or q.numel() == 0:
         return attention_ref(q, k, v, causal, scale)
     _check_kernel_head_dim(q.shape[-1])
-    return _flash_attention_op(q, k, v, causal, scale, bool(allow_tf32))[0]
+    return _flash_attention_op(q, k, v, causal, scale, bool(allow_tf32), bool(deterministic))[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -728,13 +957,15 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 def _flash_attention_backward_into_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                                       v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                                       causal: bool, softmax_scale: float, allow_tf32: bool,
-                                      dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+                                      deterministic: bool, dq: torch.Tensor, dk: torch.Tensor,
+                                      dv: torch.Tensor) -> None:
     """flash_attention's backward written into dq, dk, dv (views of one buffer, say)."""
-    _attention_backward(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, out=(dq, dk, dv))
+    _attention_backward(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, deterministic,
+                        out=(dq, dk, dv))
 
 
 @_flash_attention_backward_into_op.register_fake
-def _(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, dq, dk, dv):
+def _(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, deterministic, dq, dk, dv):
     return None
 
 
@@ -758,14 +989,15 @@ class _PackedRopeAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, cos, sin, positions, num_heads, num_kv_heads, causal, softmax_scale,
-                allow_tf32, interleaved):
+                allow_tf32, deterministic, interleaved):
         q, k, v = _split_heads(qkv, num_heads, num_kv_heads)
         torch.ops.fastlm.rope_(q, k, cos, sin, positions, interleaved, False)
-        o, lse = _flash_attention_op(q, k, v, causal, softmax_scale, allow_tf32)
+        o, lse = _flash_attention_op(q, k, v, causal, softmax_scale, allow_tf32, deterministic)
         ctx.mark_dirty(qkv)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(qkv, o, lse, cos, sin, positions)
-        ctx.args = (num_heads, num_kv_heads, causal, softmax_scale, allow_tf32, interleaved)
+        ctx.args = (num_heads, num_kv_heads, causal, softmax_scale, allow_tf32, deterministic,
+                    interleaved)
         return o, qkv
 
     @staticmethod
@@ -774,16 +1006,17 @@ class _PackedRopeAttention(torch.autograd.Function):
             raise RuntimeError("fastlm.rope_attention: second derivatives are not supported "
                                "(create_graph=True through its backward)")
         qkv, o, lse, cos, sin, positions = ctx.saved_tensors
-        num_heads, num_kv_heads, causal, softmax_scale, allow_tf32, interleaved = ctx.args
+        num_heads, num_kv_heads, causal, softmax_scale, allow_tf32, deterministic, interleaved = \
+            ctx.args
         dqkv = empty(qkv.shape, device=qkv.device, dtype=qkv.dtype)
         if do is None:
-            return dqkv.zero_(), *[None] * 9
+            return dqkv.zero_(), *[None] * 10
         q, k, v = _split_heads(qkv, num_heads, num_kv_heads)
         dq, dk, dv = _split_heads(dqkv, num_heads, num_kv_heads)
         _flash_attention_backward_into_op(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32,
-                                          dq, dk, dv)
+                                          deterministic, dq, dk, dv)
         torch.ops.fastlm.rope_(dq, dk, cos, sin, positions, interleaved, True)
-        return dqkv, *[None] * 9
+        return dqkv, *[None] * 10
 
 
 def rope_attention_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -801,13 +1034,13 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    token_positions: torch.Tensor, num_heads: int, num_kv_heads: int | None = None,
                    causal: bool = True, softmax_scale: float | None = None, *,
                    interleaved: bool = True, allow_tf32: bool = True,
-                   check_positions: bool = True) -> torch.Tensor:
+                   deterministic: bool = True, check_positions: bool = True) -> torch.Tensor:
     """Attention of a fused q|k|v projection with RoPE: the model's attention in one call.
 
     qkv: (B, T, (Hq + 2 Hkv) * D), the projection's output (q's heads, then k's, then v's);
     Hkv = num_kv_heads (default num_heads) divides Hq. cos, sin, token_positions, interleaved as in
     `apply_rope_` (check_positions=False skips the range check of the positions, for a caller
-    that checked them once for all layers); causal, softmax_scale, allow_tf32 as in
+    that checked them once for all layers); causal, softmax_scale, allow_tf32, deterministic as in
     `flash_attention`. Returns o (B, Hq, T, D) in (B, T, Hq, D) memory, so that
     `o.transpose(1, 2).reshape(B, T, Hq * D)` is free.
 
@@ -839,4 +1072,4 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         return _empty_heads_like(q)
     return _PackedRopeAttention.apply(qkv, cos.contiguous(), sin.contiguous(), positions,
                                       num_heads, num_kv_heads, causal, scale, bool(allow_tf32),
-                                      interleaved)[0]
+                                      bool(deterministic), interleaved)[0]
