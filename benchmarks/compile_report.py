@@ -272,12 +272,54 @@ def attention_cases(specs) -> Iterator[Case]:
             partial(attention._attention_forward, q, k, v, causal, scale, True),
             fields,
         )
-        yield Case(
-            "attention bwd",
-            label,
-            partial(attention._attention_backward, o, q, k, v, o, lse, causal, scale, True),
-            fields,
-        )
+        if dtype != torch.float32 and d <= attention.TMA_MAX_BLOCK_D:
+            yield Case(
+                "attention fwd (TMA)",
+                label,
+                partial(
+                    _with_tensor_descriptors,
+                    attention._attention_forward,
+                    q,
+                    k,
+                    v,
+                    causal,
+                    scale,
+                    True,
+                ),
+                fields,
+            )
+        for deterministic in (True, False):
+            yield Case(
+                "attention bwd" if deterministic else "attention bwd (atomic dQ)",
+                label,
+                partial(
+                    attention._attention_backward,
+                    o,
+                    q,
+                    k,
+                    v,
+                    o,
+                    lse,
+                    causal,
+                    scale,
+                    True,
+                    deterministic,
+                ),
+                fields,
+            )
+
+
+def _with_tensor_descriptors(launcher, *args):
+    """Run the launcher with the descriptor forward forced (meta tensors have no device to ask)."""
+    saved = os.environ.get("FASTLM_ATTENTION_TMA")
+    os.environ["FASTLM_ATTENTION_TMA"] = "1"
+    try:
+        return launcher(*args)
+    finally:
+        if saved is None:
+            del os.environ["FASTLM_ATTENTION_TMA"]
+        else:
+            os.environ["FASTLM_ATTENTION_TMA"] = saved
 
 
 def cases(quick: bool) -> list[Case]:
@@ -372,6 +414,8 @@ def shipped_configs(launch: Launch) -> list[attention.CudaConfig]:
         attention._attention_fwd_kernel: attention.FWD_CUDA_CONFIGS,
         attention._attention_bwd_dkdv_kernel: attention.DKDV_CUDA_CONFIGS,
         attention._attention_bwd_dq_kernel: attention.DQ_CUDA_CONFIGS,
+        attention._attention_fwd_tma_autotuned: attention.FWD_TMA_CUDA_CONFIGS,
+        attention._attention_bwd_dkdv_dq_kernel: attention.DKDV_DQ_CUDA_CONFIGS,
     }
     return attention.fitting_configs(
         lists[launch.kernel], launch.args["BLOCK_D"], launch.args["Q"].element_size()

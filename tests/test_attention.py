@@ -14,9 +14,16 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from fastlm.kernels.attention import (_attention_backward, _attention_forward, _empty_heads_like,
-                                      _split_heads, _use_tensor_descriptors,
-                                      flash_attention, rope_attention, rope_attention_ref)
+from fastlm.kernels.attention import (
+    _attention_backward,
+    _attention_forward,
+    _empty_heads_like,
+    _split_heads,
+    _use_tensor_descriptors,
+    flash_attention,
+    rope_attention,
+    rope_attention_ref,
+)
 from fastlm.kernels.rope import apply_rope_, rope_tables
 from fastlm.reference import ScaledDotProductAttention
 from fastlm.testing import TOLERANCE, assert_close
@@ -25,7 +32,8 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def reference_attention(q, k, v, causal: bool, softmax_scale: float | None = None) -> torch.Tensor:
-    """fastlm.reference attention in float64, with grouped heads repeated and the end-aligned mask."""
+    """fastlm.reference attention in float64, with grouped heads repeated and the end-aligned
+    mask."""
     q, k, v = (t.to(torch.float64) for t in (q, k, v))
     D, (Nq, Nk) = q.shape[-1], (q.shape[2], k.shape[2])
     if softmax_scale is not None:  # the reference divides by sqrt(D)
@@ -50,8 +58,9 @@ def run(q, k, v, causal, softmax_scale=None, deterministic=True):
     so that the fp32 bound also holds on a GPU (TF32 is tested on its own)."""
     for t in (q, k, v):
         t.grad = None
-    o = flash_attention(q, k, v, causal, softmax_scale, allow_tf32=False,
-                        deterministic=deterministic)
+    o = flash_attention(
+        q, k, v, causal, softmax_scale, allow_tf32=False, deterministic=deterministic
+    )
     do = torch.randn_like(o)
     o.backward(do)
     return o, do, (q.grad, k.grad, v.grad)
@@ -119,8 +128,9 @@ PATH_CASES = [CASES[i] for i in (1, 2, 3, 7, 8, 11)]
 
 @pytest.mark.parametrize("tma", ["1", "0"], ids=["descriptor", "pointer"])
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,dtype", PATH_CASES)
-def test_forward_paths_match_reference(device, monkeypatch, tma, B, Hq, Hkv, Nq, Nk, D, causal,
-                                       dtype):
+def test_forward_paths_match_reference(
+    device, monkeypatch, tma, B, Hq, Hkv, Nq, Nk, D, causal, dtype
+):
     """FASTLM_ATTENTION_TMA forces the tensor-descriptor forward (1) or the pointer one (0)."""
     monkeypatch.setenv("FASTLM_ATTENTION_TMA", tma)
     q, k, v = make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, device)
@@ -151,8 +161,9 @@ def test_descriptor_forward_reads_packed_qkv_in_place(device, monkeypatch):
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,dtype", CASES)
 def test_atomic_dq_schedule_matches_reference(device, B, Hq, Hkv, Nq, Nk, D, causal, dtype):
     """deterministic=False: dQ added with atomics inside the dK/dV pass, on every shape case."""
-    check_against_reference(*make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, device), causal,
-                            deterministic=False)
+    check_against_reference(
+        *make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, device), causal, deterministic=False
+    )
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -162,8 +173,9 @@ def test_softmax_scale(device, monkeypatch, causal, tma, scale):
     """A positive scale takes the row max of the unscaled scores; zero and negative ones scale
     first (the max would not commute with them)."""
     monkeypatch.setenv("FASTLM_ATTENTION_TMA", tma)
-    check_against_reference(*make_inputs(1, 2, 1, 77, 130, 32, torch.float32, device), causal,
-                            softmax_scale=scale)
+    check_against_reference(
+        *make_inputs(1, 2, 1, 77, 130, 32, torch.float32, device), causal, softmax_scale=scale
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -174,8 +186,8 @@ def test_large_scores_do_not_overflow(device, dtype):
     dS = P * (dP - Delta) cancels: the error of any floating-point dQ is relative to the terms that
     cancel, s * (P * (|dP| + |Delta|)) |K| (and likewise for dK), not to the tiny result.
     """
-    D, scale = 64, 64 ** -0.5
-    q, k, v = make_inputs(1, 2, 2, 77, 77, D, dtype, device, std=1000 ** 0.5)
+    D, scale = 64, 64**-0.5
+    q, k, v = make_inputs(1, 2, 2, 77, 77, D, dtype, device, std=1000**0.5)
     o, do, grads = run(q, k, v, causal=True)
     ref_o, ref_grads = reference_run(q, k, v, do, causal=True)
     assert_close(o, ref_o, dtype, "o")
@@ -184,21 +196,30 @@ def test_large_scores_do_not_overflow(device, dtype):
     q64, k64, v64, do64 = (t.detach().double() for t in (q, k, v, do))
     scores = scale * q64 @ k64.transpose(-1, -2)
     assert scores.abs().amax() > 1000
-    p = scores.masked_fill(~torch.ones(77, 77, dtype=torch.bool, device=device).tril(), -math.inf).softmax(-1)
+    p = scores.masked_fill(
+        ~torch.ones(77, 77, dtype=torch.bool, device=device).tril(), -math.inf
+    ).softmax(-1)
     dp = do64 @ v64.transpose(-1, -2)
     delta = (ref_o * do64).sum(-1, keepdim=True)
     cancelling = scale * p * (dp.abs() + delta.abs())
-    for name, grad, ref_grad, magnitude in (("dq", grads[0], ref_grads[0], cancelling @ k64.abs()),
-                                            ("dk", grads[1], ref_grads[1], cancelling.transpose(-1, -2) @ q64.abs())):
+    for name, grad, ref_grad, magnitude in (
+        ("dq", grads[0], ref_grads[0], cancelling @ k64.abs()),
+        ("dk", grads[1], ref_grads[1], cancelling.transpose(-1, -2) @ q64.abs()),
+    ):
         assert torch.isfinite(grad).all(), f"{name} is not finite"
-        err = torch.linalg.vector_norm(grad.double() - ref_grad) / torch.linalg.vector_norm(magnitude)
-        assert err <= TOLERANCE[dtype], f"{name}: error {err:.2e} of the cancelling terms' size ({dtype})"
+        err = torch.linalg.vector_norm(grad.double() - ref_grad) / torch.linalg.vector_norm(
+            magnitude
+        )
+        assert err <= TOLERANCE[dtype], (
+            f"{name}: error {err:.2e} of the cancelling terms' size ({dtype})"
+        )
 
 
 class _CopyRecorder(TorchDispatchMode):
     """The ops that read `base`'s memory into other memory while active: clone (`.contiguous()`),
     copy_, _to_copy and the like. Not recorded: views of `base` (they return its own memory),
-    factories like new_empty (they read only its dtype and device; the interpreter's launch uses it),
+    factories like new_empty (they read only its dtype and device; the interpreter's launch uses
+    it),
     and fastlm's own ops, which a dispatch mode sees whole: what runs inside them (the launchers) is
     recorded by calling the launchers directly."""
 
@@ -215,13 +236,19 @@ class _CopyRecorder(TorchDispatchMode):
         name = func.overloadpacket.__name__
         reads_base = any(self._in_base(t) for t in tree_leaves((args, kwargs)))
         factory = name.startswith("new_") or name.endswith("_like")
-        if reads_base and not factory and func.namespace != "fastlm" and not any(self._in_base(t) for t in tree_leaves(out)):
+        if (
+            reads_base
+            and not factory
+            and func.namespace != "fastlm"
+            and not any(self._in_base(t) for t in tree_leaves(out))
+        ):
             self.copies.append(str(func))
         return out
 
 
 def test_strided_inputs_need_no_copy(device):
-    """q, k, v as slices of one fused (B, N, 3, H, D) projection viewed as (B, H, N, D), and head dims
+    """q, k, v as slices of one fused (B, N, 3, H, D) projection viewed as (B, H, N, D), and head
+    dims
     with stride 4, are read in place: no torch op copies their memory, forward or backward (the
     kernels get the strides). The results are bitwise those of contiguous copies."""
     B, N, H, D = 2, 77, 2, 32
@@ -253,8 +280,12 @@ def test_strided_inputs_need_no_copy(device):
         o = flash_attention(q, k, v, causal=False, allow_tf32=False)
         _attention_forward(q, k, v, False, D**-0.5, False)
     assert not recorder.copies, f"q, k, v with strided head dims were copied by {recorder.copies}"
-    assert torch.equal(o, flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=False,
-                                          allow_tf32=False))
+    assert torch.equal(
+        o,
+        flash_attention(
+            q.contiguous(), k.contiguous(), v.contiguous(), causal=False, allow_tf32=False
+        ),
+    )
 
 
 def test_backward_is_deterministic(device):
@@ -273,11 +304,12 @@ def test_fully_masked_rows_give_zeros(device, deterministic):
     Nq - Nk queries (they would see keys j <= i - (Nq - Nk) < 0). Those rows must be 0, not NaN."""
     Nq, Nk, D = 77, 40, 16
     q, k, v = make_inputs(1, 2, 1, Nq, Nk, D, torch.float32, device)
-    scale = D ** -0.5
+    scale = D**-0.5
     o, lse = _attention_forward(q.detach(), k.detach(), v.detach(), True, scale, False)
     do = torch.randn_like(o)
-    dq, dk, dv = _attention_backward(do, q.detach(), k.detach(), v.detach(), o, lse, True, scale,
-                                     False, deterministic)
+    dq, dk, dv = _attention_backward(
+        do, q.detach(), k.detach(), v.detach(), o, lse, True, scale, False, deterministic
+    )
     hidden = Nq - Nk
     assert torch.equal(o[:, :, :hidden], torch.zeros_like(o[:, :, :hidden]))
     assert torch.equal(dq[:, :, :hidden], torch.zeros_like(dq[:, :, :hidden]))
@@ -323,7 +355,8 @@ def _bytes_touched(device, N: int, causal: bool) -> tuple[int, int]:
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_memory_is_linear_in_sequence_length(device, causal):
-    """Every tensor the forward and backward allocate (outputs, log-sum-exp, Delta, the interpreter's
+    """Every tensor the forward and backward allocate (outputs, log-sum-exp, Delta, the
+    interpreter's
     copies) grows like N: doubling N doubles the bytes. One (N x N) fp32 score matrix for the two
     heads would add 2 * N^2 * 4 bytes, at N = 128 already 2.5x all the linear tensors together (the
     check then fails with a 3.4x growth)."""
@@ -348,7 +381,9 @@ def test_memory_is_linear_in_sequence_length(device, causal):
 )
 def test_fuzz_shapes(batch, kv_heads, group, n_k, q_fraction, head_dim, causal, dtype):
     n_q = max(1, round(q_fraction * n_k))
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # hypothesis refuses function-scoped fixtures
+    device = (
+        "cuda" if torch.cuda.is_available() else "cpu"
+    )  # hypothesis refuses function-scoped fixtures
     inputs = make_inputs(batch, kv_heads * group, kv_heads, n_q, n_k, head_dim, dtype, device)
     check_against_reference(*inputs, causal)
 
@@ -401,7 +436,8 @@ def test_torch_backend_same_math(device, monkeypatch, Nq, Nk, causal):
 
 @pytest.mark.cuda
 def test_fp32_tf32_and_full_precision(device):
-    """fp32 dots run as TF32 by default (10-bit mantissa like fp16, so fp16's bound); allow_tf32=False
+    """fp32 dots run as TF32 by default (10-bit mantissa like fp16, so fp16's bound);
+    allow_tf32=False
     gives full fp32 accuracy."""
     q, k, v = make_inputs(2, 4, 2, 257, 257, 64, torch.float32, device)
     ref = reference_attention(q, k, v, True)
@@ -411,17 +447,22 @@ def test_fp32_tf32_and_full_precision(device):
 
 @pytest.mark.cuda
 def test_more_batch_heads_than_cuda_grid_axes_1_and_2_hold(device):
-    """B * H = 65600 batch-heads, more than CUDA's 65535 cap on grid axes 1 and 2: the kernels launch
+    """B * H = 65600 batch-heads, more than CUDA's 65535 cap on grid axes 1 and 2: the kernels
+    launch
     because their grids are 1-D. The batches past the cap are also checked on their own, so an error
     there cannot hide in the norm of the whole tensor."""
     B, H, N, D = 4100, 16, 16, 16
-    q, k, v = make_inputs(B, H, H, N, N, D, torch.float16, device)  # Hkv = H: dK/dV's grid is as large
+    q, k, v = make_inputs(
+        B, H, H, N, N, D, torch.float16, device
+    )  # Hkv = H: dK/dV's grid is as large
     o, do, grads = run(q, k, v, causal=True)
     ref_o, ref_grads = reference_run(q, k, v, do, causal=True)
     past_cap = slice(65535 // H, None)
     for name, out, ref in zip(("o", "dq", "dk", "dv"), (o, *grads), (ref_o, *ref_grads)):
         assert_close(out, ref, torch.float16, name)
-        assert_close(out[past_cap], ref[past_cap], torch.float16, f"{name} of batch-heads past 65535")
+        assert_close(
+            out[past_cap], ref[past_cap], torch.float16, f"{name} of batch-heads past 65535"
+        )
 
 
 @pytest.mark.cuda
@@ -450,10 +491,15 @@ def _packed(B, T, Hq, Hkv, D, dtype, device):
     return (x @ weight.T).to(dtype).detach().requires_grad_(), weight
 
 
-@pytest.mark.parametrize("Hq,Hkv,D,T,interleaved,dtype", [
-    (2, 2, 16, 37, True, torch.float32), (4, 2, 32, 77, True, torch.bfloat16),
-    (4, 1, 16, 64, False, torch.float16), (2, 2, 32, 1, True, torch.float32),
-])
+@pytest.mark.parametrize(
+    "Hq,Hkv,D,T,interleaved,dtype",
+    [
+        (2, 2, 16, 37, True, torch.float32),
+        (4, 2, 32, 77, True, torch.bfloat16),
+        (4, 1, 16, 64, False, torch.float16),
+        (2, 2, 32, 1, True, torch.float32),
+    ],
+)
 def test_rope_attention_matches_reference(device, Hq, Hkv, D, T, interleaved, dtype):
     """o and the gradient of the projection output against float64 RoPE + attention, with
     positions offset per sequence; dqkv is one poisoned buffer, so an unwritten part shows."""
@@ -468,8 +514,9 @@ def test_rope_attention_matches_reference(device, Hq, Hkv, D, T, interleaved, dt
     o.backward(do)
 
     leaf64 = leaf.detach().double().requires_grad_()
-    o64 = rope_attention_ref(leaf64, cos.double(), sin.double(), positions, Hq, Hkv,
-                             interleaved=interleaved)
+    o64 = rope_attention_ref(
+        leaf64, cos.double(), sin.double(), positions, Hq, Hkv, interleaved=interleaved
+    )
     o64.backward(do.double())
     assert_close(o, o64, dtype, "o")
     assert leaf.grad.dtype == dtype
@@ -479,8 +526,22 @@ def test_rope_attention_matches_reference(device, Hq, Hkv, D, T, interleaved, dt
 class _GlueRecorder(TorchDispatchMode):
     """The aten ops outside fastlm's own that move data: what autograd adds around views."""
 
-    GLUE = {"zeros", "zero_", "fill_", "copy_", "add", "add_", "select_backward",
-            "slice_backward", "clone", "_to_copy", "cat", "stack", "new_zeros", "index_put_"}
+    GLUE = {
+        "zeros",
+        "zero_",
+        "fill_",
+        "copy_",
+        "add",
+        "add_",
+        "select_backward",
+        "slice_backward",
+        "clone",
+        "_to_copy",
+        "cat",
+        "stack",
+        "new_zeros",
+        "index_put_",
+    }
 
     def __init__(self):
         super().__init__()
@@ -498,8 +559,7 @@ def test_rope_attention_gradient_is_one_buffer(device):
     cos, sin = rope_tables(10000.0, 16, 64, device=device)
     with _GlueRecorder() as recorder:
         qkv = leaf * 1
-        o = rope_attention(qkv, cos, sin, torch.arange(37, device=device), 2,
-                           check_positions=False)
+        o = rope_attention(qkv, cos, sin, torch.arange(37, device=device), 2, check_positions=False)
         o.backward(torch.randn_like(o))
     glue = [op for op in recorder.glue if not op.startswith("aten.mul")]
     assert not glue, glue
@@ -530,18 +590,24 @@ def test_rope_attention_is_deterministic_and_matches_the_torch_backend(device, m
     assert_close(leaf.grad, runs[2].double(), torch.float16, "atomic-dQ schedule vs torch backend")
 
 
-@pytest.mark.parametrize("call,error,message", [
-    (lambda qkv, c, s, p: rope_attention(qkv[..., :-1], c, s, p, 2), ValueError, "qkv must be"),
-    (lambda qkv, c, s, p: rope_attention(qkv, c, s, p, 0), ValueError, "num_heads"),
-    (lambda qkv, c, s, p: rope_attention(qkv, c, s, p, 4, 2), ValueError, "head dim 12"),
-    (lambda qkv, c, s, p: rope_attention(qkv, c, s, p, 2, 5), ValueError, "not a multiple"),
-    (lambda qkv, c, s, p: rope_attention(qkv.detach().requires_grad_(), c, s, p, 2),
-     ValueError, "leaf"),
-    (lambda qkv, c, s, p: rope_attention(qkv, c[:, :4], s, p, 2), ValueError, "cos and sin"),
-    (lambda qkv, c, s, p: rope_attention(qkv, c, s, p[:-1], 2), ValueError, "token_positions"),
-    (lambda qkv, c, s, p: rope_attention(qkv, c, s, p + 60, 2), ValueError, "token_positions"),
-    (lambda qkv, c, s, p: rope_attention(qkv.int(), c, s, p, 2), TypeError, "qkv"),
-])
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        (lambda qkv, c, s, p: rope_attention(qkv[..., :-1], c, s, p, 2), ValueError, "qkv must be"),
+        (lambda qkv, c, s, p: rope_attention(qkv, c, s, p, 0), ValueError, "num_heads"),
+        (lambda qkv, c, s, p: rope_attention(qkv, c, s, p, 4, 2), ValueError, "head dim 12"),
+        (lambda qkv, c, s, p: rope_attention(qkv, c, s, p, 2, 5), ValueError, "not a multiple"),
+        (
+            lambda qkv, c, s, p: rope_attention(qkv.detach().requires_grad_(), c, s, p, 2),
+            ValueError,
+            "leaf",
+        ),
+        (lambda qkv, c, s, p: rope_attention(qkv, c[:, :4], s, p, 2), ValueError, "cos and sin"),
+        (lambda qkv, c, s, p: rope_attention(qkv, c, s, p[:-1], 2), ValueError, "token_positions"),
+        (lambda qkv, c, s, p: rope_attention(qkv, c, s, p + 60, 2), ValueError, "token_positions"),
+        (lambda qkv, c, s, p: rope_attention(qkv.int(), c, s, p, 2), TypeError, "qkv"),
+    ],
+)
 def test_rope_attention_bad_input(device, call, error, message):
     qkv = torch.randn(1, 9, 6 * 16, device=device, requires_grad=True) * 1
     cos, sin = rope_tables(10000.0, 16, 64, device=device)

@@ -40,6 +40,7 @@ MEMORY_BOUND = (
 #: The attention kernels that multiply matrices (the delta kernel is a row sum).
 TENSOR_CORE_KERNELS = (
     "_attention_fwd_kernel",
+    "_attention_fwd_tma_kernel",
     "_attention_bwd_dkdv_kernel",
     "_attention_bwd_dq_kernel",
 )
@@ -143,8 +144,21 @@ def test_attention_uses_hopper_tensor_cores(report):
     assert {row["kernel"] for row in tuned} == set(TENSOR_CORE_KERNELS)
     without = [_describe(row) for row in tuned if not row["wgmma"]]
     assert not without, "no wgmma in:\n" + "\n".join(without)
-    for row in tuned:  # and Hopper's tensor cores only: no Ampere-style mma.sync left over
-        assert row["mma"] == 0, _describe(row)
+    for row in tuned:  # and Hopper's tensor cores only: no Ampere-style mma.sync left over,
+        # except in the atomic-dQ pass, whose 16-row query blocks (all that fit beside its extra
+        # dq tile without spilling) are below a warpgroup's 64 rows for the dq product
+        if "atomic" not in row["op"]:
+            assert row["mma"] == 0, _describe(row)
+
+
+def test_descriptor_forward_moves_tiles_by_tma(report):
+    """The sm_90 forward path loads Q, K, V and stores O through tensor descriptors: every config
+    of it compiles to bulk tensor copies (cp.async.bulk.tensor)."""
+    _, rows = report
+    descriptor_rows = [row for row in rows if row["kernel"] == "_attention_fwd_tma_kernel"]
+    assert descriptor_rows
+    without = [_describe(row) for row in descriptor_rows if not row["tma"]]
+    assert not without, "no TMA in:\n" + "\n".join(without)
 
 
 def test_autotuners_try_the_configs_the_report_compiles(monkeypatch):
@@ -152,19 +166,33 @@ def test_autotuners_try_the_configs_the_report_compiles(monkeypatch):
     (to the last of them under FASTLM_AUTOTUNE=0), for every head block and element size."""
     attention = importlib.import_module("fastlm.kernels.attention")
     monkeypatch.setattr(attention, "interpreting", lambda: False)  # prune as on CUDA
+    every_head_dim = (attention.MAX_HEAD_DIM, attention.MAX_HEAD_DIM)
+    # (autotuner, its CUDA list, the largest 16-bit and fp32 head blocks it serves: the launchers
+    # route larger ones, and fp32 descriptors, to the pointer forward / deterministic backward)
     autotuned = (
-        (attention._attention_fwd_kernel, attention.FWD_CUDA_CONFIGS),
-        (attention._attention_bwd_dkdv_kernel, attention.DKDV_CUDA_CONFIGS),
-        (attention._attention_bwd_dq_kernel, attention.DQ_CUDA_CONFIGS),
+        (attention._attention_fwd_kernel, attention.FWD_CUDA_CONFIGS, every_head_dim),
+        (attention._attention_bwd_dkdv_kernel, attention.DKDV_CUDA_CONFIGS, every_head_dim),
+        (attention._attention_bwd_dq_kernel, attention.DQ_CUDA_CONFIGS, every_head_dim),
+        (
+            attention._attention_fwd_tma_autotuned,
+            attention.FWD_TMA_CUDA_CONFIGS,
+            (attention.TMA_MAX_BLOCK_D, 0),
+        ),
+        (
+            attention._attention_bwd_dkdv_dq_kernel,
+            attention.DKDV_DQ_CUDA_CONFIGS,
+            (attention.ATOMIC_MAX_BLOCK_D, attention.ATOMIC_MAX_BLOCK_D),
+        ),
     )
-    for kernel, cuda in autotuned:
+    for kernel, cuda, served in autotuned:
         every = [
             triton.Config(dict(c.blocks), num_warps=c.num_warps, num_stages=c.num_stages)
             for c in cuda
         ]
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             q = torch.empty(0, dtype=dtype)
-            for block_d in (16, 32, 64, 128, 256):
+            largest = served[1] if dtype == torch.float32 else served[0]
+            for block_d in (d for d in (16, 32, 64, 128, 256) if d <= largest):
                 expected = [
                     (c.blocks, c.num_warps, c.num_stages)
                     for c in attention.fitting_configs(cuda, block_d, q.element_size())

@@ -16,6 +16,7 @@ from fastlm import reference as R
 from fastlm.kernels.rope import rope_tables
 from fastlm.testing import assert_close
 
+
 def _randn(*shape, device, requires_grad=False, dtype=torch.float32):
     return torch.randn(*shape, device=device, dtype=dtype).requires_grad_(requires_grad)
 
@@ -28,8 +29,9 @@ def _op_cases(device):
     x, residual, weight = _randn(5, 48, **g), _randn(5, 48, **g), _randn(48, **g)
     rstd = torch.rand(5, device=device) + 0.5
     q, k, v = _randn(1, 2, 37, 16, **g), _randn(1, 1, 37, 16, **g), _randn(1, 1, 37, 16, **g)
-    o, lse = torch.ops.fastlm.flash_attention(q.detach(), k.detach(), v.detach(), True, 0.25, False,
-                                              True)
+    o, lse = torch.ops.fastlm.flash_attention(
+        q.detach(), k.detach(), v.detach(), True, 0.25, False, True
+    )
     cos, sin = rope_tables(10000.0, 16, 64, device=device)
     positions = torch.arange(3, 40, device=device)
     targets = torch.randint(0, 300, (6,), device=device)
@@ -37,42 +39,111 @@ def _op_cases(device):
     ops = torch.ops.fastlm
     return {
         "rms_norm": (ops.rms_norm, (x, weight, 1e-5, torch.bfloat16)),
-        "add_rms_norm": (ops.add_rms_norm, (_randn(5, 48, dtype=torch.bfloat16, **g), residual,
-                                            weight, 1e-5, torch.bfloat16)),
-        "rms_norm_backward": (ops.rms_norm_backward,
-                              (_randn(5, 48, **n), _randn(5, 48, **n), _randn(5, 48, **n),
-                               _randn(48, **n), rstd, torch.bfloat16, torch.float32)),
+        "add_rms_norm": (
+            ops.add_rms_norm,
+            (_randn(5, 48, dtype=torch.bfloat16, **g), residual, weight, 1e-5, torch.bfloat16),
+        ),
+        "rms_norm_backward": (
+            ops.rms_norm_backward,
+            (
+                _randn(5, 48, **n),
+                _randn(5, 48, **n),
+                _randn(5, 48, **n),
+                _randn(48, **n),
+                rstd,
+                torch.bfloat16,
+                torch.float32,
+            ),
+        ),
         "swiglu": (ops.swiglu, (_randn(4, 40, **g), _randn(4, 40, **g))),
         "swiglu_backward": (ops.swiglu_backward, tuple(_randn(4, 40, **n) for _ in range(3))),
         "swiglu_packed": (ops.swiglu_packed, (_randn(4, 80, **g),)),
-        "swiglu_packed_backward": (ops.swiglu_packed_backward,
-                                   (_randn(4, 40, **n), _randn(4, 80, **n))),
+        "swiglu_packed_backward": (
+            ops.swiglu_packed_backward,
+            (_randn(4, 40, **n), _randn(4, 80, **n)),
+        ),
         "flash_attention": (ops.flash_attention, (q, k, v, True, 0.25, False, False)),
-        "flash_attention_backward": (ops.flash_attention_backward,
-                                     (_randn(1, 2, 37, 16, **n), q.detach(), k.detach(),
-                                      v.detach(), o, lse, True, 0.25, False, False)),
-        "flash_attention_backward_": (ops.flash_attention_backward_,
-                                      (_randn(1, 2, 37, 16, **n), q.detach(), k.detach(),
-                                       v.detach(), o, lse, True, 0.25, False, True,
-                                       *(_randn(1, h, 37, 16, **n) for h in (2, 1, 1)))),
+        "flash_attention_backward": (
+            ops.flash_attention_backward,
+            (
+                _randn(1, 2, 37, 16, **n),
+                q.detach(),
+                k.detach(),
+                v.detach(),
+                o,
+                lse,
+                True,
+                0.25,
+                False,
+                False,
+            ),
+        ),
+        "flash_attention_backward_": (
+            ops.flash_attention_backward_,
+            (
+                _randn(1, 2, 37, 16, **n),
+                q.detach(),
+                k.detach(),
+                v.detach(),
+                o,
+                lse,
+                True,
+                0.25,
+                False,
+                True,
+                *(_randn(1, h, 37, 16, **n) for h in (2, 1, 1)),
+            ),
+        ),
         "rope": (ops.rope, (_randn(1, 2, 37, 16, **g), cos, sin, positions, True, False)),
-        "rope_": (ops.rope_, (_randn(1, 2, 37, 16, **n), _randn(1, 1, 37, 16, **n), cos, sin,
-                              positions, False, False)),
+        "rope_": (
+            ops.rope_,
+            (
+                _randn(1, 2, 37, 16, **n),
+                _randn(1, 1, 37, 16, **n),
+                cos,
+                sin,
+                positions,
+                False,
+                False,
+            ),
+        ),
         "cross_entropy": (ops.cross_entropy, (_randn(6, 300, **g), targets, -100)),
-        "cross_entropy_backward": (ops.cross_entropy_backward,
-                                   (_randn(6, 300, **n), targets, -100, torch.rand(6, **n) + 6,
-                                    torch.tensor(0.25, device=device))),
+        "cross_entropy_backward": (
+            ops.cross_entropy_backward,
+            (
+                _randn(6, 300, **n),
+                targets,
+                -100,
+                torch.rand(6, **n) + 6,
+                torch.tensor(0.25, device=device),
+            ),
+        ),
         "cross_entropy_": (ops.cross_entropy_, (_randn(6, 300, **n), targets, -100)),
-        "linear_cross_entropy": (ops.linear_cross_entropy,
-                                 (_randn(6, 16, **g), _randn(300, 16, **g), targets, -100, 4,
-                                  True, True)),
+        "linear_cross_entropy": (
+            ops.linear_cross_entropy,
+            (_randn(6, 16, **g), _randn(300, 16, **g), targets, -100, 4, True, True),
+        ),
     }
 
 
-OP_NAMES = ["rms_norm", "add_rms_norm", "rms_norm_backward", "swiglu", "swiglu_backward",
-            "swiglu_packed", "swiglu_packed_backward", "flash_attention",
-            "flash_attention_backward", "flash_attention_backward_", "rope", "rope_", "cross_entropy", "cross_entropy_backward",
-            "cross_entropy_", "linear_cross_entropy"]
+OP_NAMES = [
+    "rms_norm",
+    "add_rms_norm",
+    "rms_norm_backward",
+    "swiglu",
+    "swiglu_backward",
+    "swiglu_packed",
+    "swiglu_packed_backward",
+    "flash_attention",
+    "flash_attention_backward",
+    "flash_attention_backward_",
+    "rope",
+    "rope_",
+    "cross_entropy",
+    "cross_entropy_backward",
+    "cross_entropy_",
+    "linear_cross_entropy",
+]
 
 
 def test_every_registered_op_is_checked(device):
@@ -108,13 +179,26 @@ class _OpRecordingBackend:
         return self.backend(gm, example_inputs)
 
 
-CONFIG = dict(vocab_size=61, context_length=24, d_model=32, num_layers=2, num_heads=2, d_ff=48,
-              rope_theta=10000.0)
-KERNEL_OPS = {"fastlm.rms_norm.default", "fastlm.add_rms_norm.default",
-              "fastlm.rms_norm_backward.default", "fastlm.rope_.default",
-              "fastlm.flash_attention.default", "fastlm.flash_attention_backward_.default",
-              "fastlm.swiglu.default", "fastlm.swiglu_backward.default",
-              "fastlm.linear_cross_entropy.default"}
+CONFIG = dict(
+    vocab_size=61,
+    context_length=24,
+    d_model=32,
+    num_layers=2,
+    num_heads=2,
+    d_ff=48,
+    rope_theta=10000.0,
+)
+KERNEL_OPS = {
+    "fastlm.rms_norm.default",
+    "fastlm.add_rms_norm.default",
+    "fastlm.rms_norm_backward.default",
+    "fastlm.rope_.default",
+    "fastlm.flash_attention.default",
+    "fastlm.flash_attention_backward_.default",
+    "fastlm.swiglu.default",
+    "fastlm.swiglu_backward.default",
+    "fastlm.linear_cross_entropy.default",
+}
 
 
 def _compiled_loss_matches_reference(device, backend):

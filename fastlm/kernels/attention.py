@@ -25,7 +25,8 @@ Backward, with dO, recomputing P = 2^(t - LSE) block by block:
 
 One program per (key block, batch * key/value head) computes dK and dV, looping over the G query
 heads of its group, so grouped heads need no atomics; another kernel, one program per (query block,
-batch * query head), computes dQ. Every grid is 1-D, block index fastest (`_block_start_and_batch_head`).
+batch * query head), computes dQ. Every grid is 1-D, block index fastest
+(`_block_start_and_batch_head`).
 With deterministic=False the dK/dV pass also computes dQ = s * dS k for its key block and adds it
 with fp32 atomics into a zeroed buffer (FA2's 5-matmul schedule): one pass, P computed once.
 
@@ -58,8 +59,15 @@ import torch
 import torch.nn.functional as F
 
 from fastlm.backend import interpreting, use_triton
-from fastlm.kernels._common import (check_float, check_match, empty, interpreter_bf16,
-                                    refuse_double_backward, tl, triton)
+from fastlm.kernels._common import (
+    check_float,
+    check_match,
+    empty,
+    interpreter_bf16,
+    refuse_double_backward,
+    tl,
+    triton,
+)
 from fastlm.kernels.rope import check_rope_args, check_rotatable, rope_ref
 
 LOG2_E = 1.4426950408889634
@@ -72,15 +80,22 @@ MAX_HEAD_DIM = 256
 # --------------------------------------------------------------------------------------------
 
 
-def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                  softmax_scale: float | None = None) -> torch.Tensor:
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
     """flash_attention's math through PyTorch's scaled_dot_product_attention (the PyTorch
     backend): GQA by repeating k and v, the causal mask aligned to the end."""
     Nq, Nk = q.shape[2], k.shape[2]
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    if not causal or Nq == Nk:  # SDPA's own causal mask is aligned to the start: equal only if Nq == Nk
+    if (
+        not causal or Nq == Nk
+    ):  # SDPA's own causal mask is aligned to the start: equal only if Nq == Nk
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
     visible = torch.ones(Nq, Nk, dtype=torch.bool, device=q.device).tril(Nk - Nq)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=softmax_scale)
@@ -89,7 +104,6 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 # --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
-
 
 
 class CudaConfig(NamedTuple):
@@ -109,14 +123,23 @@ class CudaConfig(NamedTuple):
 
 def fitting_configs(cuda: list[CudaConfig], block_d: int, element_size: int) -> list[CudaConfig]:
     """The configs of a CUDA list that take head blocks of BLOCK_D at this input element size."""
-    return [config for config in cuda
-            if block_d <= (config.max_block_d_fp32 if element_size == 4 else config.max_block_d)]
+    return [
+        config
+        for config in cuda
+        if block_d <= (config.max_block_d_fp32 if element_size == 4 else config.max_block_d)
+    ]
 
 
-def _configs(interpreter_blocks: dict, cuda: list[CudaConfig]) -> list[triton.Config]:
+def _configs(
+    interpreter_blocks: dict,
+    cuda: list[CudaConfig],
+    covers: tuple[int, int] = (MAX_HEAD_DIM, MAX_HEAD_DIM),
+) -> list[triton.Config]:
     """One small config under the interpreter (autotuning there runs every config); the CUDA list
-    otherwise, which `_prune_to_fitting` cuts down per launch."""
-    for block_d, element_size in ((MAX_HEAD_DIM, 2), (MAX_HEAD_DIM, 4)):
+    otherwise, which `_prune_to_fitting` cuts down per launch. `covers`: the largest head blocks
+    (16-bit, fp32) some config must take: every head dim unless the caller routes the rest
+    elsewhere."""
+    for block_d, element_size in ((covers[0], 2), (covers[1], 4)):
         assert fitting_configs(cuda, block_d, element_size), "a head dim no config takes"
     if interpreting():
         return [triton.Config(interpreter_blocks, num_warps=4, num_stages=1)]
@@ -129,6 +152,7 @@ def _prune_to_fitting(cuda: list[CudaConfig]):
     FASTLM_AUTOTUNE=0 keeps only the last of them, the smallest: for test runs, where tuning each
     new shape would compile every config.
     """
+
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
         if interpreting():
             return configs
@@ -136,15 +160,19 @@ def _prune_to_fitting(cuda: list[CudaConfig]):
         if os.environ.get("FASTLM_AUTOTUNE", "1") == "0":
             fitting = fitting[-1:]
         chosen = {(tuple(c.blocks.items()), c.num_warps, c.num_stages) for c in fitting}
-        return [c for c in configs
-                if (tuple(c.kwargs.items()), c.num_warps, c.num_stages) in chosen]
+        return [
+            c for c in configs if (tuple(c.kwargs.items()), c.num_warps, c.num_stages) in chosen
+        ]
+
     return {"early_config_prune": prune}
 
 
-def _config(block_m: int, block_n: int, warps: int, stages: int, max_block_d: int,
-            max_block_d_fp32: int) -> CudaConfig:
-    return CudaConfig({"BLOCK_M": block_m, "BLOCK_N": block_n}, warps, stages, max_block_d,
-                      max_block_d_fp32)
+def _config(
+    block_m: int, block_n: int, warps: int, stages: int, max_block_d: int, max_block_d_fp32: int
+) -> CudaConfig:
+    return CudaConfig(
+        {"BLOCK_M": block_m, "BLOCK_N": block_n}, warps, stages, max_block_d, max_block_d_fp32
+    )
 
 
 # Largest first. Hopper-first: 128-row query blocks for head dims up to 128, 64-row blocks (still
@@ -185,8 +213,16 @@ _TUNING_KEY = ["q_bucket", "k_bucket", "BLOCK_D", "CAUSAL", "DOT_PRECISION"]
 
 
 @triton.jit
-def _load_tile(ptrs, rows, n_rows, cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               CHECK_ROWS: tl.constexpr, TO_FP32: tl.constexpr):
+def _load_tile(
+    ptrs,
+    rows,
+    n_rows,
+    cols,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CHECK_ROWS: tl.constexpr,
+    TO_FP32: tl.constexpr,
+):
     """A (rows, BLOCK_D) tile; rows >= n_rows and the head-dim padding read as zero.
 
     Without CHECK_ROWS the caller has proven every row in range, and the load is unmasked unless
@@ -205,7 +241,11 @@ def _load_tile(ptrs, rows, n_rows, cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.con
 
 @triton.jit
 def _store_tile(ptrs, tile, rows, n_rows, cols, HEAD_DIM: tl.constexpr):
-    tl.store(ptrs, tile.to(ptrs.dtype.element_ty), mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM))
+    tl.store(
+        ptrs,
+        tile.to(ptrs.dtype.element_ty),
+        mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM),
+    )
 
 
 @triton.jit
@@ -228,9 +268,23 @@ def _block_start_and_batch_head(n_rows, BLOCK: tl.constexpr, LAST_BLOCK_FIRST: t
 
 
 @triton.jit
-def _online_softmax_step(acc, m_i, l_i, q, k, v, offs_m, offs_n, n_k, causal_shift, qk_scale,
-                         MASKED: tl.constexpr, CAUSAL: tl.constexpr, SCALE_POSITIVE: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
+def _online_softmax_step(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k,
+    v,
+    offs_m,
+    offs_n,
+    n_k,
+    causal_shift,
+    qk_scale,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SCALE_POSITIVE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """(acc, m_i, l_i) after one key block k, v (rows offs_n); m_i is in scaled (base-2) units.
 
     With a positive scale the row max is taken on the unscaled scores (the max commutes with the
@@ -260,11 +314,33 @@ def _online_softmax_step(acc, m_i, l_i, q, k, v, offs_m, offs_n, n_k, causal_shi
 
 
 @triton.jit
-def _fwd_key_blocks(acc, m_i, l_i, q, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
-                    offs_m, offs_d, lo, hi, n_k, causal_shift, qk_scale,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, TO_FP32: tl.constexpr,
-                    SCALE_POSITIVE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _fwd_key_blocks(
+    acc,
+    m_i,
+    l_i,
+    q,
+    K_head,
+    V_head,
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    offs_m,
+    offs_d,
+    lo,
+    hi,
+    n_k,
+    causal_shift,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    TO_FP32: tl.constexpr,
+    SCALE_POSITIVE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """Online-softmax update of (acc, m_i, l_i) with the key blocks starting in [lo, hi),
     loaded through pointers."""
     offs_n = lo + tl.arange(0, BLOCK_N)
@@ -273,28 +349,70 @@ def _fwd_key_blocks(acc, m_i, l_i, q, K_head, V_head, stride_kn, stride_kd, stri
     for _ in range(lo, hi, BLOCK_N):
         k = _load_tile(k_ptrs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TO_FP32)
         v = _load_tile(v_ptrs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TO_FP32)
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, offs_m, offs_n, n_k,
-                                             causal_shift, qk_scale, MASKED, CAUSAL,
-                                             SCALE_POSITIVE, DOT_PRECISION)
+        acc, m_i, l_i = _online_softmax_step(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k,
+            v,
+            offs_m,
+            offs_n,
+            n_k,
+            causal_shift,
+            qk_scale,
+            MASKED,
+            CAUSAL,
+            SCALE_POSITIVE,
+            DOT_PRECISION,
+        )
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
         offs_n += BLOCK_N
     return acc, m_i, l_i
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=_TUNING_KEY,
-                  prune_configs_by=_prune_to_fitting(FWD_CUDA_CONFIGS))
+@triton.autotune(
+    configs=_FWD_CONFIGS, key=_TUNING_KEY, prune_configs_by=_prune_to_fitting(FWD_CUDA_CONFIGS)
+)
 @triton.jit
 def _attention_fwd_kernel(
-    Q, K, V, O, LSE,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_om, stride_od,
-    num_heads, group, n_q, n_k, qk_scale, q_bucket, k_bucket,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    TO_FP32: tl.constexpr, SCALE_POSITIVE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    num_heads,
+    group,
+    n_q,
+    n_k,
+    qk_scale,
+    q_bucket,
+    k_bucket,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    TO_FP32: tl.constexpr,
+    SCALE_POSITIVE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     start_m, batch_head = _block_start_and_batch_head(n_q, BLOCK_M, CAUSAL)
     batch = (batch_head // num_heads).to(tl.int64)
@@ -303,33 +421,99 @@ def _attention_fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q_ptrs = (Q + batch * stride_qb + head * stride_qh
-              + offs_m.to(tl.int64)[:, None] * stride_qm + offs_d[None, :] * stride_qd)
-    q = _load_tile(q_ptrs, offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True, TO_FP32)  # (BLOCK_M, BLOCK_D)
+    q_ptrs = (
+        Q
+        + batch * stride_qb
+        + head * stride_qh
+        + offs_m.to(tl.int64)[:, None] * stride_qm
+        + offs_d[None, :] * stride_qd
+    )
+    q = _load_tile(
+        q_ptrs, offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True, TO_FP32
+    )  # (BLOCK_M, BLOCK_D)
     K_head = K + batch * stride_kb + kv_head * stride_kh
     V_head = V + batch * stride_vb + kv_head * stride_vh
 
     acc, m_i, l_i, causal_shift, full_end, masked_end = _fwd_start(
-        start_m, n_q, n_k, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D)
+        start_m, n_q, n_k, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D
+    )
     acc, m_i, l_i = _fwd_key_blocks(
-        acc, m_i, l_i, q, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_d, 0, full_end, n_k, causal_shift, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, TO_FP32, SCALE_POSITIVE, DOT_PRECISION)
+        acc,
+        m_i,
+        l_i,
+        q,
+        K_head,
+        V_head,
+        stride_kn,
+        stride_kd,
+        stride_vn,
+        stride_vd,
+        offs_m,
+        offs_d,
+        0,
+        full_end,
+        n_k,
+        causal_shift,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        False,
+        CAUSAL,
+        TO_FP32,
+        SCALE_POSITIVE,
+        DOT_PRECISION,
+    )
     acc, m_i, l_i = _fwd_key_blocks(
-        acc, m_i, l_i, q, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_d, full_end, masked_end, n_k, causal_shift, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, TO_FP32, SCALE_POSITIVE, DOT_PRECISION)
+        acc,
+        m_i,
+        l_i,
+        q,
+        K_head,
+        V_head,
+        stride_kn,
+        stride_kd,
+        stride_vn,
+        stride_vd,
+        offs_m,
+        offs_d,
+        full_end,
+        masked_end,
+        n_k,
+        causal_shift,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        True,
+        CAUSAL,
+        TO_FP32,
+        SCALE_POSITIVE,
+        DOT_PRECISION,
+    )
 
     o, lse = _fwd_finish(acc, m_i, l_i)
-    o_ptrs = (O + batch * stride_ob + head * stride_oh
-              + offs_m.to(tl.int64)[:, None] * stride_om + offs_d[None, :] * stride_od)
+    o_ptrs = (
+        O
+        + batch * stride_ob
+        + head * stride_oh
+        + offs_m.to(tl.int64)[:, None] * stride_om
+        + offs_d[None, :] * stride_od
+    )
     _store_tile(o_ptrs, o, offs_m, n_q, offs_d, HEAD_DIM)
     tl.store(LSE + batch_head.to(tl.int64) * n_q + offs_m, lse, mask=offs_m < n_q)
 
 
 @triton.jit
-def _fwd_start(start_m, n_q, n_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _fwd_start(
+    start_m,
+    n_q,
+    n_k,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """The online softmax's empty state (acc, m_i, l_i), the causal shift Nk - Nq, and
     (full_end, masked_end): key blocks [0, full_end) need no mask, [full_end, masked_end) do."""
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -337,7 +521,8 @@ def _fwd_start(start_m, n_q, n_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     causal_shift = n_k - n_q
     if CAUSAL:
-        # Keys [0, full_end) are seen by every row of the block (the first row sees j <= start_m + shift).
+        # Keys [0, full_end) are seen by every row of the block (the first row sees j <= start_m +
+        # shift).
         full_end = tl.maximum(start_m + causal_shift + 1, 0) // BLOCK_N * BLOCK_N
         # The last row sees j <= start_m + BLOCK_M - 1 + shift; later key blocks are never visited.
         masked_end = tl.minimum(start_m + BLOCK_M + causal_shift, n_k)
@@ -358,10 +543,27 @@ def _fwd_finish(acc, m_i, l_i):
 
 
 @triton.jit
-def _fwd_key_blocks_tma(acc, m_i, l_i, q, k_desc, v_desc, offs_m, lo, hi, n_k, causal_shift,
-                        qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                        CAUSAL: tl.constexpr, TO_FP32: tl.constexpr, SCALE_POSITIVE: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+def _fwd_key_blocks_tma(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_desc,
+    v_desc,
+    offs_m,
+    lo,
+    hi,
+    n_k,
+    causal_shift,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    TO_FP32: tl.constexpr,
+    SCALE_POSITIVE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
     """_fwd_key_blocks with k and v read through tensor descriptors (TMA on sm_90+): rows past
     the head's n_k and the head-dim padding come back as zeros, with no masks to compute."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
@@ -370,23 +572,61 @@ def _fwd_key_blocks_tma(acc, m_i, l_i, q, k_desc, v_desc, offs_m, lo, hi, n_k, c
         if TO_FP32:
             k, v = k.to(tl.float32), v.to(tl.float32)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, offs_m, offs_n, n_k,
-                                             causal_shift, qk_scale, MASKED, CAUSAL,
-                                             SCALE_POSITIVE, DOT_PRECISION)
+        acc, m_i, l_i = _online_softmax_step(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k,
+            v,
+            offs_m,
+            offs_n,
+            n_k,
+            causal_shift,
+            qk_scale,
+            MASKED,
+            CAUSAL,
+            SCALE_POSITIVE,
+            DOT_PRECISION,
+        )
     return acc, m_i, l_i
 
 
 @triton.jit
 def _attention_fwd_tma_kernel(
-    Q, K, V, O, LSE,
-    stride_qb, stride_qh, stride_qm,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_ob, stride_oh, stride_om,
-    num_heads, group, n_q, n_k, qk_scale, q_bucket, k_bucket,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    TO_FP32: tl.constexpr, SCALE_POSITIVE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    num_heads,
+    group,
+    n_q,
+    n_k,
+    qk_scale,
+    q_bucket,
+    k_bucket,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    TO_FP32: tl.constexpr,
+    SCALE_POSITIVE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """The forward with q, k, v, o moved by tensor descriptors, one 2-D [rows, HEAD_DIM] view per
     (batch, head) with unit last stride: any row stride, so a packed q|k|v (row stride 3C) is read
@@ -395,51 +635,127 @@ def _attention_fwd_tma_kernel(
     batch = (batch_head // num_heads).to(tl.int64)
     head = (batch_head % num_heads).to(tl.int64)
     kv_head = head // group
-    q_desc = tl.make_tensor_descriptor(Q + batch * stride_qb + head * stride_qh, [n_q, HEAD_DIM],
-                                       [stride_qm, 1], [BLOCK_M, BLOCK_D])
-    k_desc = tl.make_tensor_descriptor(K + batch * stride_kb + kv_head * stride_kh,
-                                       [n_k, HEAD_DIM], [stride_kn, 1], [BLOCK_N, BLOCK_D])
-    v_desc = tl.make_tensor_descriptor(V + batch * stride_vb + kv_head * stride_vh,
-                                       [n_k, HEAD_DIM], [stride_vn, 1], [BLOCK_N, BLOCK_D])
-    o_desc = tl.make_tensor_descriptor(O + batch * stride_ob + head * stride_oh, [n_q, HEAD_DIM],
-                                       [stride_om, 1], [BLOCK_M, BLOCK_D])
+    q_desc = tl.make_tensor_descriptor(
+        Q + batch * stride_qb + head * stride_qh,
+        [n_q, HEAD_DIM],
+        [stride_qm, 1],
+        [BLOCK_M, BLOCK_D],
+    )
+    k_desc = tl.make_tensor_descriptor(
+        K + batch * stride_kb + kv_head * stride_kh,
+        [n_k, HEAD_DIM],
+        [stride_kn, 1],
+        [BLOCK_N, BLOCK_D],
+    )
+    v_desc = tl.make_tensor_descriptor(
+        V + batch * stride_vb + kv_head * stride_vh,
+        [n_k, HEAD_DIM],
+        [stride_vn, 1],
+        [BLOCK_N, BLOCK_D],
+    )
+    o_desc = tl.make_tensor_descriptor(
+        O + batch * stride_ob + head * stride_oh,
+        [n_q, HEAD_DIM],
+        [stride_om, 1],
+        [BLOCK_M, BLOCK_D],
+    )
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = q_desc.load([start_m, 0])
     if TO_FP32:
         q = q.to(tl.float32)
 
     acc, m_i, l_i, causal_shift, full_end, masked_end = _fwd_start(
-        start_m, n_q, n_k, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D)
+        start_m, n_q, n_k, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D
+    )
     acc, m_i, l_i = _fwd_key_blocks_tma(
-        acc, m_i, l_i, q, k_desc, v_desc, offs_m, 0, full_end, n_k, causal_shift, qk_scale,
-        BLOCK_N, False, CAUSAL, TO_FP32, SCALE_POSITIVE, DOT_PRECISION, WARP_SPECIALIZE)
+        acc,
+        m_i,
+        l_i,
+        q,
+        k_desc,
+        v_desc,
+        offs_m,
+        0,
+        full_end,
+        n_k,
+        causal_shift,
+        qk_scale,
+        BLOCK_N,
+        False,
+        CAUSAL,
+        TO_FP32,
+        SCALE_POSITIVE,
+        DOT_PRECISION,
+        WARP_SPECIALIZE,
+    )
     acc, m_i, l_i = _fwd_key_blocks_tma(
-        acc, m_i, l_i, q, k_desc, v_desc, offs_m, full_end, masked_end, n_k, causal_shift,
-        qk_scale, BLOCK_N, True, CAUSAL, TO_FP32, SCALE_POSITIVE, DOT_PRECISION, False)
+        acc,
+        m_i,
+        l_i,
+        q,
+        k_desc,
+        v_desc,
+        offs_m,
+        full_end,
+        masked_end,
+        n_k,
+        causal_shift,
+        qk_scale,
+        BLOCK_N,
+        True,
+        CAUSAL,
+        TO_FP32,
+        SCALE_POSITIVE,
+        DOT_PRECISION,
+        False,
+    )
 
     o, lse = _fwd_finish(acc, m_i, l_i)
     o_desc.store([start_m, 0], o.to(o_desc.dtype))
     tl.store(LSE + batch_head.to(tl.int64) * n_q + offs_m, lse, mask=offs_m < n_q)
 
 
-# The descriptor forward's own list (the pointer list's shapes: TMA moves the same tiles).
+# The descriptor forward's own list (the pointer list's shapes: TMA moves the same tiles). Each
+# compiled for sm_90a without spills at bf16 head dims 64 and 128 (ptxas -v, Triton 3.9); fp32 and
+# head dims above 128 were not checked, so `_use_tensor_descriptors` sends them to the pointer path.
+TMA_MAX_BLOCK_D = 128
+FWD_TMA_CUDA_CONFIGS = [
+    _config(128, 64, 4, 2, 128, 0),
+    _config(128, 64, 4, 3, 128, 0),
+    _config(128, 64, 8, 2, 128, 0),
+    _config(128, 64, 8, 3, 128, 0),
+    _config(128, 128, 8, 2, 128, 0),
+    _config(64, 64, 4, 3, 128, 0),
+    _config(64, 32, 4, 2, 128, 0),
+]
 _FWD_TMA_CONFIGS = _configs(
-    {"BLOCK_M": 64, "BLOCK_N": 32},
-    [({"BLOCK_M": 128, "BLOCK_N": 64}, warps, stages) for warps in (4, 8) for stages in (2, 3)]
-    + [({"BLOCK_M": 128, "BLOCK_N": 128}, 8, 2), ({"BLOCK_M": 64, "BLOCK_N": 64}, 4, 3),
-       ({"BLOCK_M": 64, "BLOCK_N": 32}, 4, 2)],
+    {"BLOCK_M": 64, "BLOCK_N": 32}, FWD_TMA_CUDA_CONFIGS, covers=(TMA_MAX_BLOCK_D, 0)
 )
-_attention_fwd_tma_autotuned = triton.autotune(configs=_FWD_TMA_CONFIGS, key=_TUNING_KEY)(
-    _attention_fwd_tma_kernel)
+_attention_fwd_tma_autotuned = triton.autotune(
+    configs=_FWD_TMA_CONFIGS,
+    key=_TUNING_KEY,
+    prune_configs_by=_prune_to_fitting(FWD_TMA_CUDA_CONFIGS),
+)(_attention_fwd_tma_kernel)
 
 
 @triton.jit
 def _attention_bwd_delta_kernel(
-    O, DO, DELTA,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    num_heads, n_q,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    O,
+    DO,
+    DELTA,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    num_heads,
+    n_q,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
     """Delta = rowsum(O * dO) in fp32, one value per query row."""
     start_m, batch_head = _block_start_and_batch_head(n_q, BLOCK_M, False)
@@ -448,20 +764,67 @@ def _attention_bwd_delta_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     rows = offs_m.to(tl.int64)[:, None]
-    o = _load_tile(O + batch * stride_ob + head * stride_oh + rows * stride_om + offs_d[None, :] * stride_od,
-                   offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True, True)
-    do = _load_tile(DO + batch * stride_dob + head * stride_doh + rows * stride_dom + offs_d[None, :] * stride_dod,
-                    offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True, True)
+    o = _load_tile(
+        O + batch * stride_ob + head * stride_oh + rows * stride_om + offs_d[None, :] * stride_od,
+        offs_m,
+        n_q,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_D,
+        True,
+        True,
+    )
+    do = _load_tile(
+        DO
+        + batch * stride_dob
+        + head * stride_doh
+        + rows * stride_dom
+        + offs_d[None, :] * stride_dod,
+        offs_m,
+        n_q,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_D,
+        True,
+        True,
+    )
     tl.store(DELTA + batch_head.to(tl.int64) * n_q + offs_m, tl.sum(o * do, 1), mask=offs_m < n_q)
 
 
 @triton.jit
-def _dkdv_query_blocks(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, DQ_head,
-                       stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
-                       offs_n, offs_d, lo, hi, n_q, causal_shift, softmax_scale, qk_scale,
-                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                       CHECK_ROWS: tl.constexpr, CAUSAL_MASK: tl.constexpr, TO_FP32: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+def _dkdv_query_blocks(
+    dk,
+    dv,
+    k,
+    v,
+    Q_head,
+    DO_head,
+    LSE_head,
+    DELTA_head,
+    DQ_head,
+    stride_qm,
+    stride_qd,
+    stride_dom,
+    stride_dod,
+    stride_dqm,
+    stride_dqd,
+    offs_n,
+    offs_d,
+    lo,
+    hi,
+    n_q,
+    causal_shift,
+    softmax_scale,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHECK_ROWS: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr,
+    TO_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
+):
     """Add to (dk, dv) of one key block the query blocks starting in [lo, hi) of one query head;
     with ATOMIC_DQ also add this key block's share of dq, s * dS k, to the fp32 DQ_head."""
     offs_m = lo + tl.arange(0, BLOCK_M)
@@ -480,7 +843,9 @@ def _dkdv_query_blocks(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, DQ_h
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         exponent = qk_t * qk_scale - lse[None, :]
         if CAUSAL_MASK:  # mask the exponent: 2^(t - LSE) of a key a query must not see may overflow
-            exponent = tl.where(offs_n[:, None] <= offs_m[None, :] + causal_shift, exponent, float("-inf"))
+            exponent = tl.where(
+                offs_n[:, None] <= offs_m[None, :] + causal_shift, exponent, float("-inf")
+            )
         p_t = tl.math.exp2(exponent)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
@@ -488,8 +853,12 @@ def _dkdv_query_blocks(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, DQ_h
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
         if ATOMIC_DQ:  # the fifth matmul: other key blocks add to the same rows, in any order
             dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION)
-            tl.atomic_add(dq_ptrs, dq * softmax_scale, sem="relaxed",
-                          mask=(offs_m[:, None] < n_q) & (offs_d[None, :] < HEAD_DIM))
+            tl.atomic_add(
+                dq_ptrs,
+                dq * softmax_scale,
+                sem="relaxed",
+                mask=(offs_m[:, None] < n_q) & (offs_d[None, :] < HEAD_DIM),
+            )
             dq_ptrs += BLOCK_M * stride_dqm
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
@@ -497,22 +866,64 @@ def _dkdv_query_blocks(dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, DQ_h
     return dk, dv
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=_TUNING_KEY,
-                  prune_configs_by=_prune_to_fitting(DKDV_CUDA_CONFIGS))
+@triton.autotune(
+    configs=_DKDV_CONFIGS, key=_TUNING_KEY, prune_configs_by=_prune_to_fitting(DKDV_CUDA_CONFIGS)
+)
 @triton.jit
 def _attention_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, DQ, LSE, DELTA,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    num_kv_heads, group, n_q, n_k, softmax_scale, qk_scale, q_bucket, k_bucket,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    TO_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    DK,
+    DV,
+    DQ,
+    LSE,
+    DELTA,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dkd,
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,
+    stride_dvd,
+    stride_dqb,
+    stride_dqh,
+    stride_dqm,
+    stride_dqd,
+    num_kv_heads,
+    group,
+    n_q,
+    n_k,
+    softmax_scale,
+    qk_scale,
+    q_bucket,
+    k_bucket,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    TO_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """dK and dV of one key block; with ATOMIC_DQ also dQ, added with fp32 atomics into a zeroed
     DQ (FA2's 5-matmul schedule: one pass, no dQ kernel, sums in no fixed order). Without it
@@ -524,15 +935,40 @@ def _attention_bwd_dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     rows = offs_n.to(tl.int64)[:, None]
-    k = _load_tile(K + batch * stride_kb + kv_head * stride_kh + rows * stride_kn + offs_d[None, :] * stride_kd,
-                   offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True, TO_FP32)  # (BLOCK_N, BLOCK_D)
-    v = _load_tile(V + batch * stride_vb + kv_head * stride_vh + rows * stride_vn + offs_d[None, :] * stride_vd,
-                   offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True, TO_FP32)
+    k = _load_tile(
+        K
+        + batch * stride_kb
+        + kv_head * stride_kh
+        + rows * stride_kn
+        + offs_d[None, :] * stride_kd,
+        offs_n,
+        n_k,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_D,
+        True,
+        TO_FP32,
+    )  # (BLOCK_N, BLOCK_D)
+    v = _load_tile(
+        V
+        + batch * stride_vb
+        + kv_head * stride_vh
+        + rows * stride_vn
+        + offs_d[None, :] * stride_vd,
+        offs_n,
+        n_k,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_D,
+        True,
+        TO_FP32,
+    )
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    # Query blocks [diag_lo, full_lo) see part of this key block (causal mask); [full_lo, n_q) see all
-    # of it, in whole blocks up to full_hi then a partial tail; queries below diag_lo see none of it.
+    # Query blocks [diag_lo, full_lo) see part of this key block (causal mask); [full_lo, n_q)
+    # see all of it, in whole blocks up to full_hi then a partial tail; queries below diag_lo see
+    # none of it.
     causal_shift = n_k - n_q
     if CAUSAL:
         diag_lo = tl.maximum(start_n - causal_shift, 0) // BLOCK_M * BLOCK_M
@@ -551,62 +987,177 @@ def _attention_bwd_dkdv_kernel(
         DELTA_head = DELTA + row_stats
         DQ_head = DQ + batch * stride_dqb + head * stride_dqh
         dk, dv = _dkdv_query_blocks(
-            dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, DQ_head,
-            stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
-            offs_n, offs_d, diag_lo, tl.minimum(full_lo, n_q), n_q, causal_shift, softmax_scale, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_M, True, CAUSAL, TO_FP32, DOT_PRECISION, ATOMIC_DQ)
+            dk,
+            dv,
+            k,
+            v,
+            Q_head,
+            DO_head,
+            LSE_head,
+            DELTA_head,
+            DQ_head,
+            stride_qm,
+            stride_qd,
+            stride_dom,
+            stride_dod,
+            stride_dqm,
+            stride_dqd,
+            offs_n,
+            offs_d,
+            diag_lo,
+            tl.minimum(full_lo, n_q),
+            n_q,
+            causal_shift,
+            softmax_scale,
+            qk_scale,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_M,
+            True,
+            CAUSAL,
+            TO_FP32,
+            DOT_PRECISION,
+            ATOMIC_DQ,
+        )
         dk, dv = _dkdv_query_blocks(
-            dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, DQ_head,
-            stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
-            offs_n, offs_d, full_lo, full_hi, n_q, causal_shift, softmax_scale, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_M, False, False, TO_FP32, DOT_PRECISION, ATOMIC_DQ)
+            dk,
+            dv,
+            k,
+            v,
+            Q_head,
+            DO_head,
+            LSE_head,
+            DELTA_head,
+            DQ_head,
+            stride_qm,
+            stride_qd,
+            stride_dom,
+            stride_dod,
+            stride_dqm,
+            stride_dqd,
+            offs_n,
+            offs_d,
+            full_lo,
+            full_hi,
+            n_q,
+            causal_shift,
+            softmax_scale,
+            qk_scale,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_M,
+            False,
+            False,
+            TO_FP32,
+            DOT_PRECISION,
+            ATOMIC_DQ,
+        )
         dk, dv = _dkdv_query_blocks(
-            dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, DQ_head,
-            stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
-            offs_n, offs_d, full_hi, n_q, n_q, causal_shift, softmax_scale, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_M, True, False, TO_FP32, DOT_PRECISION, ATOMIC_DQ)
+            dk,
+            dv,
+            k,
+            v,
+            Q_head,
+            DO_head,
+            LSE_head,
+            DELTA_head,
+            DQ_head,
+            stride_qm,
+            stride_qd,
+            stride_dom,
+            stride_dod,
+            stride_dqm,
+            stride_dqd,
+            offs_n,
+            offs_d,
+            full_hi,
+            n_q,
+            n_q,
+            causal_shift,
+            softmax_scale,
+            qk_scale,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_M,
+            True,
+            False,
+            TO_FP32,
+            DOT_PRECISION,
+            ATOMIC_DQ,
+        )
 
-    dk_ptrs = DK + batch * stride_dkb + kv_head * stride_dkh + rows * stride_dkn + offs_d[None, :] * stride_dkd
-    dv_ptrs = DV + batch * stride_dvb + kv_head * stride_dvh + rows * stride_dvn + offs_d[None, :] * stride_dvd
+    dk_ptrs = (
+        DK
+        + batch * stride_dkb
+        + kv_head * stride_dkh
+        + rows * stride_dkn
+        + offs_d[None, :] * stride_dkd
+    )
+    dv_ptrs = (
+        DV
+        + batch * stride_dvb
+        + kv_head * stride_dvh
+        + rows * stride_dvn
+        + offs_d[None, :] * stride_dvd
+    )
     _store_tile(dk_ptrs, dk * softmax_scale, offs_n, n_k, offs_d, HEAD_DIM)
     _store_tile(dv_ptrs, dv, offs_n, n_k, offs_d, HEAD_DIM)
 
 
 # The atomic schedule's one backward pass holds a dq tile besides dk, dv, k and v, so it fits
-# narrower query blocks than the deterministic pass. Each config is listed with the largest head
-# block it compiles for sm_90a without spills (ptxas -v, bf16, Triton 3.9: D 64 and 128 checked,
-# 256 not); the autotuner keeps those that fit the launch's BLOCK_D. The last is the fallback.
-_DKDV_DQ_CUDA = [
-    (({"BLOCK_M": 32, "BLOCK_N": 128}, 8, 2), 64),
-    (({"BLOCK_M": 16, "BLOCK_N": 64}, 4, 2), 64),
-    (({"BLOCK_M": 16, "BLOCK_N": 64}, 8, 2), 128),
-    (({"BLOCK_M": 16, "BLOCK_N": 32}, 4, 1), MAX_HEAD_DIM),
+# narrower query blocks than the deterministic pass. Each config takes the head blocks it compiles
+# for without spills (compile_report.py, sm_90a). At head block 256 even the smallest spills (44 B
+# bf16, 916 B fp32), so larger head dims take the deterministic schedule (`_attention_backward`).
+ATOMIC_MAX_BLOCK_D = 128
+DKDV_DQ_CUDA_CONFIGS = [
+    _config(32, 128, 8, 2, 64, 0),
+    _config(16, 64, 4, 2, 64, 0),
+    _config(16, 64, 8, 2, 128, 0),
+    _config(16, 32, 4, 1, ATOMIC_MAX_BLOCK_D, ATOMIC_MAX_BLOCK_D),
 ]
-_DKDV_DQ_CONFIGS = _configs({"BLOCK_M": 32, "BLOCK_N": 64}, [c for c, _ in _DKDV_DQ_CUDA])
-_DKDV_DQ_MAX_BLOCK_D = {(blocks["BLOCK_M"], blocks["BLOCK_N"], warps): max_d
-                        for (blocks, warps, _), max_d in _DKDV_DQ_CUDA}
-
-
-def _spill_free_for_head_block(configs, named_args, **kwargs):
-    """The atomic pass's configs that compile without spills at this launch's head block."""
-    fitting = [c for c in configs if kwargs["BLOCK_D"] <= _DKDV_DQ_MAX_BLOCK_D.get(
-        (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps), MAX_HEAD_DIM)]
-    return fitting or configs[-1:]
-
-
+_DKDV_DQ_CONFIGS = _configs(
+    {"BLOCK_M": 32, "BLOCK_N": 64},
+    DKDV_DQ_CUDA_CONFIGS,
+    covers=(ATOMIC_MAX_BLOCK_D, ATOMIC_MAX_BLOCK_D),
+)
 _attention_bwd_dkdv_dq_kernel = triton.autotune(
-    configs=_DKDV_DQ_CONFIGS, key=_TUNING_KEY, reset_to_zero=["DQ"],
-    prune_configs_by={"early_config_prune": _spill_free_for_head_block},
+    configs=_DKDV_DQ_CONFIGS,
+    key=_TUNING_KEY,
+    reset_to_zero=["DQ"],
+    prune_configs_by=_prune_to_fitting(DKDV_DQ_CUDA_CONFIGS),
 )(_attention_bwd_dkdv_kernel.fn)
 
 
 @triton.jit
-def _dq_key_blocks(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
-                   offs_m, offs_d, lo, hi, n_k, causal_shift, qk_scale,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, TO_FP32: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
-    """Add to dq of one query block the key blocks starting in [lo, hi) (MASKED as in the forward)."""
+def _dq_key_blocks(
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    K_head,
+    V_head,
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    offs_m,
+    offs_d,
+    lo,
+    hi,
+    n_k,
+    causal_shift,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    TO_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Add to dq of one query block the key blocks starting in [lo, hi) (MASKED as in the
+    forward)."""
     offs_n = lo + tl.arange(0, BLOCK_N)
     k_ptrs = K_head + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = V_head + offs_n.to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd
@@ -630,20 +1181,53 @@ def _dq_key_blocks(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kd, 
     return dq
 
 
-@triton.autotune(configs=_DQ_CONFIGS, key=_TUNING_KEY,
-                  prune_configs_by=_prune_to_fitting(DQ_CUDA_CONFIGS))
+@triton.autotune(
+    configs=_DQ_CONFIGS, key=_TUNING_KEY, prune_configs_by=_prune_to_fitting(DQ_CUDA_CONFIGS)
+)
 @triton.jit
 def _attention_bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    num_heads, group, n_q, n_k, softmax_scale, qk_scale, q_bucket, k_bucket,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    TO_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    DQ,
+    LSE,
+    DELTA,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    stride_dqb,
+    stride_dqh,
+    stride_dqm,
+    stride_dqd,
+    num_heads,
+    group,
+    n_q,
+    n_k,
+    softmax_scale,
+    qk_scale,
+    q_bucket,
+    k_bucket,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    TO_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     start_m, batch_head = _block_start_and_batch_head(n_q, BLOCK_M, CAUSAL)
     batch = (batch_head // num_heads).to(tl.int64)
@@ -652,10 +1236,30 @@ def _attention_bwd_dq_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     rows = offs_m.to(tl.int64)[:, None]
-    q = _load_tile(Q + batch * stride_qb + head * stride_qh + rows * stride_qm + offs_d[None, :] * stride_qd,
-                   offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True, TO_FP32)  # (BLOCK_M, BLOCK_D)
-    do = _load_tile(DO + batch * stride_dob + head * stride_doh + rows * stride_dom + offs_d[None, :] * stride_dod,
-                    offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True, TO_FP32)
+    q = _load_tile(
+        Q + batch * stride_qb + head * stride_qh + rows * stride_qm + offs_d[None, :] * stride_qd,
+        offs_m,
+        n_q,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_D,
+        True,
+        TO_FP32,
+    )  # (BLOCK_M, BLOCK_D)
+    do = _load_tile(
+        DO
+        + batch * stride_dob
+        + head * stride_doh
+        + rows * stride_dom
+        + offs_d[None, :] * stride_dod,
+        offs_m,
+        n_q,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_D,
+        True,
+        TO_FP32,
+    )
     row_stats = batch_head.to(tl.int64) * n_q + offs_m
     lse = tl.load(LSE + row_stats, mask=offs_m < n_q, other=float("inf"))
     delta = tl.load(DELTA + row_stats, mask=offs_m < n_q, other=0.0)
@@ -670,13 +1274,67 @@ def _attention_bwd_dq_kernel(
     else:
         full_end = n_k // BLOCK_N * BLOCK_N
         masked_end = n_k
-    dq = _dq_key_blocks(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
-                        offs_m, offs_d, 0, full_end, n_k, causal_shift, qk_scale,
-                        HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, TO_FP32, DOT_PRECISION)
-    dq = _dq_key_blocks(dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
-                        offs_m, offs_d, full_end, masked_end, n_k, causal_shift, qk_scale,
-                        HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, TO_FP32, DOT_PRECISION)
-    dq_ptrs = DQ + batch * stride_dqb + head * stride_dqh + rows * stride_dqm + offs_d[None, :] * stride_dqd
+    dq = _dq_key_blocks(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        K_head,
+        V_head,
+        stride_kn,
+        stride_kd,
+        stride_vn,
+        stride_vd,
+        offs_m,
+        offs_d,
+        0,
+        full_end,
+        n_k,
+        causal_shift,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        False,
+        CAUSAL,
+        TO_FP32,
+        DOT_PRECISION,
+    )
+    dq = _dq_key_blocks(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        K_head,
+        V_head,
+        stride_kn,
+        stride_kd,
+        stride_vn,
+        stride_vd,
+        offs_m,
+        offs_d,
+        full_end,
+        masked_end,
+        n_k,
+        causal_shift,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        True,
+        CAUSAL,
+        TO_FP32,
+        DOT_PRECISION,
+    )
+    dq_ptrs = (
+        DQ
+        + batch * stride_dqb
+        + head * stride_dqh
+        + rows * stride_dqm
+        + offs_d[None, :] * stride_dqd
+    )
     _store_tile(dq_ptrs, dq * softmax_scale, offs_m, n_q, offs_d, HEAD_DIM)
 
 
@@ -684,9 +1342,11 @@ def _attention_bwd_dq_kernel(
 # Launchers
 # --------------------------------------------------------------------------------------------
 
+
 def _empty_heads_like(t: torch.Tensor, dtype=None) -> torch.Tensor:
     """An output shaped like `t` (B, H, N, D), in t's token-major [B, N, H, D] memory layout when t
-    is a transposed view of one, so that the caller's `transpose(1, 2).reshape(B, N, H * D)` is free."""
+    is a transposed view of one, so that the caller's `transpose(1, 2).reshape(B, N, H * D)` is
+    free."""
     B, H, N, D = t.shape
     dtype = dtype or t.dtype
     if t.stride(1) < t.stride(2):
@@ -695,7 +1355,8 @@ def _empty_heads_like(t: torch.Tensor, dtype=None) -> torch.Tensor:
 
 
 def _grid(n_rows: int, block: str, batch_heads: int):
-    """The 1-D grid `_block_start_and_batch_head` decomposes: cdiv(n_rows, BLOCK) * (B * H) programs,
+    """The 1-D grid `_block_start_and_batch_head` decomposes: cdiv(n_rows, BLOCK) * (B * H)
+    programs,
     BLOCK the launch's (possibly autotuned) block size named `block`."""
     return lambda meta: (triton.cdiv(n_rows, meta[block]) * batch_heads,)
 
@@ -746,12 +1407,20 @@ def _use_tensor_descriptors(*tensors: torch.Tensor) -> bool:
     mode = os.environ.get("FASTLM_ATTENTION_TMA", "")
     if mode == "0" or not _HAS_TENSOR_DESCRIPTORS:
         return False
+    q = tensors[0]
+    # The descriptor configs were checked spill-free for 16-bit head dims up to 128 only (the
+    # interpreter, where tests force the path, has no registers to spill).
+    if not interpreting() and (q.element_size() != 2 or q.shape[-1] > TMA_MAX_BLOCK_D):
+        return False
     if mode != "1" and (interpreting() or not _device_has_tma(tensors[0].device)):
         return False
     for t in tensors:
         size = t.element_size()
-        if (t.stride(-1) != 1 or t.data_ptr() % 16
-                or any(stride * size % 16 for stride in t.stride()[:-1])):
+        if (
+            t.stride(-1) != 1
+            or t.data_ptr() % 16
+            or any(stride * size % 16 for stride in t.stride()[:-1])
+        ):
             return False
     if getattr(_descriptor_allocator, "device", None) != tensors[0].device:
         _descriptor_allocator.device = tensors[0].device
@@ -770,22 +1439,46 @@ def _attention_forward(q, k, v, causal: bool, softmax_scale: float, allow_tf32: 
     grid = _grid(Nq, "BLOCK_M", B * Hq)
     if _use_tensor_descriptors(q, k, v, o):
         _attention_fwd_tma_autotuned[grid](
-            q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-            *args, WARP_SPECIALIZE=_WARP_SPECIALIZE, **flags)
+            q,
+            k,
+            v,
+            o,
+            lse,
+            *q.stride()[:3],
+            *k.stride()[:3],
+            *v.stride()[:3],
+            *o.stride()[:3],
+            *args,
+            WARP_SPECIALIZE=_WARP_SPECIALIZE,
+            **flags,
+        )
     else:
         _attention_fwd_kernel[grid](
-            q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *args, **flags)
+            q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *args, **flags
+        )
     return o, lse
 
 
-def _attention_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float, allow_tf32: bool,
-                        deterministic: bool,
-                        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+def _attention_backward(
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    causal: bool,
+    softmax_scale: float,
+    allow_tf32: bool,
+    deterministic: bool,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+):
     """dq, dk, dv from the saved forward inputs, output and log-sum-exp; written into `out`
     (any strides: views of one packed gradient, say) when given.
 
     deterministic: a dK/dV pass and a dQ pass, no atomics (bitwise reproducible); otherwise one
-    pass that adds dQ with fp32 atomics into a zeroed fp32 buffer, then casts it into dq."""
+    pass that adds dQ with fp32 atomics into a zeroed fp32 buffer, then casts it into dq. Head
+    blocks above ATOMIC_MAX_BLOCK_D take the deterministic schedule either way: the one pass holds
+    one more tile, and no config of it compiles there without spilling."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -793,30 +1486,93 @@ def _attention_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float,
     delta = empty((B, Hq, Nq), device=q.device, dtype=torch.float32)
     delta_block = 32 if interpreting() else 64
     _attention_bwd_delta_kernel[_grid(Nq, "BLOCK_M", B * Hq)](
-        o, do, delta, *o.stride(), *do.stride(), Hq, Nq,
-        HEAD_DIM=D, BLOCK_D=flags["BLOCK_D"], BLOCK_M=delta_block,
+        o,
+        do,
+        delta,
+        *o.stride(),
+        *do.stride(),
+        Hq,
+        Nq,
+        HEAD_DIM=D,
+        BLOCK_D=flags["BLOCK_D"],
+        BLOCK_M=delta_block,
         num_warps=8,  # at 4, fp32 O and dO tiles of head dim 64 spill on sm_90a (compile_report.py)
     )
 
     dq, dk, dv = out or (_empty_heads_like(q), _empty_heads_like(k), _empty_heads_like(v))
     scales = (softmax_scale, softmax_scale * LOG2_E, _bucket(Nq), _bucket(Nk))
-    if not deterministic:
+    if not deterministic and flags["BLOCK_D"] <= ATOMIC_MAX_BLOCK_D:
         dq_acc = _empty_heads_like(q, torch.float32).zero_()
         _attention_bwd_dkdv_dq_kernel[_grid(Nk, "BLOCK_N", B * Hkv)](
-            q, k, v, do, dk, dv, dq_acc, lse, delta,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-            *dq_acc.stride(), Hkv, group, Nq, Nk, *scales, ATOMIC_DQ=True, **flags,
+            q,
+            k,
+            v,
+            do,
+            dk,
+            dv,
+            dq_acc,
+            lse,
+            delta,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *do.stride(),
+            *dk.stride(),
+            *dv.stride(),
+            *dq_acc.stride(),
+            Hkv,
+            group,
+            Nq,
+            Nk,
+            *scales,
+            ATOMIC_DQ=True,
+            **flags,
         )
         return dq.copy_(dq_acc), dk, dv
     _attention_bwd_dkdv_kernel[_grid(Nk, "BLOCK_N", B * Hkv)](
-        q, k, v, do, dk, dv, dk, lse, delta,  # dk stands in for the unused DQ
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-        *dk.stride(), Hkv, group, Nq, Nk, *scales, ATOMIC_DQ=False, **flags,
+        q,
+        k,
+        v,
+        do,
+        dk,
+        dv,
+        dk,
+        lse,
+        delta,  # dk stands in for the unused DQ
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *do.stride(),
+        *dk.stride(),
+        *dv.stride(),
+        *dk.stride(),
+        Hkv,
+        group,
+        Nq,
+        Nk,
+        *scales,
+        ATOMIC_DQ=False,
+        **flags,
     )
     _attention_bwd_dq_kernel[_grid(Nq, "BLOCK_M", B * Hq)](
-        q, k, v, do, dq, lse, delta,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-        Hq, group, Nq, Nk, *scales, **flags,
+        q,
+        k,
+        v,
+        do,
+        dq,
+        lse,
+        delta,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *do.stride(),
+        *dq.stride(),
+        Hq,
+        group,
+        Nq,
+        Nk,
+        *scales,
+        **flags,
     )
     return dq, dk, dv
 
@@ -824,8 +1580,10 @@ def _attention_backward(do, q, k, v, o, lse, causal: bool, softmax_scale: float,
 def _check_kernel_head_dim(D: int) -> None:
     """PyTorch's attention takes any head dim; the kernels only these."""
     if D % 8 or not 8 <= D <= MAX_HEAD_DIM:
-        raise ValueError(f"q has head dim {D}; the Triton kernel takes multiples of 8 from 8 to "
-                         f"{MAX_HEAD_DIM} (FASTLM_BACKEND=torch runs any)")
+        raise ValueError(
+            f"q has head dim {D}; the Triton kernel takes multiples of 8 from 8 to "
+            f"{MAX_HEAD_DIM} (FASTLM_BACKEND=torch runs any)"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -834,9 +1592,15 @@ def _check_kernel_head_dim(D: int) -> None:
 
 
 @torch.library.custom_op("fastlm::flash_attention", mutates_args=())
-def _flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                        softmax_scale: float, allow_tf32: bool, deterministic: bool
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def _flash_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    allow_tf32: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse): o (B, Hq, Nq, D) in q's memory layout, lse (B, Hq, Nq) fp32 base 2.
     deterministic picks the backward's schedule (the forward has one)."""
     return _attention_forward(q, k, v, causal, softmax_scale, allow_tf32)
@@ -849,13 +1613,21 @@ def _(q, k, v, causal, softmax_scale, allow_tf32, deterministic):
 
 
 @torch.library.custom_op("fastlm::flash_attention_backward", mutates_args=())
-def _flash_attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                                 v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                                 causal: bool, softmax_scale: float, allow_tf32: bool,
-                                 deterministic: bool
-                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _attention_backward(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32,
-                               deterministic)
+def _flash_attention_backward_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    allow_tf32: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _attention_backward(
+        do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, deterministic
+    )
 
 
 @_flash_attention_backward_op.register_fake
@@ -879,8 +1651,9 @@ def _flash_attention_grad(ctx, do, _):
     return dq, dk, dv, None, None, None, None
 
 
-torch.library.register_autograd("fastlm::flash_attention", _flash_attention_grad,
-                                setup_context=_flash_attention_setup)
+torch.library.register_autograd(
+    "fastlm::flash_attention", _flash_attention_grad, setup_context=_flash_attention_setup
+)
 refuse_double_backward("fastlm::flash_attention_backward", "flash_attention")
 
 
@@ -893,11 +1666,15 @@ def _check_inputs(q, k, v, causal, softmax_scale) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_float(name, t)
         if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dims (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must have 4 dims (batch, heads, seq, head_dim), got shape {tuple(t.shape)}"
+            )
     check_match("k", k, "q", q)
     check_match("v", v, "q", q)
     if k.shape != v.shape:
-        raise ValueError(f"v has shape {tuple(v.shape)}, but k has {tuple(k.shape)}; they must match")
+        raise ValueError(
+            f"v has shape {tuple(v.shape)}, but k has {tuple(k.shape)}; they must match"
+        )
     (B, Hq, Nq, D), (Bk, Hkv, Nk, Dk) = q.shape, k.shape
     if Bk != B:
         raise ValueError(f"k has batch size {Bk}, but q has {B}")
@@ -910,17 +1687,30 @@ def _check_inputs(q, k, v, causal, softmax_scale) -> None:
     if Nk == 0:
         raise ValueError("k has sequence length 0: every query needs at least one key")
     if Nq > Nk:
-        raise ValueError(f"q has sequence length {Nq} > k's {Nk}; queries must be the last Nq of the keys' positions")
+        raise ValueError(
+            f"q has sequence length {Nq} > k's {Nk}; queries must be the last Nq of the keys' "
+            "positions"
+        )
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if softmax_scale is not None and (isinstance(softmax_scale, bool)
-                                      or not isinstance(softmax_scale, numbers.Real)):
-        raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
+    if softmax_scale is not None and (
+        isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
+    ):
+        raise TypeError(
+            f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}"
+        )
 
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                    softmax_scale: float | None = None, *, allow_tf32: bool = True,
-                    deterministic: bool = True) -> torch.Tensor:
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    *,
+    allow_tf32: bool = True,
+    deterministic: bool = True,
+) -> torch.Tensor:
     """softmax(softmax_scale * q k^T [+ causal mask]) v without materialising the scores.
 
     q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D) with Hq a multiple of Hkv (grouped-query / multi-query
@@ -954,14 +1744,25 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 
 @torch.library.custom_op("fastlm::flash_attention_backward_", mutates_args=("dq", "dk", "dv"))
-def _flash_attention_backward_into_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                                      v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                                      causal: bool, softmax_scale: float, allow_tf32: bool,
-                                      deterministic: bool, dq: torch.Tensor, dk: torch.Tensor,
-                                      dv: torch.Tensor) -> None:
+def _flash_attention_backward_into_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    allow_tf32: bool,
+    deterministic: bool,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+) -> None:
     """flash_attention's backward written into dq, dk, dv (views of one buffer, say)."""
-    _attention_backward(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, deterministic,
-                        out=(dq, dk, dv))
+    _attention_backward(
+        do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, deterministic, out=(dq, dk, dv)
+    )
 
 
 @_flash_attention_backward_into_op.register_fake
@@ -988,41 +1789,71 @@ class _PackedRopeAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, qkv, cos, sin, positions, num_heads, num_kv_heads, causal, softmax_scale,
-                allow_tf32, deterministic, interleaved):
+    def forward(
+        ctx,
+        qkv,
+        cos,
+        sin,
+        positions,
+        num_heads,
+        num_kv_heads,
+        causal,
+        softmax_scale,
+        allow_tf32,
+        deterministic,
+        interleaved,
+    ):
         q, k, v = _split_heads(qkv, num_heads, num_kv_heads)
         torch.ops.fastlm.rope_(q, k, cos, sin, positions, interleaved, False)
         o, lse = _flash_attention_op(q, k, v, causal, softmax_scale, allow_tf32, deterministic)
         ctx.mark_dirty(qkv)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(qkv, o, lse, cos, sin, positions)
-        ctx.args = (num_heads, num_kv_heads, causal, softmax_scale, allow_tf32, deterministic,
-                    interleaved)
+        ctx.args = (
+            num_heads,
+            num_kv_heads,
+            causal,
+            softmax_scale,
+            allow_tf32,
+            deterministic,
+            interleaved,
+        )
         return o, qkv
 
     @staticmethod
     def backward(ctx, do, _):
         if torch.is_grad_enabled():  # create_graph=True: the kernels' backward has no graph
-            raise RuntimeError("fastlm.rope_attention: second derivatives are not supported "
-                               "(create_graph=True through its backward)")
+            raise RuntimeError(
+                "fastlm.rope_attention: second derivatives are not supported "
+                "(create_graph=True through its backward)"
+            )
         qkv, o, lse, cos, sin, positions = ctx.saved_tensors
-        num_heads, num_kv_heads, causal, softmax_scale, allow_tf32, deterministic, interleaved = \
+        num_heads, num_kv_heads, causal, softmax_scale, allow_tf32, deterministic, interleaved = (
             ctx.args
+        )
         dqkv = empty(qkv.shape, device=qkv.device, dtype=qkv.dtype)
         if do is None:
             return dqkv.zero_(), *[None] * 10
         q, k, v = _split_heads(qkv, num_heads, num_kv_heads)
         dq, dk, dv = _split_heads(dqkv, num_heads, num_kv_heads)
-        _flash_attention_backward_into_op(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32,
-                                          deterministic, dq, dk, dv)
+        _flash_attention_backward_into_op(
+            do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, deterministic, dq, dk, dv
+        )
         torch.ops.fastlm.rope_(dq, dk, cos, sin, positions, interleaved, True)
         return dqkv, *[None] * 10
 
 
-def rope_attention_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       positions: torch.Tensor, num_heads: int, num_kv_heads: int | None = None,
-                       causal: bool = True, softmax_scale: float | None = None,
-                       interleaved: bool = True) -> torch.Tensor:
+def rope_attention_ref(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    interleaved: bool = True,
+) -> torch.Tensor:
     """rope_attention's math in PyTorch (rotated copies; qkv is left as it is)."""
     q, k, v = _split_heads(qkv, num_heads, num_kv_heads or num_heads)
     q = rope_ref(q, cos, sin, positions, interleaved)
@@ -1030,11 +1861,21 @@ def rope_attention_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return attention_ref(q, k, v, causal, softmax_scale)
 
 
-def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   token_positions: torch.Tensor, num_heads: int, num_kv_heads: int | None = None,
-                   causal: bool = True, softmax_scale: float | None = None, *,
-                   interleaved: bool = True, allow_tf32: bool = True,
-                   deterministic: bool = True, check_positions: bool = True) -> torch.Tensor:
+def rope_attention(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    token_positions: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    *,
+    interleaved: bool = True,
+    allow_tf32: bool = True,
+    deterministic: bool = True,
+    check_positions: bool = True,
+) -> torch.Tensor:
     """Attention of a fused q|k|v projection with RoPE: the model's attention in one call.
 
     qkv: (B, T, (Hq + 2 Hkv) * D), the projection's output (q's heads, then k's, then v's);
@@ -1055,21 +1896,35 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if qkv.dim() != 3 or qkv.shape[-1] % (num_heads + 2 * num_kv_heads):
-        raise ValueError(f"qkv must be (B, T, (num_heads + 2 * num_kv_heads) * head_dim) = "
-                         f"(B, T, {num_heads + 2 * num_kv_heads} * D), got {tuple(qkv.shape)}")
+        raise ValueError(
+            f"qkv must be (B, T, (num_heads + 2 * num_kv_heads) * head_dim) = "
+            f"(B, T, {num_heads + 2 * num_kv_heads} * D), got {tuple(qkv.shape)}"
+        )
     q, k, v = _split_heads(qkv, num_heads, num_kv_heads)
     _check_inputs(q, k, v, causal, softmax_scale)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if not use_triton(qkv):
-        positions = check_rope_args(q, cos, sin, token_positions) if check_positions else \
-            token_positions
-        return rope_attention_ref(qkv, cos, sin, positions, num_heads, num_kv_heads, causal,
-                                  scale, interleaved)
+        positions = (
+            check_rope_args(q, cos, sin, token_positions) if check_positions else token_positions
+        )
+        return rope_attention_ref(
+            qkv, cos, sin, positions, num_heads, num_kv_heads, causal, scale, interleaved
+        )
     _check_kernel_head_dim(q.shape[-1])
     check_rotatable("qkv", qkv)
     positions = check_rope_args(q, cos, sin, token_positions, check_values=check_positions)
     if qkv.numel() == 0:
         return _empty_heads_like(q)
-    return _PackedRopeAttention.apply(qkv, cos.contiguous(), sin.contiguous(), positions,
-                                      num_heads, num_kv_heads, causal, scale, bool(allow_tf32),
-                                      bool(deterministic), interleaved)[0]
+    return _PackedRopeAttention.apply(
+        qkv,
+        cos.contiguous(),
+        sin.contiguous(),
+        positions,
+        num_heads,
+        num_kv_heads,
+        causal,
+        scale,
+        bool(allow_tf32),
+        bool(deterministic),
+        interleaved,
+    )[0]
