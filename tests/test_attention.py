@@ -20,11 +20,12 @@ from fastlm.kernels.attention import (
     _empty_heads_like,
     _split_heads,
     _use_tensor_descriptors,
+    attention_ref,
     flash_attention,
     rope_attention,
     rope_attention_ref,
 )
-from fastlm.kernels.rope import apply_rope_, rope_tables
+from fastlm.kernels.rope import apply_rope_, rope_ref, rope_tables
 from fastlm.reference import ScaledDotProductAttention
 from fastlm.testing import TOLERANCE, assert_close
 
@@ -551,6 +552,26 @@ class _GlueRecorder(TorchDispatchMode):
         if func.overloadpacket.__name__ in self.GLUE:
             self.glue.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+def test_rope_attention_qkv_read_after_the_call(device):
+    """qkv holds the rotated q and k after the call; a caller that reads it again gets their
+    gradient too (summed with o's and rotated back), as if it had rotated copies itself."""
+    leaf, _ = _packed(2, 21, 2, 2, 16, torch.float32, device)
+    cos, sin = rope_tables(10000.0, 16, 64, device=device)
+    positions = torch.arange(21, device=device)
+    weight = torch.randn(leaf.shape[-1], device=device)
+    qkv = leaf * 1
+    o = rope_attention(qkv, cos, sin, positions, 2)
+    (o.sum() + (qkv * weight).sum()).backward()
+
+    leaf64 = leaf.detach().double().requires_grad_()
+    q64, k64, v64 = _split_heads(leaf64, 2, 2)  # (B, H, T, D)
+    q64, k64 = (rope_ref(t, cos.double(), sin.double(), positions) for t in (q64, k64))
+    rotated = [t.transpose(1, 2).reshape(2, 21, -1) for t in (q64, k64)]  # (B, T, H * D)
+    qkv64 = torch.cat([*rotated, leaf64[..., 64:]], dim=-1)
+    (attention_ref(q64, k64, v64).sum() + (qkv64 * weight.double()).sum()).backward()
+    assert_close(leaf.grad, leaf64.grad, torch.float32, "dqkv with qkv read again")
 
 
 def test_rope_attention_gradient_is_one_buffer(device):

@@ -1821,7 +1821,10 @@ class _PackedRopeAttention(torch.autograd.Function):
         return o, qkv
 
     @staticmethod
-    def backward(ctx, do, _):
+    def backward(ctx, do, d_rotated):
+        """do: o's gradient; d_rotated: that of qkv as it is after the call (rotated), when the
+        caller read it again. Both are gradients with respect to the rotated q and k, so they are
+        summed first and rotated back together."""
         if torch.is_grad_enabled():  # create_graph=True: the kernels' backward has no graph
             raise RuntimeError(
                 "fastlm.rope_attention: second derivatives are not supported "
@@ -1832,13 +1835,16 @@ class _PackedRopeAttention(torch.autograd.Function):
             ctx.args
         )
         dqkv = empty(qkv.shape, device=qkv.device, dtype=qkv.dtype)
-        if do is None:
-            return dqkv.zero_(), *[None] * 10
-        q, k, v = _split_heads(qkv, num_heads, num_kv_heads)
         dq, dk, dv = _split_heads(dqkv, num_heads, num_kv_heads)
-        _flash_attention_backward_into_op(
-            do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, deterministic, dq, dk, dv
-        )
+        if do is None:
+            dqkv.zero_()
+        else:
+            q, k, v = _split_heads(qkv, num_heads, num_kv_heads)
+            _flash_attention_backward_into_op(
+                do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, deterministic, dq, dk, dv
+            )
+        if d_rotated is not None:
+            dqkv.add_(d_rotated)
         torch.ops.fastlm.rope_(dq, dk, cos, sin, positions, interleaved, True)
         return dqkv, *[None] * 10
 

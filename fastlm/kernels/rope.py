@@ -480,11 +480,13 @@ def check_positions(
         raise ValueError(
             f"token_positions must have shape ({seq},) or ({batch}, {seq}), got {shape}"
         )
-    message = f"token_positions must lie in [0, {max_seq_len})"
     on_host = token_positions.device.type == "cpu"
-    if not check_values:
-        pass
-    elif on_host and not torch.compiler.is_compiling():
+    if not on_host and token_positions.device != torch.device(device):
+        raise ValueError(
+            f"token_positions is on {token_positions.device}, but the rotated tensor is on {device}"
+        )
+    message = f"token_positions must lie in [0, {max_seq_len})"
+    if check_values and on_host and not torch.compiler.is_compiling():
         if token_positions.numel() and (
             token_positions.min() < 0 or token_positions.max() >= max_seq_len
         ):
@@ -492,13 +494,9 @@ def check_positions(
                 f"{message}, got values in [{int(token_positions.min())}, "
                 f"{int(token_positions.max())}]"
             )
-    elif token_positions.device == torch.device(device):  # on the device, or compiled
+    elif check_values and token_positions.device == torch.device(device):  # device or compiled
         in_range = ((token_positions >= 0) & (token_positions < max_seq_len)).all()
         torch._assert_async(in_range, message)
-    if not on_host and token_positions.device != torch.device(device):
-        raise ValueError(
-            f"token_positions is on {token_positions.device}, but the rotated tensor is on {device}"
-        )
     return token_positions.to(device)
 
 
