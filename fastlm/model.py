@@ -30,6 +30,7 @@ from fastlm import reference
 from fastlm.backend import use_triton
 from fastlm.kernels.attention import MAX_HEAD_DIM, flash_attention, rope_attention
 from fastlm.kernels.cross_entropy import linear_cross_entropy
+from fastlm.kernels.linear import autocast_dtype, cast_weights, half_linear
 from fastlm.kernels.rmsnorm import add_rms_norm, rms_norm
 from fastlm.kernels.rope import check_positions
 from fastlm.modules import RmsNorm, RoPE, SwiGlu
@@ -37,10 +38,12 @@ from fastlm.modules import RmsNorm, RoPE, SwiGlu
 
 class Linear(reference.Linear):
     """reference.Linear (same weight `w`, same init) through F.linear, which autocast and
-    torch.compile know best."""
+    torch.compile know best; or, given `half` (its weight already cast for autocast, as the
+    block casts all of its weights at once), through `half_linear`, whose weight gradient
+    leaves the GEMM in fp32."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.w)
+    def forward(self, x: torch.Tensor, half: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, self.w) if half is None else half_linear(x, half, self.w)
 
 
 class Embedding(reference.Embedding):
@@ -135,6 +138,10 @@ class MultiHeadAttentionWithRoPE(nn.Module):
         self.output_proj = Linear(d_model, d_model, device, dtype)
         self.rope = RoPE(theta, self.head_dim, max_seq_len, device)
 
+    def cast_groups(self) -> list[list[torch.Tensor]]:
+        """The weight groups `half` holds, for `cast_weights`: [W_qkv], then [W_o]."""
+        return [[self.qkv_proj.w], [self.output_proj.w]]
+
     def forward(
         self,
         x: torch.Tensor,
@@ -143,10 +150,12 @@ class MultiHeadAttentionWithRoPE(nn.Module):
         layer: int = 0,
         *,
         positions_checked: bool = False,
+        half: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """positions_checked: the caller has checked token_positions' values (the model does,
-        once for every layer)."""
+        once for every layer). half: the two projections' weights cast for autocast."""
         B, T, C = x.shape
+        half_qkv, half_out = half if half is not None else (None, None)
         H, D = self.num_heads, self.head_dim
         if token_positions is None:
             start = kv_cache.length if kv_cache is not None else 0
@@ -154,24 +163,23 @@ class MultiHeadAttentionWithRoPE(nn.Module):
             positions_checked = True
         if kv_cache is None:  # training: the projection's gradient is written as one tensor
             out = rope_attention(
-                self.qkv_proj(x),
+                self.qkv_proj(x, half_qkv),
                 self.rope.cos_cached,
                 self.rope.sin_cached,
                 token_positions,
                 H,
                 check_positions=not positions_checked,
             )
-            return self.output_proj(
-                out.transpose(1, 2).reshape(B, T, C)
-            )  # free: (B, T, H, D) memory
-        qkv = self.qkv_proj(x).view(B, T, 3, H, D)
+            # (B, H, T, D) views of (B, T, H, D) memory: the reshape is free
+            return self.output_proj(out.transpose(1, 2).reshape(B, T, C), half_out)
+        qkv = self.qkv_proj(x, half_qkv).view(B, T, 3, H, D)
         # q and k as one strided view: (B, T, 2, H, D) -> (B, 2H, T, D), rotated in its storage.
         self.rope(qkv[:, :, :2].flatten(2, 3).transpose(1, 2), token_positions)
         q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, T, D) views
         if kv_cache is not None:
             k, v = kv_cache.append(layer, k, v)  # (B, H, S, D)
         out = flash_attention(q, k, v, causal=True)  # (B, H, T, D)
-        return self.output_proj(out.transpose(1, 2).reshape(B, T, C))
+        return self.output_proj(out.transpose(1, 2).reshape(B, T, C), half_out)
 
 
 class TransformerBlock(nn.Module):
@@ -215,13 +223,30 @@ class TransformerBlock(nn.Module):
         """
         pair = isinstance(x, tuple)
         residual, delta = x if pair else (x, None)
+        half_attention, half_ffe = self._cast_weights()
         normed, residual = _add_norm(delta, residual, self.rms_norm1)
         delta = self.mult_head_atten(
-            normed, token_positions, kv_cache, layer, positions_checked=positions_checked
+            normed,
+            token_positions,
+            kv_cache,
+            layer,
+            positions_checked=positions_checked,
+            half=half_attention,
         )
         normed, residual = _add_norm(delta, residual, self.rms_norm2)
-        delta = self.ffe(normed)
+        delta = self.ffe(normed, half_ffe)
         return (residual, delta) if pair else residual + delta
+
+    def _cast_weights(self):
+        """Under autocast with fp32 weights: the four GEMMs' weights in the autocast dtype, all
+        cast by one copy (W1|W3 stacked for one GEMM), as (attention's, feed-forward's) pairs;
+        else (None, None) and each GEMM takes its weight as it is (or autocast casts it)."""
+        attention, ffe = self.mult_head_atten.cast_groups(), self.ffe.cast_groups()
+        dtype = autocast_dtype(*(w for group in attention + ffe for w in group))
+        if dtype is None:
+            return None, None
+        qkv, out, w13, w2 = cast_weights(attention + ffe, dtype)
+        return (qkv, out), (w13, w2)
 
 
 def _add_norm(delta: torch.Tensor | None, residual: torch.Tensor, norm: RmsNorm):

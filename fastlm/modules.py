@@ -13,9 +13,10 @@ from torch import nn
 
 from fastlm import reference
 from fastlm.kernels.cross_entropy import check_ignore_index, cross_entropy
+from fastlm.kernels.linear import half_linear
 from fastlm.kernels.rmsnorm import rms_norm
 from fastlm.kernels.rope import rope_tables, rotate_in_place
-from fastlm.kernels.swiglu import swiglu
+from fastlm.kernels.swiglu import swiglu, swiglu_packed
 
 
 class RmsNorm(reference.RmsNorm):
@@ -69,9 +70,10 @@ class SwiGlu(nn.Module):
     """w2(silu(w1 x) * w3 x): `fastlm.reference.SwiGlu`'s parameters and state_dict keys
     (w1.w, w2.w, w3.w), with the activation and its backward in one kernel each.
 
-    w1 and w3 stay two GEMMs: one GEMM against their concatenation would copy the weights every
-    step and keep that copy alive for the backward (2 d_ff d_model elements per layer). A model
-    that stores a fused W1|W3 weight can call `swiglu_packed` on its output instead.
+    Given its weights already cast for autocast (`half`: W1|W3 stacked by rows, and W2; the
+    model's block casts all its weights at once with `cast_weights`), it runs one GEMM on W1|W3,
+    whose input gradient is then one GEMM too, and `swiglu_packed` on its output. Otherwise two
+    GEMMs and `swiglu`: stacking fp32 weights would copy them every step just for that.
     """
 
     def __init__(self, d_model: int, d_ff: int, device=None, dtype=None):
@@ -82,8 +84,18 @@ class SwiGlu(nn.Module):
         self.w2 = reference.Linear(d_ff, d_model, device, dtype)
         self.w3 = reference.Linear(d_model, d_ff, device, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(swiglu(F.linear(x, self.w1.w), F.linear(x, self.w3.w)), self.w2.w)
+    def cast_groups(self) -> list[list[torch.Tensor]]:
+        """The weight groups `half` holds, for `cast_weights`: [W1, W3] stacked, then [W2]."""
+        return [[self.w1.w, self.w3.w], [self.w2.w]]
+
+    def forward(
+        self, x: torch.Tensor, half: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        if half is None:
+            return F.linear(swiglu(F.linear(x, self.w1.w), F.linear(x, self.w3.w)), self.w2.w)
+        w13, w2 = half
+        gate_up = half_linear(x, w13, self.w1.w, self.w3.w)  # (..., 2 d_ff): gate | up
+        return half_linear(swiglu_packed(gate_up), w2, self.w2.w)
 
 
 class CrossEntropyLoss(nn.Module):

@@ -10,6 +10,9 @@ Kernel outputs are poisoned (NaN-filled) by `fastlm.kernels._common.empty` when 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -59,3 +62,26 @@ def call_through(mode, func, args=(), kwargs=None):
 
     with mode:
         return OPDEFS[func._schema.name]._init_fn(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def mixed_gemms_on_cpu() -> Iterator[None]:
+    """Lend the CPU, while the block runs, the GEMMs with an fp32 result from half inputs
+    (`torch.mm(..., out_dtype=)` and `torch.addmm(..., out_dtype=, out=)`) that CUDA builds have
+    and CPU builds lack, so that a CPU run takes the path fastlm takes on CUDA
+    (`fastlm.kernels.linear.has_mixed_gemm`). The product is computed in the inputs' dtype and
+    cast: the op stream is CUDA's, the rounding is autocast's."""
+
+    def mm(a, b, out_dtype):
+        return torch.mm(a, b).to(out_dtype)
+
+    def addmm_out(acc, a, b, out_dtype, *, beta=1, alpha=1, out):
+        return out.copy_(beta * acc + alpha * torch.mm(a, b).to(out_dtype))
+
+    library = torch.library.Library("aten", "IMPL")
+    try:
+        library.impl("mm.dtype", mm, "CPU")
+        library.impl("addmm.dtype_out", addmm_out, "CPU")
+        yield
+    finally:
+        library._destroy()

@@ -4,6 +4,7 @@ TRITON_INTERPRET must be set before triton is first imported, so this runs befor
 `import torch` does not import triton, which lets us ask torch whether CUDA exists first.
 """
 
+import contextlib
 import os
 import random
 
@@ -15,6 +16,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 import fastlm.kernels._common as kernel_common  # noqa: E402
+from fastlm.kernels.linear import has_mixed_gemm  # noqa: E402
+from fastlm.testing import mixed_gemms_on_cpu  # noqa: E402
 
 kernel_common.POISON_OUTPUTS = True
 
@@ -24,6 +27,25 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.fixture
 def device() -> str:
     return DEVICE
+
+
+MIXED_GEMM = [pytest.param(False, id="cpu-gemm"), pytest.param(True, id="mixed-gemm")]
+
+
+@pytest.fixture(params=MIXED_GEMM)
+def gemms(request, device):
+    """Which GEMMs the device has for half inputs and an fp32 result (`fastlm.kernels.linear`):
+    on the CPU, once as it is (no such GEMM: the bf16 product is cast, autocast's numbers) and
+    once with them lent (`mixed_gemms_on_cpu`), the path CUDA takes; on CUDA only the latter."""
+    if device == "cpu":
+        with mixed_gemms_on_cpu() if request.param else contextlib.nullcontext():
+            assert has_mixed_gemm("cpu") == request.param
+            yield request.param
+    elif not request.param:
+        pytest.skip("CUDA has the mixed-precision GEMM: there is no other path to test")
+    else:
+        assert has_mixed_gemm(device)
+        yield True
 
 
 @pytest.fixture

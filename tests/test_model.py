@@ -194,9 +194,10 @@ def test_bad_input_names_the_argument(device):
         model.loss(_tokens(device), _tokens(device, seq=12))
 
 
-def test_autocast_bf16_matches_reference(device):
+def test_autocast_bf16_matches_reference(device, gemms):
     """Under bf16 autocast the residual stream stays fp32 and the matmuls run in bf16, as in the
-    reference: the two agree to bf16 accuracy, gradients included."""
+    reference: the two agree to bf16 accuracy, gradients included (fp32, from the GEMMs straight
+    where the device has the mixed GEMM: `gemms`)."""
     model, ref = _pair(device)
     ref.float()
     tokens, targets = _tokens(device), _tokens(device)

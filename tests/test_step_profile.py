@@ -117,7 +117,9 @@ def test_interpreter_copies_are_left_out_and_launches_counted(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", step_profile.MODELS)
-def test_gemms_per_layer_match_the_block(kind):
+def test_gemms_per_layer_match_the_block(kind, monkeypatch):
+    # The suite's NaN-poisoning of kernel outputs (conftest.py) is test-only glue: off here.
+    monkeypatch.setattr(kernel_common, "POISON_OUTPUTS", False)
     config = dict(
         vocab_size=64,
         context_length=16,
@@ -134,13 +136,19 @@ def test_gemms_per_layer_match_the_block(kind):
     block = step_profile.build_model(kind, config, "meta").blocks[0]
     linears = sum(isinstance(m, reference.Linear) for m in block.modules())
     # Each linear: a forward product and the two of its backward (input and weight gradients);
-    # the reference's attention adds q k^T and P v, each with two backward products.
-    expected = 3 * linears + (2 * 3 if kind == "reference" else 0)
+    # the reference's attention adds q k^T and P v, each with two backward products; fastlm runs
+    # W1 and W3 (autocast: stacked) as one GEMM forward and one for their input gradient.
+    expected = 3 * linears + (2 * 3 if kind == "reference" else -2)
     assert sum(n for (cat, _), n in per_layer.items() if cat == "gemm") == expected
     assert sum(n for (cat, _), n in per_layer.items() if cat == "model") == 0  # embedding: once
     launches = sum(n for (cat, _), n in per_layer.items() if cat == "triton")
     assert (launches > 0) == (kind == "fastlm")
     assert all(f.count_layer == f.count_layer_larger_batch for f in fits)
+    if kind == "fastlm":  # issue 11's bounds for a layer's forward + backward
+        glue = [f for f in fits if f.category == "glue"]
+        assert launches <= 12
+        assert sum(f.count_layer for f in glue) <= 4
+        assert sum(f.token_bytes_layer for f in glue) <= 24 * config["d_model"]
 
 
 def test_command_line_rejects_bad_input_in_one_line(capsys):
