@@ -8,6 +8,8 @@ use, this compiles for sm_90a (H100/H200) and sm_80 (A100) and reads off:
 - registers per thread, spill stores/loads and the stack frame (ptxas -v, Triton's own flags);
 - shared memory used (Triton's metadata) against the arch's per-block limit;
 - tensor cores (`wgmma.mma_async` on sm_90, `mma.sync` on sm_80), TMA (`cp.async.bulk.tensor`);
+- software pipelining: the `cp.async.ca/cg` copies (global to shared, in flight while the program
+  computes) that Triton emits for loads it prefetches across loop iterations;
 - the widest and narrowest global access on the main path: the PTX loads, stores and async
   copies whose address is computed (followed back through the PTX data flow) from a pointer
   argument of the data dtype under test, so that an index or an fp32 table does not count in a
@@ -644,6 +646,7 @@ def compile_task(task: Task) -> dict:
         wgmma=ptx.count("wgmma.mma_async"),
         mma=ptx.count("mma.sync"),
         tma=ptx.count("cp.async.bulk.tensor"),
+        async_copies=len(re.findall(r"\bcp\.async\.c[ag]\.shared", ptx)),
         barriers=len(re.findall(r"\b(?:bar|barrier)\.sync\b", ptx)),
         accesses={k: dict(sorted(v.items())) for k, v in accesses.items()},
         seconds=time.perf_counter() - start,
@@ -686,6 +689,7 @@ def table(rows: list[dict]) -> str:
         "smem KB / limit",
         "tensor cores",
         "TMA",
+        "cp.async",
         "main ld B",
         "main st B",
         "bar.sync",
@@ -695,7 +699,7 @@ def table(rows: list[dict]) -> str:
     for row in rows:
         if "registers" not in row:
             cells = [row["op"], f"`{row['kernel']}`", row["case"], _config(row), row["arch"]]
-            cells += ["-"] * 8 + ["; ".join(row["problems"])]
+            cells += ["-"] * 9 + ["; ".join(row["problems"])]
         else:
             accesses = row["accesses"]
             tensor_cores = ("wgmma" if row["wgmma"] else "") + ("mma" if row["mma"] else "")
@@ -710,6 +714,7 @@ def table(rows: list[dict]) -> str:
                 f"{row['shared'] / 1024:.0f} / {row['shared_limit'] / 1024:.0f}",
                 tensor_cores or "-",
                 "yes" if row["tma"] else "-",
+                str(row["async_copies"]) if row["async_copies"] else "-",
                 _widths(accesses["ld_main"]),
                 _widths(accesses["st_main"]),
                 str(row["barriers"]),

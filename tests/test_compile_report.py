@@ -136,6 +136,17 @@ def test_memory_bound_kernels_move_16_byte_vectors(report):
     assert checked == set(MEMORY_BOUND)
 
 
+def test_rms_norm_backward_keeps_loads_in_flight(report):
+    """The RMSNorm backward loops over rows (one program per SM, partial weight gradients in
+    registers); its loop is software-pipelined: the next rows' loads are async copies (cp.async)
+    issued while this row is reduced."""
+    _, rows = report
+    backward = [row for row in rows if row["kernel"] == "_rms_norm_bwd"]
+    assert backward
+    serial = [_describe(row) for row in backward if not row["async_copies"]]
+    assert not serial, "no cp.async in:\n" + "\n".join(serial)
+
+
 def test_attention_uses_hopper_tensor_cores(report):
     """Every config the autotuners try at head dim 128 bf16 uses wgmma, except the smallest one
     that FASTLM_AUTOTUNE=0 keeps for test runs (32-row blocks: below a warpgroup's 64 rows)."""

@@ -10,8 +10,11 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from fastlm.backend import interpreting
 from fastlm.kernels.cross_entropy import (
     MAX_BLOCK_V,
+    MAX_BLOCK_V_INTERPRETER,
+    MAX_ROW_ON_CHIP,
     cross_entropy,
     default_chunk_size,
     linear_cross_entropy,
@@ -150,6 +153,30 @@ def test_cross_entropy_masked_logits(device, backend, dtype):
     assert torch.isnan(
         cross_entropy(torch.full((1, vocab), float("-inf"), device=device), targets[:1])
     )
+
+
+@pytest.mark.filterwarnings(
+    "ignore:divide by zero:RuntimeWarning", "ignore:invalid value:RuntimeWarning"
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("path", ["row_on_chip", "streamed"])
+def test_gradient_in_the_forward_on_both_row_paths(device, dtype, path):
+    """The forward that writes the gradient (inplace_backward) keeps a row that fits on chip and
+    streams a longer one twice: both give the reference's loss and gradient, with a masked
+    (-inf) stretch and an ignored row among them."""
+    limit = MAX_BLOCK_V_INTERPRETER if interpreting() else MAX_ROW_ON_CHIP
+    vocab = limit - 24 if path == "row_on_chip" else limit + 37
+    logits = (2 * torch.randn(4, vocab, device=device)).to(dtype)
+    targets = random_targets((4,), vocab, device)
+    targets[1] = vocab - 1
+    logits[1, : vocab // 2] = float("-inf")
+    leaf = logits.requires_grad_()
+    grad_output = torch.rand((), device=device) + 0.5
+    loss = cross_entropy(leaf.clone(), targets, IGNORE, inplace_backward=True)  # a non-leaf
+    (loss * grad_output).backward()
+    ref_loss, (ref_grad,) = reference_loss_and_grads([leaf], lambda x: x, targets, grad_output)
+    assert_close(loss, ref_loss, dtype, "loss")
+    assert_close(leaf.grad, ref_grad, dtype, "dlogits")
 
 
 @pytest.mark.parametrize("layout", ["column_stride", "row_slice", "transposed"])

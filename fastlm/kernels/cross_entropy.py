@@ -21,8 +21,11 @@ fp32 and rounded once, into a new tensor. Three passes over (N, V) in all, and a
 be backpropagated through as often as autograd allows.
 
 `inplace_backward=True` trades that for memory: the forward writes the unscaled softmax - onehot
-over the logits themselves (a second pass over the row), and the backward scales it in place, so
-no second (N, V) tensor ever exists; such a graph supports one backward only.
+over the logits themselves, and the backward scales it in place, so
+no second (N, V) tensor ever exists; such a graph supports one backward only. A forward that
+writes the gradient (this, and fused linear cross-entropy's chunks) loads a row that fits in
+registers (up to MAX_ROW_ON_CHIP logits) as one block and keeps it for the gradient: the row is
+read from memory once; a longer row streams through blocks twice.
 
 Whether a gradient is needed is decided in the public functions, from grad mode and each input's
 requires_grad (inside autograd.Function.forward grad mode is always off, and needs_input_grad
@@ -58,11 +61,17 @@ from fastlm.kernels._common import (
     tl,
     triton,
 )
+from fastlm.kernels.linear import add_product
 
 #: Largest vocabulary block a program loads at once (a row of more entries loops over blocks).
 #: The interpreter's is smaller so that the test suite's vocabularies span several blocks.
 MAX_BLOCK_V = 4096
 MAX_BLOCK_V_INTERPRETER = 1024
+#: Longest row the forward keeps on chip (in registers, 64 fp32 a thread at 32 warps) when it also
+#: writes the gradient, so that the row is read from memory once instead of twice. A longer row
+#: streams through MAX_BLOCK_V blocks twice. The interpreter's is MAX_BLOCK_V_INTERPRETER, so
+#: that the tests' vocabularies take both paths.
+MAX_ROW_ON_CHIP = 65536
 
 #: Logits bytes one chunk of linear_cross_entropy may hold (the default chunk_size): 128 MiB is
 #: 2048 tokens at vocab 32000 in bf16, an eighth of the logits of 16k tokens, while the chunk's
@@ -105,6 +114,34 @@ def linear_cross_entropy_ref(
 
 
 @triton.jit
+def _load_block(logits_row, start, n_cols, BLOCK_V: tl.constexpr):
+    """(x, cols, mask): logits [start, start + BLOCK_V) in fp32, -inf past the row's end."""
+    cols = start + tl.arange(0, BLOCK_V)
+    mask = cols < n_cols
+    x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    return x, cols, mask
+
+
+@triton.jit
+def _online_lse_step(x, running_max, running_sum):
+    """Fold a block x into (running max m, running sum of exp(x - m))."""
+    new_max = tl.maximum(running_max, tl.max(x, axis=0))
+    # Every logit so far -inf (masked): new_max is -inf and exp(-inf - (-inf)) would be NaN.
+    # Any finite reference works while the sum is 0, so take 0 until a finite logit is seen.
+    max_ref = tl.where(new_max == float("-inf"), 0.0, new_max)
+    running_sum = running_sum * tl.exp(running_max - max_ref) + tl.sum(tl.exp(x - max_ref), axis=0)
+    return new_max, running_sum
+
+
+@triton.jit
+def _store_grad(dlogits_row, x, cols, mask, lse, target, counted):
+    """softmax - onehot of a block (0 for an ignored row), in DLogits' dtype."""
+    grad = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
+    grad = tl.where(counted, grad, 0.0)
+    tl.store(dlogits_row + cols, grad.to(dlogits_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _cross_entropy_fwd_kernel(
     Logits,
     Targets,
@@ -117,11 +154,15 @@ def _cross_entropy_fwd_kernel(
     ignore_index,
     BLOCK_V: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
+    ROW_ON_CHIP: tl.constexpr,
 ):
     """One program per row: Loss[row] and LSE[row] (fp32) and, under WRITE_GRAD,
-    DLogits[row] = softmax - onehot (unscaled)."""
+    DLogits[row] = softmax - onehot (unscaled). ROW_ON_CHIP: one block holds the whole row,
+    loaded once and kept in registers for the gradient; else the row streams through blocks, a
+    second time for the gradient."""
     row = tl.program_id(0).to(tl.int64)
     logits_row = Logits + row * stride_lm
+    dlogits_row = DLogits + row * stride_dm
     target = tl.load(Targets + row).to(tl.int64)
     counted = target != ignore_index
     in_vocab = (target >= 0) & (target < n_cols)
@@ -130,18 +171,13 @@ def _cross_entropy_fwd_kernel(
     target_logit = tl.load(logits_row + target, mask=in_vocab, other=0.0).to(tl.float32)
     running_max = tl.full([], float("-inf"), tl.float32)
     running_sum = tl.zeros([], tl.float32)
-    for start in range(0, n_cols, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < n_cols
-        x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        new_max = tl.maximum(running_max, tl.max(x, axis=0))
-        # Every logit so far -inf (masked): new_max is -inf and exp(-inf - (-inf)) would be NaN.
-        # Any finite reference works while the sum is 0, so take 0 until a finite logit is seen.
-        max_ref = tl.where(new_max == float("-inf"), 0.0, new_max)
-        running_sum = running_sum * tl.exp(running_max - max_ref) + tl.sum(
-            tl.exp(x - max_ref), axis=0
-        )
-        running_max = new_max
+    if ROW_ON_CHIP:
+        x_row, cols_row, mask_row = _load_block(logits_row, 0, n_cols, BLOCK_V)
+        running_max, running_sum = _online_lse_step(x_row, running_max, running_sum)
+    else:
+        for start in range(0, n_cols, BLOCK_V):
+            x, _, _ = _load_block(logits_row, start, n_cols, BLOCK_V)
+            running_max, running_sum = _online_lse_step(x, running_max, running_sum)
     lse = running_max + tl.log(running_sum)
 
     loss = tl.where(in_vocab, lse - target_logit, float("nan"))
@@ -149,14 +185,12 @@ def _cross_entropy_fwd_kernel(
     tl.store(LSE + row, lse)
 
     if WRITE_GRAD:
-        dlogits_row = DLogits + row * stride_dm
-        for start in range(0, n_cols, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            mask = cols < n_cols
-            x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-            grad = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
-            grad = tl.where(counted, grad, 0.0)
-            tl.store(dlogits_row + cols, grad.to(DLogits.dtype.element_ty), mask=mask)
+        if ROW_ON_CHIP:
+            _store_grad(dlogits_row, x_row, cols_row, mask_row, lse, target, counted)
+        else:
+            for start in range(0, n_cols, BLOCK_V):
+                x, cols, mask = _load_block(logits_row, start, n_cols, BLOCK_V)
+                _store_grad(dlogits_row, x, cols, mask, lse, target, counted)
 
 
 @triton.jit
@@ -192,10 +226,20 @@ def _cross_entropy_bwd_kernel(
 
 
 def _block_v(n_cols: int) -> tuple[int, int]:
-    """(BLOCK_V, num_warps) for rows of n_cols logits."""
+    """(BLOCK_V, num_warps) for rows of n_cols logits streamed through blocks."""
     max_block = MAX_BLOCK_V_INTERPRETER if interpreting() else MAX_BLOCK_V
     block_v = min(triton.next_power_of_2(n_cols), max_block)
     return block_v, 8 if block_v >= 2048 else 4
+
+
+def _row_on_chip(n_cols: int) -> tuple[int, int] | None:
+    """(BLOCK_V, num_warps) holding a whole row of n_cols logits in registers, at most 64 fp32 a
+    thread, or None where the row is longer than MAX_ROW_ON_CHIP."""
+    max_row = MAX_BLOCK_V_INTERPRETER if interpreting() else MAX_ROW_ON_CHIP
+    block_v = triton.next_power_of_2(n_cols)
+    if block_v > max_row:
+        return None
+    return block_v, min(32, max(4, block_v // (32 * 16)))
 
 
 def _cross_entropy_rows(
@@ -211,8 +255,10 @@ def _cross_entropy_rows(
     n_rows, n_cols = rows.shape
     if n_rows == 0:
         return
-    block_v, num_warps = _block_v(n_cols)
     write_grad = dlogits is not None
+    # Only a forward that also writes the gradient reads the row twice, so only it keeps the row.
+    on_chip = _row_on_chip(n_cols) if write_grad else None
+    block_v, num_warps = on_chip or _block_v(n_cols)
     grad_out = dlogits if write_grad else rows  # never written when WRITE_GRAD is off
     _cross_entropy_fwd_kernel[(n_rows,)](
         rows,
@@ -226,6 +272,7 @@ def _cross_entropy_rows(
         ignore_index,
         BLOCK_V=block_v,
         WRITE_GRAD=write_grad,
+        ROW_ON_CHIP=on_chip is not None,
         num_warps=num_warps,
     )
 
@@ -277,21 +324,6 @@ def _mean_loss(
     return row_loss.sum() / n_valid, n_valid, lse
 
 
-#: Whether this torch has the GEMM with an fp32 result from half-precision inputs (CUDA only).
-_HAS_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
-
-
-def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b, with acc fp32 and a, b perhaps of a half dtype: accumulated in fp32 inside
-    the GEMM where the device has that GEMM (CUDA), else through a rounded partial product."""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-    elif acc.is_cuda and _HAS_ADDMM_OUT_DTYPE:
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-    else:
-        acc += a @ b
-
-
 def _linear_cross_entropy_chunks(
     x, weight, targets, ignore_index, chunk_size, need_dx, need_dweight
 ):
@@ -327,7 +359,7 @@ def _linear_cross_entropy_chunks(
         if need_dx:
             torch.mm(logits, weight_x, out=dx[start:end])
         if need_dweight:
-            _add_product(dweight, logits.T, x_chunk)
+            add_product(dweight, logits.T, x_chunk)
         del logits
 
     n_valid = _count_valid(flat_targets, ignore_index)

@@ -164,7 +164,8 @@ def _rms_norm_bwd(
     dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
     num_tiles = tl.cdiv(M, BLOCK_M)
-    for tile in range(pid, num_tiles, num_programs):
+    # Two stages: the next tile's x and dy are in flight (cp.async) while this one is reduced.
+    for tile in tl.range(pid, num_tiles, num_programs, num_stages=2):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < M
         mask = row_mask[:, None] & col_mask[None, :]
