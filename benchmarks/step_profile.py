@@ -7,7 +7,10 @@ the interpreter (TRITON_INTERPRET=1 is set before triton is imported); with CUDA
 one unrecorded warm-up step (autotuning launches kernels that are not part of a step). CPU
 autocast casts the same GEMMs (mm, bmm, linear) to bf16 as CUDA's, but runs exp, log, pow, rsqrt
 and sum on bf16 inputs in bf16, where CUDA's casts them to fp32 first: the reference's eager
-attention and loss would show more casts on CUDA; fastlm's layers call none of those ops.
+attention and loss would show more casts on CUDA; fastlm's layers call none of those ops. The CPU
+also lacks the GEMMs with an fp32 result from bf16 inputs (`mm`/`addmm` with `out_dtype=`) that
+fastlm's weight gradients use on CUDA: the CPU run is lent them
+(`fastlm.testing.mixed_gemms_on_cpu`), so that it records the ops a CUDA step runs.
 
 A `TorchDispatchMode` records every aten op of the step, and Triton's launch entry
 (`JITFunction.run`, or `InterpretedFunction.run` under the interpreter) is wrapped with a depth

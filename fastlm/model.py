@@ -11,6 +11,10 @@ load both ways with `strict=True`. What changes is how the math runs:
   the deltas bf16: the fused kernel takes them as they are and writes the normed output in bf16
   for the next GEMM, so no cast runs between sub-layers;
 - the feed-forward (`fastlm.SwiGlu`) applies silu(gate) * up, and its backward, in one kernel each;
+- under autocast with fp32 weights, each block casts its four GEMM weights by one copy
+  (`fastlm.kernels.linear.cast_weights`, W1 and W3 stacked so that they are one GEMM and their
+  input gradient one more) and its GEMMs return fp32 weight gradients straight from the GEMM
+  where the device has it (CUDA): no cast per weight on the way in or out;
 - `loss()` runs the final norm's output through fused linear cross-entropy: the [tokens x vocab]
   logits never exist at once;
 - generation uses a KV cache (`make_kv_cache`) read by flash attention with fewer queries than keys.

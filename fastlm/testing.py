@@ -3,6 +3,8 @@
 - `TOLERANCE[dtype]`: the largest relative error ||out - ref|| / ||ref|| accepted for a kernel
   computing in that dtype (fp32 bounded by the interpreter and by tf32 dots on a GPU).
 - `assert_close(out, ref, dtype, name)`: relative error against a float64 reference.
+- `call_through(mode, func, args, kwargs)`: a dispatch mode's view inside a fastlm op.
+- `mixed_gemms_on_cpu()`: the CPU lent CUDA's GEMMs with an fp32 result from half inputs.
 
 Kernel outputs are poisoned (NaN-filled) by `fastlm.kernels._common.empty` when the test suite sets
 `POISON_OUTPUTS`, so an element a kernel never wrote fails these comparisons.

@@ -171,17 +171,25 @@ def test_kv_cache_generation_matches_full_recompute(device, context_length):
     assert cached.shape == (14,)
 
 
-def test_kv_cache_logits_match_full_forward(device):
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast-bf16"])
+def test_kv_cache_logits_match_full_forward(device, autocast):
+    """Cached decoding gives the full forward's logits; under autocast the cache holds bf16 keys
+    and values and the blocks' GEMMs read their weights cast once per forward."""
     model = fastlm.Transformer(**CONFIG, device=device)
     tokens = _tokens(device, batch=2, seq=9)
     cache = model.make_kv_cache()
-    steps = [
-        model(tokens[:, :6], kv_cache=cache),
-        model(tokens[:, 6:8], kv_cache=cache),
-        model(tokens[:, 8:], kv_cache=cache),
-    ]
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
+        steps = [
+            model(tokens[:, :6], kv_cache=cache),
+            model(tokens[:, 6:8], kv_cache=cache),
+            model(tokens[:, 8:], kv_cache=cache),
+        ]
+        full = model(tokens)
     assert cache.length == 9
-    assert_close(torch.cat(steps, dim=1), model(tokens), torch.float32, "cached logits")
+    if autocast:
+        assert cache.k[0].dtype == torch.bfloat16
+    dtype = torch.bfloat16 if autocast else torch.float32
+    assert_close(torch.cat(steps, dim=1), full, dtype, "cached logits")
 
 
 def test_bad_input_names_the_argument(device):
@@ -250,3 +258,51 @@ def test_blocks_run_through_their_forward(device, monkeypatch):
     block, x = model.blocks[0], torch.randn(2, 5, CONFIG["d_model"], device=device)
     residual, delta = block((x, None))
     assert torch.equal(residual + delta, block(x))
+
+
+def test_fsdp2_autocast_step_matches_the_unsharded_model(device, tmp_path):
+    """Under FSDP2 (one process, gloo) each block's weights are gathered in its forward hook, and
+    the block casts the gathered weights for autocast: the loss and every gradient equal the
+    unsharded model's bit for bit, and no block hands FSDP a view (which would drop its hooks)."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    if device != "cpu" or not dist.is_gloo_available():
+        pytest.skip("a one-process gloo group on the CPU")
+
+    class Loss(torch.nn.Module):  # FSDP2's hooks run on a module's forward, not on .loss
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, tokens, targets):
+            return self.model.loss(tokens, targets)
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        plain, _ = _pair(device)
+        sharded = fastlm.Transformer(**CONFIG, device=device)
+        sharded.load_state_dict(plain.state_dict())
+        for block in sharded.blocks:
+            fully_shard(block)
+        sharded_loss = fully_shard(Loss(sharded))
+        tokens, targets = _tokens(device), _tokens(device)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*returned a view tensor")
+            with torch.autocast(device, dtype=torch.bfloat16):
+                expected = plain.loss(tokens, targets)
+                loss = sharded_loss(tokens, targets)
+            expected.backward()
+            loss.backward()
+        assert torch.equal(loss, expected)
+        plain_params = dict(plain.named_parameters())
+        for name, p in sharded.named_parameters():
+            grad = p.grad.full_tensor()
+            assert grad.dtype == torch.float32, name
+            assert torch.equal(grad, plain_params[name].grad), name
+    finally:
+        dist.destroy_process_group()

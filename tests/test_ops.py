@@ -239,3 +239,30 @@ def test_model_compiles_whole_on_pytorch(device, monkeypatch):
 @pytest.mark.cuda
 def test_model_compiles_whole_with_inductor(device):
     _compiled_loss_matches_reference(device, "inductor")
+
+
+def test_model_compiles_whole_under_autocast(device, gemms):
+    """The autocast step (the block's weights cast together, fp32 weight gradients out of the
+    GEMMs: `fastlm.kernels.linear`) compiles without a graph break and gives the eager step's
+    loss and gradients."""
+    eager = fastlm.Transformer(**CONFIG, device=device)
+    compiled = fastlm.Transformer(**CONFIG, device=device)
+    compiled.load_state_dict(eager.state_dict())
+    tokens = torch.randint(0, CONFIG["vocab_size"], (2, 13), device=device)
+    targets = torch.randint(0, CONFIG["vocab_size"], (2, 13), device=device)
+    backend = _OpRecordingBackend()
+    counters.clear()
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        expected = eager.loss(tokens, targets)
+        loss = torch.compile(compiled.loss, backend=backend, fullgraph=True)(tokens, targets)
+    expected.backward()
+    loss.backward()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert "aten._foreach_copy_.default" in backend.ops or any(
+        "foreach_copy" in op for op in backend.ops
+    ), "the weights were not cast together"
+    assert_close(loss, expected, torch.bfloat16, "compiled autocast loss")
+    eager_params = dict(eager.named_parameters())
+    for name, p in compiled.named_parameters():
+        assert p.grad.dtype == torch.float32, name
+        assert_close(p.grad, eager_params[name].grad, torch.bfloat16, f"compiled grad of {name}")

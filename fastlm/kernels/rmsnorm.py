@@ -240,20 +240,25 @@ def _rms_norm_forward(
     weight: torch.Tensor,
     eps: float,
     out_dtype: torch.dtype,
+    shape: tuple[int, ...] | None = None,
 ):
     """Launch the forward on (rows, N) views. Returns (y in out_dtype, summed in the promoted
-    dtype of x and residual or None, rstd)."""
+    dtype of x and residual or None, rstd), allocated in `shape` (rows' by default; rstd in
+    shape[:-1]), so that an op returns them as tensors of their own, not views."""
     weight = weight.contiguous()  # the kernels read it with a unit stride
     M, N = x.shape
-    y = empty((M, N), device=x.device, dtype=out_dtype)
-    summed = (
-        empty((M, N), device=x.device, dtype=torch.promote_types(x.dtype, residual.dtype))
+    shape = shape or (M, N)
+    y_out = empty(shape, device=x.device, dtype=out_dtype)
+    summed_out = (
+        empty(shape, device=x.device, dtype=torch.promote_types(x.dtype, residual.dtype))
         if residual is not None
         else None
     )
-    rstd = empty((M,), device=x.device, dtype=torch.float32)
+    rstd_out = empty(shape[:-1], device=x.device, dtype=torch.float32)
+    y, rstd = y_out.view(M, N), rstd_out.view(M)
+    summed = summed_out.view(M, N) if summed_out is not None else None
     if M == 0:
-        return y, summed, rstd
+        return y_out, summed_out, rstd_out
     block_m, block_n, num_warps = _tile(N, M)
     # Unused pointer arguments get y, which the kernel never reads through them.
     r = residual if residual is not None else y
@@ -278,7 +283,7 @@ def _rms_norm_forward(
         BLOCK_N=block_n,
         num_warps=num_warps,
     )
-    return y, summed, rstd
+    return y_out, summed_out, rstd_out
 
 
 def _rms_norm_backward(
@@ -289,15 +294,20 @@ def _rms_norm_backward(
     rstd: torch.Tensor,
     dx_dtype: torch.dtype,
     dx2_dtype: torch.dtype | None = None,
+    shape: tuple[int, ...] | None = None,
 ):
     """Launch the backward on (rows, N) views. Returns (dx, dx2 or None, dweight): dx (already
-    holding d_summed) in dx_dtype and, if dx2_dtype is given, the same gradient in that dtype."""
+    holding d_summed) in dx_dtype and, if dx2_dtype is given, the same gradient in that dtype,
+    allocated in `shape` (rows' by default)."""
     M, N = x.shape
     weight = weight.contiguous()
-    dx = empty((M, N), device=x.device, dtype=dx_dtype)
-    dx2 = empty((M, N), device=x.device, dtype=dx2_dtype) if dx2_dtype is not None else None
+    shape = shape or (M, N)
+    dx_out = empty(shape, device=x.device, dtype=dx_dtype)
+    dx2_out = empty(shape, device=x.device, dtype=dx2_dtype) if dx2_dtype is not None else None
+    dx = dx_out.view(M, N)
+    dx2 = dx2_out.view(M, N) if dx2_out is not None else None
     if M == 0:
-        return dx, dx2, torch.zeros_like(weight)
+        return dx_out, dx2_out, torch.zeros_like(weight)
     block_m, block_n, num_warps = _tile(N, M)
     num_programs = _backward_programs(x, triton.cdiv(M, block_m), num_warps)
     dw_partial = empty((num_programs, N), device=x.device, dtype=torch.float32)
@@ -326,7 +336,7 @@ def _rms_norm_backward(
         BLOCK_N=block_n,
         num_warps=num_warps,
     )
-    return dx, dx2, dw_partial.sum(0).to(weight.dtype)
+    return dx_out, dx2_out, dw_partial.sum(0).to(weight.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -339,8 +349,8 @@ def _rms_norm_op(
     x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, rstd): y of x's shape in out_dtype, rstd (x.shape[:-1]) fp32 for the backward."""
-    y, _, rstd = _rms_norm_forward(as_rows(x), None, weight, eps, out_dtype)
-    return y.view(x.shape), rstd.view(x.shape[:-1])
+    y, _, rstd = _rms_norm_forward(as_rows(x), None, weight, eps, out_dtype, x.shape)
+    return y, rstd
 
 
 @_rms_norm_op.register_fake
@@ -357,8 +367,7 @@ def _add_rms_norm_op(
     out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(normed in out_dtype, summed in x's and residual's promoted dtype, rstd)."""
-    normed, summed, rstd = _rms_norm_forward(as_rows(x), as_rows(residual), weight, eps, out_dtype)
-    return normed.view(x.shape), summed.view(x.shape), rstd.view(x.shape[:-1])
+    return _rms_norm_forward(as_rows(x), as_rows(residual), weight, eps, out_dtype, x.shape)
 
 
 @_add_rms_norm_op.register_fake
@@ -385,10 +394,16 @@ def _rms_norm_backward_op(
     d_summed, the residual stream's own gradient, if given."""
     d_summed_rows = as_rows(d_summed) if d_summed is not None else None
     dx, dx2, dweight = _rms_norm_backward(
-        as_rows(dy), d_summed_rows, as_rows(x), weight, rstd.reshape(-1), dx_dtype, dx2_dtype
+        as_rows(dy),
+        d_summed_rows,
+        as_rows(x),
+        weight,
+        rstd.reshape(-1),
+        dx_dtype,
+        dx2_dtype,
+        x.shape,
     )
-    dx2 = dx2.view(x.shape) if dx2 is not None else x.new_empty(0)
-    return dx.view(x.shape), dx2, dweight
+    return dx, dx2 if dx2 is not None else x.new_empty(0), dweight
 
 
 @_rms_norm_backward_op.register_fake
