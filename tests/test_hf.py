@@ -306,3 +306,19 @@ def test_fastlm_imports_without_transformers():
     )
     assert result.returncode == 0, result.stderr
     assert "pip install 'fastlm[hf]'" in result.stdout
+
+
+def test_patched_model_compiles_whole():
+    """torch.compile(fullgraph=True) of the patched model's loss and backward: the kernels are
+    ops in the graph (aot_eager here; the ops run through the interpreter), same result."""
+    model = _model("llama")
+    truth = copy.deepcopy(model).double()
+    hf.patch(model)
+    ids = _tokens()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    loss = compiled(input_ids=ids, labels=_labels(ids)).loss
+    loss.backward()
+    expected = truth(input_ids=ids, labels=_labels(ids)).loss
+    expected.backward()
+    assert_close(loss, expected, torch.float32, "compiled loss")
+    _assert_grads_match(model, truth, torch.float32, "compiled")
