@@ -28,7 +28,8 @@ as they are), the forwards that fastlm has kernels for:
 The weights, their names and the state_dict are untouched. Gradient checkpointing
 (`model.gradient_checkpointing_enable()`) composes: it recomputes decoder layers whose modules
 run the patched forwards. Under `torch.compile` the kernels are opaque custom ops
-(`torch.ops.fastlm.*`), traced without graph breaks of their own. A part that cannot be patched
+(`torch.ops.fastlm.*`): `torch.compile(model, fullgraph=True)` traces the patched model's loss
+and backward whole (tested with aot_eager on the CPU). A part that cannot be patched
 for this model (another activation, a head dim the attention kernel does not take, a rotary
 embedding of another class, an lm_head with a bias) is left as it is, with a warning that says why.
 
