@@ -180,16 +180,17 @@ def from_hf(
     config = hf_model.config
     context = config.max_position_embeddings
     window = getattr(config, "sliding_window", None)
-    if window is not None and window < context and _modules_of(hf_model, family, "Attention"):
-        uses_window = family != "qwen2" or "sliding_attention" in (config.layer_types or [])
-        if uses_window:
-            warnings.warn(
-                f"from_hf: the model attends within a sliding window of {window} tokens, which "
-                f"fastlm.Transformer does not implement: context_length is {window} (not "
-                f"max_position_embeddings {context}), within which the two models agree",
-                stacklevel=2,
-            )
-            context = window
+    layer_types = getattr(config, "layer_types", None) or []
+    if family == "qwen2" and "sliding_attention" not in layer_types:
+        window = None  # Qwen2 keeps the field but attends in full unless layers say otherwise
+    if window is not None and window < context:
+        warnings.warn(
+            f"from_hf: the model attends within a sliding window of {window} tokens, which "
+            f"fastlm.Transformer does not implement: context_length is {window} (not "
+            f"max_position_embeddings {context}), within which the two models agree",
+            stacklevel=2,
+        )
+        context = window
     embedding = hf_model.get_input_embeddings().weight
     cls = Transformer if model == "fastlm" else reference.Transformer
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads

@@ -104,14 +104,21 @@ def test_patched_model_matches_unpatched(family, autocast):
     expected.loss.backward()
     assert out.loss.dtype == torch.float32
     assert_close(out.loss, expected.loss, dtype, f"{family} loss")
-    _assert_grads_match(model, truth, dtype, family)
-    if autocast:  # flash-attention's rule too: within twice Hugging Face's own bf16 error
+    if not autocast:
+        _assert_grads_match(model, truth, dtype, family)
+    else:
+        # Flash-attention's rule: within twice the error of Hugging Face's own model under the
+        # same autocast. A fixed bf16 bound does not fit every gradient: k_proj.bias's nearly
+        # cancels (a bias on every key barely moves the softmax), and Hugging Face's own bf16
+        # gradient of it can be 5% off.
         with torch.autocast("cpu", dtype=torch.bfloat16):
             unpatched(input_ids=ids, labels=labels).loss.backward()
         theirs, ours = dict(unpatched.named_parameters()), dict(model.named_parameters())
         for name, p in truth.named_parameters():
-            bound = max(2 * relative_error(theirs[name].grad, p.grad), 1e-4)
-            assert relative_error(ours[name].grad, p.grad) <= bound, name
+            assert ours[name].grad is not None, name
+            err = relative_error(ours[name].grad, p.grad)
+            their_err = relative_error(theirs[name].grad, p.grad)
+            assert err <= max(2 * their_err, 1e-4), (name, err, their_err)
     assert {"rms_norm", "rope_", "flash_attention", "swiglu", "linear_cross_entropy"} <= ops.names
     model.eval()
     truth.eval()
