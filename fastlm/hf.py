@@ -45,6 +45,7 @@ within which the two agree, with a warning.
 
 from __future__ import annotations
 
+import inspect
 import types
 import warnings
 
@@ -509,11 +510,16 @@ def patch(
     attention_modules = _modules_of(model, family, "Attention")
     if rope:
         rotary = _modules_of(model, family, "RotaryEmbedding")
-        if len(rotary) == 1 and rotary[0] is getattr(model.model, "rotary_emb", None):
+        expected = {"hidden_states", "position_embeddings", "attention_mask"}
+        takes = set(inspect.signature(type(attention_modules[0]).forward).parameters)
+        if len(rotary) != 1 or rotary[0] is not getattr(model.model, "rotary_emb", None):
+            skipped.append("rope (the rotary embedding is not the family's own)")
+        elif not expected <= takes or not takes & {"cache", "past_key_values"}:
+            # _attention_forward re-implements transformers 5's attention forward.
+            skipped.append(f"rope (this transformers' attention forward takes {sorted(takes)})")
+        else:
             _bind(attention_modules, _attention_forward)
             patched.append("rope")
-        else:
-            skipped.append("rope (the rotary embedding is not the family's own)")
     if attention:
         head_dim = _head_dim(config)
         if kernels_run_on(device) and not _kernel_head_dim(head_dim):

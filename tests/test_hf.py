@@ -187,6 +187,23 @@ def test_masks_flash_attention_does_not_take_fall_back_to_sdpa():
     assert_close(logits, truth(input_ids=ids).logits, torch.float32, "sliding-window logits")
 
 
+def test_llama_with_biases_patches_and_does_not_convert():
+    """attention_bias and mlp_bias: the patched forwards call the projections (biases
+    included); fastlm.Transformer has no biases, so from_hf names them."""
+    model = _model("llama", attention_bias=True, mlp_bias=True)
+    truth = copy.deepcopy(model).double()
+    hf.patch(model)
+    ids = _tokens()
+    loss = model(input_ids=ids, labels=_labels(ids)).loss
+    expected = truth(input_ids=ids, labels=_labels(ids)).loss
+    assert_close(loss, expected, torch.float32, "loss with biases")
+    loss.backward()
+    expected.backward()
+    _assert_grads_match(model, truth, torch.float32, "biases")
+    with pytest.raises(ValueError, match=r"nonzero biases \(.*and \d+ more; fastlm"):
+        hf.from_hf(model)
+
+
 def test_rope_scaling_runs_on_hugging_faces_tables():
     """The kernel rotates by the rotary embedding's own cos/sin: linear scaling (and any other
     rope type of the family) gives the unpatched logits; from_hf refuses it."""
