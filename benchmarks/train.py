@@ -26,6 +26,13 @@ autotuning included); for compiled rows, the graph breaks torch.compile's dynamo
 tracing the first step (`torch._dynamo.utils.counters["graph_break"]`; the reasons are in the JSON
 under `graph_breaks`).
 
+Hugging Face rows (when transformers is importable; `n/a` otherwise): a `LlamaForCausalLM` of the
+same size (vocab 32000, hidden 768, 12 layers, 12 heads, intermediate 2048, max positions = seq,
+its default SDPA attention), its loss `model(input_ids, labels=targets).loss` (Hugging Face shifts
+the labels), eager: unpatched, patched with `fastlm.hf.patch`, and patched with Liger-Kernel's
+`apply_liger_kernel_to_llama` when liger_kernel imports. Liger patches transformers' Llama module
+for every model built after it, so its rows come last of all.
+
 `--headline` (what gpu_check.sh measures first): the two headline rows only, fastlm compiled and
 the compiled SDPA reference, at seq 1024 with all 12 layers. `--skip-headline`: the other rows.
 
@@ -77,10 +84,12 @@ QUICK_TIME_LIMIT_S = 85
 REF_EAGER, REF_COMPILED = "reference", "torch.compile(reference)"
 SDPA_COMPILED = "torch.compile(reference + SDPA)"
 FASTLM_EAGER, FASTLM_COMPILED = "fastlm", "torch.compile(fastlm)"
+HF, HF_FASTLM, HF_LIGER = "HF Llama", "HF Llama + fastlm.hf.patch", "HF Llama + Liger"
 # The headline comparison first, so that a spent time budget skips the least needed rows.
 HEADLINE_KINDS = [FASTLM_COMPILED, SDPA_COMPILED]
 HEADLINE_SEQ = 1024
-KINDS = HEADLINE_KINDS + [FASTLM_EAGER, REF_EAGER, REF_COMPILED]
+KINDS = HEADLINE_KINDS + [FASTLM_EAGER, REF_EAGER, REF_COMPILED, HF, HF_FASTLM, HF_LIGER]
+HF_KINDS = (HF, HF_FASTLM, HF_LIGER)
 COMPILED_KINDS = (FASTLM_COMPILED, SDPA_COMPILED, REF_COMPILED)
 COLUMNS = [
     "seq",
@@ -91,6 +100,7 @@ COLUMNS = [
     "tokens/s",
     "vs reference",
     "vs compiled SDPA",
+    "vs HF Llama",
     "peak GiB",
     "memory vs reference",
     "first loss",
@@ -114,9 +124,48 @@ def reference_loss(
     return reference.CrossEntropyLoss()(model(ids).float(), targets)
 
 
+def hf_llama(config: Config, seq: int, device=None) -> torch.nn.Module:
+    """A Hugging Face LlamaForCausalLM of `config`'s size (ModuleNotFoundError without
+    transformers: the row shows n/a)."""
+    import transformers
+
+    llama = transformers.LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.d_model,
+        intermediate_size=config.d_ff,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        max_position_embeddings=seq,
+        rope_theta=config.rope_theta,
+    )
+    with torch.device(device or common.DEVICE):
+        return transformers.LlamaForCausalLM(llama).train()
+
+
+def hf_loss(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=targets).loss
+
+
+def build_hf(kind: str, config: Config, seq: int) -> tuple[torch.nn.Module, Callable]:
+    """The Hugging Face rows' model (the same weights in each) and loss."""
+    model = hf_llama(config, seq)
+    if kind == HF_FASTLM:
+        import fastlm.hf
+
+        fastlm.hf.patch(model)
+    elif kind == HF_LIGER:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(model=model)
+    return model, hf_loss
+
+
 def build(kind: str, config: Config, seq: int) -> tuple[torch.nn.Module, Callable]:
-    """(model, loss_fn(model, ids, targets)) for a row; every model has the same weights."""
+    """(model, loss_fn(model, ids, targets)) for a row; every model has the same weights (the
+    Hugging Face rows: the same as each other)."""
     torch.manual_seed(0)
+    if kind in HF_KINDS:
+        return build_hf(kind, config, seq)
     ref = reference.Transformer(**config.kwargs(seq), device=common.DEVICE)
     if kind in (REF_EAGER, REF_COMPILED, SDPA_COMPILED):
         if kind == SDPA_COMPILED:
@@ -205,7 +254,8 @@ def cases(args) -> list[tuple[int, str]]:
     """(seq, kind) in the order measured: --headline's two rows, or all but them, or all."""
     if args.headline:
         return [(HEADLINE_SEQ, kind) for kind in HEADLINE_KINDS]
-    wanted = [(seq, kind) for seq in args.seqs for kind in KINDS]
+    wanted = [(seq, kind) for seq in args.seqs for kind in KINDS if kind != HF_LIGER]
+    wanted += [(seq, HF_LIGER) for seq in args.seqs]  # last: it patches transformers' module
     if args.skip_headline:
         wanted = [
             (seq, kind)
@@ -255,6 +305,7 @@ def add_comparisons(rows: list[dict]) -> None:
     for column, baseline, value in (
         ("vs reference", REF_EAGER, "tokens/s"),
         ("vs compiled SDPA", SDPA_COMPILED, "tokens/s"),
+        ("vs HF Llama", HF, "tokens/s"),
         ("memory vs reference", REF_EAGER, "peak GiB"),
     ):
         common.add_ratios(rows, column, baseline, key=("seq",), value=value, higher_is_better=True)
@@ -269,6 +320,7 @@ SUMMARY_COLUMNS = [
     "ms/step",
     "vs compiled SDPA",
     "vs reference",
+    "vs HF Llama",
     "peak GiB",
     "first step s",
     "graph breaks",
@@ -312,6 +364,8 @@ TINY_SEQ = 12
 
 
 def interpreter_check() -> int:
+    from fastlm.testing import TOLERANCE
+
     torch.manual_seed(0)
     ids, targets = (torch.randint(TINY.vocab_size, (2, TINY_SEQ)) for _ in range(2))
     ref = reference.Transformer(**TINY.kwargs(TINY_SEQ))
@@ -324,8 +378,6 @@ def interpreter_check() -> int:
         return [("reference training step (benchmark's step function)", status, None, None)]
 
     def fastlm_against_reference():
-        from fastlm.testing import TOLERANCE
-
         model = fastlm.Transformer(**TINY.kwargs(TINY_SEQ))
         model.load_state_dict(ref.state_dict())
         ref64 = reference.Transformer(**TINY.kwargs(TINY_SEQ), dtype=torch.float64)
@@ -378,8 +430,32 @@ def interpreter_check() -> int:
             )
         ]
 
+    def hf_patched_against_unpatched():
+        """The Hugging Face rows' step function on a tiny Llama: patched as unpatched (two
+        steps, so that the gradients are compared too)."""
+        import copy
+
+        import fastlm.hf
+
+        tiny = hf_llama(TINY, TINY_SEQ, device="cpu")
+        with torch.no_grad():  # off Hugging Face's small init, so that the logits differ a lot
+            for p in tiny.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        patched = fastlm.hf.patch(copy.deepcopy(tiny))
+        losses = []
+        for m in (tiny, patched):  # the second step's loss: the gradients of the first count too
+            step = make_step(m, hf_loss, ids, targets, autocast=False)
+            step()
+            losses.append(float(step()))
+        err = abs(losses[1] - losses[0]) / abs(losses[0])
+        bound = TOLERANCE[torch.float32]
+        name = "HF Llama + fastlm.hf.patch: loss after a step"
+        return [(name, "ok" if err <= bound else "FAIL", err, bound)]
+
     # Gradients first (the reference step below changes the weights).
     rows += common.try_check("fastlm.Transformer", fastlm_against_reference)
+    if common.optional_module("transformers") is not None:
+        rows += common.try_check("HF Llama + fastlm.hf.patch", hf_patched_against_unpatched)
     rows += common.try_check("reference step", reference_step)
     rows += common.try_check("torch.compile(fastlm) graph breaks", graph_breaks)
     return common.report_checks(rows)

@@ -11,9 +11,12 @@
 - `python -m fastlm.train`, `python -m fastlm.generate`: the commands (`fastlm.generate` is the
   command's module, not a function).
 - `fastlm.backend`: which of kernels and PyTorch runs (FASTLM_BACKEND).
+- `fastlm.hf`: Hugging Face Llama, Mistral and Qwen2 models patched onto the kernels (`patch`), and
+  weights converted to and from `fastlm.Transformer` (`from_hf`, `to_hf`); needs transformers
+  (`pip install fastlm[hf]`), imported only when one of them is called.
 """
 
-from fastlm import reference
+from fastlm import hf, reference
 from fastlm.backend import backend, use_triton
 from fastlm.config import ModelConfig, build_model
 from fastlm.kernels import (
@@ -35,6 +38,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "reference",
+    "hf",
     "backend",
     "use_triton",
     "sample",

@@ -225,6 +225,13 @@ def write(
     tokenizer and the manifest with the files' checksums into `folder` (one from `replacing`).
     CheckpointError, with the space the checkpoint needs, when a file cannot be written."""
     weights = {name: tensor.detach().contiguous().cpu() for name, tensor in weights.items()}
+    # safetensors refuses tensors that share memory: a tied model lists one weight under two
+    # keys, and each key gets its own copy in the file (loading fills the one parameter twice).
+    seen = set()
+    for name, tensor in weights.items():
+        if tensor.untyped_storage().data_ptr() in seen:
+            weights[name] = tensor.clone()
+        seen.add(weights[name].untyped_storage().data_ptr())
     metadata = {"config": json.dumps(config, sort_keys=True), "step": str(step)}
     writing = WEIGHTS
     try:

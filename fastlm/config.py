@@ -38,15 +38,21 @@ class ModelConfig:
     num_heads: int
     d_ff: int
     rope_theta: float = 10000.0
+    # The LLaMA-style options (OPTION_DEFAULTS); a checkpoint written before them has these.
+    num_kv_heads: int | None = None  # None: num_heads (no grouping)
+    rope_interleaved: bool = True
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-5
 
     @classmethod
     def from_dict(cls, values: Mapping) -> ModelConfig:
         """The model's fields of `values` (a checkpoint's configuration also names its
-        tokenizer); KeyError naming the missing ones."""
-        missing = [name for name in MODEL_FIELDS if name not in values]
+        tokenizer), the defaults for the options it lacks; KeyError naming the missing fields
+        that have no default."""
+        missing = [name for name in REQUIRED_FIELDS if name not in values]
         if missing:
             raise KeyError(f"the configuration lacks {', '.join(missing)}")
-        return cls(**{name: values[name] for name in MODEL_FIELDS})
+        return cls(**{name: with_defaults(values)[name] for name in MODEL_FIELDS})
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -61,9 +67,19 @@ class ModelConfig:
         `name` spells a field in the message (the commands pass their flags)."""
         for field in MODEL_FIELDS:
             value = getattr(self, field)
-            if field == "rope_theta":
-                if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            if field in ("rope_theta", "norm_eps"):
+                if not (
+                    isinstance(value, (int, float))
+                    and not isinstance(value, bool)
+                    and math.isfinite(value)
+                    and value > 0
+                ):
                     raise ValueError(f"{name(field)} must be a positive number, got {value}")
+            elif field in ("rope_interleaved", "tie_embeddings"):
+                if not isinstance(value, bool):
+                    raise ValueError(f"{name(field)} must be true or false, got {value!r}")
+            elif field == "num_kv_heads" and value is None:
+                pass
             elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name(field)} must be a positive integer, got {value!r}")
         if model not in MODELS:
@@ -72,11 +88,32 @@ class ModelConfig:
         # fastlm's attention kernel, where it runs, also a range of head dims.
         kernels = model == "fastlm" and kernels_run_on(device)
         check_heads(self.d_model, self.num_heads, kernels, name)
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"{name('num_heads')} {self.num_heads} must be a multiple of "
+                f"{name('num_kv_heads')} {self.num_kv_heads}"
+            )
 
 
 MODEL_FIELDS = tuple(field.name for field in dataclasses.fields(ModelConfig))
+#: The LLaMA-style options, with their defaults: what a checkpoint from before them lacks.
+OPTION_DEFAULTS = {
+    "num_kv_heads": None,
+    "rope_interleaved": True,
+    "tie_embeddings": False,
+    "norm_eps": 1e-5,
+}
+REQUIRED_FIELDS = tuple(name for name in MODEL_FIELDS if name not in OPTION_DEFAULTS)
 
-# Each preset: the model's fields but vocab_size (the tokenizer's), the longest
+
+def with_defaults(stored: Mapping) -> dict:
+    """A stored configuration (a checkpoint's) with the defaults of the options it lacks, so that
+    a checkpoint written before the options existed compares equal to one naming the defaults."""
+    return {**OPTION_DEFAULTS, **stored}
+
+
+# Each preset: the model's fields but vocab_size (the tokenizer's; options it does not name
+# take their defaults, OPTION_DEFAULTS), the longest
 # --context-length it accepts (max_context), and the training defaults that suit its size
 # (tiny: loss 5.6 -> 1.4 nats per byte in one to two minutes on two CPU cores).
 PRESETS = {
@@ -100,6 +137,25 @@ PRESETS = {
         d_ff=2048,
         context_length=1024,
         max_context=1024,
+        batch_size=16,
+        steps=5000,
+        lr=6e-4,
+        eval_every=250,
+        save_every=1000,
+    ),
+    # gpt2-small's size with the LLaMA-style options (Llama's layout, as Hugging Face's
+    # checkpoints hold it): grouped-query attention, half-split RoPE, tied embeddings.
+    "llama-small": dict(
+        d_model=768,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=4,
+        d_ff=2048,
+        context_length=1024,
+        max_context=1024,
+        rope_interleaved=False,
+        tie_embeddings=True,
+        norm_eps=1e-6,
         batch_size=16,
         steps=5000,
         lr=6e-4,

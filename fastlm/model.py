@@ -32,11 +32,11 @@ from torch import nn
 
 from fastlm import reference
 from fastlm.backend import use_triton
-from fastlm.kernels.attention import MAX_HEAD_DIM, flash_attention, rope_attention
+from fastlm.kernels.attention import MAX_HEAD_DIM, _split_heads, flash_attention, rope_attention
 from fastlm.kernels.cross_entropy import linear_cross_entropy
 from fastlm.kernels.linear import autocast_dtype, cast_weights, half_linear
 from fastlm.kernels.rmsnorm import add_rms_norm, rms_norm
-from fastlm.kernels.rope import check_positions
+from fastlm.kernels.rope import apply_rope_, check_positions
 from fastlm.modules import RmsNorm, RoPE, SwiGlu
 
 
@@ -127,20 +127,32 @@ def check_heads(
 
 
 class MultiHeadAttentionWithRoPE(nn.Module):
-    """Causal self-attention with RoPE; the parameters of reference.MultiHeadAttentionWithRoPE."""
+    """Causal self-attention with RoPE; the parameters of reference.MultiHeadAttentionWithRoPE
+    (num_kv_heads < num_heads: grouped-query attention, flash attention reading the shared
+    key/value heads; rope_interleaved=False: half-split pairs)."""
 
     def __init__(
-        self, d_model: int, num_heads: int, max_seq_len: int, theta: float, device=None, dtype=None
+        self,
+        d_model: int,
+        num_heads: int,
+        max_seq_len: int,
+        theta: float,
+        device=None,
+        dtype=None,
+        num_kv_heads: int | None = None,
+        rope_interleaved: bool = True,
     ):
         super().__init__()
         check_heads(d_model, num_heads, kernels_run_on(device))
         self.d_model = d_model
         self.num_heads = num_heads
+        self.num_kv_heads = reference.check_kv_heads(num_heads, num_kv_heads)
         self.head_dim = d_model // num_heads
         self.max_seq_len = max_seq_len
-        self.qkv_proj = Linear(d_model, 3 * d_model, device, dtype)
+        qkv_width = (num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv_proj = Linear(d_model, qkv_width, device, dtype)
         self.output_proj = Linear(d_model, d_model, device, dtype)
-        self.rope = RoPE(theta, self.head_dim, max_seq_len, device)
+        self.rope = RoPE(theta, self.head_dim, max_seq_len, device, rope_interleaved)
 
     def cast_groups(self) -> list[list[torch.Tensor]]:
         """The weight groups `half` holds, for `cast_weights`: [W_qkv], then [W_o]."""
@@ -160,7 +172,7 @@ class MultiHeadAttentionWithRoPE(nn.Module):
         once for every layer). half: the two projections' weights cast for autocast."""
         B, T, C = x.shape
         half_qkv, half_out = half if half is not None else (None, None)
-        H, D = self.num_heads, self.head_dim
+        H, Hkv = self.num_heads, self.num_kv_heads
         if token_positions is None:
             start = kv_cache.length if kv_cache is not None else 0
             token_positions = torch.arange(start, start + T, device=x.device)
@@ -172,16 +184,25 @@ class MultiHeadAttentionWithRoPE(nn.Module):
                 self.rope.sin_cached,
                 token_positions,
                 H,
+                Hkv,
+                interleaved=self.rope.interleaved,
                 check_positions=not positions_checked,
             )
             # (B, H, T, D) views of (B, T, H, D) memory: the reshape is free
             return self.output_proj(out.transpose(1, 2).reshape(B, T, C), half_out)
-        qkv = self.qkv_proj(x, half_qkv).view(B, T, 3, H, D)
-        # q and k as one strided view: (B, T, 2, H, D) -> (B, 2H, T, D), rotated in its storage.
-        self.rope(qkv[:, :, :2].flatten(2, 3).transpose(1, 2), token_positions)
-        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, T, D) views
+        # q (B, H, T, D), k and v (B, Hkv, T, D): views of the projection; q and k rotated in its
+        # storage, in one launch.
+        q, k, v = _split_heads(self.qkv_proj(x, half_qkv), H, Hkv)
+        apply_rope_(
+            q,
+            k,
+            self.rope.cos_cached,
+            self.rope.sin_cached,
+            token_positions,
+            interleaved=self.rope.interleaved,
+        )
         if kv_cache is not None:
-            k, v = kv_cache.append(layer, k, v)  # (B, H, S, D)
+            k, v = kv_cache.append(layer, k, v)  # (B, Hkv, S, D)
         out = flash_attention(q, k, v, causal=True)  # (B, H, T, D)
         return self.output_proj(out.transpose(1, 2).reshape(B, T, C), half_out)
 
@@ -199,13 +220,16 @@ class TransformerBlock(nn.Module):
         theta: float,
         device=None,
         dtype=None,
+        num_kv_heads: int | None = None,
+        rope_interleaved: bool = True,
+        norm_eps: float = 1e-5,
     ):
         super().__init__()
-        self.rms_norm1 = RmsNorm(d_model, device=device, dtype=dtype)
+        self.rms_norm1 = RmsNorm(d_model, norm_eps, device=device, dtype=dtype)
         self.mult_head_atten = MultiHeadAttentionWithRoPE(
-            d_model, num_heads, max_seq_len, theta, device, dtype
+            d_model, num_heads, max_seq_len, theta, device, dtype, num_kv_heads, rope_interleaved
         )
-        self.rms_norm2 = RmsNorm(d_model, device=device, dtype=dtype)
+        self.rms_norm2 = RmsNorm(d_model, norm_eps, device=device, dtype=dtype)
         self.ffe = SwiGlu(d_model, d_ff, device, dtype)
 
     def forward(
@@ -268,7 +292,9 @@ def _add_norm(delta: torch.Tensor | None, residual: torch.Tensor, norm: RmsNorm)
 
 
 class Transformer(nn.Module):
-    """Decoder-only language model; a drop-in for reference.Transformer (same state_dict)."""
+    """Decoder-only language model; a drop-in for reference.Transformer (same constructor, with
+    its LLaMA-style options num_kv_heads, rope_interleaved, tie_embeddings and norm_eps, and the
+    same state_dict)."""
 
     def __init__(
         self,
@@ -281,17 +307,34 @@ class Transformer(nn.Module):
         rope_theta: float,
         device=None,
         dtype=None,
+        *,
+        num_kv_heads: int | None = None,
+        rope_interleaved: bool = True,
+        tie_embeddings: bool = False,
+        norm_eps: float = 1e-5,
     ):
         super().__init__()
         self.vocab_size = vocab_size
         self.context_length = context_length
         self.embedding = Embedding(vocab_size, d_model, device, dtype)
         self.blocks = nn.ModuleList(
-            TransformerBlock(d_model, num_heads, d_ff, context_length, rope_theta, device, dtype)
+            TransformerBlock(
+                d_model,
+                num_heads,
+                d_ff,
+                context_length,
+                rope_theta,
+                device,
+                dtype,
+                num_kv_heads,
+                rope_interleaved,
+                norm_eps,
+            )
             for _ in range(num_layers)
         )
-        self.final_norm = RmsNorm(d_model, device=device, dtype=dtype)
+        self.final_norm = RmsNorm(d_model, norm_eps, device=device, dtype=dtype)
         self.out_linear = Linear(d_model, vocab_size, device, dtype)
+        reference.tie(self, tie_embeddings)
 
     def hidden(
         self,

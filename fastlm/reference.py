@@ -97,23 +97,31 @@ FFN = SwiGlu
 
 
 class RoPE(nn.Module):
-    """Rotary position embedding on interleaved pairs (x[2i], x[2i+1]).
+    """Rotary position embedding: pair i of a head vector at position p is rotated by the angle
+    p * theta^(-2i / d_k).
 
-    Pair i at position p is rotated by the angle p * theta^(-2i / d_k).
+    The pairs are interleaved, (x[2i], x[2i+1]), by default (the seed's layout); with
+    `interleaved=False` they are half-split, (x[i], x[i + d_k/2]), the layout of GPT-NeoX and of
+    Hugging Face's Llama checkpoints.
     """
 
-    def __init__(self, theta: float, d_k: int, max_seq_len: int, device=None):
+    def __init__(
+        self, theta: float, d_k: int, max_seq_len: int, device=None, interleaved: bool = True
+    ):
         super().__init__()
         if d_k % 2:
             raise ValueError(f"d_k must be even, got {d_k}")
         self.theta = theta
         self.d_k = d_k
         self.max_seq_len = max_seq_len
+        self.interleaved = interleaved
         inv_freq = 1.0 / theta ** (
             torch.arange(0, d_k, 2, device=device, dtype=torch.float32) / d_k
         )
         positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq).repeat_interleave(2, dim=-1)  # (L, d_k)
+        angles = torch.outer(positions, inv_freq)  # (L, d_k / 2)
+        # Each angle once per element of its pair, where that element lies: (L, d_k).
+        freqs = angles.repeat_interleave(2, dim=-1) if interleaved else angles.repeat(1, 2)
         self.register_buffer("cos_cached", freqs.cos(), persistent=False)
         self.register_buffer("sin_cached", freqs.sin(), persistent=False)
 
@@ -122,12 +130,22 @@ class RoPE(nn.Module):
         """(a, b) -> (-b, a) for each interleaved pair."""
         return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
 
+    @staticmethod
+    def rotate_halves(x: torch.Tensor) -> torch.Tensor:
+        """(a, b) -> (-b, a) for each half-split pair: [x1, x2] -> [-x2, x1]."""
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor) -> torch.Tensor:
         cos = self.cos_cached[token_positions]  # (T, D) or (B, T, D)
         sin = self.sin_cached[token_positions]
         if x.dim() == 4 and cos.dim() == 3:  # x is (B, H, T, D): broadcast over heads
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        return (x * cos + self.rotate_pairs(x) * sin).to(x.dtype)
+        rotated = self.rotate_pairs(x) if self.interleaved else self.rotate_halves(x)
+        return (x * cos + rotated * sin).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"theta={self.theta}, d_k={self.d_k}, interleaved={self.interleaved}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,18 +169,46 @@ class ScaledDotProductAttention(nn.Module):
         return einx.dot("... q [k], ... [k] d -> ... q d", softmax(scores, dim=-1), v)
 
 
-class MultiHeadAttention(nn.Module):
-    """Causal multi-head self-attention with one fused q|k|v projection."""
+def check_kv_heads(num_heads: int, num_kv_heads: int | None) -> int:
+    """num_kv_heads (None: num_heads), ValueError unless it divides num_heads."""
+    if num_kv_heads is None:
+        return num_heads
+    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1:
+        raise ValueError(f"num_kv_heads must be a positive int or None, got {num_kv_heads!r}")
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    return num_kv_heads
 
-    def __init__(self, d_model: int, num_heads: int, max_seq_len: int, device=None, dtype=None):
+
+class MultiHeadAttention(nn.Module):
+    """Causal multi-head self-attention with one fused q|k|v projection.
+
+    With num_kv_heads < num_heads (grouped-query attention) k and v have num_kv_heads heads each,
+    query head h reading key/value head h // (num_heads / num_kv_heads); qkv_proj then has
+    (num_heads + 2 num_kv_heads) * head_dim outputs: q's heads, then k's, then v's.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        max_seq_len: int,
+        device=None,
+        dtype=None,
+        num_kv_heads: int | None = None,
+    ):
         super().__init__()
         if d_model % num_heads:
             raise ValueError(f"d_model ({d_model}) must be a multiple of num_heads ({num_heads})")
         self.d_model = d_model
         self.num_heads = num_heads
+        self.num_kv_heads = check_kv_heads(num_heads, num_kv_heads)
         self.head_dim = d_model // num_heads
         self.max_seq_len = max_seq_len
-        self.qkv_proj = Linear(d_model, 3 * d_model, device, dtype)
+        qkv_width = (num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv_proj = Linear(d_model, qkv_width, device, dtype)
         self.output_proj = Linear(d_model, d_model, device, dtype)
         self.attention = ScaledDotProductAttention()
         causal = torch.triu(
@@ -171,13 +217,17 @@ class MultiHeadAttention(nn.Module):
         self.register_buffer("causal_mask", causal, persistent=False)
 
     def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = self.qkv_proj(x)  # (B, T, 3C)
-        q, k, v = qkv.split(self.d_model, dim=-1)
+        qkv = self.qkv_proj(x)  # (B, T, (H + 2 Hkv) D)
+        kv_width = self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split((self.d_model, kv_width, kv_width), dim=-1)
         split = "b t (h d) -> b h t d"
-        return tuple(einx.id(split, t, h=self.num_heads) for t in (q, k, v))
+        return tuple(einx.id(split, t, d=self.head_dim) for t in (q, k, v))
 
     def _attend(self, q, k, v) -> torch.Tensor:
         T = q.shape[-2]
+        group = self.num_heads // self.num_kv_heads
+        if group > 1:  # each key/value head serves `group` consecutive query heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         out = self.attention(q, k, v, self.causal_mask[:T, :T])  # (B, H, T, D)
         return self.output_proj(einx.id("b h t d -> b t (h d)", out))
 
@@ -186,16 +236,24 @@ class MultiHeadAttention(nn.Module):
 
 
 class MultiHeadAttentionWithRoPE(MultiHeadAttention):
-    """MultiHeadAttention with RoPE applied to q and k."""
+    """MultiHeadAttention with RoPE applied to q and k (interleaved or half-split pairs)."""
 
     def __init__(
-        self, d_model: int, num_heads: int, max_seq_len: int, theta: float, device=None, dtype=None
+        self,
+        d_model: int,
+        num_heads: int,
+        max_seq_len: int,
+        theta: float,
+        device=None,
+        dtype=None,
+        num_kv_heads: int | None = None,
+        rope_interleaved: bool = True,
     ):
-        super().__init__(d_model, num_heads, max_seq_len, device, dtype)
-        self.rope = RoPE(theta, self.head_dim, max_seq_len, device)
+        super().__init__(d_model, num_heads, max_seq_len, device, dtype, num_kv_heads)
+        self.rope = RoPE(theta, self.head_dim, max_seq_len, device, rope_interleaved)
 
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
-        q, k, v = self._heads(x)  # (B, H, T, D) each
+        q, k, v = self._heads(x)  # (B, H, T, D), k and v (B, Hkv, T, D)
         if token_positions is None:
             token_positions = torch.arange(x.shape[-2], device=x.device).expand(x.shape[0], -1)
         return self._attend(self.rope(q, token_positions), self.rope(k, token_positions), v)
@@ -218,13 +276,16 @@ class TransformerBlock(nn.Module):
         theta: float,
         device=None,
         dtype=None,
+        num_kv_heads: int | None = None,
+        rope_interleaved: bool = True,
+        norm_eps: float = 1e-5,
     ):
         super().__init__()
-        self.rms_norm1 = RmsNorm(d_model, device=device, dtype=dtype)
+        self.rms_norm1 = RmsNorm(d_model, norm_eps, device=device, dtype=dtype)
         self.mult_head_atten = MultiHeadAttentionWithRoPE(
-            d_model, num_heads, max_seq_len, theta, device, dtype
+            d_model, num_heads, max_seq_len, theta, device, dtype, num_kv_heads, rope_interleaved
         )
-        self.rms_norm2 = RmsNorm(d_model, device=device, dtype=dtype)
+        self.rms_norm2 = RmsNorm(d_model, norm_eps, device=device, dtype=dtype)
         self.ffe = SwiGlu(d_model, d_ff, device, dtype)
 
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -256,7 +317,13 @@ def check_token_input(
 
 
 class Transformer(nn.Module):
-    """Decoder-only language model: embedding, pre-norm blocks, final norm, vocabulary logits."""
+    """Decoder-only language model: embedding, pre-norm blocks, final norm, vocabulary logits.
+
+    The LLaMA-style options: `num_kv_heads` (grouped-query attention; default num_heads),
+    `rope_interleaved` (False: RoPE's half-split pairs, as Hugging Face's checkpoints hold them),
+    `tie_embeddings` (out_linear.w is embedding.w, one parameter under both state_dict keys) and
+    `norm_eps` (every RMSNorm's). Their defaults are the seed's model.
+    """
 
     def __init__(
         self,
@@ -269,17 +336,34 @@ class Transformer(nn.Module):
         rope_theta: float,
         device=None,
         dtype=None,
+        *,
+        num_kv_heads: int | None = None,
+        rope_interleaved: bool = True,
+        tie_embeddings: bool = False,
+        norm_eps: float = 1e-5,
     ):
         super().__init__()
         self.vocab_size = vocab_size
         self.context_length = context_length
         self.embedding = Embedding(vocab_size, d_model, device, dtype)
         self.blocks = nn.ModuleList(
-            TransformerBlock(d_model, num_heads, d_ff, context_length, rope_theta, device, dtype)
+            TransformerBlock(
+                d_model,
+                num_heads,
+                d_ff,
+                context_length,
+                rope_theta,
+                device,
+                dtype,
+                num_kv_heads,
+                rope_interleaved,
+                norm_eps,
+            )
             for _ in range(num_layers)
         )
-        self.final_norm = RmsNorm(d_model, device=device, dtype=dtype)
+        self.final_norm = RmsNorm(d_model, norm_eps, device=device, dtype=dtype)
         self.out_linear = Linear(d_model, vocab_size, device, dtype)
+        tie(self, tie_embeddings)
 
     def forward(
         self, token_ids: torch.Tensor, token_positions: torch.Tensor | None = None
@@ -289,6 +373,15 @@ class Transformer(nn.Module):
         for block in self.blocks:
             x = block(x, token_positions)
         return self.out_linear(self.final_norm(x))  # (B, T, V)
+
+
+def tie(model: nn.Module, tie_embeddings: bool) -> None:
+    """Make model.out_linear.w the very parameter model.embedding.w when tie_embeddings (both
+    are (vocab, d_model)); state_dict then lists it under both keys, and loading either
+    checkpoint layout fills it."""
+    model.tie_embeddings = bool(tie_embeddings)
+    if tie_embeddings:
+        model.out_linear.w = model.embedding.w
 
 
 # --------------------------------------------------------------------------------------------

@@ -38,7 +38,16 @@ from tqdm import tqdm
 
 from fastlm import checkpoint, reference
 from fastlm.checkpoint import CheckpointError
-from fastlm.config import MODEL_FIELDS, PRESETS, ConfigError, ModelConfig, build_model, pick_device
+from fastlm.config import (
+    MODEL_FIELDS,
+    OPTION_DEFAULTS,
+    PRESETS,
+    ConfigError,
+    ModelConfig,
+    build_model,
+    pick_device,
+    with_defaults,
+)
 from fastlm.data import (
     DataError,
     TokenSplit,
@@ -88,8 +97,11 @@ class NextTokenLoss(nn.Module):
 def flops_per_token(model: nn.Module, config: dict) -> float:
     """Training FLOPs per token, PaLM's convention: 6 per weight used in a matmul (the embedding
     lookup is not one) plus 12 * layers * d_model * context for attention scores and values
-    (the full square, although causal attention needs only half of it)."""
+    (the full square, although causal attention needs only half of it). A tied output
+    projection is the embedding's weight used in a matmul: counted once, as a matmul weight."""
     embedding = config["vocab_size"] * config["d_model"]
+    if config.get("tie_embeddings"):
+        embedding = 0
     matmul_weights = sum(p.numel() for p in model.parameters()) - embedding
     attention = 12 * config["num_layers"] * config["d_model"] * config["context_length"]
     return 6 * matmul_weights + attention
@@ -142,6 +154,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     model.add_argument("--num-heads", type=int)
     model.add_argument("--d-ff", type=int)
     model.add_argument("--rope-theta", type=float, default=10000.0, help="default: %(default)s")
+    model.add_argument(
+        "--num-kv-heads", type=int, help="key/value heads, grouped-query attention (num-heads)"
+    )
+    model.add_argument(
+        "--rope-interleaved",
+        action=argparse.BooleanOptionalAction,
+        help="RoPE on interleaved pairs (the default), or half-split ones (--no-rope-interleaved)",
+    )
+    model.add_argument(
+        "--tie-embeddings",
+        action=argparse.BooleanOptionalAction,
+        help="the output projection shares the embedding's weight (default: not)",
+    )
+    model.add_argument("--norm-eps", type=float, help="RMSNorm's epsilon (1e-05)")
 
     optim = parser.add_argument_group("optimisation (default: the preset's)")
     optim.add_argument("--steps", type=int, help="optimizer steps in all (a resumed run included)")
@@ -186,7 +212,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
 
     preset = PRESETS[args.preset]
-    for key, value in preset.items():
+    for key, value in {**OPTION_DEFAULTS, **preset}.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     args.out = args.out or os.path.join("checkpoints", args.preset)
@@ -203,6 +229,7 @@ def check_args(args: argparse.Namespace) -> None:
         "d_model",
         "num_layers",
         "num_heads",
+        "num_kv_heads",
         "d_ff",
         "steps",
         "batch_size",
@@ -222,6 +249,7 @@ def check_args(args: argparse.Namespace) -> None:
         "grad_clip",
         "val_fraction",
         "rope_theta",
+        "norm_eps",
         "peak_tflops",
     ):
         value = getattr(args, key)
@@ -696,7 +724,7 @@ def claim_out(args: argparse.Namespace, out: Path, config: dict, stack: contextl
         )
     checkpoint.check_replaceable(out)
     if args.resume:
-        checkpoint.check_config(checkpoint.load_config(out), config, args.out)
+        checkpoint.check_config(with_defaults(checkpoint.load_config(out)), config, args.out)
 
 
 def load_saved(out: Path) -> dict:

@@ -14,15 +14,22 @@ from fastlm import sampling
 from fastlm.config import (
     MODEL_FIELDS,
     MODELS,
+    OPTION_DEFAULTS,
     PRESETS,
     ConfigError,
     ModelConfig,
     build_model,
     pick_device,
+    with_defaults,
 )
 
 # Parameters of each preset with byte tokens, as the README states them (0.9M, 85M, 309M).
-PRESET_PARAMETERS = {"tiny": 918_656, "gpt2-small": 85_347_072, "gpt2-medium": 308_855_808}
+PRESET_PARAMETERS = {
+    "tiny": 918_656,
+    "gpt2-small": 85_347_072,
+    "llama-small": 75_713_280,
+    "gpt2-medium": 308_855_808,
+}
 
 
 def preset_config(name: str, vocab_size: int = 256) -> ModelConfig:
@@ -48,6 +55,24 @@ def test_config_round_trips_through_a_checkpoint_dict():
     assert tuple(config.as_dict()) == MODEL_FIELDS
     with pytest.raises(KeyError, match="lacks d_ff, rope_theta"):
         ModelConfig.from_dict({k: v for k, v in stored.items() if k not in ("d_ff", "rope_theta")})
+    llama = preset_config("llama-small")
+    assert ModelConfig.from_dict({**llama.as_dict(), "tokenizer": "bytes"}) == llama
+    assert (llama.num_kv_heads, llama.rope_interleaved, llama.tie_embeddings) == (4, False, True)
+
+
+def test_checkpoints_from_before_the_options_have_their_defaults():
+    """A configuration stored before num_kv_heads, rope_interleaved, tie_embeddings and norm_eps
+    existed reads as the model it was: the defaults."""
+    config = preset_config("tiny")
+    old = {k: v for k, v in config.as_dict().items() if k not in OPTION_DEFAULTS}
+    assert ModelConfig.from_dict(old) == config
+    assert with_defaults(old) == config.as_dict()
+    assert (config.num_kv_heads, config.rope_interleaved, config.tie_embeddings) == (
+        None,
+        True,
+        False,
+    )
+    assert config.norm_eps == 1e-5
 
 
 @pytest.mark.parametrize(
@@ -58,6 +83,11 @@ def test_config_round_trips_through_a_checkpoint_dict():
         (dict(context_length=True), "context_length must be a positive integer, got True"),
         (dict(rope_theta=0.0), "rope_theta must be a positive number, got 0.0"),
         (dict(rope_theta=float("nan")), "rope_theta must be a positive number, got nan"),
+        (dict(norm_eps=0.0), "norm_eps must be a positive number, got 0.0"),
+        (dict(num_kv_heads=0), "num_kv_heads must be a positive integer, got 0"),
+        (dict(num_kv_heads=3), "num_heads 4 must be a multiple of num_kv_heads 3"),
+        (dict(rope_interleaved=1), "rope_interleaved must be true or false, got 1"),
+        (dict(tie_embeddings="yes"), "tie_embeddings must be true or false, got 'yes'"),
         (dict(d_model=100, num_heads=3), "d_model 100 must be a multiple of num_heads 3"),
         (
             dict(d_model=96, num_heads=32),

@@ -306,3 +306,59 @@ def test_fsdp2_autocast_step_matches_the_unsharded_model(device, tmp_path):
             assert torch.equal(grad, plain_params[name].grad), name
     finally:
         dist.destroy_process_group()
+
+
+LLAMA_OPTIONS = dict(num_kv_heads=1, rope_interleaved=False, tie_embeddings=True, norm_eps=1e-6)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        LLAMA_OPTIONS,
+        dict(num_kv_heads=2, rope_interleaved=False),
+        dict(num_kv_heads=1, tie_embeddings=True),
+    ],
+)
+def test_llama_options_match_reference(device, options):
+    """Grouped-query attention, half-split RoPE, tied embeddings and norm_eps: logits, loss and
+    every gradient as the reference's (heads of 16 dims, so 2 query heads share 1 kv head)."""
+    config = {**CONFIG, **options}
+    model, ref = _pair(device, config=config)
+    assert model.state_dict().keys() == ref.state_dict().keys()
+    tokens, targets = _tokens(device), _tokens(device)
+    assert_close(model(tokens), ref(tokens), torch.float32, "logits")
+    loss = model.loss(tokens, targets)
+    _assert_loss_and_grads_match(model, ref, loss, tokens, targets, f"{options}: ")
+
+
+def test_llama_options_kv_cache_logits_match_full_forward(device):
+    model = fastlm.Transformer(**CONFIG, **LLAMA_OPTIONS, device=device)
+    tokens = _tokens(device, batch=2, seq=9)
+    cache = model.make_kv_cache()
+    steps = [model(tokens[:, :6], kv_cache=cache), model(tokens[:, 6:], kv_cache=cache)]
+    assert cache.k[0].shape[1] == 1  # one key/value head cached
+    assert_close(torch.cat(steps, dim=1), model(tokens), torch.float32, "cached logits")
+
+
+def test_tied_model_loads_its_own_state_dict(device):
+    model = fastlm.Transformer(**CONFIG, tie_embeddings=True, device=device)
+    ref = R.Transformer(**CONFIG, tie_embeddings=True, device=device)
+    ref.load_state_dict(model.state_dict(), strict=True)
+    assert ref.out_linear.w is ref.embedding.w
+    assert torch.equal(ref.embedding.w, model.embedding.w)
+
+
+def test_llama_options_under_autocast_match_reference(device, gemms):
+    """The autocast path (one weight cast per block, W1|W3 one GEMM) with grouped-query heads,
+    half-split RoPE and tied embeddings: loss and every gradient as the reference's."""
+    config = {**CONFIG, **LLAMA_OPTIONS}
+    model, ref = _pair(device, config=config)
+    ref.float()
+    tokens, targets = _tokens(device), _tokens(device)
+    with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
+        loss = model.loss(tokens, targets)
+        expected = R.CrossEntropyLoss()(ref(tokens).float(), targets)
+    assert_close(loss, expected, torch.bfloat16, "autocast loss")
+    loss.backward()
+    expected.backward()
+    _assert_grads_match(model, ref, torch.bfloat16, "autocast grad")

@@ -227,3 +227,62 @@ def test_tiny_transformer_learns():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def _rope_by_half_split(x, positions, theta):
+    """RoPE on half-split pairs (x[i], x[i + d/2]): the interleaved rotation of the permuted
+    vector, permuted back."""
+    d = x.shape[-1]
+    to_pairs = torch.stack((torch.arange(d // 2), torch.arange(d // 2, d)), dim=-1).flatten()
+    rotated = _rope_by_complex_multiplication(x[..., to_pairs], positions, theta)
+    return rotated[..., torch.argsort(to_pairs)]
+
+
+def test_rope_rotates_half_split_pairs():
+    rope = R.RoPE(10000.0, 16, 64, interleaved=False)
+    x = torch.randn(2, 3, 10, 16, dtype=f64)
+    positions = torch.randint(0, 64, (2, 10))
+    expected = _rope_by_half_split(x, positions[:, None, :], 10000.0)
+    assert_close(rope(x, positions), expected, torch.float32)
+    # Hugging Face's formula: x * cos + rotate_half(x) * sin with cos = cat(cos, cos).
+    x1, x2 = x[..., :8], x[..., 8:]
+    assert torch.equal(R.RoPE.rotate_halves(x), torch.cat((-x2, x1), dim=-1))
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2])
+def test_grouped_query_attention_repeats_kv_heads(num_kv_heads):
+    """Query head h reads key/value head h // (num_heads / num_kv_heads), as SDPA's
+    enable_gqa and Hugging Face's repeat_kv do; q|k|v sit side by side in qkv_proj."""
+    mha = R.MultiHeadAttention(32, 4, 16, dtype=f64, num_kv_heads=num_kv_heads)
+    assert mha.qkv_proj.w.shape == ((4 + 2 * num_kv_heads) * 8, 32)
+    x = torch.randn(2, 11, 32, dtype=f64)
+    q, k, v = F.linear(x, mha.qkv_proj.w).split((32, 8 * num_kv_heads, 8 * num_kv_heads), -1)
+    q = q.view(2, 11, 4, 8).transpose(1, 2)
+    k, v = (t.view(2, 11, num_kv_heads, 8).transpose(1, 2) for t in (k, v))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    expected = F.linear(o.transpose(1, 2).reshape(2, 11, 32), mha.output_proj.w)
+    assert_close(mha(x), expected, f64)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        R.MultiHeadAttention(32, 4, 16, num_kv_heads=3)
+
+
+def test_transformer_options():
+    """num_kv_heads, rope_interleaved, tie_embeddings and norm_eps reach every layer; a tied
+    model holds one parameter under both state_dict keys."""
+    model = _tiny_transformer(
+        num_kv_heads=2, rope_interleaved=False, tie_embeddings=True, norm_eps=1e-6
+    )
+    attention = model.blocks[1].mult_head_atten
+    assert attention.num_kv_heads == 2 and not attention.rope.interleaved
+    assert model.out_linear.w is model.embedding.w
+    assert len(list(model.parameters())) == len(model.state_dict()) - 1
+    assert {"embedding.w", "out_linear.w"} <= set(model.state_dict())
+    norms = [m for m in model.modules() if isinstance(m, R.RmsNorm)]
+    assert len(norms) == 5 and all(m.eps == 1e-6 for m in norms)
+    defaults = _tiny_transformer()
+    assert defaults.out_linear.w is not defaults.embedding.w
+    assert defaults.blocks[0].mult_head_atten.rope.interleaved
+    tokens = torch.randint(0, 61, (2, 9))
+    logits = model(tokens)
+    logits.sum().backward()  # one gradient, from both uses of the tied weight
+    assert model.embedding.w.grad is not None and logits.shape == (2, 9, 61)

@@ -368,3 +368,24 @@ def test_second_derivatives_raise_in_place_and_are_exact_functionally(device):
     (g64,) = torch.autograd.grad(y64.pow(3).sum(), x64, create_graph=True)
     (gg64,) = torch.autograd.grad(g64.sum(), x64)
     assert_close(gg, gg64, torch.float32, "second derivative through torch.ops.fastlm.rope")
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_strided_tables(device, compiled):
+    """Tables that are column slices of wider ones (fastlm.hf reads Hugging Face's (T, D) cos as
+    (T, D/2)): eager and compiled code (aot_eager: the functional op) both read them right."""
+    D = 16
+    cos, sin = rope_tables(THETA, D, 32, device)
+    wide_cos, wide_sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    positions = torch.randint(0, 32, (2, 11), device=device)
+    q, k = torch.randn(2, 3, 11, D, device=device), torch.randn(2, 1, 11, D, device=device)
+    expected = [reference_rope(t, positions, 32, interleaved=False) for t in (q, k)]
+
+    def rotate(q, k, cos, sin, positions):
+        return apply_rope_(q, k, cos[:, : D // 2], sin[:, : D // 2], positions, interleaved=False)
+
+    if compiled:
+        rotate = torch.compile(rotate, backend="aot_eager", fullgraph=True)
+    rotated = rotate(q.clone(), k.clone(), wide_cos, wide_sin, positions)
+    for out, ref, name in zip(rotated, expected, "qk"):
+        assert_close(out, ref, torch.float32, f"{name} with strided tables")

@@ -691,3 +691,45 @@ def test_torchrun_data_error_on_one_rank_stops_every_rank(tmp_path):
     error = "fastlm.train: error: rank 0: the corpus is too small: 200 tokens per rank"
     assert result.stderr.count(error) == 2, result.stderr[-3000:]  # (torchrun then reports)
     assert not (tmp_path / "lopsided").exists()
+
+
+def test_llama_options_train_save_resume_and_generate(corpus, tmp_path, capsys, monkeypatch):
+    """The LLaMA-style flags reach the model and its checkpoint (a tied weight saved under both
+    keys), --resume checks them, generate rebuilds the model from the checkpoint alone, and a
+    checkpoint from before the options existed resumes as the model it was."""
+    from fastlm import generate as generate_cli
+
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")  # the interpreted kernels are test_model's
+    options = ["--num-kv-heads", "1", "--no-rope-interleaved", "--tie-embeddings"]
+    out = tmp_path / "llama"
+    args = ["--data", corpus, *TOY, "--model", "fastlm", "--out", out, "--norm-eps", "1e-6"]
+    status, summary, err = run_main([*args, *options, "--steps", "4"], capsys)
+    assert status == 0, err
+    config = checkpoint.load_config(out)
+    assert (config["num_kv_heads"], config["rope_interleaved"], config["tie_embeddings"]) == (
+        1,
+        False,
+        True,
+    )
+    assert config["norm_eps"] == 1e-6
+    weights = checkpoint.load_weights(out)
+    assert torch.equal(weights["embedding.w"], weights["out_linear.w"])
+    assert weights["blocks.0.mult_head_atten.qkv_proj.w"].shape == (64, 32)  # 2 + 2 * 1 heads
+    status, _, err = run_main([*args, *options, "--steps", "6", "--resume"], capsys)
+    assert status == 0, err
+    status, _, err = run_main([*args, "--steps", "8", "--resume"], capsys)  # options left out
+    assert status == 2 and "another configuration" in err and "num_kv_heads" in err, err
+    model, _ = generate_cli.load_model(out, "fastlm", "cpu")
+    assert model.out_linear.w is model.embedding.w
+    assert model.blocks[0].mult_head_atten.num_kv_heads == 1
+
+    old = tmp_path / "old"
+    status, _, err = run_main(["--data", corpus, *TOY, "--out", old, "--steps", "2"], capsys)
+    assert status == 0, err
+    stored = checkpoint.load_config(old)
+    seed_config = {k: v for k, v in stored.items() if k not in train_cli.OPTION_DEFAULTS}
+    checkpoint.save(old, checkpoint.load_weights(old), seed_config, 2, checkpoint.load_state(old))
+    status, _, err = run_main(
+        ["--data", corpus, *TOY, "--out", old, "--steps", "4", "--resume"], capsys
+    )
+    assert status == 0, err

@@ -581,6 +581,8 @@ def rotate_in_place(
         for t in rotated:
             t.copy_(rope_ref(t, cos, sin, positions, interleaved))
         return rotated
+    # Tables are small: a copy, if ever needed, is cheap; the kernel indexes dense (L, D/2) rows.
+    cos, sin = cos.contiguous(), sin.contiguous()
     if torch.compiler.is_compiling():
         # Dynamo models neither `_base` nor a Function that dirties tensors it does not return:
         # compiled code calls the functional op and writes its result back in place, where
@@ -592,8 +594,7 @@ def rotate_in_place(
     for t in rotated:
         if not any(_root(t) is r for r in roots):
             roots.append(_root(t))
-    # Tables are small: a copy, if ever needed, is cheap; the kernel indexes dense (L, D/2) rows.
-    _RoPEFunction.apply(cos.contiguous(), sin.contiguous(), positions, interleaved, rotated, *roots)
+    _RoPEFunction.apply(cos, sin, positions, interleaved, rotated, *roots)
     return rotated
 
 
