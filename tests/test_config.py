@@ -22,6 +22,7 @@ from fastlm.config import (
     pick_device,
     with_defaults,
 )
+from fastlm.kernels._common import HAVE_TRITON
 
 # Parameters of each preset with byte tokens, as the README states them (0.9M, 85M, 309M).
 PRESET_PARAMETERS = {
@@ -102,6 +103,7 @@ def test_bad_config_names_the_field(change, message):
             build_model(config, kind, device="meta")
 
 
+@pytest.mark.skipif(not HAVE_TRITON, reason="FASTLM_BACKEND=triton needs the triton package")
 def test_head_dims_for_the_kernels_only_where_they_run(monkeypatch):
     config = ModelConfig(**{**preset_config("tiny").as_dict(), "d_model": 48, "num_heads": 4})
     monkeypatch.setenv("FASTLM_BACKEND", "triton")
