@@ -200,6 +200,8 @@ class CudaConfig(NamedTuple):
     max_block_d / max_block_d_fp32: the largest BLOCK_D it takes with fp16/bf16 or fp32 inputs
     without spilling registers or needing more shared memory than an H100 or an A100 has, as
     `benchmarks/compile_report.py` reads them off the compiled kernels (0: never).
+    options: whether it also takes the option variants (a window, the cap, packed sequences:
+    `has_options`) within those limits; False where one of them spills.
     """
 
     blocks: dict
@@ -207,14 +209,28 @@ class CudaConfig(NamedTuple):
     num_stages: int
     max_block_d: int
     max_block_d_fp32: int
+    options: bool = True
 
 
-def fitting_configs(cuda: list[CudaConfig], block_d: int, element_size: int) -> list[CudaConfig]:
-    """The configs of a CUDA list that take head blocks of BLOCK_D at this input element size."""
+#: The constexprs of the option variants: each adds registers to the plain kernels.
+OPTION_FLAGS = ("HAS_WINDOW", "SOFTCAP", "VARLEN")
+
+
+def has_options(args: dict) -> bool:
+    """Whether a launch's arguments (by name) compile in an option variant."""
+    return any(args.get(flag) for flag in OPTION_FLAGS)
+
+
+def fitting_configs(
+    cuda: list[CudaConfig], block_d: int, element_size: int, options: bool = False
+) -> list[CudaConfig]:
+    """The configs of a CUDA list that take head blocks of BLOCK_D at this input element size
+    (and with `options`, an option variant)."""
     return [
         config
         for config in cuda
         if block_d <= (config.max_block_d_fp32 if element_size == 4 else config.max_block_d)
+        and (config.options or not options)
     ]
 
 
@@ -244,7 +260,9 @@ def _prune_to_fitting(cuda: list[CudaConfig]):
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
         if interpreting():
             return configs
-        fitting = fitting_configs(cuda, kwargs["BLOCK_D"], named_args["Q"].element_size())
+        fitting = fitting_configs(
+            cuda, kwargs["BLOCK_D"], named_args["Q"].element_size(), has_options(kwargs)
+        )
         if os.environ.get("FASTLM_AUTOTUNE", "1") == "0":
             fitting = fitting[-1:]
         chosen = {(tuple(c.blocks.items()), c.num_warps, c.num_stages) for c in fitting}
@@ -256,10 +274,21 @@ def _prune_to_fitting(cuda: list[CudaConfig]):
 
 
 def _config(
-    block_m: int, block_n: int, warps: int, stages: int, max_block_d: int, max_block_d_fp32: int
+    block_m: int,
+    block_n: int,
+    warps: int,
+    stages: int,
+    max_block_d: int,
+    max_block_d_fp32: int,
+    options: bool = True,
 ) -> CudaConfig:
     return CudaConfig(
-        {"BLOCK_M": block_m, "BLOCK_N": block_n}, warps, stages, max_block_d, max_block_d_fp32
+        {"BLOCK_M": block_m, "BLOCK_N": block_n},
+        warps,
+        stages,
+        max_block_d,
+        max_block_d_fp32,
+        options,
     )
 
 
@@ -281,7 +310,7 @@ FWD_CUDA_CONFIGS = [
 # dv accumulators take twice the registers of the forward's one, hence the small key blocks.
 DKDV_CUDA_CONFIGS = [
     _config(32, 128, 8, 2, 64, 64),
-    _config(32, 64, 4, 3, 128, 0),
+    _config(32, 64, 4, 3, 128, 0, options=False),  # with the cap: 28 B spilled on sm_80
     _config(16, 64, 4, 2, 128, 64),
     _config(32, 32, 8, 1, 256, 256),
 ]
@@ -1112,8 +1141,8 @@ def _attention_fwd_tma_kernel(
 # head dims above 128 were not checked, so `_use_tensor_descriptors` sends them to the pointer path.
 TMA_MAX_BLOCK_D = 128
 FWD_TMA_CUDA_CONFIGS = [
-    _config(128, 64, 4, 2, 128, 0),
-    _config(128, 64, 4, 3, 128, 0),
+    _config(128, 64, 4, 2, 128, 0, options=False),  # a window, the cap or varlen spill (sm_90a)
+    _config(128, 64, 4, 3, 128, 0, options=False),
     _config(128, 64, 8, 2, 128, 0),
     _config(128, 64, 8, 3, 128, 0),
     _config(128, 128, 8, 2, 128, 0),
