@@ -249,3 +249,56 @@ def test_blocks_run_through_their_forward(device, monkeypatch):
     block, x = model.blocks[0], torch.randn(2, 5, CONFIG["d_model"], device=device)
     residual, delta = block((x, None))
     assert torch.equal(residual + delta, block(x))
+
+
+# Packed documents: 26 tokens in two rows of 13, split 5 | 1 | 11 | 9, the 11 running from the
+# first row into the second.
+PACKED_DOCS = [5, 1, 11, 9]
+
+
+def _packed_reference(ref, tokens, docs):
+    """The reference's logits [B * T, vocab] with each document run on its own from position 0."""
+    flat, start, logits = tokens.reshape(-1), 0, []
+    for n in docs:
+        logits.append(ref(flat[start : start + n][None])[0])
+        start += n
+    return torch.cat(logits)
+
+
+def _cu_seqlens(docs, device):
+    return torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], device=device).int()
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_packed_documents_match_each_document_alone(device, monkeypatch, backend):
+    """cu_seqlens: each document attends only within itself and is rotated from position 0, so
+    the loss and every gradient are the reference's run on each document alone (also on the
+    torch backend)."""
+    monkeypatch.setenv("FASTLM_BACKEND", backend)
+    model, ref = _pair(device)
+    tokens, targets = _tokens(device), _tokens(device)
+    targets[0, 4] = -100  # the first document's last target: the next document's first token
+    cu = _cu_seqlens(PACKED_DOCS, device)
+    logits = model(tokens, cu_seqlens=cu)
+    expected_logits = _packed_reference(ref, tokens, PACKED_DOCS)
+    assert_close(logits.reshape(-1, logits.shape[-1]), expected_logits, torch.float32, "logits")
+    loss = model.loss(tokens, targets, cu_seqlens=cu, max_seqlen=11)
+    keep = targets.reshape(-1) != -100
+    expected = R.CrossEntropyLoss()(expected_logits[keep], targets.reshape(-1)[keep])
+    assert_close(loss, expected, torch.float32, "packed loss")
+    loss.backward()
+    expected.backward()
+    _assert_grads_match(model, ref, torch.float32, "packed grad")
+
+
+def test_packed_documents_bad_input(device):
+    model = fastlm.Transformer(**CONFIG, device=device)
+    tokens, cu = _tokens(device), _cu_seqlens(PACKED_DOCS, device)
+    with pytest.raises(ValueError, match="pass neither token_positions nor a KV cache"):
+        model(tokens, torch.arange(13, device=device), cu_seqlens=cu)
+    with pytest.raises(ValueError, match="max_seqlen is 25, but no document may be longer"):
+        model(tokens, cu_seqlens=cu, max_seqlen=25)
+    with pytest.raises(ValueError, match="no sequence longer than max_seqlen_q = 9"):
+        model(tokens, cu_seqlens=cu, max_seqlen=9)
+    with pytest.raises(ValueError, match="end at the packed length 26"):
+        model(tokens, cu_seqlens=_cu_seqlens([5, 1, 11], device))
