@@ -79,8 +79,13 @@ class NextTokenLoss(nn.Module):
         self.model = model
         self.cross_entropy = reference.CrossEntropyLoss()
 
-    def forward(self, token_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, token_ids: torch.Tensor, targets: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """cu_seqlens: packed documents (fastlm's model only: `Transformer.loss`)."""
         if hasattr(self.model, "loss"):
+            if cu_seqlens is not None:
+                return self.model.loss(token_ids, targets, cu_seqlens=cu_seqlens)
             return self.model.loss(token_ids, targets)
         return self.cross_entropy(self.model(token_ids).float(), targets)
 
@@ -116,6 +121,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="text file or folder (default: the Python standard library's sources, a few MB)",
     )
     parser.add_argument("--tokenizer", help="Hugging Face tokenizers JSON (default: UTF-8 bytes)")
+    parser.add_argument(
+        "--pack-documents",
+        action="store_true",
+        help="each corpus file a document: attention and positions stay within a document "
+        "(packed, flash_attention_varlen), and no token predicts the next document's first",
+    )
     parser.add_argument(
         "--model",
         choices=("fastlm", "reference"),
@@ -252,6 +263,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--peak-tflops must be positive, got {args.peak_tflops}")
     if args.resume and args.overwrite:
         raise ConfigError("--resume and --overwrite exclude each other")
+    if args.pack_documents and args.model != "fastlm":
+        raise ConfigError("--pack-documents needs --model fastlm (the reference has no cu_seqlens)")
 
 
 def model_config(args: argparse.Namespace, tokenizer, device: torch.device) -> ModelConfig:
@@ -292,6 +305,8 @@ CURVE_SETTINGS = (
 def curve_settings(args: argparse.Namespace, world_size: int) -> dict:
     settings = {key: getattr(args, key) for key in CURVE_SETTINGS}
     settings["betas"] = list(settings["betas"])
+    if args.pack_documents:  # only when set: checkpoints from before the flag compare equal
+        settings["pack_documents"] = True
     return {**settings, "world_size": world_size}
 
 
@@ -606,7 +621,7 @@ class Trainer:
         self.train_losses: list[float] = list(saved["train_losses"]) if saved else []
         self.val_losses: list[list[float]] = list(saved["val_losses"]) if saved else []
         self.validation = eval_batches(
-            split.val, args.batch_size, args.context_length, args.eval_batches
+            split.val, args.batch_size, args.context_length, args.eval_batches, split.val_starts
         )
 
     def autocast(self):
@@ -614,9 +629,13 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def loss(self, token_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss(
+        self, token_ids: torch.Tensor, targets: torch.Tensor, cu_seqlens: torch.Tensor | None
+    ) -> torch.Tensor:
+        device = self.run.device
+        packed = () if cu_seqlens is None else (cu_seqlens.to(device),)
         with self.autocast():
-            return self.loss_fn(token_ids.to(self.run.device), targets.to(self.run.device))
+            return self.loss_fn(token_ids.to(device), targets.to(device), *packed)
 
     def train_step(self, stop: StopRequest) -> tuple[float, bool]:
         """One optimizer step; its loss averaged over micro-batches and ranks, and whether any
@@ -633,7 +652,7 @@ class Trainer:
             last = micro == args.grad_accum - 1
             if last and args.fsdp:
                 self.wrapped.set_requires_gradient_sync(True)
-            token_ids, targets = training_batch(
+            token_ids, targets, cu_seqlens = training_batch(
                 self.split.train,
                 args.batch_size,
                 args.context_length,
@@ -641,9 +660,10 @@ class Trainer:
                 self.run.rank,
                 self.step,
                 micro,
+                self.split.train_starts,
             )
             with gradient_sync(self.wrapped, last):
-                loss = self.loss(token_ids, targets)
+                loss = self.loss(token_ids, targets, cu_seqlens)
                 (loss / args.grad_accum).backward()
             total += loss.detach().float()
         clip_gradients(self.wrapped, args.grad_clip, self.run.device, args.fsdp)
@@ -658,7 +678,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss on the fixed held-out batches (all ranks), recorded in the history."""
         self.loss_fn.eval()
-        total = sum(self.loss(token_ids, targets).float() for token_ids, targets in self.validation)
+        total = sum(self.loss(*batch).float() for batch in self.validation)
         self.loss_fn.train()
         loss = self.run.mean(total / len(self.validation)).item()
         self.val_losses.append([self.step, loss])
@@ -743,6 +763,7 @@ def prepare(
             run.rank,
             run.world_size,
             say,
+            args.pack_documents,
         ),
     )
     return Trainer(args, run, config, tokenizer.name, out, split, saved)
