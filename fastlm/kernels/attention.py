@@ -1024,15 +1024,18 @@ def _attention_fwd_tma_kernel(
         [stride_qm, 1],
         [BLOCK_M, BLOCK_D],
     )
+    k_rows = n_k
+    if VARLEN:  # a sequence without keys: a descriptor needs a row (its loop reads none)
+        k_rows = tl.maximum(n_k, 1)
     k_desc = tl.make_tensor_descriptor(
         K + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn,
-        [n_k, HEAD_DIM],
+        [k_rows, HEAD_DIM],
         [stride_kn, 1],
         [BLOCK_N, BLOCK_D],
     )
     v_desc = tl.make_tensor_descriptor(
         V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn,
-        [n_k, HEAD_DIM],
+        [k_rows, HEAD_DIM],
         [stride_vn, 1],
         [BLOCK_N, BLOCK_D],
     )
