@@ -413,3 +413,45 @@ def test_varlen_torch_compile_and_no_host_sync(device):
     compiled = torch.autograd.grad(torch.compile(attend, fullgraph=True)(q, k, v), (q, k, v))
     for a, b in zip(eager, compiled):
         assert_close(b, a, torch.bfloat16)
+
+
+def test_varlen_compiles_whole_without_host_reads(device):
+    """torch.compile(fullgraph=True) traces flash_attention_varlen and its backward as ops: a
+    host read of cu_seqlens (a sync on a GPU) would break the graph and fail here. Under
+    compilation the values are checked by a device-side assertion, and the results are
+    eager's."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    lens = [5, 1, 17]
+    cu = cu_seqlens(lens, device)
+    q, k, v = make((23, 4, 16), (23, 2, 16), torch.float32, device)
+
+    def attend(q, k, v):
+        o, lse = flash_attention_varlen(
+            q, k, v, cu, cu, 17, 17, window_size=(4, 0), softcap=2.0, return_lse=True
+        )
+        return o.square().sum() + lse.sum()
+
+    eager = torch.autograd.grad(attend(q, k, v), (q, k, v))
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    for a, b in zip(eager, torch.autograd.grad(compiled(q, k, v), (q, k, v))):
+        assert torch.equal(a, b)
+
+
+def test_varlen_memory_is_linear_in_tokens(device):
+    """Every tensor the varlen forward and backward allocate grows like the token count:
+    doubling the tokens (twice the documents, the longest 128) doubles the bytes."""
+    from test_attention import _AllocationRecorder
+
+    def bytes_touched(copies):
+        lens = [128, 7, 64, 1] * copies
+        cu = cu_seqlens(lens, device)
+        q, k, v = make((sum(lens), 2, 16), (sum(lens), 1, 16), torch.float16, device)
+        with _AllocationRecorder() as recorder:
+            o = flash_attention_varlen(q, k, v, cu, cu, 128, 128)
+            torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
+        return sum(recorder.storages.values())
+
+    once, twice = bytes_touched(1), bytes_touched(2)
+    assert twice <= 2.05 * once, f"bytes grew {twice / once:.2f}x when the tokens doubled"
