@@ -2,7 +2,8 @@
 
 Triton compiles for a GPU target on any machine, and its wheel ships `ptxas`. For each kernel
 launch of fastlm at the shapes that matter (bf16, fp16, fp32; head dims 64, 128 and the largest
-attention takes; hidden 4096; causal and not) and for each config the launcher or autotuner may
+attention takes; hidden 4096; causal and not; attention's option variants: a window, the score
+cap, packed sequences) and for each config the launcher or autotuner may
 use, this compiles for sm_90a (H100/H200) and sm_80 (A100) and reads off:
 
 - registers per thread, spill stores/loads and the stack frame (ptxas -v, Triton's own flags);
@@ -256,39 +257,49 @@ def cross_entropy_cases(dtypes) -> Iterator[Case]:
         )
 
 
+#: The attention options' rows: a window of a quarter of the sequence, Gemma 2's score cap.
+WINDOW = SEQ // 4
+SOFTCAP = 50.0
+
+
 def attention_cases(specs) -> Iterator[Case]:
     """q, k, v as views of a fused QKV output, outputs and gradients token-major, as in the
-    model."""
-    for name, d, causal in specs:
+    model. `option` (None, "window", "softcap", "varlen") adds that constexpr variant: a window
+    of WINDOW keys (both sides when not causal), the cap, or the batch packed as sequences of
+    SEQ tokens (`Varlen`, cu_seqlens on the device)."""
+    for name, d, causal, option in specs:
         heads, dtype = HIDDEN // d, DTYPES[name]
-        qkv = meta((TOKENS // SEQ, SEQ, 3, heads, d), dtype)
-        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
-        o = meta((TOKENS // SEQ, SEQ, heads, d), dtype).transpose(1, 2)
-        lse = meta((TOKENS // SEQ, heads, SEQ), torch.float32)
-        fields = dict(dtype=name, head_dim=d, causal=causal)
+        options = {}
+        if option == "window":
+            options["window"] = (WINDOW, 0 if causal else WINDOW)
+        elif option == "softcap":
+            options["softcap"] = SOFTCAP
+        if option == "varlen":
+            qkv = meta((TOKENS, 3, heads, d), dtype)
+            q, k, v = (attention._as_heads(qkv[:, i]) for i in range(3))
+            o = attention._as_heads(meta((TOKENS, heads, d), dtype))
+            lse = meta((1, heads, TOKENS), torch.float32)
+            cu = meta((TOKENS // SEQ + 1,), torch.int32)
+            options["varlen"] = attention.Varlen(cu, cu, SEQ, SEQ)
+        else:
+            qkv = meta((TOKENS // SEQ, SEQ, 3, heads, d), dtype)
+            q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+            o = meta((TOKENS // SEQ, SEQ, heads, d), dtype).transpose(1, 2)
+            lse = meta((TOKENS // SEQ, heads, SEQ), torch.float32)
+        fields = dict(dtype=name, head_dim=d, causal=causal, option=option)
         label = f"{name} D={d} {'causal' if causal else 'full'}"
+        if option:
+            label += {
+                "window": f" window={WINDOW}",
+                "softcap": f" softcap={SOFTCAP:g}",
+                "varlen": " varlen",
+            }[option]
         scale = d**-0.5
-        yield Case(
-            "attention fwd",
-            label,
-            partial(attention._attention_forward, q, k, v, causal, scale, True),
-            fields,
-        )
+        forward = partial(attention._attention_forward, q, k, v, causal, scale, True, **options)
+        yield Case("attention fwd", label, forward, fields)
         if dtype != torch.float32 and d <= attention.TMA_MAX_BLOCK_D:
             yield Case(
-                "attention fwd (TMA)",
-                label,
-                partial(
-                    _with_tensor_descriptors,
-                    attention._attention_forward,
-                    q,
-                    k,
-                    v,
-                    causal,
-                    scale,
-                    True,
-                ),
-                fields,
+                "attention fwd (TMA)", label, partial(_with_tensor_descriptors, forward), fields
             )
         for deterministic in (True, False):
             yield Case(
@@ -306,17 +317,18 @@ def attention_cases(specs) -> Iterator[Case]:
                     scale,
                     True,
                     deterministic,
+                    **options,
                 ),
                 fields,
             )
 
 
-def _with_tensor_descriptors(launcher, *args):
+def _with_tensor_descriptors(launcher):
     """Run the launcher with the descriptor forward forced (meta tensors have no device to ask)."""
     saved = os.environ.get("FASTLM_ATTENTION_TMA")
     os.environ["FASTLM_ATTENTION_TMA"] = "1"
     try:
-        return launcher(*args)
+        return launcher()
     finally:
         if saved is None:
             del os.environ["FASTLM_ATTENTION_TMA"]
@@ -325,17 +337,28 @@ def _with_tensor_descriptors(launcher, *args):
 
 
 def cases(quick: bool) -> list[Case]:
-    """Everything; `quick`: bf16 only, attention at head dim 128 causal (the CI test's rows)."""
+    """Everything; `quick`: bf16 only, attention at head dim 128 causal, plain and with each
+    option (the CI test's rows)."""
+    # Each option's variant of the kernels at the most common head dim, causal (and the window
+    # both sides, full).
+    options = [
+        ("bf16", 128, True, "window"),
+        ("bf16", 128, False, "window"),
+        ("bf16", 128, True, "softcap"),
+        ("bf16", 128, True, "varlen"),
+    ]
     if quick:
         dtypes, head_dims = ["bf16"], [64, 128]
-        attention_specs = [("bf16", 128, True)]
+        attention_specs = [("bf16", 128, True, None), *options]
     else:
         dtypes, head_dims = list(DTYPES), [64, 128]
         # Every head block class for both element sizes (the configs' limits), non-causal and
         # fp16 where they could differ from bf16 causal: at the most common head dim.
         attention_specs = [
-            (name, d, True) for name in ("bf16", "fp32") for d in (64, 128, attention.MAX_HEAD_DIM)
-        ] + [("bf16", 128, False), ("fp16", 128, True)]
+            (name, d, True, None)
+            for name in ("bf16", "fp32")
+            for d in (64, 128, attention.MAX_HEAD_DIM)
+        ] + [("bf16", 128, False, None), ("fp16", 128, True, None), *options]
     return [
         *rmsnorm_cases(dtypes),
         *rope_cases(dtypes, head_dims),
@@ -420,7 +443,10 @@ def shipped_configs(launch: Launch) -> list[attention.CudaConfig]:
         attention._attention_bwd_dkdv_dq_kernel: attention.DKDV_DQ_CUDA_CONFIGS,
     }
     return attention.fitting_configs(
-        lists[launch.kernel], launch.args["BLOCK_D"], launch.args["Q"].element_size()
+        lists[launch.kernel],
+        launch.args["BLOCK_D"],
+        launch.args["Q"].element_size(),
+        attention.has_options(launch.args),
     )
 
 
@@ -753,7 +779,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="bf16 only; attention at head dim 128, causal (the CI test's rows)",
+        help="bf16 only; attention at head dim 128, causal, plain and with each option "
+        "(the CI test's rows)",
     )
     parser.add_argument(
         "--op",

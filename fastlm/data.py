@@ -9,6 +9,10 @@
   keeps the shard's last `val_fraction` as its held-out part.
 - Batches are a pure function of (seed, rank, step, micro-step): a resumed run draws exactly the
   batches the uninterrupted run would have drawn, with no sampler state to save.
+- Packed documents (`--pack-documents`): each corpus file is a document. Its text is tokenized
+  on its own, its start recorded, and a batch then carries cu_seqlens that split its windows
+  at those starts (and at each row's start), so that attention and positions stay within a
+  document; the target that would predict the next document's first token is ignored.
 """
 
 from __future__ import annotations
@@ -177,6 +181,7 @@ class Corpus:
     text: str
     skipped: list[Path]  # binary files (a NUL byte: also UTF-16 and UTF-32 text)
     replaced: dict[Path, int]  # files that are not valid UTF-8: bytes replaced by U+FFFD
+    starts: list[int]  # where each file's text begins in `text` (the documents)
 
 
 def read_text(files: list[Path]) -> Corpus:
@@ -195,7 +200,11 @@ def read_text(files: list[Path]) -> Corpus:
             escaped = raw.decode("utf-8", errors="surrogateescape")
             replaced[path] = sum(0xDC80 <= ord(c) <= 0xDCFF for c in escaped)
             parts.append(raw.decode("utf-8", errors="replace"))
-    return Corpus("\n".join(parts), skipped, replaced)
+    starts, offset = [], 0
+    for part in parts:
+        starts.append(offset)
+        offset += len(part) + 1  # the newline that joins it to the next
+    return Corpus("\n".join(parts), skipped, replaced, starts)
 
 
 def _names(paths: list[Path], limit: int = 5) -> str:
@@ -209,6 +218,9 @@ class TokenSplit:
 
     train: torch.Tensor
     val: torch.Tensor
+    # With pack_documents: the token positions where documents begin in each part (int64).
+    train_starts: torch.Tensor | None = None
+    val_starts: torch.Tensor | None = None
 
 
 def load_split(
@@ -219,11 +231,13 @@ def load_split(
     rank: int = 0,
     world_size: int = 1,
     warn: Callable[[str], None] | None = None,
+    pack_documents: bool = False,
 ) -> TokenSplit:
     """Read the corpus, tokenize this rank's shard and split it into training and held-out tokens.
 
     Both parts must hold more than `context_length` tokens (one window plus its next token).
-    `warn` receives a line for each file that is not valid UTF-8.
+    `warn` receives a line for each file that is not valid UTF-8. pack_documents: tokenize each
+    document (file) of the shard on its own and record where each begins.
     """
     if not 0 < val_fraction < 1:
         raise DataError(f"--val-fraction must lie in (0, 1), got {val_fraction}")
@@ -246,9 +260,17 @@ def load_split(
         )
         raise DataError(f"{where} is empty{skipped}")
     shard = len(text) // world_size
-    tokens = tokenizer.encode(text[rank * shard : (rank + 1) * shard])
+    first, end = rank * shard, (rank + 1) * shard
+    if pack_documents:
+        tokens, starts = _encode_documents(tokenizer, text, corpus.starts, first, end)
+    else:
+        tokens, starts = tokenizer.encode(text[first:end]), None
     n_val = int(len(tokens) * val_fraction)
-    split = TokenSplit(train=tokens[: len(tokens) - n_val], val=tokens[len(tokens) - n_val :])
+    n_train = len(tokens) - n_val
+    split = TokenSplit(train=tokens[:n_train], val=tokens[n_train:])
+    if starts is not None:
+        split.train_starts = starts[starts < n_train]
+        split.val_starts = starts[starts >= n_train] - n_train
     shortest = min(len(split.train), len(split.val))
     if shortest <= context_length:
         per_rank = f" per rank ({world_size} ranks)" if world_size > 1 else ""
@@ -260,18 +282,61 @@ def load_split(
     return split
 
 
+def _encode_documents(
+    tokenizer: Tokenizer, text: str, starts: list[int], first: int, end: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """text[first:end] tokenized one document at a time, and the token positions where the
+    documents that begin in it begin (a shard may start inside a document)."""
+    cuts = [first, *(s for s in starts if first < s < end), end]
+    pieces = [tokenizer.encode(text[a:b]) for a, b in zip(cuts, cuts[1:])]
+    lengths = torch.tensor([len(p) for p in pieces], dtype=torch.int64)
+    token_starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
+    return torch.cat(pieces), token_starts[lengths > 0]
+
+
 # --------------------------------------------------------------------------------------------
 # Batches
 # --------------------------------------------------------------------------------------------
 
 
 def batch_at(
-    tokens: torch.Tensor, context_length: int, offsets: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and next-token targets [batch, context] starting at `offsets`."""
+    tokens: torch.Tensor,
+    context_length: int,
+    offsets: torch.Tensor,
+    document_starts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Inputs and next-token targets [batch, context] starting at `offsets`, and with
+    document_starts (packed documents) the batch's cu_seqlens (`pack`), else None."""
     index = offsets[:, None] + torch.arange(context_length + 1)  # (B, T + 1)
     window = tokens[index].long()
-    return window[:, :-1], window[:, 1:]
+    inputs, targets = window[:, :-1], window[:, 1:]
+    if document_starts is None:
+        return inputs, targets, None
+    return inputs, *pack(targets, offsets, document_starts)
+
+
+IGNORE_INDEX = -100
+
+
+def pack(
+    targets: torch.Tensor, offsets: torch.Tensor, document_starts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(targets, cu_seqlens) for windows [batch, context] of the tokens at `offsets`: the B * T
+    tokens, flattened row by row, split where a document begins inside a window and at each
+    row's start (a window that starts inside a document takes its part as a document), as int32
+    cu_seqlens; the targets that would predict a document's first token from the one before
+    (the last target of the previous document) become IGNORE_INDEX."""
+    B, T = targets.shape
+    targets = targets.clone()
+    bounds = [0]
+    for row, offset in enumerate(offsets.tolist()):
+        inside = document_starts[(document_starts > offset) & (document_starts <= offset + T)]
+        for start in (inside - offset).tolist():
+            targets[row, start - 1] = IGNORE_INDEX
+            if start < T:
+                bounds.append(row * T + start)
+        bounds.append((row + 1) * T)
+    return targets, torch.tensor(bounds, dtype=torch.int32)
 
 
 def training_batch(
@@ -282,18 +347,27 @@ def training_batch(
     rank: int,
     step: int,
     micro_step: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random windows of the training tokens, determined by (seed, rank, step, micro_step)."""
+    document_starts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Random windows of the training tokens, determined by (seed, rank, step, micro_step), as
+    `batch_at` gives them."""
     # Hashes of int tuples do not depend on PYTHONHASHSEED, so every process draws the same.
     generator = torch.Generator().manual_seed(hash((seed, rank, step, micro_step)) & (2**63 - 1))
     offsets = torch.randint(0, len(tokens) - context_length, (batch_size,), generator=generator)
-    return batch_at(tokens, context_length, offsets)
+    return batch_at(tokens, context_length, offsets, document_starts)
 
 
 def eval_batches(
-    tokens: torch.Tensor, batch_size: int, context_length: int, num_batches: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    tokens: torch.Tensor,
+    batch_size: int,
+    context_length: int,
+    num_batches: int,
+    document_starts: torch.Tensor | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """The same held-out windows every time, spread evenly over the held-out tokens."""
     count = batch_size * num_batches
     offsets = torch.linspace(0, len(tokens) - context_length - 1, count).long()
-    return [batch_at(tokens, context_length, chunk) for chunk in offsets.split(batch_size)]
+    return [
+        batch_at(tokens, context_length, chunk, document_starts)
+        for chunk in offsets.split(batch_size)
+    ]

@@ -32,7 +32,13 @@ from torch import nn
 
 from fastlm import reference
 from fastlm.backend import use_triton
-from fastlm.kernels.attention import MAX_HEAD_DIM, _split_heads, flash_attention, rope_attention
+from fastlm.kernels.attention import (
+    MAX_HEAD_DIM,
+    _split_heads,
+    flash_attention,
+    flash_attention_varlen,
+    rope_attention,
+)
 from fastlm.kernels.cross_entropy import linear_cross_entropy
 from fastlm.kernels.linear import autocast_dtype, cast_weights, half_linear
 from fastlm.kernels.rmsnorm import add_rms_norm, rms_norm
@@ -167,12 +173,33 @@ class MultiHeadAttentionWithRoPE(nn.Module):
         *,
         positions_checked: bool = False,
         half: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
     ) -> torch.Tensor:
         """positions_checked: the caller has checked token_positions' values (the model does,
-        once for every layer). half: the two projections' weights cast for autocast."""
+        once for every layer). half: the two projections' weights cast for autocast.
+        cu_seqlens, max_seqlen: packed documents, as in `Transformer.hidden` (token_positions
+        then each token's position in its document)."""
         B, T, C = x.shape
         half_qkv, half_out = half if half is not None else (None, None)
         H, Hkv = self.num_heads, self.num_kv_heads
+        if cu_seqlens is not None:
+            # The B * T tokens as one packed row: q (1, H, B * T, D), k and v (1, Hkv, B * T, D)
+            # views of the projection, q and k rotated in its storage.
+            q, k, v = _split_heads(self.qkv_proj(x, half_qkv).view(1, B * T, -1), H, Hkv)
+            apply_rope_(
+                q,
+                k,
+                self.rope.cos_cached,
+                self.rope.sin_cached,
+                token_positions,
+                interleaved=self.rope.interleaved,
+            )
+            q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # (B * T, heads, D)
+            out = flash_attention_varlen(
+                q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True
+            )
+            return self.output_proj(out.reshape(B, T, C), half_out)
         if token_positions is None:
             start = kv_cache.length if kv_cache is not None else 0
             token_positions = torch.arange(start, start + T, device=x.device)
@@ -240,6 +267,8 @@ class TransformerBlock(nn.Module):
         layer: int = 0,
         *,
         positions_checked: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
     ):
         """x + attention + feed-forward, as the reference's block.
 
@@ -247,7 +276,8 @@ class TransformerBlock(nn.Module):
         stream (delta None: zero); the block then returns the stream after it as such a pair, so
         the add of each delta is fused with the RMSNorm that follows it, here or in the next
         block. The model passes pairs, and through this forward, so that hooks on the block
-        (FSDP2 gathers its sharded weights in one) run. positions_checked: as in the attention's.
+        (FSDP2 gathers its sharded weights in one) run. positions_checked, cu_seqlens,
+        max_seqlen: as in the attention's.
         """
         pair = isinstance(x, tuple)
         residual, delta = x if pair else (x, None)
@@ -260,6 +290,8 @@ class TransformerBlock(nn.Module):
             layer,
             positions_checked=positions_checked,
             half=half_attention,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
         )
         normed, residual = _add_norm(delta, residual, self.rms_norm2)
         delta = self.ffe(normed, half_ffe)
@@ -341,11 +373,28 @@ class Transformer(nn.Module):
         token_ids: torch.Tensor,
         token_positions: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
     ) -> torch.Tensor:
-        """The final norm's output [B, T, C]: what out_linear turns into logits."""
+        """The final norm's output [B, T, C]: what out_linear turns into logits.
+
+        cu_seqlens: packed documents. The B * T tokens, flattened row by row, are split into
+        documents at cu_seqlens (int32 [num_docs + 1] on the tokens' device, 0 to B * T, as in
+        `flash_attention_varlen`); each token attends only within its document and is rotated
+        by its position in it, so a row may hold several documents and a document may go on in
+        the next row; token_positions (T,) or (B, T), if given, are the positions instead.
+        max_seqlen: an int at least the longest document, at most context_length (default
+        min(B * T, context_length)); it sizes the launch, so nothing is read back from the GPU.
+        Not with a KV cache.
+        """
         _check_tokens(token_ids, self.vocab_size, self.context_length, kv_cache)
         B, T = token_ids.shape
-        if token_positions is None:  # built once here rather than in every layer
+        if cu_seqlens is not None:
+            token_positions, max_seqlen = self._packed_positions(
+                token_ids, token_positions, kv_cache, cu_seqlens, max_seqlen
+            )
+        elif token_positions is None:  # built once here rather than in every layer
             start = kv_cache.length if kv_cache is not None else 0
             token_positions = torch.arange(start, start + T, device=token_ids.device)
         else:  # checked once here rather than in every layer
@@ -354,20 +403,66 @@ class Transformer(nn.Module):
             )
         stream = (self.embedding(token_ids), None)  # (residual, delta), each (B, T, C)
         for layer, block in enumerate(self.blocks):
-            stream = block(stream, token_positions, kv_cache, layer, positions_checked=True)
+            stream = block(
+                stream,
+                token_positions,
+                kv_cache,
+                layer,
+                positions_checked=True,
+                cu_seqlens=cu_seqlens,
+                max_seqlen=max_seqlen,
+            )
         residual, delta = stream
         if kv_cache is not None:
             kv_cache.length += token_ids.shape[-1]
         return _add_norm(delta, residual, self.final_norm)[0]
+
+    def _packed_positions(self, token_ids, token_positions, kv_cache, cu_seqlens, max_seqlen):
+        """(each token's position: in its document, computed on the device with no host sync, or
+        token_positions' flattened; max_seqlen) for packed documents; cu_seqlens' values are
+        checked by flash_attention_varlen."""
+        if kv_cache is not None:
+            raise ValueError("cu_seqlens: packed documents do not run with a KV cache")
+        if not isinstance(cu_seqlens, torch.Tensor):
+            raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+        tokens = token_ids.numel()
+        if max_seqlen is None:
+            max_seqlen = min(tokens, self.context_length)
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+            raise TypeError(f"max_seqlen must be an int, got {type(max_seqlen).__name__}")
+        if max_seqlen > self.context_length:
+            raise ValueError(
+                f"max_seqlen is {max_seqlen}, but no document may be longer than "
+                f"context_length={self.context_length} (RoPE's positions)"
+            )
+        if token_positions is not None:  # the caller's positions, (T,) or (B, T) as without it
+            B, T = token_ids.shape
+            positions = check_positions(
+                token_positions, B, T, self.context_length, token_ids.device
+            )
+            return positions.expand(B, T).reshape(B * T), max_seqlen
+        index = torch.arange(tokens, device=cu_seqlens.device)
+        document = torch.searchsorted(cu_seqlens[1:], index.to(cu_seqlens.dtype), right=True)
+        last = cu_seqlens.numel() - 1  # tokens past the end (a bad cu_seqlens): any position
+        positions = index - cu_seqlens[document.clamp(max=last)]
+        return positions.clamp(0, self.context_length - 1), max_seqlen
 
     def forward(
         self,
         token_ids: torch.Tensor,
         token_positions: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
     ) -> torch.Tensor:
-        """Logits [B, T, vocab]. With a KV cache, token_ids are the tokens after the cached ones."""
-        return self.out_linear(self.hidden(token_ids, token_positions, kv_cache))
+        """Logits [B, T, vocab]. With a KV cache, token_ids are the tokens after the cached ones.
+        cu_seqlens, max_seqlen: packed documents (`hidden`)."""
+        return self.out_linear(
+            self.hidden(
+                token_ids, token_positions, kv_cache, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
+            )
+        )
 
     def loss(
         self,
@@ -375,15 +470,22 @@ class Transformer(nn.Module):
         targets: torch.Tensor,
         token_positions: torch.Tensor | None = None,
         ignore_index: int = -100,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
     ) -> torch.Tensor:
         """Mean cross-entropy of the logits at each position against `targets` (same shape as
-        token_ids; the caller shifts), without materialising the logits."""
+        token_ids; the caller shifts), without materialising the logits. cu_seqlens, max_seqlen:
+        packed documents (`hidden`); the caller sets the target of each document's last token
+        (the next document's first) to ignore_index if it should not count."""
         if not isinstance(targets, torch.Tensor) or targets.shape != token_ids.shape:
             got = tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets)
             raise ValueError(
                 f"targets must have the shape of token_ids {tuple(token_ids.shape)}, got {got}"
             )
-        hidden = self.hidden(token_ids, token_positions)
+        hidden = self.hidden(
+            token_ids, token_positions, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
+        )
         return linear_cross_entropy(hidden, self.out_linear.w, targets, ignore_index=ignore_index)
 
     def make_kv_cache(self, batch_size: int | None = None) -> KVCache:

@@ -223,16 +223,18 @@ class MultiHeadAttention(nn.Module):
         split = "b t (h d) -> b h t d"
         return tuple(einx.id(split, t, d=self.head_dim) for t in (q, k, v))
 
-    def _attend(self, q, k, v) -> torch.Tensor:
+    def _attend(self, q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """mask (T, T), True where masked: default causal."""
         T = q.shape[-2]
         group = self.num_heads // self.num_kv_heads
         if group > 1:  # each key/value head serves `group` consecutive query heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = self.attention(q, k, v, self.causal_mask[:T, :T])  # (B, H, T, D)
+        mask = self.causal_mask[:T, :T] if mask is None else mask
+        out = self.attention(q, k, v, mask)  # (B, H, T, D)
         return self.output_proj(einx.id("b h t d -> b t (h d)", out))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._attend(*self._heads(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self._attend(*self._heads(x), mask)
 
 
 class MultiHeadAttentionWithRoPE(MultiHeadAttention):
@@ -252,11 +254,16 @@ class MultiHeadAttentionWithRoPE(MultiHeadAttention):
         super().__init__(d_model, num_heads, max_seq_len, device, dtype, num_kv_heads)
         self.rope = RoPE(theta, self.head_dim, max_seq_len, device, rope_interleaved)
 
-    def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        token_positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         q, k, v = self._heads(x)  # (B, H, T, D), k and v (B, Hkv, T, D)
         if token_positions is None:
             token_positions = torch.arange(x.shape[-2], device=x.device).expand(x.shape[0], -1)
-        return self._attend(self.rope(q, token_positions), self.rope(k, token_positions), v)
+        return self._attend(self.rope(q, token_positions), self.rope(k, token_positions), v, mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,8 +295,13 @@ class TransformerBlock(nn.Module):
         self.rms_norm2 = RmsNorm(d_model, norm_eps, device=device, dtype=dtype)
         self.ffe = SwiGlu(d_model, d_ff, device, dtype)
 
-    def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.mult_head_atten(self.rms_norm1(x), token_positions)
+    def forward(
+        self,
+        x: torch.Tensor,
+        token_positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = x + self.mult_head_atten(self.rms_norm1(x), token_positions, mask)
         return x + self.ffe(self.rms_norm2(x))
 
 
@@ -366,13 +378,43 @@ class Transformer(nn.Module):
         tie(self, tie_embeddings)
 
     def forward(
-        self, token_ids: torch.Tensor, token_positions: torch.Tensor | None = None
+        self,
+        token_ids: torch.Tensor,
+        token_positions: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Logits (B, T, V). cu_seqlens: packed documents (see `document_mask`): the B * T
+        tokens run as one row in which each token attends only to its own document's earlier
+        tokens, at its position in that document unless token_positions says otherwise."""
         check_token_input(token_ids, self.vocab_size, self.context_length)
+        B, T = token_ids.shape
+        mask = None
         x = self.embedding(token_ids)  # (B, T, C)
+        if cu_seqlens is not None:
+            mask, positions = document_mask(cu_seqlens, B * T)  # (B T, B T), (B T,)
+            if token_positions is not None:
+                positions = token_positions.expand(B, T).reshape(B * T)
+            x, token_positions = x.reshape(1, B * T, -1), positions[None]
         for block in self.blocks:
-            x = block(x, token_positions)
-        return self.out_linear(self.final_norm(x))  # (B, T, V)
+            x = block(x, token_positions, mask)
+        return self.out_linear(self.final_norm(x)).reshape(B, T, -1)  # (B, T, V)
+
+
+def document_mask(cu_seqlens: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For n_tokens packed tokens split into documents at cu_seqlens (int32, [num_docs + 1],
+    from 0 up to n_tokens): the (n_tokens, n_tokens) mask, True where token i may not see token
+    j (j in another document, or later), and each token's position in its document."""
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D int32 with at least 2 entries, got {cu_seqlens}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != n_tokens or any(a > b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(
+            f"cu_seqlens must rise from 0 to the {n_tokens} packed tokens, got {bounds}"
+        )
+    index = torch.arange(n_tokens, device=cu_seqlens.device)
+    document = torch.bucketize(index, cu_seqlens[1:].long(), right=True)  # (n_tokens,)
+    mask = (document[:, None] != document[None, :]) | (index[None, :] > index[:, None])
+    return mask, index - cu_seqlens.long()[document]
 
 
 def tie(model: nn.Module, tie_embeddings: bool) -> None:

@@ -49,6 +49,7 @@ from fastlm.config import (
     with_defaults,
 )
 from fastlm.data import (
+    IGNORE_INDEX,
     DataError,
     TokenSplit,
     eval_batches,
@@ -88,10 +89,18 @@ class NextTokenLoss(nn.Module):
         self.model = model
         self.cross_entropy = reference.CrossEntropyLoss()
 
-    def forward(self, token_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, token_ids: torch.Tensor, targets: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """cu_seqlens: packed documents (`Transformer.loss` / `reference.Transformer.forward`)."""
+        packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
         if hasattr(self.model, "loss"):
-            return self.model.loss(token_ids, targets)
-        return self.cross_entropy(self.model(token_ids).float(), targets)
+            return self.model.loss(token_ids, targets, **packed)
+        logits = self.model(token_ids, **packed).float()
+        if packed:  # the reference's loss has no ignore_index: leave out the document starts
+            keep = targets != IGNORE_INDEX
+            logits, targets = logits[keep], targets[keep]
+        return self.cross_entropy(logits, targets)
 
 
 def flops_per_token(model: nn.Module, config: dict) -> float:
@@ -128,6 +137,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="text file or folder (default: the Python standard library's sources, a few MB)",
     )
     parser.add_argument("--tokenizer", help="Hugging Face tokenizers JSON (default: UTF-8 bytes)")
+    parser.add_argument(
+        "--pack-documents",
+        action="store_true",
+        help="each corpus file a document: attention and positions stay within a document "
+        "(packed, flash_attention_varlen), and no token predicts the next document's first",
+    )
     parser.add_argument(
         "--model",
         choices=("fastlm", "reference"),
@@ -320,6 +335,8 @@ CURVE_SETTINGS = (
 def curve_settings(args: argparse.Namespace, world_size: int) -> dict:
     settings = {key: getattr(args, key) for key in CURVE_SETTINGS}
     settings["betas"] = list(settings["betas"])
+    if args.pack_documents:  # only when set: checkpoints from before the flag compare equal
+        settings["pack_documents"] = True
     return {**settings, "world_size": world_size}
 
 
@@ -632,9 +649,12 @@ class Trainer:
         self.loss_fn = torch.compile(self.wrapped) if args.compile else self.wrapped
         self.step = saved["step"] if saved else 0
         self.train_losses: list[float] = list(saved["train_losses"]) if saved else []
+        # Targets this rank's training batches left out (document starts under --pack-documents)
+        # and all of them, this run: rows are windows of the token stream, never padded.
+        self.targets_ignored = self.targets_seen = 0
         self.val_losses: list[list[float]] = list(saved["val_losses"]) if saved else []
         self.validation = eval_batches(
-            split.val, args.batch_size, args.context_length, args.eval_batches
+            split.val, args.batch_size, args.context_length, args.eval_batches, split.val_starts
         )
 
     def autocast(self):
@@ -642,9 +662,13 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def loss(self, token_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss(
+        self, token_ids: torch.Tensor, targets: torch.Tensor, cu_seqlens: torch.Tensor | None
+    ) -> torch.Tensor:
+        device = self.run.device
+        packed = () if cu_seqlens is None else (cu_seqlens.to(device),)
         with self.autocast():
-            return self.loss_fn(token_ids.to(self.run.device), targets.to(self.run.device))
+            return self.loss_fn(token_ids.to(device), targets.to(device), *packed)
 
     def train_step(self, stop: StopRequest) -> tuple[float, bool]:
         """One optimizer step; its loss averaged over micro-batches and ranks, and whether any
@@ -661,7 +685,7 @@ class Trainer:
             last = micro == args.grad_accum - 1
             if last and args.fsdp:
                 self.wrapped.set_requires_gradient_sync(True)
-            token_ids, targets = training_batch(
+            token_ids, targets, cu_seqlens = training_batch(
                 self.split.train,
                 args.batch_size,
                 args.context_length,
@@ -669,9 +693,12 @@ class Trainer:
                 self.run.rank,
                 self.step,
                 micro,
+                self.split.train_starts,
             )
+            self.targets_seen += targets.numel()
+            self.targets_ignored += int((targets == IGNORE_INDEX).sum())  # on the host: no sync
             with gradient_sync(self.wrapped, last):
-                loss = self.loss(token_ids, targets)
+                loss = self.loss(token_ids, targets, cu_seqlens)
                 (loss / args.grad_accum).backward()
             total += loss.detach().float()
         clip_gradients(self.wrapped, args.grad_clip, self.run.device, args.fsdp)
@@ -686,7 +713,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss on the fixed held-out batches (all ranks), recorded in the history."""
         self.loss_fn.eval()
-        total = sum(self.loss(token_ids, targets).float() for token_ids, targets in self.validation)
+        total = sum(self.loss(*batch).float() for batch in self.validation)
         self.loss_fn.train()
         loss = self.run.mean(total / len(self.validation)).item()
         self.val_losses.append([self.step, loss])
@@ -771,6 +798,7 @@ def prepare(
             run.rank,
             run.world_size,
             say,
+            args.pack_documents,
         ),
     )
     return Trainer(args, run, config, tokenizer.name, out, split, saved)
@@ -876,6 +904,8 @@ def run_training(args: argparse.Namespace, run: Run, out: Path, stack: contextli
             "loss_curve": str(Path(args.out) / LOSS_CURVE) if curve.is_file() else None,
             "mfu": mfu(throughput.tokens_per_second),
             "steps": trainer.step,
+            "targets": trainer.targets_seen,
+            "targets_ignored": trainer.targets_ignored,
             "train_seconds": round(throughput.total_seconds, 2),
             "parameters": parameters,
             "model": args.model,

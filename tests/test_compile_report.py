@@ -1,7 +1,8 @@
 """The kernels as Triton compiles them for an H100/H200 (sm_90a), checked without a GPU.
 
 Runs `benchmarks/compile_report.py --quick --arch sm_90a` once (bf16 row-wise kernels at hidden
-4096, RoPE at head dims 64 and 128, every attention config at head dim 128, causal) and checks its
+4096, RoPE at head dims 64 and 128, every attention config at head dim 128, causal, plain and
+with a window, the cap and packed sequences compiled in) and checks its
 rows: no shipped config spills registers or needs more shared memory than Hopper has, the
 memory-bound kernels move 16-byte vectors on their main path, and attention uses Hopper's tensor
 cores (wgmma).
@@ -174,7 +175,8 @@ def test_descriptor_forward_moves_tiles_by_tma(report):
 
 def test_autotuners_try_the_configs_the_report_compiles(monkeypatch):
     """The report compiles `fitting_configs`; on CUDA the autotuners prune to the same configs
-    (to the last of them under FASTLM_AUTOTUNE=0), for every head block and element size."""
+    (to the last of them under FASTLM_AUTOTUNE=0), for every head block and element size, plain
+    and with each option variant compiled in (which some configs do not take)."""
     attention = importlib.import_module("fastlm.kernels.attention")
     monkeypatch.setattr(attention, "interpreting", lambda: False)  # prune as on CUDA
     every_head_dim = (attention.MAX_HEAD_DIM, attention.MAX_HEAD_DIM)
@@ -203,13 +205,21 @@ def test_autotuners_try_the_configs_the_report_compiles(monkeypatch):
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             q = torch.empty(0, dtype=dtype)
             largest = served[1] if dtype == torch.float32 else served[0]
-            for block_d in (d for d in (16, 32, 64, 128, 256) if d <= largest):
+            for block_d, flag in (
+                (d, flag)
+                for d in (16, 32, 64, 128, 256)
+                if d <= largest
+                for flag in (None, *attention.OPTION_FLAGS)
+            ):
+                options = {flag: True} if flag else {}
                 expected = [
                     (c.blocks, c.num_warps, c.num_stages)
-                    for c in attention.fitting_configs(cuda, block_d, q.element_size())
+                    for c in attention.fitting_configs(
+                        cuda, block_d, q.element_size(), options=bool(flag)
+                    )
                 ]
                 for autotune, keep in (("1", expected), ("0", expected[-1:])):
                     monkeypatch.setenv("FASTLM_AUTOTUNE", autotune)
-                    kept = kernel.early_config_prune(every, {"Q": q}, BLOCK_D=block_d)
+                    kept = kernel.early_config_prune(every, {"Q": q}, BLOCK_D=block_d, **options)
                     assert [(c.kwargs, c.num_warps, c.num_stages) for c in kept] == keep
-                    assert kept, f"no config for BLOCK_D={block_d} {dtype}"
+                    assert kept, f"no config for BLOCK_D={block_d} {dtype} {flag or ''}"

@@ -362,3 +362,82 @@ def test_llama_options_under_autocast_match_reference(device, gemms):
     loss.backward()
     expected.backward()
     _assert_grads_match(model, ref, torch.bfloat16, "autocast grad")
+
+
+# Packed documents: 26 tokens in two rows of 13, split 5 | 1 | 11 | 9, the 11 running from the
+# first row into the second.
+PACKED_DOCS = [5, 1, 11, 9]
+
+
+def _packed_reference(ref, tokens, docs):
+    """The reference's logits [B * T, vocab] with each document run on its own from position 0."""
+    flat, start, logits = tokens.reshape(-1), 0, []
+    for n in docs:
+        logits.append(ref(flat[start : start + n][None])[0])
+        start += n
+    return torch.cat(logits)
+
+
+def _cu_seqlens(docs, device):
+    return torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], device=device).int()
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_packed_documents_match_each_document_alone(device, monkeypatch, backend):
+    """cu_seqlens: each document attends only within itself and is rotated from position 0, so
+    the loss and every gradient are the reference's run on each document alone (also on the
+    torch backend)."""
+    monkeypatch.setenv("FASTLM_BACKEND", backend)
+    model, ref = _pair(device)
+    tokens, targets = _tokens(device), _tokens(device)
+    targets[0, 4] = -100  # the first document's last target: the next document's first token
+    cu = _cu_seqlens(PACKED_DOCS, device)
+    logits = model(tokens, cu_seqlens=cu)
+    expected_logits = _packed_reference(ref, tokens, PACKED_DOCS)
+    assert_close(logits.reshape(-1, logits.shape[-1]), expected_logits, torch.float32, "logits")
+    loss = model.loss(tokens, targets, cu_seqlens=cu, max_seqlen=11)
+    keep = targets.reshape(-1) != -100
+    expected = R.CrossEntropyLoss()(expected_logits[keep], targets.reshape(-1)[keep])
+    assert_close(loss, expected, torch.float32, "packed loss")
+    loss.backward()
+    expected.backward()
+    _assert_grads_match(model, ref, torch.float32, "packed grad")
+
+
+def test_packed_documents_match_the_reference_with_cu_seqlens(device):
+    """reference.Transformer takes cu_seqlens too (a block-diagonal causal mask over the packed
+    row, positions restarting per document): it equals each document run alone, and fastlm's
+    model equals it, with the reference's default positions and with given ones."""
+    model, ref = _pair(device)
+    tokens, cu = _tokens(device), _cu_seqlens(PACKED_DOCS, device)
+    expected = ref(tokens, cu_seqlens=cu)
+    assert expected.shape == (*tokens.shape, CONFIG["vocab_size"])
+    assert_close(
+        expected.reshape(-1, expected.shape[-1]),
+        _packed_reference(ref, tokens, PACKED_DOCS),
+        torch.float64,
+        "reference",
+    )
+    assert_close(model(tokens, cu_seqlens=cu), expected, torch.float32, "logits")
+    positions = torch.randint(0, CONFIG["context_length"], tokens.shape, device=device)
+    assert_close(
+        model(tokens, positions, cu_seqlens=cu),
+        ref(tokens, positions, cu_seqlens=cu),
+        torch.float32,
+        "logits at given positions",
+    )
+    with pytest.raises(ValueError, match="rise from 0"):
+        ref(tokens, cu_seqlens=_cu_seqlens([5, 1, 11], device))
+
+
+def test_packed_documents_bad_input(device):
+    model = fastlm.Transformer(**CONFIG, device=device)
+    tokens, cu = _tokens(device), _cu_seqlens(PACKED_DOCS, device)
+    with pytest.raises(ValueError, match="do not run with a KV cache"):
+        model(tokens, cu_seqlens=cu, kv_cache=model.make_kv_cache())
+    with pytest.raises(ValueError, match="max_seqlen is 25, but no document may be longer"):
+        model(tokens, cu_seqlens=cu, max_seqlen=25)
+    with pytest.raises(ValueError, match="no sequence longer than max_seqlen_q = 9"):
+        model(tokens, cu_seqlens=cu, max_seqlen=9)
+    with pytest.raises(ValueError, match="end at the packed length 26"):
+        model(tokens, cu_seqlens=_cu_seqlens([5, 1, 11], device))

@@ -30,7 +30,14 @@ def _op_cases(device):
     rstd = torch.rand(5, device=device) + 0.5
     q, k, v = _randn(1, 2, 37, 16, **g), _randn(1, 1, 37, 16, **g), _randn(1, 1, 37, 16, **g)
     o, lse = torch.ops.fastlm.flash_attention(
-        q.detach(), k.detach(), v.detach(), True, 0.25, False, True
+        q.detach(), k.detach(), v.detach(), True, 0.25, -1, -1, 0.0, False, True
+    )
+    # Packed documents of 5, 1 and 31 tokens (one 37-token batch), with a window and the cap.
+    cu = torch.tensor([0, 5, 6, 37], dtype=torch.int32, device=device)
+    packed = [t[0].transpose(0, 1) for t in (q, k, v)]  # (37, H, 16) views
+    varlen_flags = (True, 0.25, 7, 0, 2.0, False, False)
+    o_varlen, lse_varlen = torch.ops.fastlm.flash_attention_varlen(
+        *(t.detach() for t in packed), cu, cu, 31, 31, *varlen_flags
     )
     cos, sin = rope_tables(10000.0, 16, 64, device=device)
     positions = torch.arange(3, 40, device=device)
@@ -62,7 +69,7 @@ def _op_cases(device):
             ops.swiglu_packed_backward,
             (_randn(4, 40, **n), _randn(4, 80, **n)),
         ),
-        "flash_attention": (ops.flash_attention, (q, k, v, True, 0.25, False, False)),
+        "flash_attention": (ops.flash_attention, (q, k, v, True, 0.25, 9, 0, 3.0, False, False)),
         "flash_attention_backward": (
             ops.flash_attention_backward,
             (
@@ -74,8 +81,29 @@ def _op_cases(device):
                 lse,
                 True,
                 0.25,
+                -1,
+                -1,
+                0.0,
                 False,
                 False,
+            ),
+        ),
+        "flash_attention_varlen": (
+            ops.flash_attention_varlen,
+            (*packed, cu, cu, 31, 31, *varlen_flags),
+        ),
+        "flash_attention_varlen_backward": (
+            ops.flash_attention_varlen_backward,
+            (
+                _randn(37, 2, 16, **n),
+                *(t.detach() for t in packed),
+                o_varlen,
+                lse_varlen,
+                cu,
+                cu,
+                31,
+                31,
+                *varlen_flags,
             ),
         ),
         "flash_attention_backward_": (
@@ -137,6 +165,8 @@ OP_NAMES = [
     "flash_attention",
     "flash_attention_backward",
     "flash_attention_backward_",
+    "flash_attention_varlen",
+    "flash_attention_varlen_backward",
     "rope",
     "rope_",
     "cross_entropy",

@@ -733,3 +733,53 @@ def test_llama_options_train_save_resume_and_generate(corpus, tmp_path, capsys, 
         ["--data", corpus, *TOY, "--out", old, "--steps", "4", "--resume"], capsys
     )
     assert status == 0, err
+
+
+def test_pack_documents_splits_windows_at_document_starts():
+    """cu_seqlens split the flattened windows at each document start inside a window and at each
+    row's start; the target before a document start (its first token) is ignored."""
+    from fastlm.data import IGNORE_INDEX, batch_at
+
+    tokens = torch.arange(100)
+    starts = torch.tensor([0, 7, 9, 30, 36])
+    inputs, targets, cu = batch_at(tokens, 8, torch.tensor([5, 28]), starts)
+    # Row 0 holds tokens 5..12 (documents begin at 7 and 9), row 1 tokens 28..35 (one at 30,
+    # and one at 36, just past the window: the last target, token 36, is its first).
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 2, 4, 8, 10, 16]
+    assert inputs[0].tolist() == list(range(5, 13))
+    ignored = (targets == IGNORE_INDEX).nonzero().tolist()
+    assert ignored == [[0, 1], [0, 3], [1, 1], [1, 7]]
+    unpacked = batch_at(tokens, 8, torch.tensor([5, 28]))
+    assert unpacked[2] is None and torch.equal(unpacked[0], inputs)
+
+
+def test_pack_documents_tokenizes_each_file(corpus):
+    """Each corpus file is a document: its tokens begin where its text does, in both parts."""
+    from fastlm.data import ByteTokenizer, load_split
+
+    split = load_split(corpus, ByteTokenizer(), 16, 0.1, pack_documents=True)
+    plain = load_split(corpus, ByteTokenizer(), 16, 0.1)
+    assert torch.equal(split.train, plain.train) and torch.equal(split.val, plain.val)
+    a_bytes = len(("The quick brown fox jumps over the lazy dog. " * 60).encode()) + 1
+    assert split.train_starts.tolist() == [0, a_bytes]
+    assert split.val_starts.tolist() == [] and plain.train_starts is None
+
+
+def test_pack_documents_trains(corpus, tmp_path, capsys, monkeypatch):
+    """--pack-documents trains the fastlm model (PyTorch backend: interpreted kernels would be
+    too slow here; test_model checks the kernels with cu_seqlens) and the reference, from the
+    same first loss; the summary counts the targets left out at document starts."""
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")
+    args = ["--data", corpus, *TOY, "--pack-documents", "--steps", "8"]
+    status, summary, err = run_main([*args, "--model", "fastlm", "--out", tmp_path / "f"], capsys)
+    assert status == 0, err
+    assert summary["final_loss"] < summary["initial_loss"]
+    assert 0 < summary["targets_ignored"] < summary["targets"]
+    status, ref, err = run_main([*args, "--model", "reference", "--out", tmp_path / "r"], capsys)
+    assert status == 0, err
+    assert ref["initial_loss"] == pytest.approx(summary["initial_loss"], rel=1e-4)
+    assert ref["targets_ignored"] == summary["targets_ignored"]
+    status, plain, err = run_main(
+        ["--data", corpus, *TOY, "--steps", "8", "--out", tmp_path / "p"], capsys
+    )
+    assert status == 0 and plain["targets_ignored"] == 0, err

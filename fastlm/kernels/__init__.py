@@ -8,7 +8,9 @@ the public functions, which apply the backend rule (`fastlm.backend.use_triton`)
 
 from fastlm.kernels.attention import (
     attention_ref,
+    attention_varlen_ref,
     flash_attention,
+    flash_attention_varlen,
     rope_attention,
     rope_attention_ref,
 )
@@ -27,6 +29,7 @@ __all__ = [
     "apply_rope_",
     "cross_entropy",
     "flash_attention",
+    "flash_attention_varlen",
     "linear_cross_entropy",
     "rms_norm",
     "rope_attention",
@@ -35,6 +38,7 @@ __all__ = [
     "swiglu_packed",
     "add_rms_norm_ref",
     "attention_ref",
+    "attention_varlen_ref",
     "rope_attention_ref",
     "cross_entropy_ref",
     "linear_cross_entropy_ref",
