@@ -9,7 +9,8 @@
   keeps the shard's last `val_fraction` as its held-out part.
 - Batches are a pure function of (seed, rank, step, micro-step): a resumed run draws exactly the
   batches the uninterrupted run would have drawn, with no sampler state to save.
-- Packed documents (`--pack-documents`): each corpus file is a document. Its text is tokenized
+- Packed documents (`--pack-documents`): each corpus file is a document (and, with
+  `--document-separator TEXT`, each stretch of text that ends with TEXT). Its text is tokenized
   on its own, its start recorded, and a batch then carries cu_seqlens that split its windows
   at those starts (and at each row's start), so that attention and positions stay within a
   document; the target that would predict the next document's first token is ignored.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import codecs
 import hashlib
 import os
+import re
 import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -232,13 +234,17 @@ def load_split(
     world_size: int = 1,
     warn: Callable[[str], None] | None = None,
     pack_documents: bool = False,
+    document_separator: str | None = None,
 ) -> TokenSplit:
     """Read the corpus, tokenize this rank's shard and split it into training and held-out tokens.
 
     Both parts must hold more than `context_length` tokens (one window plus its next token).
     `warn` receives a line for each file that is not valid UTF-8. pack_documents: tokenize each
-    document (file) of the shard on its own and record where each begins.
+    document (file) of the shard on its own and record where each begins; document_separator:
+    a document also ends after each occurrence of this text (which stays its last token).
     """
+    if document_separator is not None and (not pack_documents or not document_separator):
+        raise DataError("--document-separator needs --pack-documents and a non-empty TEXT")
     if not 0 < val_fraction < 1:
         raise DataError(f"--val-fraction must lie in (0, 1), got {val_fraction}")
     corpus = read_text(corpus_files(data))
@@ -262,7 +268,11 @@ def load_split(
     shard = len(text) // world_size
     first, end = rank * shard, (rank + 1) * shard
     if pack_documents:
-        tokens, starts = _encode_documents(tokenizer, text, corpus.starts, first, end)
+        starts = corpus.starts
+        if document_separator:
+            ends = (m.end() for m in re.finditer(re.escape(document_separator), text))
+            starts = sorted({*starts, *(e for e in ends if e < len(text))})
+        tokens, starts = _encode_documents(tokenizer, text, starts, first, end)
     else:
         tokens, starts = tokenizer.encode(text[first:end]), None
     n_val = int(len(tokens) * val_fraction)

@@ -144,6 +144,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(packed, flash_attention_varlen), and no token predicts the next document's first",
     )
     parser.add_argument(
+        "--document-separator",
+        metavar="TEXT",
+        help="with --pack-documents, a document also ends after each occurrence of TEXT in the "
+        "text (say '<|endoftext|>' in a corpus of many documents per file)",
+    )
+    parser.add_argument(
         "--model",
         choices=("fastlm", "reference"),
         default="fastlm",
@@ -337,6 +343,8 @@ def curve_settings(args: argparse.Namespace, world_size: int) -> dict:
     settings["betas"] = list(settings["betas"])
     if args.pack_documents:  # only when set: checkpoints from before the flag compare equal
         settings["pack_documents"] = True
+    if args.document_separator is not None:
+        settings["document_separator"] = args.document_separator
     return {**settings, "world_size": world_size}
 
 
@@ -799,6 +807,7 @@ def prepare(
             run.world_size,
             say,
             args.pack_documents,
+            args.document_separator,
         ),
     )
     return Trainer(args, run, config, tokenizer.name, out, split, saved)

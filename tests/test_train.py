@@ -783,3 +783,22 @@ def test_pack_documents_trains(corpus, tmp_path, capsys, monkeypatch):
         ["--data", corpus, *TOY, "--steps", "8", "--out", tmp_path / "p"], capsys
     )
     assert status == 0 and plain["targets_ignored"] == 0, err
+
+
+def test_document_separator_ends_documents(tmp_path, corpus, capsys):
+    """--document-separator: a document also ends after each occurrence of the separator, which
+    stays its last token; without --pack-documents it is refused."""
+    from fastlm.data import ByteTokenizer, DataError, load_split
+
+    path = tmp_path / "many.txt"
+    docs = ["first document. " * 3, "second one. " * 4, "third. " * 9]
+    path.write_text("<|sep|>".join(docs))
+    split = load_split(
+        path, ByteTokenizer(), 8, 0.1, pack_documents=True, document_separator="<|sep|>"
+    )
+    first_end = len(docs[0]) + len("<|sep|>")
+    assert split.train_starts.tolist() == [0, first_end, first_end + len(docs[1]) + len("<|sep|>")]
+    with pytest.raises(DataError, match="needs --pack-documents"):
+        load_split(path, ByteTokenizer(), 8, 0.1, document_separator="<|sep|>")
+    status, _, err = run_main(["--data", corpus, *TOY, "--document-separator", "x"], capsys)
+    assert status == 2 and "--document-separator needs --pack-documents" in err
