@@ -32,9 +32,10 @@ setup               20     fixed    wheels into a temporary folder, env.json, nv
 train_headline      140    fixed    GPT-2-small step: fastlm compiled vs reference+SDPA compiled
 attention_headline  60     fixed    causal bf16 D128 N 4k,16k fwd, fwd+bwd: fastlm, SDPA flash/cuDNN
 kernels_headline    100    fixed    norms, RoPE, SwiGLU 16k x 4096, CE 16k x 32000; + CUDA graphs
-tests               110    fixed    pytest tests/ on CUDA (FASTLM_AUTOTUNE=0)
+tests               90     fixed    pytest tests/ on CUDA (FASTLM_AUTOTUNE=0)
 compile_report      20     fixed    compile_report.py --arch sm_90a, if the file exists
 attention_sweep     30     elastic  attention.py --quick --skip-headline: N 1k, 64k, bwd, others
+attention_varlen    20     elastic  attention.py --varlen --quick: packed docs 16k/32k, window 4k
 kernels_sweep       25     elastic  kernels.py --quick --skip-headline: fused linear cross-entropy
 train_sweep         25     elastic  train.py --skip-headline --seqs 1024: eager, reference compiled
 pack                10     fixed    summary.md + results.tar.gz after every step; this is the last
@@ -117,6 +118,7 @@ step_command() {  # NAME SECONDS: SECONDS is the benchmark's own time limit
     compile_report)
         exec "$PY" benchmarks/compile_report.py --arch sm_90a --json "$STAGE/compile_report.json" ;;
     attention_sweep) exec "$PY" benchmarks/attention.py --quick --skip-headline "${bench[@]}" ;;
+    attention_varlen) exec "$PY" benchmarks/attention.py --varlen --quick "${bench[@]}" ;;
     kernels_sweep) exec "$PY" benchmarks/kernels.py --quick --skip-headline "${bench[@]}" ;;
     train_sweep) exec "$PY" benchmarks/train.py --skip-headline --seqs 1024 "${bench[@]}" ;;
     *) echo "gpu_check.sh: no step $name" >&2; exit 2 ;;

@@ -53,7 +53,7 @@ HEADLINE = {  # step (and file) name -> section title
     "attention_headline": "Attention, forward and forward+backward: fastlm vs SDPA flash, cuDNN",
     "kernels_headline": "Memory-bound kernels at 16k x 4096 (cross-entropy 16k x 32000)",
 }
-SWEEPS = ("attention_sweep", "kernels_sweep", "train_sweep")
+SWEEPS = ("attention_sweep", "attention_varlen", "kernels_sweep", "train_sweep")
 SOURCES = ("fastlm", "benchmarks", "tests", "pyproject.toml")
 SOURCE_SUFFIXES = (".py", ".sh", ".toml")
 

@@ -231,7 +231,11 @@ case "$1 ${2:-}" in
 esac
 script=$(basename "$1" .py)
 out=$(echo "$@" | sed -E 's/.*--out ([^ ]+).*/\1/')
-case "$*" in *--headline*) name=${script}_headline ;; *) name=${script}_sweep ;; esac
+case "$*" in
+*--headline*) name=${script}_headline ;;
+*--varlen*) name=${script}_varlen ;;
+*) name=${script}_sweep ;;
+esac
 [ "$name" = kernels_headline ] && { echo "measuring..."; exec sleep 60; }
 echo "impl,ms" >"$out/$name.csv"
 echo "{\"stopped\": null}" >"$out/$name.json"
@@ -267,6 +271,7 @@ def test_flow_returns_two_files_and_reports_the_limit(tmp_path):
         "train_headline",
         "attention_headline",
         "attention_sweep",
+        "attention_varlen",
         "kernels_sweep",
         "train_sweep",
     ):
