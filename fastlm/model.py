@@ -32,13 +32,7 @@ from torch import nn
 
 from fastlm import reference
 from fastlm.backend import use_triton
-from fastlm.kernels.attention import (
-    MAX_HEAD_DIM,
-    _split_heads,
-    flash_attention,
-    flash_attention_varlen,
-    rope_attention,
-)
+from fastlm.kernels.attention import MAX_HEAD_DIM, _split_heads, flash_attention, rope_attention
 from fastlm.kernels.cross_entropy import linear_cross_entropy
 from fastlm.kernels.linear import autocast_dtype, cast_weights, half_linear
 from fastlm.kernels.rmsnorm import add_rms_norm, rms_norm
@@ -183,29 +177,12 @@ class MultiHeadAttentionWithRoPE(nn.Module):
         B, T, C = x.shape
         half_qkv, half_out = half if half is not None else (None, None)
         H, Hkv = self.num_heads, self.num_kv_heads
-        if cu_seqlens is not None:
-            # The B * T tokens as one packed row: q (1, H, B * T, D), k and v (1, Hkv, B * T, D)
-            # views of the projection, q and k rotated in its storage.
-            q, k, v = _split_heads(self.qkv_proj(x, half_qkv).view(1, B * T, -1), H, Hkv)
-            apply_rope_(
-                q,
-                k,
-                self.rope.cos_cached,
-                self.rope.sin_cached,
-                token_positions,
-                interleaved=self.rope.interleaved,
-            )
-            q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # (B * T, heads, D)
-            out = flash_attention_varlen(
-                q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True
-            )
-            return self.output_proj(out.reshape(B, T, C), half_out)
         if token_positions is None:
             start = kv_cache.length if kv_cache is not None else 0
             token_positions = torch.arange(start, start + T, device=x.device)
             positions_checked = True
         if kv_cache is None:  # training: the projection's gradient is written as one tensor
-            out = rope_attention(
+            out = rope_attention(  # (B, H, T, D), or packed (1, H, B * T, D)
                 self.qkv_proj(x, half_qkv),
                 self.rope.cos_cached,
                 self.rope.sin_cached,
@@ -214,6 +191,8 @@ class MultiHeadAttentionWithRoPE(nn.Module):
                 Hkv,
                 interleaved=self.rope.interleaved,
                 check_positions=not positions_checked,
+                cu_seqlens=cu_seqlens,
+                max_seqlen=max_seqlen,
             )
             # (B, H, T, D) views of (B, T, H, D) memory: the reshape is free
             return self.output_proj(out.transpose(1, 2).reshape(B, T, C), half_out)

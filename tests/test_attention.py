@@ -634,3 +634,48 @@ def test_rope_attention_bad_input(device, call, error, message):
     cos, sin = rope_tables(10000.0, 16, 64, device=device)
     with pytest.raises(error, match=message):
         call(qkv, cos, sin, torch.arange(9, device=device))
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("Hq, Hkv, interleaved", [(2, 2, True), (4, 2, False)])
+def test_rope_attention_packed_documents(device, monkeypatch, backend, Hq, Hkv, interleaved):
+    """cu_seqlens: the B * T tokens as packed documents (one running from row 0 into row 1),
+    each rotated by its own positions and attending only to itself: o and dqkv against float64
+    RoPE + attention run on each document alone; under the kernels dqkv is still one buffer."""
+    monkeypatch.setenv("FASTLM_BACKEND", backend)
+    B, T, D, docs = 2, 19, 16, [5, 1, 20, 12]
+    leaf, _ = _packed(B, T, Hq, Hkv, D, torch.float32, device)
+    cos, sin = rope_tables(10000.0, D, 64, device=device)
+    cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], device=device).int()
+    positions = torch.cat([torch.arange(n, device=device) for n in docs])  # (B * T,)
+    with _GlueRecorder() as recorder:
+        qkv = leaf * 1
+        o = rope_attention(
+            qkv, cos, sin, positions, Hq, Hkv, interleaved=interleaved, cu_seqlens=cu, max_seqlen=20
+        )
+        do = torch.randn_like(o)
+        o.backward(do)
+    assert o.shape == (1, Hq, B * T, D)
+    if backend == "auto":
+        assert not [op for op in recorder.glue if not op.startswith("aten.mul")], recorder.glue
+
+    rows64 = leaf.detach().double().reshape(1, B * T, -1).requires_grad_()
+    outs, start = [], 0
+    for n in docs:
+        doc = rows64[:, start : start + n]
+        outs.append(
+            rope_attention_ref(
+                doc,
+                cos.double(),
+                sin.double(),
+                torch.arange(n, device=device),
+                Hq,
+                Hkv,
+                interleaved=interleaved,
+            )
+        )
+        start += n
+    o64 = torch.cat(outs, dim=2)  # (1, Hq, B * T, D)
+    o64.backward(do.double())
+    assert_close(o, o64, torch.float32, "o")
+    assert_close(leaf.grad.reshape(1, B * T, -1), rows64.grad, torch.float32, "dqkv")

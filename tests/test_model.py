@@ -437,7 +437,7 @@ def test_packed_documents_bad_input(device):
         model(tokens, cu_seqlens=cu, kv_cache=model.make_kv_cache())
     with pytest.raises(ValueError, match="max_seqlen is 25, but no document may be longer"):
         model(tokens, cu_seqlens=cu, max_seqlen=25)
-    with pytest.raises(ValueError, match="no sequence longer than max_seqlen_q = 9"):
+    with pytest.raises(ValueError, match="no sequence longer than max_seqlen = 9"):
         model(tokens, cu_seqlens=cu, max_seqlen=9)
     with pytest.raises(ValueError, match="end at the packed length 26"):
         model(tokens, cu_seqlens=_cu_seqlens([5, 1, 11], device))

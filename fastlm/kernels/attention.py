@@ -2672,20 +2672,39 @@ def _flash_attention_backward_into_op(
     dq: torch.Tensor,
     dk: torch.Tensor,
     dv: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int = 0,
 ) -> None:
-    """flash_attention's backward written into dq, dk, dv (views of one buffer, say)."""
+    """flash_attention's backward written into dq, dk, dv (views of one buffer, say); with
+    cu_seqlens, of packed sequences (self-attention: the same bounds for queries and keys) held
+    as the launchers' (1, H, total, D) views, lse (1, H, total)."""
+    varlen = None if cu_seqlens is None else Varlen(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
     _attention_backward(
-        do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, deterministic, out=(dq, dk, dv)
+        do,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        causal,
+        softmax_scale,
+        allow_tf32,
+        deterministic,
+        out=(dq, dk, dv),
+        varlen=varlen,
     )
 
 
 @_flash_attention_backward_into_op.register_fake
-def _(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, deterministic, dq, dk, dv):
+def _(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, deterministic, dq, dk, dv, *packed):
     return None
 
 
-def _split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int):
-    """q (B, Hq, T, D), k and v (B, Hkv, T, D): views of qkv (B, T, (Hq + 2 Hkv) * D)."""
+def _split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, packed: bool = False):
+    """q (B, Hq, T, D), k and v (B, Hkv, T, D): views of qkv (B, T, (Hq + 2 Hkv) * D); packed:
+    of its B * T tokens as one row, (1, H, B * T, D)."""
+    if packed:
+        qkv = qkv.view(1, -1, qkv.shape[-1])
     B, T, width = qkv.shape
     D = width // (num_heads + 2 * num_kv_heads)
     q_end, k_end = num_heads * D, (num_heads + num_kv_heads) * D
@@ -2716,15 +2735,36 @@ class _PackedRopeAttention(torch.autograd.Function):
         allow_tf32,
         deterministic,
         interleaved,
+        cu_seqlens,
+        max_seqlen,
     ):
-        q, k, v = _split_heads(qkv, num_heads, num_kv_heads)
+        packed = cu_seqlens is not None
+        q, k, v = _split_heads(qkv, num_heads, num_kv_heads, packed)
         torch.ops.fastlm.rope_(q, k, cos, sin, positions, interleaved, False)
-        o, lse = _flash_attention_op(
-            q, k, v, causal, softmax_scale, -1, -1, 0.0, allow_tf32, deterministic
-        )
+        if not packed:
+            o, lse = _flash_attention_op(
+                q, k, v, causal, softmax_scale, -1, -1, 0.0, allow_tf32, deterministic
+            )
+        else:  # q, k, v are the packed sequences' (1, H, total, D)
+            o, lse = _flash_attention_varlen_op(
+                *(_as_packed(t) for t in (q, k, v)),
+                cu_seqlens,
+                cu_seqlens,
+                max_seqlen,
+                max_seqlen,
+                causal,
+                softmax_scale,
+                -1,
+                -1,
+                0.0,
+                allow_tf32,
+                deterministic,
+            )
+            o, lse = _as_heads(o), lse[None]  # (1, H, total, D), (1, H, total)
         ctx.mark_dirty(qkv)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(qkv, o, lse, cos, sin, positions)
+        ctx.save_for_backward(qkv, o, lse, cos, sin, positions, cu_seqlens)
+        ctx.max_seqlen = max_seqlen or 0  # the op takes an int
         ctx.args = (
             num_heads,
             num_kv_heads,
@@ -2746,23 +2786,38 @@ class _PackedRopeAttention(torch.autograd.Function):
                 "fastlm.rope_attention: second derivatives are not supported "
                 "(create_graph=True through its backward)"
             )
-        qkv, o, lse, cos, sin, positions = ctx.saved_tensors
+        qkv, o, lse, cos, sin, positions, cu_seqlens = ctx.saved_tensors
         num_heads, num_kv_heads, causal, softmax_scale, allow_tf32, deterministic, interleaved = (
             ctx.args
         )
+        packed = cu_seqlens is not None
         dqkv = empty(qkv.shape, device=qkv.device, dtype=qkv.dtype)
-        dq, dk, dv = _split_heads(dqkv, num_heads, num_kv_heads)
+        dq, dk, dv = _split_heads(dqkv, num_heads, num_kv_heads, packed)
         if do is None:
             dqkv.zero_()
         else:
-            q, k, v = _split_heads(qkv, num_heads, num_kv_heads)
+            q, k, v = _split_heads(qkv, num_heads, num_kv_heads, packed)
             _flash_attention_backward_into_op(
-                do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, deterministic, dq, dk, dv
+                do,
+                q,
+                k,
+                v,
+                o,
+                lse,
+                causal,
+                softmax_scale,
+                allow_tf32,
+                deterministic,
+                dq,
+                dk,
+                dv,
+                cu_seqlens,
+                ctx.max_seqlen,
             )
         if d_rotated is not None:
             dqkv.add_(d_rotated)
         torch.ops.fastlm.rope_(dq, dk, cos, sin, positions, interleaved, True)
-        return dqkv, *[None] * 10
+        return dqkv, *[None] * 12
 
 
 def rope_attention_ref(
@@ -2797,6 +2852,8 @@ def rope_attention(
     allow_tf32: bool = True,
     deterministic: bool = True,
     check_positions: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
 ) -> torch.Tensor:
     """Attention of a fused q|k|v projection with RoPE: the model's attention in one call.
 
@@ -2811,6 +2868,10 @@ def rope_attention(
     not be read afterwards for its unrotated values), and its gradient is written as one tensor:
     dq and dk rotated back, and dv, side by side, with no buffers to zero or gradients to add.
     The PyTorch backend rotates copies and leaves qkv unchanged.
+
+    cu_seqlens, max_seqlen: packed documents, as in `flash_attention_varlen` (self-attention):
+    the B * T tokens, flattened row by row, are split at cu_seqlens; token_positions are then the
+    B * T tokens' positions, (B * T,). Returns o (1, Hq, B * T, D) in (B * T, Hq, D) memory.
     """
     check_float("qkv", qkv)
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -2822,13 +2883,28 @@ def rope_attention(
             f"qkv must be (B, T, (num_heads + 2 * num_kv_heads) * head_dim) = "
             f"(B, T, {num_heads + 2 * num_kv_heads} * D), got {tuple(qkv.shape)}"
         )
-    q, k, v = _split_heads(qkv, num_heads, num_kv_heads)
+    packed = cu_seqlens is not None
+    q, k, v = _split_heads(qkv, num_heads, num_kv_heads, packed)
     _check_inputs(q, k, v, causal, softmax_scale)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if packed:
+        max_seqlen = _check_packed_self_attention(cu_seqlens, max_seqlen, q.shape[2], q.device)
     if not use_triton(qkv):
         positions = (
             check_rope_args(q, cos, sin, token_positions) if check_positions else token_positions
         )
+        if packed:
+            q, k = (rope_ref(t, cos, sin, positions, interleaved) for t in (q, k))
+            o = flash_attention_varlen(
+                *(_as_packed(t) for t in (q, k, v)),
+                cu_seqlens,
+                cu_seqlens,
+                max_seqlen,
+                max_seqlen,
+                causal,
+                scale,
+            )
+            return _as_heads(o)
         return rope_attention_ref(
             qkv, cos, sin, positions, num_heads, num_kv_heads, causal, scale, interleaved
         )
@@ -2849,4 +2925,14 @@ def rope_attention(
         bool(allow_tf32),
         bool(deterministic),
         interleaved,
+        cu_seqlens,
+        max_seqlen,
     )[0]
+
+
+def _check_packed_self_attention(cu_seqlens, max_seqlen, total: int, device) -> int:
+    """rope_attention's packed sequences checked as flash_attention_varlen's; max_seqlen as an
+    int (default: the total)."""
+    max_seqlen = total if max_seqlen is None else max_seqlen
+    _check_cu_seqlens("cu_seqlens", cu_seqlens, total, max_seqlen, device)
+    return int(max_seqlen)
