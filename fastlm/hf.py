@@ -59,7 +59,7 @@ from fastlm.kernels.cross_entropy import linear_cross_entropy
 from fastlm.kernels.rmsnorm import rms_norm
 from fastlm.kernels.rope import apply_rope_
 from fastlm.kernels.swiglu import swiglu
-from fastlm.model import Transformer, _kernel_head_dim, kernels_run_on
+from fastlm.model import Transformer, kernel_takes_head_dim, kernels_run_on
 
 #: model_type -> (the ForCausalLM class, the prefix of its modules' classes) in transformers.
 FAMILIES = {
@@ -522,7 +522,7 @@ def patch(
             patched.append("rope")
     if attention:
         head_dim = _head_dim(config)
-        if kernels_run_on(device) and not _kernel_head_dim(head_dim):
+        if kernels_run_on(device) and not kernel_takes_head_dim(head_dim):
             skipped.append(
                 f"attention (head_dim {head_dim}: fastlm's kernel takes multiples of 8 up to 256)"
             )

@@ -32,7 +32,7 @@ from torch import nn
 
 from fastlm import reference
 from fastlm.backend import use_triton
-from fastlm.kernels.attention import MAX_HEAD_DIM, _split_heads, flash_attention, rope_attention
+from fastlm.kernels.attention import MAX_HEAD_DIM, flash_attention, rope_attention, split_heads
 from fastlm.kernels.cross_entropy import linear_cross_entropy
 from fastlm.kernels.linear import autocast_dtype, cast_weights, half_linear
 from fastlm.kernels.rmsnorm import add_rms_norm, rms_norm
@@ -94,7 +94,7 @@ def kernels_run_on(device: torch.device | str | None) -> bool:
         return True
 
 
-def _kernel_head_dim(head_dim: int) -> bool:
+def kernel_takes_head_dim(head_dim: int) -> bool:
     return head_dim % 8 == 0 and head_dim <= MAX_HEAD_DIM
 
 
@@ -114,9 +114,11 @@ def check_heads(
         raise ValueError(
             f"{split}, but RoPE rotates pairs: choose {d} and {h} whose quotient is even"
         )
-    if kernels and not _kernel_head_dim(head_dim):
+    if kernels and not kernel_takes_head_dim(head_dim):
         fits = [
-            n for n in range(1, d_model + 1) if d_model % n == 0 and _kernel_head_dim(d_model // n)
+            n
+            for n in range(1, d_model + 1)
+            if d_model % n == 0 and kernel_takes_head_dim(d_model // n)
         ]
         hint = f" (with {d} {d_model}: {h} {min(fits, key=lambda n: abs(n - num_heads))})"
         raise ValueError(
@@ -198,7 +200,7 @@ class MultiHeadAttentionWithRoPE(nn.Module):
             return self.output_proj(out.transpose(1, 2).reshape(B, T, C), half_out)
         # q (B, H, T, D), k and v (B, Hkv, T, D): views of the projection; q and k rotated in its
         # storage, in one launch.
-        q, k, v = _split_heads(self.qkv_proj(x, half_qkv), H, Hkv)
+        q, k, v = split_heads(self.qkv_proj(x, half_qkv), H, Hkv)
         apply_rope_(
             q,
             k,

@@ -18,12 +18,12 @@ from fastlm.kernels.attention import (
     _attention_backward,
     _attention_forward,
     _empty_heads_like,
-    _split_heads,
     _use_tensor_descriptors,
     attention_ref,
     flash_attention,
     rope_attention,
     rope_attention_ref,
+    split_heads,
 )
 from fastlm.kernels.rope import apply_rope_, rope_ref, rope_tables
 from fastlm.reference import ScaledDotProductAttention
@@ -145,7 +145,7 @@ def test_descriptor_forward_reads_packed_qkv_in_place(device, monkeypatch):
     pointer path; a misaligned view falls back to pointers."""
     B, T, Hq, Hkv, D = 2, 77, 4, 2, 32
     qkv = torch.randn(B, T, (Hq + 2 * Hkv) * D, device=device, dtype=torch.float16)
-    q, k, v = _split_heads(qkv, Hq, Hkv)
+    q, k, v = split_heads(qkv, Hq, Hkv)
     monkeypatch.setenv("FASTLM_ATTENTION_TMA", "1")
     assert _use_tensor_descriptors(q, k, v, _empty_heads_like(q))
     o_tma, lse_tma = _attention_forward(q, k, v, True, D**-0.5, True)
@@ -155,7 +155,7 @@ def test_descriptor_forward_reads_packed_qkv_in_place(device, monkeypatch):
     assert_close(lse_tma, lse_ptr.double(), torch.float32, "lse, descriptor vs pointer path")
     monkeypatch.setenv("FASTLM_ATTENTION_TMA", "1")
     shifted = torch.randn(B * T * 8 * D + 1, device=device, dtype=torch.float16)[1:]
-    q, k, v = _split_heads(shifted.view(B, T, 8 * D), Hq, Hkv)  # base 2 bytes past alignment
+    q, k, v = split_heads(shifted.view(B, T, 8 * D), Hq, Hkv)  # base 2 bytes past alignment
     assert not _use_tensor_descriptors(q, k, v, _empty_heads_like(q))
 
 
@@ -566,7 +566,7 @@ def test_rope_attention_qkv_read_after_the_call(device):
     (o.sum() + (qkv * weight).sum()).backward()
 
     leaf64 = leaf.detach().double().requires_grad_()
-    q64, k64, v64 = _split_heads(leaf64, 2, 2)  # (B, H, T, D)
+    q64, k64, v64 = split_heads(leaf64, 2, 2)  # (B, H, T, D)
     q64, k64 = (rope_ref(t, cos.double(), sin.double(), positions) for t in (q64, k64))
     rotated = [t.transpose(1, 2).reshape(2, 21, -1) for t in (q64, k64)]  # (B, T, H * D)
     qkv64 = torch.cat([*rotated, leaf64[..., 64:]], dim=-1)
@@ -586,7 +586,7 @@ def test_rope_attention_gradient_is_one_buffer(device):
     assert not glue, glue
     # ...and the same run through views of the projection and apply_rope_ does need them:
     with _GlueRecorder() as recorder:
-        q, k, v = _split_heads(leaf * 1, 2, 2)
+        q, k, v = split_heads(leaf * 1, 2, 2)
         apply_rope_(q, k, cos, sin, torch.arange(37, device=device))
         flash_attention(q, k, v).backward(torch.randn(2, 2, 37, 16, device=device))
     assert any("select" in op or "slice" in op or "zero" in op for op in recorder.glue)

@@ -19,6 +19,10 @@ CONFIG = dict(
     rope_theta=10000.0,
 )
 
+#: The LLaMA-style options at once: grouped-query (2 query heads on 1 kv head), half-split RoPE,
+#: tied embeddings, another norm eps.
+LLAMA_OPTIONS = dict(num_kv_heads=1, rope_interleaved=False, tie_embeddings=True, norm_eps=1e-6)
+
 
 def _pair(device, dtype=torch.float32, config=CONFIG):
     """A fastlm model and a float64 reference holding the same weights."""
@@ -202,11 +206,12 @@ def test_bad_input_names_the_argument(device):
         model.loss(_tokens(device), _tokens(device, seq=12))
 
 
-def test_autocast_bf16_matches_reference(device, gemms):
+@pytest.mark.parametrize("options", [{}, LLAMA_OPTIONS], ids=["seed", "llama"])
+def test_autocast_bf16_matches_reference(device, gemms, options):
     """Under bf16 autocast the residual stream stays fp32 and the matmuls run in bf16, as in the
     reference: the two agree to bf16 accuracy, gradients included (fp32, from the GEMMs straight
-    where the device has the mixed GEMM: `gemms`)."""
-    model, ref = _pair(device)
+    where the device has the mixed GEMM: `gemms`), with the LLaMA-style options too."""
+    model, ref = _pair(device, config={**CONFIG, **options})
     ref.float()
     tokens, targets = _tokens(device), _tokens(device)
     with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
@@ -308,9 +313,6 @@ def test_fsdp2_autocast_step_matches_the_unsharded_model(device, tmp_path):
         dist.destroy_process_group()
 
 
-LLAMA_OPTIONS = dict(num_kv_heads=1, rope_interleaved=False, tie_embeddings=True, norm_eps=1e-6)
-
-
 @pytest.mark.parametrize(
     "options",
     [
@@ -346,22 +348,6 @@ def test_tied_model_loads_its_own_state_dict(device):
     ref.load_state_dict(model.state_dict(), strict=True)
     assert ref.out_linear.w is ref.embedding.w
     assert torch.equal(ref.embedding.w, model.embedding.w)
-
-
-def test_llama_options_under_autocast_match_reference(device, gemms):
-    """The autocast path (one weight cast per block, W1|W3 one GEMM) with grouped-query heads,
-    half-split RoPE and tied embeddings: loss and every gradient as the reference's."""
-    config = {**CONFIG, **LLAMA_OPTIONS}
-    model, ref = _pair(device, config=config)
-    ref.float()
-    tokens, targets = _tokens(device), _tokens(device)
-    with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
-        loss = model.loss(tokens, targets)
-        expected = R.CrossEntropyLoss()(ref(tokens).float(), targets)
-    assert_close(loss, expected, torch.bfloat16, "autocast loss")
-    loss.backward()
-    expected.backward()
-    _assert_grads_match(model, ref, torch.bfloat16, "autocast grad")
 
 
 # Packed documents: 26 tokens in two rows of 13, split 5 | 1 | 11 | 9, the 11 running from the

@@ -2700,7 +2700,7 @@ def _(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, deterministic, dq,
     return None
 
 
-def _split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, packed: bool = False):
+def split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, packed: bool = False):
     """q (B, Hq, T, D), k and v (B, Hkv, T, D): views of qkv (B, T, (Hq + 2 Hkv) * D); packed:
     of its B * T tokens as one row, (1, H, B * T, D)."""
     if packed:
@@ -2739,7 +2739,7 @@ class _PackedRopeAttention(torch.autograd.Function):
         max_seqlen,
     ):
         packed = cu_seqlens is not None
-        q, k, v = _split_heads(qkv, num_heads, num_kv_heads, packed)
+        q, k, v = split_heads(qkv, num_heads, num_kv_heads, packed)
         torch.ops.fastlm.rope_(q, k, cos, sin, positions, interleaved, False)
         if not packed:
             o, lse = _flash_attention_op(
@@ -2792,11 +2792,11 @@ class _PackedRopeAttention(torch.autograd.Function):
         )
         packed = cu_seqlens is not None
         dqkv = empty(qkv.shape, device=qkv.device, dtype=qkv.dtype)
-        dq, dk, dv = _split_heads(dqkv, num_heads, num_kv_heads, packed)
+        dq, dk, dv = split_heads(dqkv, num_heads, num_kv_heads, packed)
         if do is None:
             dqkv.zero_()
         else:
-            q, k, v = _split_heads(qkv, num_heads, num_kv_heads, packed)
+            q, k, v = split_heads(qkv, num_heads, num_kv_heads, packed)
             _flash_attention_backward_into_op(
                 do,
                 q,
@@ -2832,7 +2832,7 @@ def rope_attention_ref(
     interleaved: bool = True,
 ) -> torch.Tensor:
     """rope_attention's math in PyTorch (rotated copies; qkv is left as it is)."""
-    q, k, v = _split_heads(qkv, num_heads, num_kv_heads or num_heads)
+    q, k, v = split_heads(qkv, num_heads, num_kv_heads or num_heads)
     q = rope_ref(q, cos, sin, positions, interleaved)
     k = rope_ref(k, cos, sin, positions, interleaved)
     return attention_ref(q, k, v, causal, softmax_scale)
@@ -2884,7 +2884,7 @@ def rope_attention(
             f"(B, T, {num_heads + 2 * num_kv_heads} * D), got {tuple(qkv.shape)}"
         )
     packed = cu_seqlens is not None
-    q, k, v = _split_heads(qkv, num_heads, num_kv_heads, packed)
+    q, k, v = split_heads(qkv, num_heads, num_kv_heads, packed)
     _check_inputs(q, k, v, causal, softmax_scale)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if packed:
