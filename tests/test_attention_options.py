@@ -199,13 +199,28 @@ def cu_seqlens(lens, device):
 
 
 def run_varlen(
-    lens_q, lens_k, Hq, Hkv, D, causal, window, softcap, dtype, device, deterministic=True
+    lens_q,
+    lens_k,
+    Hq,
+    Hkv,
+    D,
+    causal,
+    window,
+    softcap,
+    dtype,
+    device,
+    deterministic=True,
+    score_shift=0.0,
 ):
     """flash_attention_varlen with q, k, v as strided views of one packed projection (total,
-    Hq + 2 Hkv, D), against the block-diagonal float64 reference."""
+    Hq + 2 Hkv, D), against the block-diagonal float64 reference. score_shift > 0 adds its
+    square root to the first channel of q and subtracts it from k's: every score drops by about
+    scale * score_shift."""
     total_q, total_k = sum(lens_q), sum(lens_k)
     qkv_q = torch.randn(total_q, Hq + 2 * Hkv, D, device=device).to(dtype)
     qkv_k = torch.randn(total_k, Hq + 2 * Hkv, D, device=device).to(dtype)
+    qkv_q[:, :Hq, 0] += score_shift**0.5
+    qkv_k[:, Hq : Hq + Hkv, 0] -= score_shift**0.5
     q = qkv_q[:, :Hq].requires_grad_()
     k = qkv_k[:, Hq : Hq + Hkv].requires_grad_()
     v = qkv_k[:, Hq + Hkv :].requires_grad_()
@@ -276,6 +291,32 @@ def test_varlen_rows_without_keys(device):
     assert torch.equal(o[:4], torch.zeros_like(o[:4]))
     assert torch.equal(o[6:], torch.zeros_like(o[6:]))
     assert torch.isneginf(lse[:, :4]).all() and torch.isneginf(lse[:, 6:]).all()
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_scores_all_far_below_zero(device, deterministic):
+    """Every score about -300 (2^(0 - LSE) overflows): key rows past a sequence's end in a
+    partial key block, read as zeros, must be masked for every query, or the atomic dQ is NaN.
+    A window reaching past the keys and packed sequences ending inside a key block."""
+    q, k, v = make((1, 2, 40, 16), (1, 1, 77, 16), torch.float32, device)
+    with torch.no_grad():
+        q[..., 0] += 35.0
+        k[..., 0] -= 35.0
+    run_dense(q, k, v, False, (5, 100), 0.0, deterministic=deterministic)
+    run_varlen(
+        [20, 77, 9],
+        [20, 77, 9],
+        2,
+        1,
+        16,
+        False,
+        (-1, -1),
+        0.0,
+        torch.float32,
+        device,
+        deterministic,
+        score_shift=35.0**2,
+    )
 
 
 def test_varlen_equals_flash_attention_per_sequence(device):

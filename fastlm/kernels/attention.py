@@ -508,6 +508,7 @@ def _key_range(
 def _query_range(
     start_n,
     n_q,
+    n_k,
     causal_shift,
     window_left,
     window_right,
@@ -519,7 +520,12 @@ def _query_range(
     """(lo, full_lo, full_hi, hi) for the key block [start_n, start_n + BLOCK_N): the query blocks
     starting in [lo, min(full_lo, hi)) see part of it (mask), those in [full_lo, full_hi) are whole
     blocks of rows below n_q that see all of it, and those in [full_hi, hi) hold rows past n_q or
-    (window) see part of it; queries outside [lo, hi) see none of it."""
+    see part of it (mask unless causal); queries outside [lo, hi) see none of it.
+
+    Not causal, a key block holding rows past n_k has no whole blocks: those rows are read as
+    zeros, and a zero key's score 0 against an LSE below about -126 (base 2: every score the
+    query sees below about -88) would overflow 2^(0 - LSE), make dS inf and the atomic dQ NaN.
+    Causally no row below n_q sees past n_k, so the mask of [lo, full_lo) holds them already."""
     lo = 0
     full_lo = 0
     hi = n_q
@@ -538,6 +544,8 @@ def _query_range(
                 tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - causal_shift, 0), BLOCK_M) * BLOCK_M
             )
         full_hi = tl.maximum(n_q // BLOCK_M * BLOCK_M, full_lo)
+    if HAS_WINDOW or not CAUSAL:
+        full_hi = tl.where(start_n + BLOCK_N > n_k, full_lo, full_hi)
     return lo, full_lo, full_hi, hi
 
 
@@ -1237,6 +1245,7 @@ def _dkdv_query_blocks(
     lo,
     hi,
     n_q,
+    n_k,
     causal_shift,
     softmax_scale,
     qk_scale,
@@ -1257,7 +1266,8 @@ def _dkdv_query_blocks(
 ):
     """Add to (dk, dv) of one key block the query blocks starting in [lo, hi) of one query head;
     with ATOMIC_DQ also add this key block's share of dq, s * dS k, to the fp32 DQ_head. MASKED:
-    some of these queries must not see some of the keys (CAUSAL, HAS_WINDOW)."""
+    some of these queries must not see some of the keys (CAUSAL, HAS_WINDOW, or keys past n_k in
+    a partial key block: `_query_range`)."""
     offs_m = lo + tl.arange(0, BLOCK_M)
     dq_ptrs = DQ_head + offs_m.to(tl.int64)[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
     q_ptrs = Q_head + offs_m.to(tl.int64)[:, None] * stride_qm + offs_d[None, :] * stride_qd
@@ -1280,11 +1290,11 @@ def _dkdv_query_blocks(
             visible = _visible(
                 offs_m[None, :],
                 offs_n[:, None],
-                0,
+                n_k,
                 causal_shift,
                 window_left,
                 window_right,
-                False,
+                HAS_WINDOW or not CAUSAL,
                 CAUSAL,
                 HAS_WINDOW,
             )
@@ -1428,7 +1438,16 @@ def _attention_bwd_dkdv_kernel(
 
     causal_shift = n_k - n_q
     lo, full_lo, full_hi, hi = _query_range(
-        start_n, n_q, causal_shift, window_left, window_right, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N
+        start_n,
+        n_q,
+        n_k,
+        causal_shift,
+        window_left,
+        window_right,
+        CAUSAL,
+        HAS_WINDOW,
+        BLOCK_M,
+        BLOCK_N,
     )
     # Grouped heads: sum over the group's query heads here, in a fixed order, instead of atomics.
     for g in range(group):
@@ -1462,6 +1481,7 @@ def _attention_bwd_dkdv_kernel(
             lo,
             tl.minimum(full_lo, hi),
             n_q,
+            n_k,
             causal_shift,
             softmax_scale,
             qk_scale,
@@ -1501,6 +1521,7 @@ def _attention_bwd_dkdv_kernel(
             full_lo,
             full_hi,
             n_q,
+            n_k,
             causal_shift,
             softmax_scale,
             qk_scale,
@@ -1540,6 +1561,7 @@ def _attention_bwd_dkdv_kernel(
             full_hi,
             hi,
             n_q,
+            n_k,
             causal_shift,
             softmax_scale,
             qk_scale,
@@ -1550,7 +1572,7 @@ def _attention_bwd_dkdv_kernel(
             BLOCK_D,
             BLOCK_M,
             True,
-            HAS_WINDOW,
+            HAS_WINDOW or not CAUSAL,
             CAUSAL,
             HAS_WINDOW,
             SOFTCAP,
