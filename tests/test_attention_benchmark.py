@@ -40,3 +40,20 @@ def test_varlen_implementations_compute_the_same_attention(device, monkeypatch):
         if name.startswith("flash-attn"):
             continue
         assert_close(fn(q, k, v), ref, torch.float32, name)
+
+
+def test_headline_times_both_backward_schedules():
+    """The first GPU run must say which backward schedule should be the default: the headline
+    times fastlm's forward+backward with each, and --skip-headline times the rest."""
+    parse = bench.parser().parse_args
+    headline = bench.plan(parse(["--headline"]))
+    assert [shape for shape, _ in headline] == bench.headline_shapes()
+    for _, modes in headline:
+        assert "fwd+bwd" in modes["fastlm"] and "fwd+bwd" in modes[bench.FASTLM_ATOMIC]
+        assert "fwd" not in modes[bench.FASTLM_ATOMIC], "its forward is fastlm's"
+    rest = dict(bench.plan(parse(["--quick", "--skip-headline"])))
+    for shape in bench.headline_shapes():
+        assert rest[shape][bench.FASTLM_ATOMIC] == ("bwd",)
+        assert rest[shape]["fastlm"] == ("bwd",)
+    impls, _ = bench.implementations()
+    assert bench.FASTLM_ATOMIC in impls
