@@ -326,16 +326,16 @@ def test_fully_masked_rows_give_zeros(device, deterministic):
 @pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("causal", [False, True])
 def test_scores_all_far_below_zero(device, causal, deterministic):
-    """Every score about -300: the LSE is too, and 2^(0 - LSE) overflows. The key rows past Nk in
-    the last (partial) key block are zeros with score 0; unmasked, their P = inf times k = 0 put a
-    NaN into the atomic dQ. Nk = 77 leaves a partial key block at every block size."""
+    """Every score about -100: the LSE is too, and 2^(0 - LSE) overflows (base 2: 0 + 144). The
+    key rows past Nk in the last (partial) key block are zeros with score 0; unmasked, their P =
+    inf times k = 0 put a NaN into the atomic dQ. Nk = 77 leaves a partial key block at every
+    block size. The offset is the same for every pair (first channel 20 in q, -20 in k), so the
+    softmax is as well conditioned as without it."""
     Nq, Nk, D = 40, 77, 16
     q, k, v = make_inputs(1, 2, 1, Nq, Nk, D, torch.float32, device)
-    offset = torch.zeros(D, device=device)
-    offset[0] = 35.0  # s * 35^2 = 306 below every other term
     with torch.no_grad():
-        q += offset
-        k -= offset
+        q[..., 0] = 20.0
+        k[..., 0] = -20.0  # s * -400 = -100
     check_against_reference(q, k, v, causal, deterministic=deterministic)
 
 
