@@ -34,7 +34,12 @@ Triton's on-disk cache (TRITON_CACHE_DIR, default ~/.triton/cache) keeps every c
 under a key that includes the kernel's source; the ptxas report is stored beside it. A second run
 with unchanged kernels reads everything from there in seconds; a changed kernel recompiles.
 
+Each row also carries `ptx_sha256`, a digest of its PTX without the debug line info: a change
+meant to leave the generated code alone (a refactor) proves it with `--same-code-as` the JSON of
+a run before it, which lists every row whose code differs and exits 1 if any does.
+
     python benchmarks/compile_report.py [--arch sm_90a sm_80] [--json rows.json] [--quick]
+    python benchmarks/compile_report.py --op attention --same-code-as before.json
 
 Run it without TRITON_INTERPRET: under the interpreter the autotuners hold one config and the
 launchers choose interpreter tiles. This script refuses to run with TRITON_INTERPRET=1.
@@ -45,6 +50,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import hashlib
 import importlib
 import io
 import json
@@ -631,6 +637,19 @@ def main_params(signature: dict, dtype: str) -> set[int]:
     return {i for i, kind in enumerate(runtime) if kind == f"*{dtype}"}
 
 
+_PTX_DEBUG = re.compile(r"\s*(?:\.loc|\.file|//|\$L__tmp\d+:)")
+
+
+def ptx_digest(ptx: str) -> str:
+    """sha256 of the PTX without its debug line info (`.loc`, `.file`, the `$L__tmp` labels and
+    the debug sections), which moves with every edit of the source: two versions of a kernel
+    with equal digests generate the same code (how a refactor proves it changed nothing)."""
+    debug = ptx.find(".section\t.debug")
+    code = ptx if debug < 0 else ptx[:debug]
+    lines = (line for line in code.splitlines() if not _PTX_DEBUG.match(line))
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
 def compile_task(task: Task) -> dict:
     """Compile one task and read its resources; a compile error is a flagged row."""
     capability, shared_limit = ARCHS[task.arch]
@@ -681,6 +700,7 @@ def compile_task(task: Task) -> dict:
         async_copies=len(re.findall(r"\bcp\.async\.c[ag]\.shared", ptx)),
         barriers=len(re.findall(r"\b(?:bar|barrier)\.sync\b", ptx)),
         accesses={k: dict(sorted(v.items())) for k, v in accesses.items()},
+        ptx_sha256=ptx_digest(ptx),
         seconds=time.perf_counter() - start,
         cached=cached,
     )
@@ -776,6 +796,47 @@ def run(task_list: list[Task], jobs: int) -> list[dict]:
     return rows
 
 
+def _row_key(row: dict) -> tuple:
+    return (
+        row["op"],
+        row["kernel"],
+        row["case"],
+        json.dumps(row["blocks"], sort_keys=True),
+        row.get("num_warps"),
+        row.get("num_stages"),
+        row["arch"],
+    )
+
+
+def code_changes(before: list[dict], after: list[dict]) -> tuple[list[str], list[str]]:
+    """The rows of `after` whose PTX digest differs from the same row of `before`, and those
+    `before` lacks."""
+    digests = {_row_key(row): row.get("ptx_sha256") for row in before}
+
+    def describe(row):
+        return f"{row['op']} {row['case']} {_config(row)} {row['arch']}"
+
+    changed = [
+        describe(row)
+        for row in after
+        if _row_key(row) in digests and digests[_row_key(row)] != row.get("ptx_sha256")
+    ]
+    new = [describe(row) for row in after if _row_key(row) not in digests]
+    return changed, new
+
+
+def report_code_changes(before: list[dict], after: list[dict]) -> bool:
+    """Print how many rows kept their code; True if any row's code changed or is new."""
+    changed, new = code_changes(before, after)
+    same = len(after) - len(changed) - len(new)
+    print(f"same code as before: {same} of {len(after)} rows")
+    for line in changed:
+        print(f"  changed: {line}")
+    for line in new:
+        print(f"  not in the earlier run: {line}")
+    return bool(changed or new)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -793,6 +854,13 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         metavar="TEXT",
         help="only ops whose name contains TEXT (repeatable)",
+    )
+    parser.add_argument(
+        "--same-code-as",
+        type=Path,
+        metavar="JSON",
+        help="another run's --json: list the rows whose code (PTX, debug line info aside) differs "
+        "from it; exit 1 if any does (a refactor's check that it changed nothing)",
     )
     parser.add_argument(
         "--jobs",
@@ -823,7 +891,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
-    return 1 if flagged else 0
+    changed = False
+    if args.same_code_as:
+        changed = report_code_changes(json.loads(args.same_code_as.read_text()), rows)
+    return 1 if flagged or changed else 0
 
 
 if __name__ == "__main__":

@@ -67,26 +67,23 @@ def report(tmp_path_factory):
     if reason:
         pytest.skip(reason)
     rows_path = tmp_path_factory.mktemp("compile_report") / "rows.json"
+    result = _run_report("--quick", "--arch", "sm_90a", "--json", str(rows_path))
+    assert rows_path.exists(), f"no rows written:\n{result.stdout}\n{result.stderr}"
+    return result, json.loads(rows_path.read_text())
+
+
+def _run_report(*args: str) -> subprocess.CompletedProcess:
+    """compile_report.py with these arguments, in a subprocess without TRITON_INTERPRET."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "compile_report.py"),
-            "--quick",
-            "--arch",
-            "sm_90a",
-            "--json",
-            str(rows_path),
-        ],
+    return subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "compile_report.py"), *args],
         capture_output=True,
         text=True,
         env=env,
         cwd=REPO,
         timeout=900,
     )
-    assert rows_path.exists(), f"no rows written:\n{result.stdout}\n{result.stderr}"
-    return result, json.loads(rows_path.read_text())
 
 
 def _describe(row: dict) -> str:
@@ -223,3 +220,31 @@ def test_autotuners_try_the_configs_the_report_compiles(monkeypatch):
                     kept = kernel.early_config_prune(every, {"Q": q}, BLOCK_D=block_d, **options)
                     assert [(c.kwargs, c.num_warps, c.num_stages) for c in kept] == keep
                     assert kept, f"no config for BLOCK_D={block_d} {dtype} {flag or ''}"
+
+
+def test_same_code_as_finds_changed_code(report, tmp_path):
+    """`--same-code-as`: rows with the digest of an earlier run pass; a row whose code differs
+    (here: its earlier digest altered) or that the earlier run lacks is listed, exit status 1."""
+    _, rows = report
+    assert all(len(row["ptx_sha256"]) == 64 for row in rows)
+    norms = [row for row in rows if "RMSNorm fwd" in row["op"]]  # what --op "RMSNorm fwd" runs
+    before = tmp_path / "before.json"
+    before.write_text(json.dumps(norms))
+    same = _run_report(
+        "--quick", "--arch", "sm_90a", "--op", "RMSNorm fwd", "--same-code-as", str(before)
+    )
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert f"same code as before: {len(norms)} of {len(norms)} rows" in same.stdout
+    norms[0]["ptx_sha256"] = "0" * 64
+    before.write_text(json.dumps(norms))
+    changed = _run_report(
+        "--quick", "--arch", "sm_90a", "--op", "RMSNorm fwd", "--same-code-as", str(before)
+    )
+    assert changed.returncode == 1
+    assert f"same code as before: {len(norms) - 1} of {len(norms)} rows" in changed.stdout
+    assert changed.stdout.count("  changed: ") == 1
+    before.write_text(json.dumps(norms[1:]))
+    new = _run_report(
+        "--quick", "--arch", "sm_90a", "--op", "RMSNorm fwd", "--same-code-as", str(before)
+    )
+    assert new.returncode == 1 and new.stdout.count("  not in the earlier run: ") == 1
