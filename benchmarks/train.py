@@ -26,12 +26,13 @@ autotuning included); for compiled rows, the graph breaks torch.compile's dynamo
 tracing the first step (`torch._dynamo.utils.counters["graph_break"]`; the reasons are in the JSON
 under `graph_breaks`).
 
-Hugging Face rows (when transformers is importable; `n/a` otherwise): a `LlamaForCausalLM` of the
-same size (vocab 32000, hidden 768, 12 layers, 12 heads, intermediate 2048, max positions = seq,
-its default SDPA attention), its loss `model(input_ids, labels=targets).loss` (Hugging Face shifts
-the labels), eager: unpatched, patched with `fastlm.hf.patch`, and patched with Liger-Kernel's
-`apply_liger_kernel_to_llama` when liger_kernel imports. Liger patches transformers' Llama module
-for every model built after it, so its rows come last of all.
+Hugging Face rows (when transformers is importable; `n/a` otherwise): a `LlamaForCausalLM` holding
+the reference model's weights (`fastlm.hf.to_hf`: vocab 32000, hidden 768, 12 layers, 12 heads,
+intermediate 2048, max positions = seq, its default SDPA attention), its loss `model(input_ids,
+labels=targets).loss` (Hugging Face shifts the labels), eager: unpatched, patched with
+`fastlm.hf.patch`, and patched with Liger-Kernel's `apply_liger_kernel_to_llama` when liger_kernel
+imports. Liger patches transformers' Llama module for every model built after it, so its rows come
+last of all.
 
 `--headline` (what gpu_check.sh measures first): the two headline rows only, fastlm compiled and
 the compiled SDPA reference, at seq 1024 with all 12 layers. `--skip-headline`: the other rows.
@@ -125,21 +126,13 @@ def reference_loss(
 
 
 def hf_llama(config: Config, seq: int, device=None) -> torch.nn.Module:
-    """A Hugging Face LlamaForCausalLM of `config`'s size (ModuleNotFoundError without
-    transformers: the row shows n/a)."""
-    import transformers
+    """A Hugging Face LlamaForCausalLM holding the reference model of `config`'s size (the weights
+    every row starts from), by `fastlm.hf.to_hf` (ModuleNotFoundError without transformers: the
+    row shows n/a)."""
+    import fastlm.hf
 
-    llama = transformers.LlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.d_model,
-        intermediate_size=config.d_ff,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads,
-        max_position_embeddings=seq,
-        rope_theta=config.rope_theta,
-    )
-    with torch.device(device or common.DEVICE):
-        return transformers.LlamaForCausalLM(llama).train()
+    model = reference.Transformer(**config.kwargs(seq), device=device or common.DEVICE)
+    return fastlm.hf.to_hf(model).train()
 
 
 def hf_loss(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -147,7 +140,7 @@ def hf_loss(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) ->
 
 
 def build_hf(kind: str, config: Config, seq: int) -> tuple[torch.nn.Module, Callable]:
-    """The Hugging Face rows' model (the same weights in each) and loss."""
+    """The Hugging Face rows' model and loss."""
     model = hf_llama(config, seq)
     if kind == HF_FASTLM:
         import fastlm.hf
@@ -162,7 +155,7 @@ def build_hf(kind: str, config: Config, seq: int) -> tuple[torch.nn.Module, Call
 
 def build(kind: str, config: Config, seq: int) -> tuple[torch.nn.Module, Callable]:
     """(model, loss_fn(model, ids, targets)) for a row; every model has the same weights (the
-    Hugging Face rows: the same as each other)."""
+    Hugging Face rows too: `hf_llama` converts the reference model)."""
     torch.manual_seed(0)
     if kind in HF_KINDS:
         return build_hf(kind, config, seq)
