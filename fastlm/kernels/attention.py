@@ -1338,6 +1338,11 @@ def _attention_bwd_dkdv_kernel(
         BLOCK_M,
         BLOCK_N,
     )
+    # Three phases (`_query_range`): queries that see part of the block, whole blocks of queries
+    # that see all of it, then rows past n_q and queries that see part of it.
+    starts = (lo, full_lo, full_hi)
+    ends = (tl.minimum(full_lo, hi), full_hi, hi)
+    masked = (CAUSAL or HAS_WINDOW, False, HAS_WINDOW or not CAUSAL)
     # Grouped heads: sum over the group's query heads here, in a fixed order, instead of atomics.
     for g in range(group):
         head = kv_head * group + g
@@ -1349,11 +1354,6 @@ def _attention_bwd_dkdv_kernel(
         LSE_head = LSE + stats
         DELTA_head = DELTA + stats
         DQ_head = DQ + batch * stride_dqb + head * stride_dqh + q_start * stride_dqm
-        # Three phases (`_query_range`): queries that see part of the block, whole blocks of
-        # queries that see all of it, then rows past n_q and queries that see part of it.
-        starts = (lo, full_lo, full_hi)
-        ends = (tl.minimum(full_lo, hi), full_hi, hi)
-        masked = (CAUSAL or HAS_WINDOW, False, HAS_WINDOW or not CAUSAL)
         for phase in tl.static_range(3):
             dk, dv = _dkdv_query_blocks(
                 dk,
