@@ -20,7 +20,7 @@ use, this compiles for sm_90a (H100/H200) and sm_80 (A100) and reads off:
 A row is flagged when it spills or needs more shared memory than its arch has, and the exit status
 is 1 when any shipped row is flagged (or fails to compile). Shipped: every config the launcher
 picks, and every config an attention autotuner tries at the row's head block and dtype
-(`attention.fitting_configs` of `attention.*_CUDA_CONFIGS`, which the autotuners prune to; the
+(`attn_configs.fitting_configs` of `attention.*_CUDA_CONFIGS`, which the autotuners prune to; the
 last of them is the FASTLM_AUTOTUNE=0 config, marked "default"). Only shipped configs are
 compiled.
 
@@ -92,6 +92,11 @@ attention, cross_entropy, rmsnorm, rope, swiglu = (
     importlib.import_module(f"fastlm.kernels.{name}")
     for name in ("attention", "cross_entropy", "rmsnorm", "rope", "swiglu")
 )
+# Attention's configs, launch helpers and the modules of its kernels and launchers.
+attn_configs, attn_launch, attn_fwd, attn_bwd = (
+    importlib.import_module(f"fastlm.kernels.attention.{name}")
+    for name in ("configs", "launch", "forward", "backward")
+)
 
 #: Targets: compute capability and the largest shared memory one block may use (opt-in limit).
 ARCHS = {"sm_90a": (90, 232448), "sm_80": (80, 166912)}
@@ -119,7 +124,7 @@ class Launch:
 
 
 def _kernel_objects() -> list[JITFunction | Autotuner]:
-    modules = (attention, cross_entropy, rmsnorm, rope, swiglu)
+    modules = (attn_fwd, attn_bwd, cross_entropy, rmsnorm, rope, swiglu)
     kernels = {
         id(obj): obj
         for module in modules
@@ -282,11 +287,11 @@ def attention_cases(specs) -> Iterator[Case]:
             options["softcap"] = SOFTCAP
         if option == "varlen":
             qkv = meta((TOKENS, 3, heads, d), dtype)
-            q, k, v = (attention._as_heads(qkv[:, i]) for i in range(3))
-            o = attention._as_heads(meta((TOKENS, heads, d), dtype))
+            q, k, v = (attn_launch.as_heads(qkv[:, i]) for i in range(3))
+            o = attn_launch.as_heads(meta((TOKENS, heads, d), dtype))
             lse = meta((1, heads, TOKENS), torch.float32)
             cu = meta((TOKENS // SEQ + 1,), torch.int32)
-            options["varlen"] = attention.Varlen(cu, cu, SEQ, SEQ)
+            options["varlen"] = attn_launch.Varlen(cu, cu, SEQ, SEQ)
         else:
             qkv = meta((TOKENS // SEQ, SEQ, 3, heads, d), dtype)
             q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
@@ -301,9 +306,9 @@ def attention_cases(specs) -> Iterator[Case]:
                 "varlen": " varlen",
             }[option]
         scale = d**-0.5
-        forward = partial(attention._attention_forward, q, k, v, causal, scale, True, **options)
+        forward = partial(attn_fwd.attention_forward, q, k, v, causal, scale, True, **options)
         yield Case("attention fwd", label, forward, fields)
-        if dtype != torch.float32 and d <= attention.TMA_MAX_BLOCK_D:
+        if dtype != torch.float32 and d <= attn_configs.TMA_MAX_BLOCK_D:
             yield Case(
                 "attention fwd (TMA)", label, partial(_with_tensor_descriptors, forward), fields
             )
@@ -312,7 +317,7 @@ def attention_cases(specs) -> Iterator[Case]:
                 "attention bwd" if deterministic else "attention bwd (atomic dQ)",
                 label,
                 partial(
-                    attention._attention_backward,
+                    attn_bwd.attention_backward,
                     o,
                     q,
                     k,
@@ -438,21 +443,21 @@ def _blocks(args: dict) -> dict:
     return {k: v for k, v in args.items() if k.startswith("BLOCK_") and k != "BLOCK_D"}
 
 
-def shipped_configs(launch: Launch) -> list[attention.CudaConfig]:
+def shipped_configs(launch: Launch) -> list[attn_configs.CudaConfig]:
     """The configs an attention autotuner tries for this launch (its head block and dtype); the
     last is the one FASTLM_AUTOTUNE=0 keeps."""
     lists = {
-        attention._attention_fwd_kernel: attention.FWD_CUDA_CONFIGS,
-        attention._attention_bwd_dkdv_kernel: attention.DKDV_CUDA_CONFIGS,
-        attention._attention_bwd_dq_kernel: attention.DQ_CUDA_CONFIGS,
-        attention._attention_fwd_tma_autotuned: attention.FWD_TMA_CUDA_CONFIGS,
-        attention._attention_bwd_dkdv_dq_kernel: attention.DKDV_DQ_CUDA_CONFIGS,
+        attn_fwd._attention_fwd_kernel: attn_configs.FWD_CUDA_CONFIGS,
+        attn_bwd._attention_bwd_dkdv_kernel: attn_configs.DKDV_CUDA_CONFIGS,
+        attn_bwd._attention_bwd_dq_kernel: attn_configs.DQ_CUDA_CONFIGS,
+        attn_fwd._attention_fwd_tma_autotuned: attn_configs.FWD_TMA_CUDA_CONFIGS,
+        attn_bwd._attention_bwd_dkdv_dq_kernel: attn_configs.DKDV_DQ_CUDA_CONFIGS,
     }
-    return attention.fitting_configs(
+    return attn_configs.fitting_configs(
         lists[launch.kernel],
         launch.args["BLOCK_D"],
         launch.args["Q"].element_size(),
-        attention.has_options(launch.args),
+        attn_configs.has_options(launch.args),
     )
 
 

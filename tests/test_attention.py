@@ -15,16 +15,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from fastlm.kernels.attention import (
-    _attention_backward,
-    _attention_forward,
-    _empty_heads_like,
-    _use_tensor_descriptors,
     attention_ref,
     flash_attention,
     rope_attention,
     rope_attention_ref,
     split_heads,
 )
+from fastlm.kernels.attention.backward import attention_backward
+from fastlm.kernels.attention.forward import _use_tensor_descriptors, attention_forward
+from fastlm.kernels.attention.launch import empty_heads_like
 from fastlm.kernels.rope import apply_rope_, rope_ref, rope_tables
 from fastlm.reference import ScaledDotProductAttention
 from fastlm.testing import TOLERANCE, assert_close
@@ -135,7 +134,7 @@ def test_forward_paths_match_reference(
     """FASTLM_ATTENTION_TMA forces the tensor-descriptor forward (1) or the pointer one (0)."""
     monkeypatch.setenv("FASTLM_ATTENTION_TMA", tma)
     q, k, v = make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, device)
-    o = _empty_heads_like(q.detach())
+    o = empty_heads_like(q.detach())
     assert _use_tensor_descriptors(q, k, v, o) == (tma == "1")
     check_against_reference(q, k, v, causal)
 
@@ -147,16 +146,16 @@ def test_descriptor_forward_reads_packed_qkv_in_place(device, monkeypatch):
     qkv = torch.randn(B, T, (Hq + 2 * Hkv) * D, device=device, dtype=torch.float16)
     q, k, v = split_heads(qkv, Hq, Hkv)
     monkeypatch.setenv("FASTLM_ATTENTION_TMA", "1")
-    assert _use_tensor_descriptors(q, k, v, _empty_heads_like(q))
-    o_tma, lse_tma = _attention_forward(q, k, v, True, D**-0.5, True)
+    assert _use_tensor_descriptors(q, k, v, empty_heads_like(q))
+    o_tma, lse_tma = attention_forward(q, k, v, True, D**-0.5, True)
     monkeypatch.setenv("FASTLM_ATTENTION_TMA", "0")
-    o_ptr, lse_ptr = _attention_forward(q, k, v, True, D**-0.5, True)
+    o_ptr, lse_ptr = attention_forward(q, k, v, True, D**-0.5, True)
     assert_close(o_tma, o_ptr.double(), torch.float16, "o, descriptor vs pointer path")
     assert_close(lse_tma, lse_ptr.double(), torch.float32, "lse, descriptor vs pointer path")
     monkeypatch.setenv("FASTLM_ATTENTION_TMA", "1")
     shifted = torch.randn(B * T * 8 * D + 1, device=device, dtype=torch.float16)[1:]
     q, k, v = split_heads(shifted.view(B, T, 8 * D), Hq, Hkv)  # base 2 bytes past alignment
-    assert not _use_tensor_descriptors(q, k, v, _empty_heads_like(q))
+    assert not _use_tensor_descriptors(q, k, v, empty_heads_like(q))
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,dtype", CASES)
@@ -262,9 +261,9 @@ def test_strided_inputs_need_no_copy(device):
     assert not recorder.copies, f"q, k, v were copied by {recorder.copies}"
     assert o.transpose(1, 2).is_contiguous(), "o should keep q's [B, N, H, D] memory layout"
     with torch.no_grad(), _CopyRecorder(qkv) as recorder:  # inside the ops: the launchers
-        o_launched, lse = _attention_forward(q, k, v, True, D**-0.5, True)
+        o_launched, lse = attention_forward(q, k, v, True, D**-0.5, True)
         for deterministic in (True, False):
-            _attention_backward(do, q, k, v, o_launched, lse, True, D**-0.5, True, deterministic)
+            attention_backward(do, q, k, v, o_launched, lse, True, D**-0.5, True, deterministic)
     assert not recorder.copies, f"the launchers copied q, k, v by {recorder.copies}"
 
     contiguous = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
@@ -279,7 +278,7 @@ def test_strided_inputs_need_no_copy(device):
     assert q.stride(-1) == 4
     with _CopyRecorder(wide) as recorder:
         o = flash_attention(q, k, v, causal=False, allow_tf32=False)
-        _attention_forward(q, k, v, False, D**-0.5, False)
+        attention_forward(q, k, v, False, D**-0.5, False)
     assert not recorder.copies, f"q, k, v with strided head dims were copied by {recorder.copies}"
     assert torch.equal(
         o,
@@ -306,9 +305,9 @@ def test_fully_masked_rows_give_zeros(device, deterministic):
     Nq, Nk, D = 77, 40, 16
     q, k, v = make_inputs(1, 2, 1, Nq, Nk, D, torch.float32, device)
     scale = D**-0.5
-    o, lse = _attention_forward(q.detach(), k.detach(), v.detach(), True, scale, False)
+    o, lse = attention_forward(q.detach(), k.detach(), v.detach(), True, scale, False)
     do = torch.randn_like(o)
-    dq, dk, dv = _attention_backward(
+    dq, dk, dv = attention_backward(
         do, q.detach(), k.detach(), v.detach(), o, lse, True, scale, False, deterministic
     )
     hidden = Nq - Nk

@@ -174,24 +174,27 @@ def test_autotuners_try_the_configs_the_report_compiles(monkeypatch):
     """The report compiles `fitting_configs`; on CUDA the autotuners prune to the same configs
     (to the last of them under FASTLM_AUTOTUNE=0), for every head block and element size, plain
     and with each option variant compiled in (which some configs do not take)."""
-    attention = importlib.import_module("fastlm.kernels.attention")
-    monkeypatch.setattr(attention, "interpreting", lambda: False)  # prune as on CUDA
-    every_head_dim = (attention.MAX_HEAD_DIM, attention.MAX_HEAD_DIM)
+    configs, forward, backward = (
+        importlib.import_module(f"fastlm.kernels.attention.{name}")
+        for name in ("configs", "forward", "backward")
+    )
+    monkeypatch.setattr(configs, "interpreting", lambda: False)  # prune as on CUDA
+    every_head_dim = (configs.MAX_HEAD_DIM, configs.MAX_HEAD_DIM)
     # (autotuner, its CUDA list, the largest 16-bit and fp32 head blocks it serves: the launchers
     # route larger ones, and fp32 descriptors, to the pointer forward / deterministic backward)
     autotuned = (
-        (attention._attention_fwd_kernel, attention.FWD_CUDA_CONFIGS, every_head_dim),
-        (attention._attention_bwd_dkdv_kernel, attention.DKDV_CUDA_CONFIGS, every_head_dim),
-        (attention._attention_bwd_dq_kernel, attention.DQ_CUDA_CONFIGS, every_head_dim),
+        (forward._attention_fwd_kernel, configs.FWD_CUDA_CONFIGS, every_head_dim),
+        (backward._attention_bwd_dkdv_kernel, configs.DKDV_CUDA_CONFIGS, every_head_dim),
+        (backward._attention_bwd_dq_kernel, configs.DQ_CUDA_CONFIGS, every_head_dim),
         (
-            attention._attention_fwd_tma_autotuned,
-            attention.FWD_TMA_CUDA_CONFIGS,
-            (attention.TMA_MAX_BLOCK_D, 0),
+            forward._attention_fwd_tma_autotuned,
+            configs.FWD_TMA_CUDA_CONFIGS,
+            (configs.TMA_MAX_BLOCK_D, 0),
         ),
         (
-            attention._attention_bwd_dkdv_dq_kernel,
-            attention.DKDV_DQ_CUDA_CONFIGS,
-            (attention.ATOMIC_MAX_BLOCK_D, attention.ATOMIC_MAX_BLOCK_D),
+            backward._attention_bwd_dkdv_dq_kernel,
+            configs.DKDV_DQ_CUDA_CONFIGS,
+            (configs.ATOMIC_MAX_BLOCK_D, configs.ATOMIC_MAX_BLOCK_D),
         ),
     )
     for kernel, cuda, served in autotuned:
@@ -206,12 +209,12 @@ def test_autotuners_try_the_configs_the_report_compiles(monkeypatch):
                 (d, flag)
                 for d in (16, 32, 64, 128, 256)
                 if d <= largest
-                for flag in (None, *attention.OPTION_FLAGS)
+                for flag in (None, *configs.OPTION_FLAGS)
             ):
                 options = {flag: True} if flag else {}
                 expected = [
                     (c.blocks, c.num_warps, c.num_stages)
-                    for c in attention.fitting_configs(
+                    for c in configs.fitting_configs(
                         cuda, block_d, q.element_size(), options=bool(flag)
                     )
                 ]

@@ -1,0 +1,215 @@
+"""The Triton helpers every pass shares: tile loads and stores, the 1-D grid's decomposition,
+packed-sequence bounds, which keys a query sees, and the ranges of key (or query) blocks a block
+of queries (or keys) visits, split into masked and unmasked phases."""
+
+from fastlm.kernels._common import tl, triton
+
+
+@triton.jit
+def load_tile(
+    ptrs,
+    rows,
+    n_rows,
+    cols,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CHECK_ROWS: tl.constexpr,
+    TO_FP32: tl.constexpr,
+):
+    """A (rows, BLOCK_D) tile; rows >= n_rows and the head-dim padding read as zero.
+
+    Without CHECK_ROWS the caller has proven every row in range, and the load is unmasked unless
+    the head dim is padded (the hot loop of the causal forward runs this way).
+    """
+    if CHECK_ROWS:
+        tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM), other=0.0)
+    elif HEAD_DIM < BLOCK_D:
+        tile = tl.load(ptrs, mask=cols[None, :] < HEAD_DIM, other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    if TO_FP32:  # bf16 tl.dot is wrong in the interpreter: feed it fp32 (exact) operands
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@triton.jit
+def store_tile(ptrs, tile, rows, n_rows, cols, HEAD_DIM: tl.constexpr):
+    tl.store(
+        ptrs,
+        tile.to(ptrs.dtype.element_ty),
+        mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM),
+    )
+
+
+@triton.jit
+def block_start_and_batch_head(n_rows, BLOCK: tl.constexpr, LAST_BLOCK_FIRST: tl.constexpr):
+    """First row of this program's block and its batch * head, in a 1-D grid of
+    cdiv(n_rows, BLOCK) * (B * H) programs.
+
+    One grid axis because CUDA caps the second and third at 65535, and B * H can exceed that
+    (e.g. batch 2048 x 32 heads at a short context). The block varies fastest, so the programs
+    running together read one head's K and V, which stay in L2. LAST_BLOCK_FIRST reverses the
+    blocks of each head: causal query blocks' work grows with their index, and launching the
+    longest ones first leaves the short ones to fill the last wave.
+    """
+    num_blocks = tl.cdiv(n_rows, BLOCK)
+    pid = tl.program_id(0)
+    block = pid % num_blocks
+    if LAST_BLOCK_FIRST:
+        block = num_blocks - 1 - block
+    return block * BLOCK, pid // num_blocks
+
+
+@triton.jit
+def tanh(x):
+    """tanh through exp2 (the interpreter has no tanh): e = e^(-2|x|) lies in (0, 1], so no
+    overflow at any |x|."""
+    e = tl.math.exp2(-2.8853900817779268 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0.0, -t, t)
+
+
+@triton.jit
+def capped(t, softcap):
+    """softcap * tanh(t / softcap) of base-2 scores t (softcap in base-2 units too: the cap of the
+    natural scores times log2(e)) and its derivative 1 - tanh^2, which the backward needs."""
+    th = tanh(t * (1.0 / softcap))
+    return softcap * th, 1.0 - th * th
+
+
+@triton.jit
+def sequence_rows(CU_SEQLENS, index, n_rows, VARLEN: tl.constexpr):
+    """(first row, rows) of sequence `index`: with VARLEN rows cu_seqlens[index] to
+    cu_seqlens[index + 1] of the packed tokens (the first row as int64: it scales a row stride);
+    otherwise rows 0 to n_rows of batch `index`."""
+    start = 0
+    n = n_rows
+    if VARLEN:
+        first = tl.load(CU_SEQLENS + index)
+        n = tl.load(CU_SEQLENS + index + 1) - first
+        start = first.to(tl.int64)
+    return start, n
+
+
+@triton.jit
+def stats_offset(batch_head, head, n_q, q_start, total_q, VARLEN: tl.constexpr):
+    """Where a (sequence, head)'s first row lies in the fp32 row statistics (LSE, Delta): (B, H,
+    Nq) contiguous, or with VARLEN (H, total_q) with the sequences packed along the rows."""
+    offset = batch_head.to(tl.int64) * n_q
+    if VARLEN:
+        offset = head * total_q + q_start
+    return offset
+
+
+@triton.jit
+def is_visible(
+    rows,
+    cols,
+    n_k,
+    causal_shift,
+    window_left,
+    window_right,
+    CHECK_COLS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+):
+    """Whether query `rows` sees key `cols` (index tensors that broadcast): the key lies within
+    the window [d - window_left, d + window_right] or (CAUSAL, no window) at most d, d = rows +
+    causal_shift the query's aligned diagonal; with CHECK_COLS also below n_k."""
+    if CHECK_COLS:
+        in_range = cols < n_k
+    if HAS_WINDOW:
+        diagonal = rows + causal_shift
+        visible = (cols >= diagonal - window_left) & (cols <= diagonal + window_right)
+        if CHECK_COLS:
+            visible = in_range & visible
+    elif CAUSAL:
+        visible = cols <= rows + causal_shift
+        if CHECK_COLS:
+            visible = in_range & visible
+    else:
+        visible = in_range
+    return visible
+
+
+@triton.jit
+def key_range(
+    start_m,
+    n_k,
+    causal_shift,
+    window_left,
+    window_right,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """(lo, full_lo, full_hi, hi) for the query block [start_m, start_m + BLOCK_M): every row sees
+    the whole of the key blocks starting in [full_lo, full_hi), no row sees a key outside [lo, hi),
+    and the blocks starting in [lo, full_lo) and [full_hi, hi) need the mask. lo, full_lo and
+    full_hi are multiples of BLOCK_N; keys outside [lo, hi) are never visited (a window's work is
+    O(window), not O(n_k)). Bounds are clamped at 0 before a division: Triton's rounds to zero."""
+    lo = 0
+    full_lo = 0
+    if HAS_WINDOW:
+        first = start_m + causal_shift  # the diagonal of the block's first row
+        last = first + BLOCK_M - 1
+        lo = tl.maximum(first - window_left, 0) // BLOCK_N * BLOCK_N
+        hi = tl.minimum(last + window_right + 1, n_k)
+        full_lo = tl.minimum(tl.cdiv(tl.maximum(last - window_left, 0), BLOCK_N) * BLOCK_N, hi)
+        full_hi = tl.maximum(first + window_right + 1, 0)
+        full_hi = tl.maximum(tl.minimum(full_hi, n_k) // BLOCK_N * BLOCK_N, full_lo)
+    elif CAUSAL:
+        # Keys [0, full_hi) are seen by every row of the block (the first row sees j <= start_m +
+        # shift); the last row sees j <= start_m + BLOCK_M - 1 + shift.
+        full_hi = tl.maximum(start_m + causal_shift + 1, 0) // BLOCK_N * BLOCK_N
+        hi = tl.minimum(start_m + BLOCK_M + causal_shift, n_k)
+    else:
+        full_hi = n_k // BLOCK_N * BLOCK_N
+        hi = n_k
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def query_range(
+    start_n,
+    n_q,
+    n_k,
+    causal_shift,
+    window_left,
+    window_right,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """(lo, full_lo, full_hi, hi) for the key block [start_n, start_n + BLOCK_N): the query blocks
+    starting in [lo, min(full_lo, hi)) see part of it (mask), those in [full_lo, full_hi) are whole
+    blocks of rows below n_q that see all of it, and those in [full_hi, hi) hold rows past n_q or
+    see part of it (mask unless causal); queries outside [lo, hi) see none of it.
+
+    Not causal, a key block holding rows past n_k has no whole blocks: those rows are read as
+    zeros, and a zero key's score 0 against an LSE below about -126 (base 2: every score the
+    query sees below about -88) would overflow 2^(0 - LSE), make dS inf and the atomic dQ NaN.
+    Causally no row below n_q sees past n_k, so the mask of [lo, full_lo) holds them already."""
+    lo = 0
+    full_lo = 0
+    hi = n_q
+    if HAS_WINDOW:
+        first = start_n - causal_shift  # the query whose diagonal is the block's first key
+        last = first + BLOCK_N - 1
+        lo = tl.maximum(first - window_right, 0) // BLOCK_M * BLOCK_M
+        hi = tl.minimum(last + window_left + 1, n_q)
+        full_lo = tl.cdiv(tl.maximum(last - window_right, 0), BLOCK_M) * BLOCK_M
+        full_hi = tl.minimum(tl.maximum(first + window_left + 1, 0), n_q) // BLOCK_M * BLOCK_M
+        full_hi = tl.maximum(full_hi, full_lo)
+    else:
+        if CAUSAL:
+            lo = tl.maximum(start_n - causal_shift, 0) // BLOCK_M * BLOCK_M
+            full_lo = (
+                tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - causal_shift, 0), BLOCK_M) * BLOCK_M
+            )
+        full_hi = tl.maximum(n_q // BLOCK_M * BLOCK_M, full_lo)
+    if HAS_WINDOW or not CAUSAL:
+        full_hi = tl.where(start_n + BLOCK_N > n_k, full_lo, full_hi)
+    return lo, full_lo, full_hi, hi

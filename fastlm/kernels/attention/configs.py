@@ -1,0 +1,195 @@
+"""The kernels' autotuning configs, importable without compiling anything (the compile report
+reads them): per kernel a list of `CudaConfig`s, each with the largest head block it compiles for
+without spilling, and the one small config the interpreter runs."""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+from fastlm.backend import interpreting
+from fastlm.kernels._common import triton
+
+#: Head dims the kernels take: multiples of 8 (padded inside to a power of two of at least 16).
+MAX_HEAD_DIM = 256
+
+
+class CudaConfig(NamedTuple):
+    """An autotuning candidate on CUDA and the head blocks it takes.
+
+    max_block_d / max_block_d_fp32: the largest BLOCK_D it takes with fp16/bf16 or fp32 inputs
+    without spilling registers or needing more shared memory than an H100 or an A100 has, as
+    `benchmarks/compile_report.py` reads them off the compiled kernels (0: never).
+    options: whether it also takes the option variants (a window, the cap, packed sequences:
+    `has_options`) within those limits; False where one of them spills.
+    """
+
+    blocks: dict
+    num_warps: int
+    num_stages: int
+    max_block_d: int
+    max_block_d_fp32: int
+    options: bool = True
+
+
+#: The constexprs of the option variants: each adds registers to the plain kernels.
+OPTION_FLAGS = ("HAS_WINDOW", "SOFTCAP", "VARLEN")
+
+
+def has_options(args: dict) -> bool:
+    """Whether a launch's arguments (by name) compile in an option variant."""
+    return any(args.get(flag) for flag in OPTION_FLAGS)
+
+
+def fitting_configs(
+    cuda: list[CudaConfig], block_d: int, element_size: int, options: bool = False
+) -> list[CudaConfig]:
+    """The configs of a CUDA list that take head blocks of BLOCK_D at this input element size
+    (and with `options`, an option variant)."""
+    return [
+        config
+        for config in cuda
+        if block_d <= (config.max_block_d_fp32 if element_size == 4 else config.max_block_d)
+        and (config.options or not options)
+    ]
+
+
+def triton_configs(
+    interpreter_blocks: dict,
+    cuda: list[CudaConfig],
+    covers: tuple[int, int] = (MAX_HEAD_DIM, MAX_HEAD_DIM),
+) -> list[triton.Config]:
+    """One small config under the interpreter (autotuning there runs every config); the CUDA list
+    otherwise, which `prune_to_fitting` cuts down per launch. `covers`: the largest head blocks
+    (16-bit, fp32) some config must take: every head dim unless the caller routes the rest
+    elsewhere."""
+    for block_d, element_size in ((covers[0], 2), (covers[1], 4)):
+        assert fitting_configs(cuda, block_d, element_size), "a head dim no config takes"
+    if interpreting():
+        return [triton.Config(interpreter_blocks, num_warps=4, num_stages=1)]
+    return [triton.Config(c.blocks, num_warps=c.num_warps, num_stages=c.num_stages) for c in cuda]
+
+
+def prune_to_fitting(cuda: list[CudaConfig]):
+    """An autotuner's early_config_prune: the configs that fit the launch's head block and dtype.
+
+    FASTLM_AUTOTUNE=0 keeps only the last of them, the smallest: for test runs, where tuning each
+    new shape would compile every config.
+    """
+
+    def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+        if interpreting():
+            return configs
+        fitting = fitting_configs(
+            cuda, kwargs["BLOCK_D"], named_args["Q"].element_size(), has_options(kwargs)
+        )
+        if os.environ.get("FASTLM_AUTOTUNE", "1") == "0":
+            fitting = fitting[-1:]
+        chosen = {(tuple(c.blocks.items()), c.num_warps, c.num_stages) for c in fitting}
+        return [
+            c for c in configs if (tuple(c.kwargs.items()), c.num_warps, c.num_stages) in chosen
+        ]
+
+    return {"early_config_prune": prune}
+
+
+def cuda_config(
+    block_m: int,
+    block_n: int,
+    warps: int,
+    stages: int,
+    max_block_d: int,
+    max_block_d_fp32: int,
+    options: bool = True,
+) -> CudaConfig:
+    return CudaConfig(
+        {"BLOCK_M": block_m, "BLOCK_N": block_n},
+        warps,
+        stages,
+        max_block_d,
+        max_block_d_fp32,
+        options,
+    )
+
+
+# Largest first. Hopper-first: 128-row query blocks for head dims up to 128, 64-row blocks (still
+# Hopper's wgmma) up to 256; the last config of each dtype is the smallest (FASTLM_AUTOTUNE=0).
+# Every config that spilled or overflowed shared memory on sm_90a or sm_80 at a head dim is
+# limited below it (compile_report.py's rows); head dim 256 and fp32 leave few configs.
+FWD_CUDA_CONFIGS = [
+    cuda_config(128, 128, 8, 3, 64, 0),
+    cuda_config(128, 64, 4, 3, 64, 0),
+    cuda_config(128, 64, 8, 3, 128, 64),
+    cuda_config(128, 64, 8, 4, 128, 64),
+    cuda_config(64, 64, 4, 3, 128, 0),
+    cuda_config(64, 32, 8, 1, 256, 128),
+    cuda_config(32, 32, 4, 1, 256, 0),
+    cuda_config(32, 32, 8, 1, 0, 256),
+]
+# dK/dV keep a key block's k, v, dk, dv on chip and stream query blocks past it: its fp32 dk and
+# dv accumulators take twice the registers of the forward's one, hence the small key blocks.
+DKDV_CUDA_CONFIGS = [
+    cuda_config(32, 128, 8, 2, 64, 64),
+    cuda_config(32, 64, 4, 3, 128, 0, options=False),  # with the cap: 28 B spilled on sm_80
+    cuda_config(16, 64, 4, 2, 128, 64),
+    cuda_config(32, 32, 8, 1, 256, 256),
+]
+# dQ keeps a query block's q, dO, dq on chip and streams key blocks past it.
+DQ_CUDA_CONFIGS = [
+    cuda_config(128, 64, 8, 3, 128, 0),
+    cuda_config(64, 32, 8, 2, 256, 128),
+    cuda_config(64, 32, 4, 2, 128, 128),
+    cuda_config(32, 32, 4, 1, 256, 128),
+    cuda_config(16, 32, 8, 1, 0, 256),
+]
+FWD_CONFIGS = triton_configs({"BLOCK_M": 64, "BLOCK_N": 32}, FWD_CUDA_CONFIGS)
+DKDV_CONFIGS = triton_configs({"BLOCK_M": 32, "BLOCK_N": 64}, DKDV_CUDA_CONFIGS)
+DQ_CONFIGS = triton_configs({"BLOCK_M": 64, "BLOCK_N": 32}, DQ_CUDA_CONFIGS)
+# Tuned per power-of-two bucket of the sequence lengths, so a growing KV cache does not retune;
+# a window, the cap or packed sequences change the work per block, so they are tuned apart.
+TUNING_KEY = [
+    "q_bucket",
+    "k_bucket",
+    "BLOCK_D",
+    "CAUSAL",
+    "HAS_WINDOW",
+    "SOFTCAP",
+    "VARLEN",
+    "DOT_PRECISION",
+]
+
+
+# The descriptor forward's own list (the pointer list's shapes: TMA moves the same tiles). Each
+# compiled for sm_90a without spills at bf16 head dims 64 and 128 (ptxas -v, Triton 3.9); fp32 and
+# head dims above 128 were not checked, so `_use_tensor_descriptors` sends them to the pointer path.
+TMA_MAX_BLOCK_D = 128
+FWD_TMA_CUDA_CONFIGS = [
+    cuda_config(128, 64, 4, 2, 128, 0, options=False),  # a window, the cap or varlen spill (sm_90a)
+    cuda_config(128, 64, 4, 3, 128, 0, options=False),
+    cuda_config(128, 64, 8, 2, 128, 0),
+    cuda_config(128, 64, 8, 3, 128, 0),
+    cuda_config(128, 128, 8, 2, 128, 0),
+    cuda_config(64, 64, 4, 3, 128, 0),
+    cuda_config(64, 32, 4, 2, 128, 0),
+]
+FWD_TMA_CONFIGS = triton_configs(
+    {"BLOCK_M": 64, "BLOCK_N": 32}, FWD_TMA_CUDA_CONFIGS, covers=(TMA_MAX_BLOCK_D, 0)
+)
+
+
+# The atomic schedule's one backward pass holds a dq tile besides dk, dv, k and v, so it fits
+# narrower query blocks than the deterministic pass. Each config takes the head blocks it compiles
+# for without spills (compile_report.py, sm_90a). At head block 256 even the smallest spills (44 B
+# bf16, 916 B fp32), so larger head dims take the deterministic schedule (`attention_backward`).
+ATOMIC_MAX_BLOCK_D = 128
+DKDV_DQ_CUDA_CONFIGS = [
+    cuda_config(32, 128, 8, 2, 64, 0),
+    cuda_config(16, 64, 4, 2, 64, 0),
+    cuda_config(16, 64, 8, 2, 128, 0),
+    cuda_config(16, 32, 4, 1, ATOMIC_MAX_BLOCK_D, ATOMIC_MAX_BLOCK_D),
+]
+DKDV_DQ_CONFIGS = triton_configs(
+    {"BLOCK_M": 32, "BLOCK_N": 64},
+    DKDV_DQ_CUDA_CONFIGS,
+    covers=(ATOMIC_MAX_BLOCK_D, ATOMIC_MAX_BLOCK_D),
+)

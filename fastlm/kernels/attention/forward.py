@@ -1,0 +1,636 @@
+"""The forward pass: one program per (query block, batch * head) runs the online softmax over the
+key blocks its rows see (`key_range`'s three phases). Two kernels of one algorithm: q, k, v, o
+moved by masked pointer loads (every GPU, the interpreter), or by tensor descriptors (TMA on
+sm_90+), chosen per call by `_use_tensor_descriptors`; then the launcher."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from fastlm.backend import interpreting
+from fastlm.kernels._common import empty, tl, triton
+from fastlm.kernels.attention.blocks import (
+    block_start_and_batch_head,
+    capped,
+    is_visible,
+    key_range,
+    load_tile,
+    sequence_rows,
+    stats_offset,
+    store_tile,
+)
+from fastlm.kernels.attention.configs import (
+    FWD_CONFIGS,
+    FWD_CUDA_CONFIGS,
+    FWD_TMA_CONFIGS,
+    FWD_TMA_CUDA_CONFIGS,
+    TMA_MAX_BLOCK_D,
+    TUNING_KEY,
+    prune_to_fitting,
+)
+from fastlm.kernels.attention.launch import (
+    LOG2_E,
+    Varlen,
+    block_grid,
+    empty_heads_like,
+    kernel_flags,
+    kernel_strides,
+    option_args,
+    sequence_args,
+    tuning_bucket,
+)
+
+
+@triton.jit
+def _online_softmax_step(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k,
+    v,
+    offs_m,
+    offs_n,
+    n_k,
+    causal_shift,
+    qk_scale,
+    window_left,
+    window_right,
+    softcap,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SCALE_POSITIVE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """(acc, m_i, l_i) after one key block k, v (rows offs_n); m_i is in scaled (base-2) units.
+
+    With a positive scale the row max is taken on the unscaled scores (the max commutes with the
+    scaling) and each score is scaled and shifted by one FMA, qk * qk_scale - m. A zero or
+    negative scale (allowed, never hot) and SOFTCAP scale first. MASKED blocks may hold keys >= n_k
+    or (CAUSAL, HAS_WINDOW) keys some rows must not see.
+    """
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+    if SOFTCAP:
+        qk, _ = capped(qk * qk_scale, softcap)
+        fma_scale = 1.0
+    elif SCALE_POSITIVE:
+        fma_scale = qk_scale
+    else:
+        qk = qk * qk_scale
+        fma_scale = 1.0
+    if MASKED:
+        visible = is_visible(
+            offs_m[:, None],
+            offs_n[None, :],
+            n_k,
+            causal_shift,
+            window_left,
+            window_right,
+            True,
+            CAUSAL,
+            HAS_WINDOW,
+        )
+        qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * fma_scale)
+    # A row that has seen no key yet keeps m = -inf; subtract 0 so that 2^(-inf - -inf) is not NaN.
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk * fma_scale - m_ref[:, None])
+    alpha = tl.math.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _fwd_key_blocks(
+    acc,
+    m_i,
+    l_i,
+    q,
+    K_head,
+    V_head,
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    offs_m,
+    offs_d,
+    lo,
+    hi,
+    n_k,
+    causal_shift,
+    qk_scale,
+    window_left,
+    window_right,
+    softcap,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    TO_FP32: tl.constexpr,
+    SCALE_POSITIVE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax update of (acc, m_i, l_i) with the key blocks starting in [lo, hi),
+    loaded through pointers."""
+    offs_n = lo + tl.arange(0, BLOCK_N)
+    k_ptrs = K_head + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V_head + offs_n.to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    for _ in range(lo, hi, BLOCK_N):
+        k = load_tile(k_ptrs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TO_FP32)
+        v = load_tile(v_ptrs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TO_FP32)
+        acc, m_i, l_i = _online_softmax_step(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k,
+            v,
+            offs_m,
+            offs_n,
+            n_k,
+            causal_shift,
+            qk_scale,
+            window_left,
+            window_right,
+            softcap,
+            MASKED,
+            CAUSAL,
+            HAS_WINDOW,
+            SOFTCAP,
+            SCALE_POSITIVE,
+            DOT_PRECISION,
+        )
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+        offs_n += BLOCK_N
+    return acc, m_i, l_i
+
+
+@triton.autotune(
+    configs=FWD_CONFIGS, key=TUNING_KEY, prune_configs_by=prune_to_fitting(FWD_CUDA_CONFIGS)
+)
+@triton.jit
+def _attention_fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    CU_SEQLENS_Q,
+    CU_SEQLENS_K,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    num_heads,
+    group,
+    n_q,
+    n_k,
+    qk_scale,
+    total_q,
+    window_left,
+    window_right,
+    softcap,
+    q_bucket,
+    k_bucket,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    VARLEN: tl.constexpr,
+    TO_FP32: tl.constexpr,
+    SCALE_POSITIVE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """With VARLEN the batch index walks the sequences of cu_seqlens (the launcher passes batch
+    strides of 0), n_q and n_k are the longest sequences' lengths, and a block past its
+    sequence's end returns at once."""
+    start_m, batch_head = block_start_and_batch_head(n_q, BLOCK_M, CAUSAL)
+    batch = (batch_head // num_heads).to(tl.int64)
+    head = (batch_head % num_heads).to(tl.int64)
+    kv_head = head // group
+    q_start, n_q = sequence_rows(CU_SEQLENS_Q, batch, n_q, VARLEN)
+    k_start, n_k = sequence_rows(CU_SEQLENS_K, batch, n_k, VARLEN)
+    if VARLEN and start_m >= n_q:
+        return
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    q_ptrs = (
+        Q
+        + batch * stride_qb
+        + head * stride_qh
+        + q_start * stride_qm
+        + offs_m.to(tl.int64)[:, None] * stride_qm
+        + offs_d[None, :] * stride_qd
+    )
+    q = load_tile(
+        q_ptrs, offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True, TO_FP32
+    )  # (BLOCK_M, BLOCK_D)
+    K_head = K + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
+    V_head = V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
+
+    acc, m_i, l_i, causal_shift, lo, full_lo, full_hi, hi = _fwd_start(
+        start_m, n_q, n_k, window_left, window_right, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N, BLOCK_D
+    )
+    # The key range in three phases (`key_range`): the window's far edge (masked; without a
+    # window lo = full_lo = 0), the blocks every row sees whole, then the diagonal and the end.
+    bounds = (lo, full_lo, full_hi, hi)
+    for phase in tl.static_range(0 if HAS_WINDOW else 1, 3):
+        acc, m_i, l_i = _fwd_key_blocks(
+            acc,
+            m_i,
+            l_i,
+            q,
+            K_head,
+            V_head,
+            stride_kn,
+            stride_kd,
+            stride_vn,
+            stride_vd,
+            offs_m,
+            offs_d,
+            bounds[phase],
+            bounds[phase + 1],
+            n_k,
+            causal_shift,
+            qk_scale,
+            window_left,
+            window_right,
+            softcap,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_N,
+            phase != 1,
+            CAUSAL,
+            HAS_WINDOW,
+            SOFTCAP,
+            TO_FP32,
+            SCALE_POSITIVE,
+            DOT_PRECISION,
+        )
+
+    o, lse = _fwd_finish(acc, m_i, l_i)
+    o_ptrs = (
+        O
+        + batch * stride_ob
+        + head * stride_oh
+        + q_start * stride_om
+        + offs_m.to(tl.int64)[:, None] * stride_om
+        + offs_d[None, :] * stride_od
+    )
+    store_tile(o_ptrs, o, offs_m, n_q, offs_d, HEAD_DIM)
+    stats = stats_offset(batch_head, head, n_q, q_start, total_q, VARLEN)
+    tl.store(LSE + stats + offs_m, lse, mask=offs_m < n_q)
+
+
+@triton.jit
+def _fwd_start(
+    start_m,
+    n_q,
+    n_k,
+    window_left,
+    window_right,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The online softmax's empty state (acc, m_i, l_i), the causal shift Nk - Nq, and the query
+    block's key range (lo, full_lo, full_hi, hi) (`key_range`)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    causal_shift = n_k - n_q
+    lo, full_lo, full_hi, hi = key_range(
+        start_m, n_k, causal_shift, window_left, window_right, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N
+    )
+    return acc, m_i, l_i, causal_shift, lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _fwd_finish(acc, m_i, l_i):
+    """O and the base-2 LSE of each row. A row that saw no key (l = 0) gets O = 0 and LSE = +inf,
+    so the backward's P = 2^(t - LSE) is 0."""
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
+    return o, lse
+
+
+@triton.jit
+def _fwd_key_blocks_tma(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_desc,
+    v_desc,
+    offs_m,
+    lo,
+    hi,
+    n_k,
+    causal_shift,
+    qk_scale,
+    window_left,
+    window_right,
+    softcap,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    TO_FP32: tl.constexpr,
+    SCALE_POSITIVE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    """_fwd_key_blocks with k and v read through tensor descriptors (TMA on sm_90+): rows past
+    the head's n_k and the head-dim padding come back as zeros, with no masks to compute."""
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        k = k_desc.load([start_n, 0])
+        v = v_desc.load([start_n, 0])
+        if TO_FP32:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        acc, m_i, l_i = _online_softmax_step(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k,
+            v,
+            offs_m,
+            offs_n,
+            n_k,
+            causal_shift,
+            qk_scale,
+            window_left,
+            window_right,
+            softcap,
+            MASKED,
+            CAUSAL,
+            HAS_WINDOW,
+            SOFTCAP,
+            SCALE_POSITIVE,
+            DOT_PRECISION,
+        )
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attention_fwd_tma_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    CU_SEQLENS_Q,
+    CU_SEQLENS_K,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    num_heads,
+    group,
+    n_q,
+    n_k,
+    qk_scale,
+    total_q,
+    window_left,
+    window_right,
+    softcap,
+    q_bucket,
+    k_bucket,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    VARLEN: tl.constexpr,
+    TO_FP32: tl.constexpr,
+    SCALE_POSITIVE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The forward with q, k, v, o moved by tensor descriptors, one 2-D [rows, HEAD_DIM] view per
+    (batch, head) with unit last stride: any row stride, so a packed q|k|v (row stride 3C) is read
+    in place. Out-of-bounds rows and columns load as zeros; their stores are dropped. With VARLEN
+    each view is one sequence's rows, so the next sequence's rows read as zeros too."""
+    start_m, batch_head = block_start_and_batch_head(n_q, BLOCK_M, CAUSAL)
+    batch = (batch_head // num_heads).to(tl.int64)
+    head = (batch_head % num_heads).to(tl.int64)
+    kv_head = head // group
+    q_start, n_q = sequence_rows(CU_SEQLENS_Q, batch, n_q, VARLEN)
+    k_start, n_k = sequence_rows(CU_SEQLENS_K, batch, n_k, VARLEN)
+    if VARLEN and start_m >= n_q:
+        return
+    q_desc = tl.make_tensor_descriptor(
+        Q + batch * stride_qb + head * stride_qh + q_start * stride_qm,
+        [n_q, HEAD_DIM],
+        [stride_qm, 1],
+        [BLOCK_M, BLOCK_D],
+    )
+    k_rows = n_k
+    if VARLEN:  # a sequence without keys: a descriptor needs a row (its loop reads none)
+        k_rows = tl.maximum(n_k, 1)
+    k_desc = tl.make_tensor_descriptor(
+        K + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn,
+        [k_rows, HEAD_DIM],
+        [stride_kn, 1],
+        [BLOCK_N, BLOCK_D],
+    )
+    v_desc = tl.make_tensor_descriptor(
+        V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn,
+        [k_rows, HEAD_DIM],
+        [stride_vn, 1],
+        [BLOCK_N, BLOCK_D],
+    )
+    o_desc = tl.make_tensor_descriptor(
+        O + batch * stride_ob + head * stride_oh + q_start * stride_om,
+        [n_q, HEAD_DIM],
+        [stride_om, 1],
+        [BLOCK_M, BLOCK_D],
+    )
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = q_desc.load([start_m, 0])
+    if TO_FP32:
+        q = q.to(tl.float32)
+
+    acc, m_i, l_i, causal_shift, lo, full_lo, full_hi, hi = _fwd_start(
+        start_m, n_q, n_k, window_left, window_right, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N, BLOCK_D
+    )
+    # The three phases of the pointer kernel; only the unmasked one may be warp-specialised.
+    bounds = (lo, full_lo, full_hi, hi)
+    for phase in tl.static_range(0 if HAS_WINDOW else 1, 3):
+        acc, m_i, l_i = _fwd_key_blocks_tma(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_desc,
+            v_desc,
+            offs_m,
+            bounds[phase],
+            bounds[phase + 1],
+            n_k,
+            causal_shift,
+            qk_scale,
+            window_left,
+            window_right,
+            softcap,
+            BLOCK_N,
+            phase != 1,
+            CAUSAL,
+            HAS_WINDOW,
+            SOFTCAP,
+            TO_FP32,
+            SCALE_POSITIVE,
+            DOT_PRECISION,
+            WARP_SPECIALIZE and phase == 1,
+        )
+
+    o, lse = _fwd_finish(acc, m_i, l_i)
+    o_desc.store([start_m, 0], o.to(o_desc.dtype))
+    stats = stats_offset(batch_head, head, n_q, q_start, total_q, VARLEN)
+    tl.store(LSE + stats + offs_m, lse, mask=offs_m < n_q)
+
+
+_attention_fwd_tma_autotuned = triton.autotune(
+    configs=FWD_TMA_CONFIGS, key=TUNING_KEY, prune_configs_by=prune_to_fitting(FWD_TMA_CUDA_CONFIGS)
+)(_attention_fwd_tma_kernel)
+
+
+# Tensor descriptors (TMA on sm_90+) for the forward: FASTLM_ATTENTION_TMA=1 forces them wherever
+# this Triton has them (the interpreter too, which is how the tests run both paths), 0 forbids
+# them; unset, they are used on CUDA devices of capability 9 or more. Read at each call.
+_HAS_TENSOR_DESCRIPTORS = hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
+# Warp specialisation of the descriptor forward's unmasked key loop (`tl.range(...,
+# warp_specialize=True)`) is off: with Triton 3.9 for sm_90a it aborts in the
+# NVGPUWarpSpecialization pass at 4 warps, and at 8 warps compiles to the same kernel as without
+# it (no setmaxnreg, equal registers): no producer/consumer split on Hopper yet.
+_WARP_SPECIALIZE = False
+
+
+@functools.cache
+def _device_has_tma(device: torch.device) -> bool:
+    """Once per device: a CUDA GPU of compute capability 9.0 or more."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _descriptor_allocator(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for descriptors built on the device (Triton asks through set_allocator)."""
+    return torch.empty(size, dtype=torch.uint8, device=_descriptor_allocator.device)
+
+
+def _use_tensor_descriptors(*tensors: torch.Tensor) -> bool:
+    """Whether the forward takes the descriptor path for these (q, k, v, o): the device and this
+    Triton can, and every tensor has a unit last stride and 16-byte aligned base and strides
+    (what a TMA descriptor requires); otherwise the pointer path."""
+    mode = os.environ.get("FASTLM_ATTENTION_TMA", "")
+    if mode == "0" or not _HAS_TENSOR_DESCRIPTORS:
+        return False
+    q = tensors[0]
+    # The descriptor configs were checked spill-free for 16-bit head dims up to 128 only (the
+    # interpreter, where tests force the path, has no registers to spill).
+    if not interpreting() and (q.element_size() != 2 or q.shape[-1] > TMA_MAX_BLOCK_D):
+        return False
+    if mode != "1" and (interpreting() or not _device_has_tma(tensors[0].device)):
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if (
+            t.stride(-1) != 1
+            or t.data_ptr() % 16
+            or any(stride * size % 16 for stride in t.stride()[:-1])
+        ):
+            return False
+    if getattr(_descriptor_allocator, "device", None) != tensors[0].device:
+        _descriptor_allocator.device = tensors[0].device
+        triton.set_allocator(_descriptor_allocator)
+    return True
+
+
+def attention_forward(
+    q,
+    k,
+    v,
+    causal: bool,
+    softmax_scale: float,
+    allow_tf32: bool,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    varlen: Varlen | None = None,
+):
+    """o (B, Hq, Nq, D) and the base-2 log-sum-exp (B, Hq, Nq) fp32 of checked inputs (a row
+    that sees no key: o = 0, lse = +inf)."""
+    B, Hq, Nq, _ = q.shape
+    Hkv = k.shape[1]
+    cu_q, cu_k, sequences, n_q, n_k = sequence_args(q, k, varlen)
+    o = empty_heads_like(q)
+    lse = empty((B, Hq, Nq), device=q.device, dtype=torch.float32)
+    mask_args, mask_flags = option_args(causal, window, softcap, n_q, n_k)
+    args = (Hq, Hq // Hkv, n_q, n_k, softmax_scale * LOG2_E, Nq, *mask_args)
+    args = (*args, tuning_bucket(n_q), tuning_bucket(n_k))
+    flags = dict(
+        kernel_flags(q, causal, allow_tf32),
+        **mask_flags,
+        VARLEN=varlen is not None,
+        SCALE_POSITIVE=softmax_scale > 0,
+    )
+    grid = block_grid(n_q, "BLOCK_M", sequences * Hq)
+    strides = [kernel_strides(t, varlen) for t in (q, k, v, o)]
+    if _use_tensor_descriptors(q, k, v, o):
+        _attention_fwd_tma_autotuned[grid](
+            q,
+            k,
+            v,
+            o,
+            lse,
+            cu_q,
+            cu_k,
+            *(s for t in strides for s in t[:3]),
+            *args,
+            WARP_SPECIALIZE=_WARP_SPECIALIZE,
+            **flags,
+        )
+    else:
+        _attention_fwd_kernel[grid](
+            q, k, v, o, lse, cu_q, cu_k, *(s for t in strides for s in t), *args, **flags
+        )
+    return o, lse

@@ -1,0 +1,115 @@
+"""Host-side pieces both launchers share: output allocation in the caller's memory layout, the
+1-D grid, tuning buckets, compile-time flags, packed-sequence arguments and the option arguments
+(window, cap) as the kernels take them."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from fastlm.kernels._common import empty, interpreter_bf16, triton
+from fastlm.kernels.attention.configs import MAX_HEAD_DIM
+
+LOG2_E = 1.4426950408889634
+LN_2 = 0.6931471805599453
+
+
+def empty_heads_like(t: torch.Tensor, dtype=None) -> torch.Tensor:
+    """An output shaped like `t` (B, H, N, D), in t's token-major [B, N, H, D] memory layout when t
+    is a transposed view of one, so that the caller's `transpose(1, 2).reshape(B, N, H * D)` is
+    free."""
+    B, H, N, D = t.shape
+    dtype = dtype or t.dtype
+    if t.stride(1) < t.stride(2):
+        return empty((B, N, H, D), device=t.device, dtype=dtype).transpose(1, 2)
+    return empty((B, H, N, D), device=t.device, dtype=dtype)
+
+
+def block_grid(n_rows: int, block: str, batch_heads: int):
+    """The 1-D grid `block_start_and_batch_head` decomposes: cdiv(n_rows, BLOCK) * (B * H)
+    programs,
+    BLOCK the launch's (possibly autotuned) block size named `block`."""
+    return lambda meta: (triton.cdiv(n_rows, meta[block]) * batch_heads,)
+
+
+def tuning_bucket(n: int) -> int:
+    return triton.next_power_of_2(n)
+
+
+def kernel_flags(q: torch.Tensor, causal: bool, allow_tf32: bool) -> dict:
+    """Compile-time arguments shared by the forward and backward kernels."""
+    head_dim = q.shape[-1]
+    full_fp32 = q.dtype == torch.float32 and not allow_tf32
+    return dict(
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        CAUSAL=causal,
+        TO_FP32=interpreter_bf16(q.dtype),
+        DOT_PRECISION="ieee" if full_fp32 else "tf32",
+    )
+
+
+class Varlen(NamedTuple):
+    """Packed sequences for the launchers: q, k, v are (1, H, total, D) views of the packed
+    (total, H, D) tensors, and sequence i holds rows cu_seqlens_*[i] to cu_seqlens_*[i + 1]
+    (int32 on the device), none longer than max_seqlen_*."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def sequence_args(q, k, varlen: Varlen | None) -> tuple:
+    """(cu_seqlens_q, cu_seqlens_k, sequences, n_q, n_k): what the kernels index by batch. n_q,
+    n_k: the (longest) sequence lengths, which size the grids and the tuning buckets."""
+    if varlen is None:
+        return None, None, q.shape[0], q.shape[2], k.shape[2]
+    return (
+        varlen.cu_seqlens_q,
+        varlen.cu_seqlens_k,
+        varlen.cu_seqlens_q.numel() - 1,
+        varlen.max_seqlen_q,
+        varlen.max_seqlen_k,
+    )
+
+
+def kernel_strides(t: torch.Tensor, varlen: Varlen | None) -> tuple:
+    """t's strides for a kernel; packed sequences start at their rows, not at a batch stride."""
+    return (0, *t.stride()[1:]) if varlen is not None else t.stride()
+
+
+def option_args(causal: bool, window: tuple[int, int], softcap: float, n_q: int, n_k: int):
+    """(window_left, window_right, softcap) as the kernels take them, and their flags.
+
+    A window side of -1 (unbounded) becomes one that reaches every key (n_k to the left, n_q to
+    the right: every diagonal lies in [n_k - n_q, n_k)); causal makes the right side 0. The cap
+    goes into base-2 units. HAS_WINDOW only when a side bounds more than the causal mask does, so
+    the plain causal and full kernels stay as they are.
+    """
+    left, right = window
+    has_window = left >= 0 or (right >= 0 and not causal)
+    if causal:
+        right = 0
+    args = (left if left >= 0 else n_k, right if right >= 0 else n_q, softcap * LOG2_E)
+    return args, dict(HAS_WINDOW=has_window, SOFTCAP=softcap > 0)
+
+
+def check_kernel_head_dim(D: int) -> None:
+    """PyTorch's attention takes any head dim; the kernels only these."""
+    if D % 8 or not 8 <= D <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"q has head dim {D}; the Triton kernel takes multiples of 8 from 8 to "
+            f"{MAX_HEAD_DIM} (FASTLM_BACKEND=torch runs any)"
+        )
+
+
+def as_heads(t: torch.Tensor) -> torch.Tensor:
+    """A packed (total, H, D) tensor as the launchers' (1, H, total, D) view."""
+    return t.unsqueeze(0).transpose(1, 2)
+
+
+def as_packed(t: torch.Tensor) -> torch.Tensor:
+    """The launchers' (1, H, total, D) output as (total, H, D)."""
+    return t[0].transpose(0, 1)

@@ -1,0 +1,456 @@
+"""`torch.ops.fastlm.flash_attention`, `flash_attention_varlen` and their backward (fake tensors
+and autograd formulas), the argument checks, and the public functions, which apply the backend
+rule (`fastlm.backend.use_triton`) once."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from fastlm.backend import use_triton
+from fastlm.kernels._common import check_float, check_match, refuse_double_backward
+from fastlm.kernels.attention.backward import attention_backward
+from fastlm.kernels.attention.forward import attention_forward
+from fastlm.kernels.attention.launch import (
+    LN_2,
+    Varlen,
+    as_heads,
+    as_packed,
+    check_kernel_head_dim,
+    empty_heads_like,
+)
+from fastlm.kernels.attention.reference import attention_ref, attention_varlen_ref
+
+
+@torch.library.custom_op("fastlm::flash_attention", mutates_args=())
+def flash_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    allow_tf32: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse): o (B, Hq, Nq, D) in q's memory layout, lse (B, Hq, Nq) fp32 base 2.
+    deterministic picks the backward's schedule (the forward has one)."""
+    return attention_forward(
+        q, k, v, causal, softmax_scale, allow_tf32, (window_left, window_right), softcap
+    )
+
+
+@flash_attention_op.register_fake
+def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap, *flags):
+    B, Hq, Nq, _ = q.shape
+    return empty_heads_like(q), q.new_empty((B, Hq, Nq), dtype=torch.float32)
+
+
+@torch.library.custom_op("fastlm::flash_attention_backward", mutates_args=())
+def _flash_attention_backward_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    allow_tf32: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attention_backward(
+        do,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        causal,
+        softmax_scale,
+        allow_tf32,
+        deterministic,
+        window=(window_left, window_right),
+        softcap=softcap,
+    )
+
+
+@_flash_attention_backward_op.register_fake
+def _(do, q, k, v, *rest):
+    return empty_heads_like(q), empty_heads_like(k), empty_heads_like(v)
+
+
+def _flash_attention_setup(ctx, inputs, output):
+    """Saves q, k, v, o and the (B, Hq, Nq) fp32 log-sum-exp: memory linear in the sequence."""
+    q, k, v, *flags = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.set_materialize_grads(False)  # lse has no gradient: no zero tensor for it
+    ctx.mark_non_differentiable(lse)
+    ctx.flags = flags
+
+
+def _flash_attention_grad(ctx, do, _):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = _flash_attention_backward_op(do, q, k, v, o, lse, *ctx.flags)
+    return dq, dk, dv, *[None] * len(ctx.flags)
+
+
+torch.library.register_autograd(
+    "fastlm::flash_attention", _flash_attention_grad, setup_context=_flash_attention_setup
+)
+refuse_double_backward("fastlm::flash_attention_backward", "flash_attention")
+
+
+@torch.library.custom_op("fastlm::flash_attention_varlen", mutates_args=())
+def flash_attention_varlen_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    allow_tf32: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse): o (total_q, Hq, D) in q's memory layout, lse (Hq, total_q) fp32 base 2."""
+    varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    o, lse = attention_forward(
+        as_heads(q),
+        as_heads(k),
+        as_heads(v),
+        causal,
+        softmax_scale,
+        allow_tf32,
+        (window_left, window_right),
+        softcap,
+        varlen,
+    )
+    return as_packed(o), lse[0]
+
+
+@flash_attention_varlen_op.register_fake
+def _(q, k, v, *rest):
+    return as_packed(empty_heads_like(as_heads(q))), q.new_empty(
+        (q.shape[1], q.shape[0]), dtype=torch.float32
+    )
+
+
+@torch.library.custom_op("fastlm::flash_attention_varlen_backward", mutates_args=())
+def _flash_attention_varlen_backward_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    allow_tf32: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grads = attention_backward(
+        *(as_heads(t) for t in (do, q, k, v, o)),
+        lse[None],
+        causal,
+        softmax_scale,
+        allow_tf32,
+        deterministic,
+        window=(window_left, window_right),
+        softcap=softcap,
+        varlen=Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+    )
+    return tuple(as_packed(g) for g in grads)
+
+
+@_flash_attention_varlen_backward_op.register_fake
+def _(do, q, k, v, *rest):
+    return tuple(as_packed(empty_heads_like(as_heads(t))) for t in (q, k, v))
+
+
+def _flash_attention_varlen_setup(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *flags = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(lse)
+    ctx.flags = flags
+
+
+def _flash_attention_varlen_grad(ctx, do, _):
+    q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    dq, dk, dv = _flash_attention_varlen_backward_op(
+        do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *ctx.flags
+    )
+    return dq, dk, dv, None, None, *[None] * len(ctx.flags)
+
+
+torch.library.register_autograd(
+    "fastlm::flash_attention_varlen",
+    _flash_attention_varlen_grad,
+    setup_context=_flash_attention_varlen_setup,
+)
+refuse_double_backward("fastlm::flash_attention_varlen_backward", "flash_attention_varlen")
+
+
+def _check_heads(names: tuple[str, str, str], q, k, v, dims: int, layout: str) -> None:
+    """q, k, v: kernel dtypes, one device, `dims` dims, k and v alike, grouped heads and equal
+    head dims (the head axis is -2 in both layouts)."""
+    for name, t in zip(names, (q, k, v)):
+        check_float(name, t)
+        if t.dim() != dims:
+            raise ValueError(f"{name} must have {dims} dims ({layout}), got shape {tuple(t.shape)}")
+    check_match("k", k, "q", q)
+    check_match("v", v, "q", q)
+    if k.shape != v.shape:
+        raise ValueError(
+            f"v has shape {tuple(v.shape)}, but k has {tuple(k.shape)}; they must match"
+        )
+    D, Dk = q.shape[-1], k.shape[-1]
+    if Dk != D:
+        raise ValueError(f"k has head dim {Dk}, but q has {D}")
+    if D < 1:
+        raise ValueError("q has head dim 0; it must be at least 1")
+    Hq, Hkv = q.shape[-2] if dims == 3 else q.shape[1], k.shape[-2] if dims == 3 else k.shape[1]
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"q has {Hq} heads, which is not a multiple of k's {Hkv} heads")
+
+
+def _check_causal_and_scale(causal, softmax_scale) -> None:
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if softmax_scale is not None and (
+        isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
+    ):
+        raise TypeError(
+            f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}"
+        )
+
+
+def check_inputs(q, k, v, causal, softmax_scale) -> None:
+    _check_heads(("q", "k", "v"), q, k, v, 4, "batch, heads, seq, head_dim")
+    (B, _, Nq, _), (Bk, _, Nk, _) = q.shape, k.shape
+    if Bk != B:
+        raise ValueError(f"k has batch size {Bk}, but q has {B}")
+    if Nk == 0:
+        raise ValueError("k has sequence length 0: every query needs at least one key")
+    if Nq > Nk:
+        raise ValueError(
+            f"q has sequence length {Nq} > k's {Nk}; queries must be the last Nq of the keys' "
+            "positions"
+        )
+    _check_causal_and_scale(causal, softmax_scale)
+
+
+def _check_options(causal: bool, window_size, softcap, return_lse) -> tuple[tuple[int, int], float]:
+    """window_size as two ints and softcap as a float, checked."""
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)
+    ):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(
+            f"window_size sides must be -1 (unbounded) or at least 0, got {(left, right)}"
+        )
+    if causal and right > 0:
+        raise ValueError(
+            f"window_size[1] is {right}, but with causal=True no query sees a later key: "
+            "use -1 or 0 (or causal=False)"
+        )
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number, got {type(softcap).__name__}")
+    if not 0.0 <= softcap < math.inf:
+        raise ValueError(f"softcap must be 0 (off) or a positive finite number, got {softcap}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    return (left, right), float(softcap)
+
+
+def check_cu_seqlens(name: str, cu: object, total: int, max_seqlen: object, device) -> None:
+    """cu_seqlens: int32, 1-D, on q's device, 0 first, the packed total last, non-decreasing, no
+    step above max_seqlen. The values are checked on the host for a CPU tensor; on a GPU (or when
+    compiling) with `torch._assert_async`, which reports a bad value as a device-side assertion
+    without a host sync."""
+    max_name = name.replace("cu_seqlens", "max_seqlen")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral):
+        raise TypeError(f"{max_name} must be an int, got {type(max_seqlen).__name__}")
+    if max_seqlen < 0:
+        raise ValueError(f"{max_name} must be at least 0, got {max_seqlen}")
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise ValueError(f"{name} must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(
+            f"{name} must be 1-D with num_seqs + 1 >= 2 entries, got shape {tuple(cu.shape)}"
+        )
+    if cu.device != torch.device(device):
+        raise ValueError(f"{name} is on {cu.device}, but q is on {device}")
+    message = (
+        f"{name} must start at 0, end at the packed length {total} and not decrease, with no "
+        f"sequence longer than {max_name} = {max_seqlen}"
+    )
+    steps = cu[1:] - cu[:-1]
+    if cu.device.type == "cpu" and not torch.compiler.is_compiling():
+        if cu[0] != 0 or cu[-1] != total or steps.min() < 0 or steps.max() > max_seqlen:
+            raise ValueError(f"{message}, got {cu.tolist()}")
+    else:
+        valid = (cu[0] == 0) & (cu[-1] == total) & (steps >= 0).all() & (steps <= max_seqlen).all()
+        torch._assert_async(valid, message)
+
+
+def _natural_lse(lse: torch.Tensor) -> torch.Tensor:
+    """The kernels' base-2 log-sum-exp in natural log, with a row that saw no key at -inf (the
+    kernels keep +inf there, which zeroes the backward's P)."""
+    return torch.where(torch.isposinf(lse), -math.inf, lse * LN_2)
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    *,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+    allow_tf32: bool = True,
+    deterministic: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """softmax(softmax_scale * q k^T [+ causal mask]) v without materialising the scores.
+
+    q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D) with Hq a multiple of Hkv (grouped-query / multi-query
+    attention: query head h reads key/value head h // (Hq // Hkv)) and 1 <= Nq <= Nk. Any strides
+    (e.g. `x.view(B, N, H, D).transpose(1, 2)` or slices of a fused qkv tensor) are read in place.
+    causal: query i sees key j iff j <= i + Nk - Nq (aligned to the end, as in KV-cache decoding).
+    softmax_scale: defaults to 1 / sqrt(D). D: a multiple of 8 up to 256 for the Triton kernel
+    (the PyTorch backend takes any).
+    window_size: (left, right): query i sees key j only if d - left <= j <= d + right, d = i + Nk
+    - Nq its aligned diagonal; -1 leaves that side unbounded; with causal=True right is 0 (it may
+    be given as -1 or 0). Key blocks outside every row's window are never visited: the work is
+    O(N * window).
+    softcap: if > 0, each scaled score s becomes softcap * tanh(s / softcap) before the mask and
+    the softmax (gradients through the cap).
+    return_lse: also return lse (B, Hq, Nq) fp32, the natural log-sum-exp of each row's capped,
+    masked scores (-inf for a row that sees no key, whose output is 0). lse carries no gradient.
+    dtypes: float16, bfloat16, float32 (all three the same); softmax statistics in fp32.
+    allow_tf32: for float32 inputs on a GPU, False makes the dots full fp32 instead of TF32.
+    deterministic: the backward's schedule. True (the default): a dK/dV pass and a dQ pass with
+    no atomics, bitwise reproducible for a given config. False: FA2's 5-matmul schedule, one pass
+    that also adds dQ with fp32 atomics (less recomputation; gradients equal to rounding only).
+    Returns o (B, Hq, Nq, D) in q's dtype, differentiable in q, k and v; (o, lse) with return_lse.
+    """
+    check_inputs(q, k, v, causal, softmax_scale)
+    window, softcap = _check_options(causal, window_size, softcap, return_lse)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if not use_triton(q) or q.numel() == 0:
+        return attention_ref(
+            q, k, v, causal, scale, window_size=window, softcap=softcap, return_lse=return_lse
+        )
+    check_kernel_head_dim(q.shape[-1])
+    o, lse = flash_attention_op(
+        q, k, v, causal, scale, *window, softcap, bool(allow_tf32), bool(deterministic)
+    )
+    return (o, _natural_lse(lse)) if return_lse else o
+
+
+def flash_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    *,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+    allow_tf32: bool = True,
+    deterministic: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """flash_attention of packed sequences (documents): sequence i's queries, rows
+    cu_seqlens_q[i] to cu_seqlens_q[i + 1] of q, attend only to its keys, rows cu_seqlens_k[i]
+    to cu_seqlens_k[i + 1] of k and v, with the causal mask and window aligned to the end of each
+    sequence as in `flash_attention`.
+
+    q: (total_q, Hq, D); k, v: (total_k, Hkv, D), any strides. cu_seqlens_q, cu_seqlens_k: int32
+    (num_seqs + 1,) on q's device, from 0 to the totals, non-decreasing (a sequence may be
+    empty; one with more queries than keys masks its first queries, which get output 0).
+    max_seqlen_q, max_seqlen_k: ints at least the longest sequence's lengths; they size the
+    launch, so nothing is read back from the device. On a CPU tensor the cu_seqlens values are
+    checked at once; on a GPU by a device-side assertion (`torch._assert_async`, no host sync).
+    causal, softmax_scale, window_size, softcap, allow_tf32, deterministic: as in
+    `flash_attention`. return_lse: also return lse (Hq, total_q) fp32.
+    Returns o (total_q, Hq, D) in q's dtype; (o, lse) with return_lse.
+    """
+    _check_heads(("q", "k", "v"), q, k, v, 3, "tokens, heads, head_dim")
+    _check_causal_and_scale(causal, softmax_scale)
+    window, softcap = _check_options(causal, window_size, softcap, return_lse)
+    for name, cu, total, longest in (
+        ("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
+        ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k),
+    ):
+        check_cu_seqlens(name, cu, total, longest, q.device)
+    if cu_seqlens_k.numel() != cu_seqlens_q.numel():
+        raise ValueError(
+            f"cu_seqlens_k has {cu_seqlens_k.numel()} entries, but cu_seqlens_q has "
+            f"{cu_seqlens_q.numel()}: one sequence of keys per sequence of queries"
+        )
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if not use_triton(q) or q.numel() == 0 or k.shape[0] == 0:
+        return attention_varlen_ref(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            causal,
+            scale,
+            window_size=window,
+            softcap=softcap,
+            return_lse=return_lse,
+        )
+    check_kernel_head_dim(q.shape[-1])
+    o, lse = flash_attention_varlen_op(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        int(max_seqlen_q),
+        int(max_seqlen_k),
+        causal,
+        scale,
+        *window,
+        softcap,
+        bool(allow_tf32),
+        bool(deterministic),
+    )
+    return (o, _natural_lse(lse)) if return_lse else o

@@ -1,0 +1,315 @@
+"""`rope_attention`: RoPE and flash attention on a packed q|k|v projection, the model's
+attention in one call, with one gradient buffer.
+
+A fused projection writes q, k and v side by side: qkv (B, T, (Hq + 2 Hkv) * D). RoPE rotates the
+q and k parts in place, attention reads all three through their strides, and the backward writes
+dq, dk (rotated back in place) and dv straight into one gradient of qkv's shape. Autograd built
+from views would instead zero-fill a buffer per view, copy each gradient in and add them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fastlm.backend import use_triton
+from fastlm.kernels._common import check_float, empty
+from fastlm.kernels.attention.backward import attention_backward
+from fastlm.kernels.attention.launch import (
+    Varlen,
+    as_heads,
+    as_packed,
+    check_kernel_head_dim,
+    empty_heads_like,
+)
+from fastlm.kernels.attention.ops import (
+    check_cu_seqlens,
+    check_inputs,
+    flash_attention_op,
+    flash_attention_varlen,
+    flash_attention_varlen_op,
+)
+from fastlm.kernels.attention.reference import attention_ref
+from fastlm.kernels.rope import check_rope_args, check_rotatable, rope_ref
+
+
+@torch.library.custom_op("fastlm::flash_attention_backward_", mutates_args=("dq", "dk", "dv"))
+def _flash_attention_backward_into_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    allow_tf32: bool,
+    deterministic: bool,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int = 0,
+) -> None:
+    """flash_attention's backward written into dq, dk, dv (views of one buffer, say); with
+    cu_seqlens, of packed sequences (self-attention: the same bounds for queries and keys) held
+    as the launchers' (1, H, total, D) views, lse (1, H, total)."""
+    varlen = None if cu_seqlens is None else Varlen(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+    attention_backward(
+        do,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        causal,
+        softmax_scale,
+        allow_tf32,
+        deterministic,
+        out=(dq, dk, dv),
+        varlen=varlen,
+    )
+
+
+@_flash_attention_backward_into_op.register_fake
+def _(do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, deterministic, dq, dk, dv, *packed):
+    return None
+
+
+def split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, packed: bool = False):
+    """q (B, Hq, T, D), k and v (B, Hkv, T, D): views of qkv (B, T, (Hq + 2 Hkv) * D); packed:
+    of its B * T tokens as one row, (1, H, B * T, D)."""
+    if packed:
+        qkv = qkv.view(1, -1, qkv.shape[-1])
+    B, T, width = qkv.shape
+    D = width // (num_heads + 2 * num_kv_heads)
+    q_end, k_end = num_heads * D, (num_heads + num_kv_heads) * D
+    q = qkv[..., :q_end].view(B, T, num_heads, D).transpose(1, 2)
+    k = qkv[..., q_end:k_end].view(B, T, num_kv_heads, D).transpose(1, 2)
+    v = qkv[..., k_end:].view(B, T, num_kv_heads, D).transpose(1, 2)
+    return q, k, v
+
+
+class _PackedRopeAttention(torch.autograd.Function):
+    """RoPE in place on qkv's q and k, then flash attention; the backward fills one dqkv.
+
+    qkv is marked dirty (it holds the rotated q and k afterwards) and returned beside o, as
+    autograd requires of a Function that writes an input; callers use o.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        qkv,
+        cos,
+        sin,
+        positions,
+        num_heads,
+        num_kv_heads,
+        causal,
+        softmax_scale,
+        allow_tf32,
+        deterministic,
+        interleaved,
+        cu_seqlens,
+        max_seqlen,
+    ):
+        packed = cu_seqlens is not None
+        q, k, v = split_heads(qkv, num_heads, num_kv_heads, packed)
+        torch.ops.fastlm.rope_(q, k, cos, sin, positions, interleaved, False)
+        if not packed:
+            o, lse = flash_attention_op(
+                q, k, v, causal, softmax_scale, -1, -1, 0.0, allow_tf32, deterministic
+            )
+        else:  # q, k, v are the packed sequences' (1, H, total, D)
+            o, lse = flash_attention_varlen_op(
+                *(as_packed(t) for t in (q, k, v)),
+                cu_seqlens,
+                cu_seqlens,
+                max_seqlen,
+                max_seqlen,
+                causal,
+                softmax_scale,
+                -1,
+                -1,
+                0.0,
+                allow_tf32,
+                deterministic,
+            )
+            o, lse = as_heads(o), lse[None]  # (1, H, total, D), (1, H, total)
+        ctx.mark_dirty(qkv)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(qkv, o, lse, cos, sin, positions, cu_seqlens)
+        ctx.max_seqlen = max_seqlen or 0  # the op takes an int
+        ctx.args = (
+            num_heads,
+            num_kv_heads,
+            causal,
+            softmax_scale,
+            allow_tf32,
+            deterministic,
+            interleaved,
+        )
+        return o, qkv
+
+    @staticmethod
+    def backward(ctx, do, d_rotated):
+        """do: o's gradient; d_rotated: that of qkv as it is after the call (rotated), when the
+        caller read it again. Both are gradients with respect to the rotated q and k, so they are
+        summed first and rotated back together."""
+        if torch.is_grad_enabled():  # create_graph=True: the kernels' backward has no graph
+            raise RuntimeError(
+                "fastlm.rope_attention: second derivatives are not supported "
+                "(create_graph=True through its backward)"
+            )
+        qkv, o, lse, cos, sin, positions, cu_seqlens = ctx.saved_tensors
+        num_heads, num_kv_heads, causal, softmax_scale, allow_tf32, deterministic, interleaved = (
+            ctx.args
+        )
+        packed = cu_seqlens is not None
+        dqkv = empty(qkv.shape, device=qkv.device, dtype=qkv.dtype)
+        dq, dk, dv = split_heads(dqkv, num_heads, num_kv_heads, packed)
+        if do is None:
+            dqkv.zero_()
+        else:
+            q, k, v = split_heads(qkv, num_heads, num_kv_heads, packed)
+            _flash_attention_backward_into_op(
+                do,
+                q,
+                k,
+                v,
+                o,
+                lse,
+                causal,
+                softmax_scale,
+                allow_tf32,
+                deterministic,
+                dq,
+                dk,
+                dv,
+                cu_seqlens,
+                ctx.max_seqlen,
+            )
+        if d_rotated is not None:
+            dqkv.add_(d_rotated)
+        torch.ops.fastlm.rope_(dq, dk, cos, sin, positions, interleaved, True)
+        return dqkv, *[None] * 12
+
+
+def rope_attention_ref(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    interleaved: bool = True,
+) -> torch.Tensor:
+    """rope_attention's math in PyTorch (rotated copies; qkv is left as it is)."""
+    q, k, v = split_heads(qkv, num_heads, num_kv_heads or num_heads)
+    q = rope_ref(q, cos, sin, positions, interleaved)
+    k = rope_ref(k, cos, sin, positions, interleaved)
+    return attention_ref(q, k, v, causal, softmax_scale)
+
+
+def rope_attention(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    token_positions: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    *,
+    interleaved: bool = True,
+    allow_tf32: bool = True,
+    deterministic: bool = True,
+    check_positions: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+) -> torch.Tensor:
+    """Attention of a fused q|k|v projection with RoPE: the model's attention in one call.
+
+    qkv: (B, T, (Hq + 2 Hkv) * D), the projection's output (q's heads, then k's, then v's);
+    Hkv = num_kv_heads (default num_heads) divides Hq. cos, sin, token_positions, interleaved as in
+    `apply_rope_` (check_positions=False skips the range check of the positions, for a caller
+    that checked them once for all layers); causal, softmax_scale, allow_tf32, deterministic as in
+    `flash_attention`. Returns o (B, Hq, T, D) in (B, T, Hq, D) memory, so that
+    `o.transpose(1, 2).reshape(B, T, Hq * D)` is free.
+
+    With the kernels qkv is rotated in place (it must not be a leaf that requires grad, and must
+    not be read afterwards for its unrotated values), and its gradient is written as one tensor:
+    dq and dk rotated back, and dv, side by side, with no buffers to zero or gradients to add.
+    The PyTorch backend rotates copies and leaves qkv unchanged.
+
+    cu_seqlens, max_seqlen: packed documents, as in `flash_attention_varlen` (self-attention):
+    the B * T tokens, flattened row by row, are split at cu_seqlens; token_positions are then the
+    B * T tokens' positions, (B * T,). Returns o (1, Hq, B * T, D) in (B * T, Hq, D) memory.
+    """
+    check_float("qkv", qkv)
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if qkv.dim() != 3 or qkv.shape[-1] % (num_heads + 2 * num_kv_heads):
+        raise ValueError(
+            f"qkv must be (B, T, (num_heads + 2 * num_kv_heads) * head_dim) = "
+            f"(B, T, {num_heads + 2 * num_kv_heads} * D), got {tuple(qkv.shape)}"
+        )
+    packed = cu_seqlens is not None
+    q, k, v = split_heads(qkv, num_heads, num_kv_heads, packed)
+    check_inputs(q, k, v, causal, softmax_scale)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if packed:
+        max_seqlen = _check_packed_self_attention(cu_seqlens, max_seqlen, q.shape[2], q.device)
+    if not use_triton(qkv):
+        positions = (
+            check_rope_args(q, cos, sin, token_positions) if check_positions else token_positions
+        )
+        if packed:
+            q, k = (rope_ref(t, cos, sin, positions, interleaved) for t in (q, k))
+            o = flash_attention_varlen(
+                *(as_packed(t) for t in (q, k, v)),
+                cu_seqlens,
+                cu_seqlens,
+                max_seqlen,
+                max_seqlen,
+                causal,
+                scale,
+            )
+            return as_heads(o)
+        return rope_attention_ref(
+            qkv, cos, sin, positions, num_heads, num_kv_heads, causal, scale, interleaved
+        )
+    check_kernel_head_dim(q.shape[-1])
+    check_rotatable("qkv", qkv)
+    positions = check_rope_args(q, cos, sin, token_positions, check_values=check_positions)
+    if qkv.numel() == 0:
+        return empty_heads_like(q)
+    return _PackedRopeAttention.apply(
+        qkv,
+        cos.contiguous(),
+        sin.contiguous(),
+        positions,
+        num_heads,
+        num_kv_heads,
+        causal,
+        scale,
+        bool(allow_tf32),
+        bool(deterministic),
+        interleaved,
+        cu_seqlens,
+        max_seqlen,
+    )[0]
+
+
+def _check_packed_self_attention(cu_seqlens, max_seqlen, total: int, device) -> int:
+    """rope_attention's packed sequences checked as flash_attention_varlen's; max_seqlen as an
+    int (default: the total)."""
+    max_seqlen = total if max_seqlen is None else max_seqlen
+    check_cu_seqlens("cu_seqlens", cu_seqlens, total, max_seqlen, device)
+    return int(max_seqlen)

@@ -1,0 +1,105 @@
+"""Attention's math in PyTorch: the PyTorch backend of `flash_attention` and
+`flash_attention_varlen`, and what the tests and benchmarks compare the kernels with."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def _visible_keys(
+    Nq: int, Nk: int, causal: bool, window_size: tuple[int, int], device
+) -> torch.Tensor | None:
+    """(Nq, Nk) bool: query i sees key j iff d - left <= j <= d + right, d = i + Nk - Nq (right
+    = 0 when causal, -1 unbounded); None when every query sees every key."""
+    left, right = window_size
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
+        return None
+    diagonal = torch.arange(Nq, device=device)[:, None] + (Nk - Nq)
+    keys = torch.arange(Nk, device=device)
+    visible = torch.ones(Nq, Nk, dtype=torch.bool, device=device)
+    if right >= 0:
+        visible &= keys <= diagonal + right
+    if left >= 0:
+        visible &= keys >= diagonal - left
+    return visible
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    *,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """flash_attention's math in PyTorch (the PyTorch backend): GQA by repeating k and v, the
+    causal mask aligned to the end. Plain attention goes through scaled_dot_product_attention;
+    a window, a cap or the log-sum-exp through explicit scores (fp32 at least), where a row that
+    sees no key gets output 0 and lse -inf."""
+    Nq, Nk, D = q.shape[2], k.shape[2], q.shape[-1]
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    visible = _visible_keys(Nq, Nk, causal, window_size, q.device)
+    if window_size == (-1, -1) and not softcap and not return_lse and Nk > 0:
+        if not causal or Nq == Nk:  # SDPA's own causal mask is aligned to the start
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=softmax_scale)
+    scale = softmax_scale if softmax_scale is not None else D**-0.5
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, -math.inf)
+    # Rows with no key have max -inf: shift them by 0 instead, so that they sum to 0, not NaN.
+    shift = scores.new_zeros((*scores.shape[:-1], 1))
+    if Nk:
+        row_max = scores.detach().amax(-1, keepdim=True)
+        shift = row_max.masked_fill(row_max == -math.inf, 0.0)
+    e = torch.exp(scores - shift)
+    total = e.sum(-1, keepdim=True)
+    o = ((e / total.clamp_min(torch.finfo(dtype).tiny)) @ v.to(dtype)).to(q.dtype)
+    if not return_lse:
+        return o
+    return o, (torch.log(total) + shift).squeeze(-1)
+
+
+def attention_varlen_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    *,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """flash_attention_varlen's math in PyTorch: `attention_ref` of each sequence on its own (the
+    sequence bounds are read on the host). o (total_q, Hq, D); lse (Hq, total_q)."""
+    outs, lses = [], []
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for q0, q1, k0, k1 in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:]):
+        o, lse = attention_ref(
+            *(t[None].transpose(1, 2) for t in (q[q0:q1], k[k0:k1], v[k0:k1])),
+            causal,
+            softmax_scale,
+            window_size=window_size,
+            softcap=softcap,
+            return_lse=True,
+        )
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+    o = torch.cat(outs)
+    return (o, torch.cat(lses, dim=1)) if return_lse else o
