@@ -423,7 +423,8 @@ class Transformer(nn.Module):
             )
             return positions.expand(B, T).reshape(B * T), max_seqlen
         index = torch.arange(tokens, device=cu_seqlens.device)
-        document = torch.searchsorted(cu_seqlens[1:], index.to(cu_seqlens.dtype), right=True)
+        ends = cu_seqlens[1:].contiguous()  # searchsorted copies a strided one with a warning
+        document = torch.searchsorted(ends, index.to(cu_seqlens.dtype), right=True)
         last = cu_seqlens.numel() - 1  # tokens past the end (a bad cu_seqlens): any position
         positions = index - cu_seqlens[document.clamp(max=last)]
         return positions.clamp(0, self.context_length - 1), max_seqlen

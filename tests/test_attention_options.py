@@ -321,6 +321,47 @@ def test_scores_all_far_below_zero(device, deterministic):
     )
 
 
+@pytest.mark.parametrize("tma", ["0", "1"], ids=["pointer", "descriptor"])
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize(
+    "lens_q,lens_k,causal,window",
+    [
+        ([50, 200], [50, 10], True, (5, 0)),  # 190 queries before the first key
+        ([3, 150, 40], [9, 0, 40], True, (7, 0)),  # a sequence without keys
+        ([120, 70], [5, 70], False, (3, 2)),  # both sides, keys far behind the queries
+    ],
+)
+def test_varlen_window_with_more_queries_than_keys(
+    device, monkeypatch, tma, deterministic, lens_q, lens_k, causal, window
+):
+    """A window whose queries lie a block or more past the sequence's keys: no key range may
+    go below the sequence's first key (another sequence's rows, or memory before the tensor)."""
+    monkeypatch.setenv("FASTLM_ATTENTION_TMA", tma)
+    o, lse = run_varlen(
+        lens_q, lens_k, 2, 1, 16, causal, window, 0.0, torch.float32, device, deterministic
+    )
+    assert torch.isfinite(o).all()
+
+
+@pytest.mark.parametrize("tma", ["0", "1"], ids=["pointer", "descriptor"])
+def test_varlen_reads_cu_seqlens_through_its_strides(device, monkeypatch, tma):
+    """cu_seqlens as a column of a table (stride 2) gives what its contiguous copy gives."""
+    monkeypatch.setenv("FASTLM_ATTENTION_TMA", tma)
+    lens = [5, 70, 1, 30]
+    contiguous = cu_seqlens(lens, device)
+    strided = torch.stack([contiguous, torch.full_like(contiguous, 10**6)], 1)[:, 0]
+    assert strided.stride() == (2,) and torch.equal(strided, contiguous)
+    q, k, v = make((106, 2, 16), (106, 1, 16), torch.float32, device)
+    results = []
+    for cu in (strided, contiguous):
+        o, lse = flash_attention_varlen(
+            q, k, v, cu, cu, 70, 70, window_size=(9, 0), return_lse=True
+        )
+        results.append((o, lse, *torch.autograd.grad(o, (q, k, v), torch.ones_like(o))))
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), *results):
+        assert torch.equal(a, b), f"{name} differs with a strided cu_seqlens"
+
+
 def test_varlen_equals_flash_attention_per_sequence(device):
     """One sequence packed alone is flash_attention of it: the same kernels, bitwise."""
     q, k, v = make((1, 2, 70, 16), (1, 1, 70, 16), torch.float16, device)

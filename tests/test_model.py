@@ -368,16 +368,20 @@ def _cu_seqlens(docs, device):
     return torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], device=device).int()
 
 
-@pytest.mark.parametrize("backend", ["auto", "torch"])
-def test_packed_documents_match_each_document_alone(device, monkeypatch, backend):
+@pytest.mark.parametrize(
+    "backend,strided", [("auto", False), ("auto", True), ("torch", False)], ids=str
+)
+def test_packed_documents_match_each_document_alone(device, monkeypatch, backend, strided):
     """cu_seqlens: each document attends only within itself and is rotated from position 0, so
     the loss and every gradient are the reference's run on each document alone (also on the
-    torch backend)."""
+    torch backend, and with cu_seqlens a strided column of a table)."""
     monkeypatch.setenv("FASTLM_BACKEND", backend)
     model, ref = _pair(device)
     tokens, targets = _tokens(device), _tokens(device)
     targets[0, 4] = -100  # the first document's last target: the next document's first token
     cu = _cu_seqlens(PACKED_DOCS, device)
+    if strided:
+        cu = torch.stack([cu, torch.full_like(cu, 10**6)], 1)[:, 0]
     logits = model(tokens, cu_seqlens=cu)
     expected_logits = _packed_reference(ref, tokens, PACKED_DOCS)
     assert_close(logits.reshape(-1, logits.shape[-1]), expected_logits, torch.float32, "logits")

@@ -148,14 +148,17 @@ def key_range(
     the whole of the key blocks starting in [full_lo, full_hi), no row sees a key outside [lo, hi),
     and the blocks starting in [lo, full_lo) and [full_hi, hi) need the mask. lo, full_lo and
     full_hi are multiples of BLOCK_N; keys outside [lo, hi) are never visited (a window's work is
-    O(window), not O(n_k)). Bounds are clamped at 0 before a division: Triton's rounds to zero."""
+    O(window), not O(n_k)). Bounds are clamped at 0 before a division (Triton's rounds to zero),
+    and a window's hi at 0 too: a block of queries a window or more past a packed sequence's keys
+    (more queries than keys) sees none, and no range may reach below the sequence's first key.
+    Causal without a window, the ranges are empty there already (full_hi >= 0 > hi)."""
     lo = 0
     full_lo = 0
     if HAS_WINDOW:
         first = start_m + causal_shift  # the diagonal of the block's first row
         last = first + BLOCK_M - 1
         lo = tl.maximum(first - window_left, 0) // BLOCK_N * BLOCK_N
-        hi = tl.minimum(last + window_right + 1, n_k)
+        hi = tl.maximum(tl.minimum(last + window_right + 1, n_k), 0)
         full_lo = tl.minimum(tl.cdiv(tl.maximum(last - window_left, 0), BLOCK_N) * BLOCK_N, hi)
         full_hi = tl.maximum(first + window_right + 1, 0)
         full_hi = tl.maximum(tl.minimum(full_hi, n_k) // BLOCK_N * BLOCK_N, full_lo)

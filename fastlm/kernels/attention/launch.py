@@ -63,12 +63,13 @@ class Varlen(NamedTuple):
 
 def sequence_args(q, k, varlen: Varlen | None) -> tuple:
     """(cu_seqlens_q, cu_seqlens_k, sequences, n_q, n_k): what the kernels index by batch. n_q,
-    n_k: the (longest) sequence lengths, which size the grids and the tuning buckets."""
+    n_k: the (longest) sequence lengths, which size the grids and the tuning buckets. The kernels
+    read cu_seqlens as contiguous: a strided view (a column of a table) is copied first."""
     if varlen is None:
         return None, None, q.shape[0], q.shape[2], k.shape[2]
     return (
-        varlen.cu_seqlens_q,
-        varlen.cu_seqlens_k,
+        varlen.cu_seqlens_q.contiguous(),
+        varlen.cu_seqlens_k.contiguous(),
         varlen.cu_seqlens_q.numel() - 1,
         varlen.max_seqlen_q,
         varlen.max_seqlen_k,
