@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from fastlm import flash_attention, flash_attention_varlen
+from fastlm.kernels._common import tl, triton
 from fastlm.kernels.attention import attention_ref, attention_varlen_ref
+from fastlm.kernels.attention.blocks import tanh
 from fastlm.testing import TOLERANCE, assert_close
 
 
@@ -150,6 +152,41 @@ def test_softcap_with_large_scores(device, dtype):
     assert scores.abs().amax() > 500
     o, lse, grads = run_dense(q, k, v, True, (-1, -1), 20.0)
     assert lse.abs().amax() < 20 * math.log2(math.e) + math.log(70) + 1
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("softcap", [1e3, 1e5, 1e6, 1e8, 1e30])
+def test_large_caps_are_exact(device, softcap, deterministic):
+    """A cap far above the scores leaves them as they are: c * tanh(s / c) must be s to fp32
+    rounding for any finite c (a tanh that cancels for small arguments loses digits as c grows).
+    """
+    q, k, v = make((1, 2, 45, 16), (1, 1, 70, 16), torch.float32, device)
+    run_dense(q, k, v, True, (-1, -1), softcap, deterministic=deterministic)
+
+
+@triton.jit
+def _tanh_kernel(X, Y, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y + offs, tanh(tl.load(X + offs, mask=offs < n)), mask=offs < n)
+
+
+def test_triton_tanh_is_exact_to_fp32_rounding(device):
+    """The kernels' tanh against torch.tanh in float64 over the whole float32 range of
+    arguments, tiny ones included: within 3 units in the last place of the float32 result."""
+    magnitudes = torch.cat(
+        [
+            torch.logspace(-38, 1.5, 4000, dtype=torch.float64),
+            torch.linspace(0.0, 1.0, 2001, dtype=torch.float64),
+        ]
+    )
+    x = torch.cat([magnitudes, -magnitudes]).to(torch.float32).to(device)
+    y = torch.full_like(x, math.nan)
+    _tanh_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    ref = torch.tanh(x.double())
+    ulp = torch.finfo(torch.float32).eps * ref.abs().clamp_min(torch.finfo(torch.float32).tiny)
+    worst = ((y.double() - ref).abs() / ulp).max().item()
+    assert worst <= 3.0, f"tanh is {worst:.1f} ulp off"
+    assert torch.equal(torch.sign(y), torch.sign(x)), "tanh keeps the sign (and tanh(0) = 0)"
 
 
 @pytest.mark.parametrize("causal", [True, False])
