@@ -569,9 +569,12 @@ class _GlueRecorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_rope_attention_qkv_read_after_the_call(device):
-    """qkv holds the rotated q and k after the call; a caller that reads it again gets their
-    gradient too (summed with o's and rotated back), as if it had rotated copies itself."""
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_rope_attention_qkv_read_after_the_call(device, monkeypatch, backend):
+    """qkv holds the rotated q and k after the call, on both backends; a caller that reads it
+    again gets their gradient too (summed with o's and rotated back), as if it had rotated
+    copies itself."""
+    monkeypatch.setenv("FASTLM_BACKEND", backend)
     leaf, _ = _packed(2, 21, 2, 2, 16, torch.float32, device)
     cos, sin = rope_tables(10000.0, 16, 64, device=device)
     positions = torch.arange(21, device=device)
@@ -586,6 +589,7 @@ def test_rope_attention_qkv_read_after_the_call(device):
     rotated = [t.transpose(1, 2).reshape(2, 21, -1) for t in (q64, k64)]  # (B, T, H * D)
     qkv64 = torch.cat([*rotated, leaf64[..., 64:]], dim=-1)
     (attention_ref(q64, k64, v64).sum() + (qkv64 * weight.double()).sum()).backward()
+    assert_close(qkv, qkv64, torch.float32, "qkv after the call: q and k rotated in place")
     assert_close(leaf.grad, leaf64.grad, torch.float32, "dqkv with qkv read again")
 
 
@@ -649,6 +653,20 @@ def test_rope_attention_bad_input(device, call, error, message):
     cos, sin = rope_tables(10000.0, 16, 64, device=device)
     with pytest.raises(error, match=message):
         call(qkv, cos, sin, torch.arange(9, device=device))
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_rope_attention_packed_rows_apart_in_memory(device, monkeypatch, backend):
+    """With cu_seqlens the B * T tokens are one sequence: a qkv whose rows are not one after
+    another (a transposed view) is refused by name, not failed inside a view."""
+    monkeypatch.setenv("FASTLM_BACKEND", backend)
+    qkv = torch.randn(9, 2, 6 * 16, device=device).transpose(0, 1)
+    cos, sin = rope_tables(10000.0, 16, 64, device=device)
+    cu = torch.tensor([0, 5, 18], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="qkv has strides .* row b \\+ 1 must follow row b"):
+        rope_attention(qkv, cos, sin, torch.arange(18, device=device), 2, cu_seqlens=cu)
+    o = rope_attention(qkv[:, :5], cos, sin, torch.arange(5, device=device), 2)  # not packed: fine
+    assert o.shape == (2, 2, 5, 16)
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])

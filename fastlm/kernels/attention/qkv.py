@@ -241,10 +241,10 @@ def rope_attention(
     `flash_attention`. Returns o (B, Hq, T, D) in (B, T, Hq, D) memory, so that
     `o.transpose(1, 2).reshape(B, T, Hq * D)` is free.
 
-    With the kernels qkv is rotated in place (it must not be a leaf that requires grad, and must
-    not be read afterwards for its unrotated values), and its gradient is written as one tensor:
-    dq and dk rotated back, and dv, side by side, with no buffers to zero or gradients to add.
-    The PyTorch backend rotates copies and leaves qkv unchanged.
+    qkv's q and k are rotated in place, on both backends (so qkv must not be a leaf that requires
+    grad, and must not be read afterwards for its unrotated values). With the kernels its
+    gradient is written as one tensor: dq and dk rotated back, and dv, side by side, with no
+    buffers to zero or gradients to add.
 
     cu_seqlens, max_seqlen: packed documents, as in `flash_attention_varlen` (self-attention):
     the B * T tokens, flattened row by row, are split at cu_seqlens; token_positions are then the
@@ -261,17 +261,26 @@ def rope_attention(
             f"(B, T, {num_heads + 2 * num_kv_heads} * D), got {tuple(qkv.shape)}"
         )
     packed = cu_seqlens is not None
+    B, T = qkv.shape[:2]
+    if packed and B > 1 and T > 1 and qkv.stride(0) != T * qkv.stride(1):
+        raise ValueError(
+            f"qkv has strides {qkv.stride()}: with cu_seqlens its B * T tokens are one packed "
+            "sequence, so row b + 1 must follow row b in memory (stride(0) == T * stride(1))"
+        )
     q, k, v = split_heads(qkv, num_heads, num_kv_heads, packed)
     check_inputs(q, k, v, causal, softmax_scale)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if packed:
         max_seqlen = _check_packed_self_attention(cu_seqlens, max_seqlen, q.shape[2], q.device)
+    check_rotatable("qkv", qkv)
     if not use_triton(qkv):
         positions = (
             check_rope_args(q, cos, sin, token_positions) if check_positions else token_positions
         )
+        # Rotated in place as the kernels do (autograd tracks the writes into qkv's views).
+        for t in (q, k):
+            t.copy_(rope_ref(t, cos, sin, positions, interleaved))
         if packed:
-            q, k = (rope_ref(t, cos, sin, positions, interleaved) for t in (q, k))
             o = flash_attention_varlen(
                 *(as_packed(t) for t in (q, k, v)),
                 cu_seqlens,
@@ -282,11 +291,8 @@ def rope_attention(
                 scale,
             )
             return as_heads(o)
-        return rope_attention_ref(
-            qkv, cos, sin, positions, num_heads, num_kv_heads, causal, scale, interleaved
-        )
+        return attention_ref(q, k, v, causal, scale)
     check_kernel_head_dim(q.shape[-1])
-    check_rotatable("qkv", qkv)
     positions = check_rope_args(q, cos, sin, token_positions, check_values=check_positions)
     if qkv.numel() == 0:
         return empty_heads_like(q)
