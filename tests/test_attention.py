@@ -1,97 +1,56 @@
-"""flash_attention against float64 attention (fastlm.reference), forward and every gradient.
+"""flash_attention against the float64 reference (`attention_harness`): the output, the
+log-sum-exp and every gradient, plain and with a window, a cap or both, on both backward schedules
+and both forward paths; strides, determinism, masked rows, extreme scores, memory, bad input.
 
-Interpreter block sizes (64x32 forward, 32x64 dK/dV, 64x32 dQ) make 77, 130 and 257 partial-block
-lengths, and causal runs with Nq < Nk put the diagonal anywhere inside a block. Cases with several
-batches, heads and blocks check how each kernel splits its 1-D grid into (block, batch * head).
+Packed sequences are in test_attention_varlen.py, rope_attention in test_rope_attention.py.
 """
 
 import math
 
 import pytest
 import torch
+from attention_harness import (
+    DTYPES,
+    FORWARD_PATHS,
+    NO_WINDOW,
+    AllocationRecorder,
+    CopyRecorder,
+    gradients,
+    make_heads,
+    reference,
+    run_dense,
+    visible,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from fastlm.kernels.attention import (
-    attention_ref,
-    flash_attention,
-    rope_attention,
-    rope_attention_ref,
-    split_heads,
-)
+from fastlm import flash_attention
+from fastlm.kernels._common import tl, triton
+from fastlm.kernels.attention import attention_ref
 from fastlm.kernels.attention.backward import attention_backward
+from fastlm.kernels.attention.blocks import tanh
 from fastlm.kernels.attention.forward import _use_tensor_descriptors, attention_forward
 from fastlm.kernels.attention.launch import empty_heads_like
-from fastlm.kernels.rope import apply_rope_, rope_ref, rope_tables
+from fastlm.kernels.attention.qkv import split_heads
 from fastlm.reference import ScaledDotProductAttention
 from fastlm.testing import TOLERANCE, assert_close
 
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-
-def reference_attention(q, k, v, causal: bool, softmax_scale: float | None = None) -> torch.Tensor:
-    """fastlm.reference attention in float64, with grouped heads repeated and the end-aligned
-    mask."""
-    q, k, v = (t.to(torch.float64) for t in (q, k, v))
-    D, (Nq, Nk) = q.shape[-1], (q.shape[2], k.shape[2])
-    if softmax_scale is not None:  # the reference divides by sqrt(D)
-        q = q * (softmax_scale * math.sqrt(D))
-    group = q.shape[1] // k.shape[1]
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,causal", [(2, 4, 2, 9, 9, True), (1, 2, 1, 5, 12, True)])
+def test_harness_reference_is_fastlm_reference(device, B, Hq, Hkv, Nq, Nk, causal):
+    """The harness's float64 attention is fastlm.reference's ScaledDotProductAttention (the
+    ground truth) on what both compute: grouped heads repeated, the causal mask at the end."""
+    q, k, v = make_heads(B, Hq, Hkv, Nq, Nk, 16, torch.float64, device)
+    o, _ = reference(q, k, v, visible(Nq, Nk, causal), 16**-0.5)
+    group = Hq // Hkv
+    mask = ~visible(Nq, Nk, causal).to(device)
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    mask = None
-    if causal:  # True where masked: query i sees key j <= i + Nk - Nq
-        mask = ~torch.ones(Nq, Nk, dtype=torch.bool, device=q.device).tril(Nk - Nq)
-    return ScaledDotProductAttention()(q, k, v, mask)
+    assert_close(o, ScaledDotProductAttention()(q, k, v, mask), torch.float64, "o")
 
 
-def make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, device, std=1.0):
-    q = (torch.randn(B, Hq, Nq, D, device=device) * std).to(dtype).requires_grad_()
-    k = (torch.randn(B, Hkv, Nk, D, device=device) * std).to(dtype).requires_grad_()
-    v = torch.randn(B, Hkv, Nk, D, device=device).to(dtype).requires_grad_()
-    return q, k, v
-
-
-def run(q, k, v, causal, softmax_scale=None, deterministic=True):
-    """Output and (dq, dk, dv) of flash_attention for a random dO; fp32 asks for full-precision dots
-    so that the fp32 bound also holds on a GPU (TF32 is tested on its own)."""
-    for t in (q, k, v):
-        t.grad = None
-    o = flash_attention(
-        q, k, v, causal, softmax_scale, allow_tf32=False, deterministic=deterministic
-    )
-    do = torch.randn_like(o)
-    o.backward(do)
-    return o, do, (q.grad, k.grad, v.grad)
-
-
-def reference_run(q, k, v, do, causal, softmax_scale=None):
-    q64, k64, v64 = (t.detach().to(torch.float64).requires_grad_() for t in (q, k, v))
-    o = reference_attention(q64, k64, v64, causal, softmax_scale)
-    o.backward(do.to(torch.float64))
-    return o, (q64.grad, k64.grad, v64.grad)
-
-
-def check_against_reference(q, k, v, causal, softmax_scale=None, deterministic=True):
-    o, do, grads = run(q, k, v, causal, softmax_scale, deterministic)
-    ref_o, ref_grads = reference_run(q, k, v, do, causal, softmax_scale)
-    dtype = q.dtype
-    assert o.dtype == dtype and o.shape == q.shape
-    assert_close(o, ref_o, dtype, "o")
-    assert_close(grads[2], ref_grads[2], dtype, "dv")
-    if k.shape[2] == 1:
-        # One key: P = 1 whatever q and k are, so dQ = dK = 0 exactly; only round-off of
-        # dP - Delta (|dO| |v| at most) may remain, scaled by s |k| or s |q|.
-        scale = softmax_scale or q.shape[-1] ** -0.5
-        bound = TOLERANCE[dtype] * scale * do.double().norm() * v.double().norm()
-        assert grads[0].double().norm() <= bound * k.double().norm(), "dq of a single key is not ~0"
-        assert grads[1].double().norm() <= bound * q.double().norm(), "dk of a single key is not ~0"
-    else:
-        assert_close(grads[0], ref_grads[0], dtype, "dq")
-        assert_close(grads[1], ref_grads[1], dtype, "dk")
-    return o, grads
-
+# --------------------------------------------------------------------------------------------
+# Shapes: every N, D and dtype, both schedules
+# --------------------------------------------------------------------------------------------
 
 # (B, Hq, Hkv, Nq, Nk, D, causal, dtype): every N, D and dtype appears, with and without the causal
 # mask, grouped (Hq > Hkv) and multi-query (Hkv = 1) heads, Nq < Nk (decoding, chunked prefill), and
@@ -116,27 +75,25 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("deterministic", [True, False], ids=["two-pass", "atomic-dq"])
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,dtype", CASES)
-def test_matches_reference(device, B, Hq, Hkv, Nq, Nk, D, causal, dtype):
-    check_against_reference(*make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, device), causal)
+def test_matches_reference(device, deterministic, B, Hq, Hkv, Nq, Nk, D, causal, dtype):
+    """Both backward schedules: the dK/dV and dQ passes, and dQ added with atomics."""
+    q, k, v = make_heads(B, Hq, Hkv, Nq, Nk, D, dtype, device)
+    run_dense(q, k, v, causal, deterministic=deterministic)
 
 
-# A subset of CASES through each forward path, forced: every dtype, a padded head dim (80), GQA
-# and MQA, Nq < Nk, rows past a block.
-PATH_CASES = [CASES[i] for i in (1, 2, 3, 7, 8, 11)]
-
-
-@pytest.mark.parametrize("tma", ["1", "0"], ids=["descriptor", "pointer"])
-@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,dtype", PATH_CASES)
-def test_forward_paths_match_reference(
+@pytest.mark.parametrize("tma", FORWARD_PATHS[1:], ids=["other-path"])
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,dtype", [CASES[i] for i in (1, 2, 3, 7, 8, 11)])
+def test_other_forward_path_matches_reference(
     device, monkeypatch, tma, B, Hq, Hkv, Nq, Nk, D, causal, dtype
 ):
-    """FASTLM_ATTENTION_TMA forces the tensor-descriptor forward (1) or the pointer one (0)."""
+    """The forward path the default does not take here (FASTLM_ATTENTION_TMA): every dtype, a
+    padded head dim (80), GQA and MQA, Nq < Nk, rows past a block."""
     monkeypatch.setenv("FASTLM_ATTENTION_TMA", tma)
-    q, k, v = make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, device)
-    o = empty_heads_like(q.detach())
-    assert _use_tensor_descriptors(q, k, v, o) == (tma == "1")
-    check_against_reference(q, k, v, causal)
+    q, k, v = make_heads(B, Hq, Hkv, Nq, Nk, D, dtype, device)
+    assert _use_tensor_descriptors(q, k, v, empty_heads_like(q.detach())) == (tma == "1")
+    run_dense(q, k, v, causal)
 
 
 def test_descriptor_forward_reads_packed_qkv_in_place(device, monkeypatch):
@@ -158,24 +115,139 @@ def test_descriptor_forward_reads_packed_qkv_in_place(device, monkeypatch):
     assert not _use_tensor_descriptors(q, k, v, empty_heads_like(q))
 
 
-@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,dtype", CASES)
-def test_atomic_dq_schedule_matches_reference(device, B, Hq, Hkv, Nq, Nk, D, causal, dtype):
-    """deterministic=False: dQ added with atomics inside the dK/dV pass, on every shape case."""
-    check_against_reference(
-        *make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, device), causal, deterministic=False
-    )
-
-
+@pytest.mark.parametrize("tma", FORWARD_PATHS, ids=["default-path", "other-path"])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("tma", ["1", "0"], ids=["descriptor", "pointer"])
 @pytest.mark.parametrize("scale", [0.3, -0.3, 0.0])
 def test_softmax_scale(device, monkeypatch, causal, tma, scale):
     """A positive scale takes the row max of the unscaled scores; zero and negative ones scale
     first (the max would not commute with them)."""
+    if tma is not None:
+        monkeypatch.setenv("FASTLM_ATTENTION_TMA", tma)
+    q, k, v = make_heads(1, 2, 1, 77, 130, 32, torch.float32, device)
+    run_dense(q, k, v, causal, scale=scale)
+
+
+# --------------------------------------------------------------------------------------------
+# A window, a cap, the log-sum-exp
+# --------------------------------------------------------------------------------------------
+
+# (B, Hq, Hkv, Nq, Nk, D, causal, window, softcap, dtype): windows of 3 and 5 fit inside a block,
+# 40 and 100 span several, and key blocks wholly outside every window are never read.
+WINDOW_CASES = [
+    (1, 2, 1, 70, 70, 16, True, (3, 0), 0.0, torch.float32),  # window inside a block
+    (1, 2, 2, 70, 70, 32, True, (40, -1), 0.0, torch.float16),  # spans blocks, right from causal
+    (2, 2, 1, 45, 70, 16, True, (5, 0), 5.0, torch.float32),  # Nq < Nk, capped
+    (1, 4, 2, 67, 67, 16, False, (5, 17), 0.0, torch.float32),  # both sides, non-causal
+    (1, 2, 2, 70, 70, 24, False, (-1, 9), 2.0, torch.bfloat16),  # right only, capped
+    (1, 2, 1, 33, 70, 16, False, (100, 0), 0.0, torch.float16),  # window wider than the keys
+    (1, 2, 2, 70, 70, 16, False, (0, 2), 0.0, torch.float32),  # itself and the next two
+    (1, 3, 1, 70, 70, 16, True, (-1, -1), 1.5, torch.float32),  # cap alone, causal
+    (1, 2, 2, 17, 40, 32, False, (-1, -1), 3.0, torch.float16),  # cap alone, full
+]
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["two-pass", "atomic-dq"])
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,window,softcap,dtype", WINDOW_CASES)
+def test_window_softcap_lse_match_reference(
+    device, deterministic, B, Hq, Hkv, Nq, Nk, D, causal, window, softcap, dtype
+):
+    q, k, v = make_heads(B, Hq, Hkv, Nq, Nk, D, dtype, device)
+    run_dense(q, k, v, causal, window, softcap, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("tma", FORWARD_PATHS[1:], ids=["other-path"])
+@pytest.mark.parametrize("case", [WINDOW_CASES[i] for i in (0, 2, 3, 4)])
+def test_window_softcap_other_forward_path(device, monkeypatch, tma, case):
     monkeypatch.setenv("FASTLM_ATTENTION_TMA", tma)
-    check_against_reference(
-        *make_inputs(1, 2, 1, 77, 130, 32, torch.float32, device), causal, softmax_scale=scale
+    B, Hq, Hkv, Nq, Nk, D, causal, window, softcap, dtype = case
+    run_dense(*make_heads(B, Hq, Hkv, Nq, Nk, D, dtype, device), causal, window, softcap)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_softcap_with_large_scores(device, dtype):
+    """Scores of ~1e3 capped at 20: accurate, finite, and tanh saturates without overflow."""
+    q, k, v = make_heads(1, 2, 2, 70, 70, 32, dtype, device, std=1000**0.5 / 32**0.25)
+    with torch.no_grad():
+        scores = (q.double() @ k.double().transpose(-1, -2)) * 32**-0.5
+    assert scores.abs().amax() > 500
+    o, lse, grads = run_dense(q, k, v, True, NO_WINDOW, 20.0)
+    assert lse.abs().amax() < 20 * math.log2(math.e) + math.log(70) + 1
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["two-pass", "atomic-dq"])
+@pytest.mark.parametrize("softcap", [1e3, 1e5, 1e6, 1e8, 1e30])
+def test_large_caps_are_exact(device, softcap, deterministic):
+    """A cap far above the scores leaves them as they are: c * tanh(s / c) must be s to fp32
+    rounding for any finite c (a tanh that cancels for small arguments loses digits as c grows).
+    """
+    q, k, v = make_heads(1, 2, 1, 45, 70, 16, torch.float32, device)
+    run_dense(q, k, v, True, NO_WINDOW, softcap, deterministic=deterministic)
+
+
+@triton.jit
+def _tanh_kernel(X, Y, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y + offs, tanh(tl.load(X + offs, mask=offs < n)), mask=offs < n)
+
+
+def test_triton_tanh_is_exact_to_fp32_rounding(device):
+    """The kernels' tanh against torch.tanh in float64 over the whole float32 range of
+    arguments, tiny ones included: within 3 units in the last place of the float32 result."""
+    magnitudes = torch.cat(
+        [
+            torch.logspace(-38, 1.5, 4000, dtype=torch.float64),
+            torch.linspace(0.0, 1.0, 2001, dtype=torch.float64),
+        ]
     )
+    x = torch.cat([magnitudes, -magnitudes]).to(torch.float32).to(device)
+    y = torch.full_like(x, math.nan)
+    _tanh_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    ref = torch.tanh(x.double())
+    ulp = torch.finfo(torch.float32).eps * ref.abs().clamp_min(torch.finfo(torch.float32).tiny)
+    worst = ((y.double() - ref).abs() / ulp).max().item()
+    assert worst <= 3.0, f"tanh is {worst:.1f} ulp off"
+    assert torch.equal(torch.sign(y), torch.sign(x)), "tanh keeps the sign (and tanh(0) = 0)"
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_lse_is_logsumexp_of_the_scores(device, causal):
+    """return_lse without window or cap: torch.logsumexp of the scaled, masked scores."""
+    q, k, v = make_heads(2, 2, 1, 50, 70, 16, torch.float32, device)
+    o, lse = flash_attention(q, k, v, causal, 0.3, return_lse=True, allow_tf32=False)
+    assert lse.shape == (2, 2, 50) and lse.dtype == torch.float32 and not lse.requires_grad
+    scores = 0.3 * q.detach().double() @ k.detach().double().transpose(-1, -2)
+    if causal:
+        scores = scores.masked_fill(~torch.ones(50, 70, dtype=torch.bool).tril(20), -math.inf)
+    assert_close(lse, torch.logsumexp(scores, -1), torch.float32, "lse")
+    assert torch.equal(o, flash_attention(q, k, v, causal, 0.3, allow_tf32=False))
+
+
+def test_keys_outside_every_window_are_never_read(device):
+    """Keys and values below every query's window are NaN: read by any kernel they would reach
+    the output (0 * NaN) or the gradients. Their dK and dV are exactly 0."""
+    Nq, Nk, left, D = 20, 300, 10, 16  # the first query sees keys from 270; 256 = 2 * 128
+    q, k, v = make_heads(1, 2, 1, Nq, Nk, D, torch.float32, device)
+    with torch.no_grad():
+        k[:, :, :256] = math.nan
+        v[:, :, :256] = math.nan
+    for deterministic in (True, False):
+        o, lse = flash_attention(
+            q, k, v, window_size=(left, 0), return_lse=True, deterministic=deterministic
+        )
+        dq, dk, dv = torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
+        for name, t in (("o", o), ("lse", lse), ("dq", dq), ("dk", dk[:, :, 256:])):
+            assert torch.isfinite(t).all(), f"{name} read keys outside every window"
+        assert torch.equal(dk[:, :, :256], torch.zeros_like(dk[:, :, :256]))
+        assert torch.equal(dv[:, :, :256], torch.zeros_like(dv[:, :, :256]))
+    k64, v64 = (t.detach().double()[:, :, -40:] for t in (k, v))  # every key a query sees
+    ref_o, ref_lse = reference(q.detach(), k64, v64, visible(Nq, 40, True, (left, 0)), D**-0.5)
+    assert_close(o, ref_o, torch.float32, "o")
+    assert_close(lse, ref_lse, torch.float32, "lse")
+
+
+# --------------------------------------------------------------------------------------------
+# Extreme scores, masked rows
+# --------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -187,20 +259,22 @@ def test_large_scores_do_not_overflow(device, dtype):
     cancel, s * (P * (|dP| + |Delta|)) |K| (and likewise for dK), not to the tiny result.
     """
     D, scale = 64, 64**-0.5
-    q, k, v = make_inputs(1, 2, 2, 77, 77, D, dtype, device, std=1000**0.5)
-    o, do, grads = run(q, k, v, causal=True)
-    ref_o, ref_grads = reference_run(q, k, v, do, causal=True)
+    q, k, v = make_heads(1, 2, 2, 77, 77, D, dtype, device, std=1000**0.5)
+    o = flash_attention(q, k, v, causal=True)
+    do = torch.randn_like(o)
+    grads = gradients(o, (q, k, v), do)
+    q64, k64, v64, do64 = (t.detach().double() for t in (q, k, v, do))
+    leaves = [t.clone().requires_grad_() for t in (q64, k64, v64)]
+    ref_o, _ = reference(*leaves, visible(77, 77, True), scale)
+    ref_grads = gradients(ref_o, leaves, do64)
     assert_close(o, ref_o, dtype, "o")
     assert_close(grads[2], ref_grads[2], dtype, "dv")
 
-    q64, k64, v64, do64 = (t.detach().double() for t in (q, k, v, do))
     scores = scale * q64 @ k64.transpose(-1, -2)
     assert scores.abs().amax() > 1000
-    p = scores.masked_fill(
-        ~torch.ones(77, 77, dtype=torch.bool, device=device).tril(), -math.inf
-    ).softmax(-1)
+    p = scores.masked_fill(~visible(77, 77, True).to(device), -math.inf).softmax(-1)
     dp = do64 @ v64.transpose(-1, -2)
-    delta = (ref_o * do64).sum(-1, keepdim=True)
+    delta = (ref_o.detach() * do64).sum(-1, keepdim=True)
     cancelling = scale * p * (dp.abs() + delta.abs())
     for name, grad, ref_grad, magnitude in (
         ("dq", grads[0], ref_grads[0], cancelling @ k64.abs()),
@@ -215,52 +289,62 @@ def test_large_scores_do_not_overflow(device, dtype):
         )
 
 
-class _CopyRecorder(TorchDispatchMode):
-    """The ops that read `base`'s memory into other memory while active: clone (`.contiguous()`),
-    copy_, _to_copy and the like. Not recorded: views of `base` (they return its own memory),
-    factories like new_empty (they read only its dtype and device; the interpreter's launch uses
-    it),
-    and fastlm's own ops, which a dispatch mode sees whole: what runs inside them (the launchers) is
-    recorded by calling the launchers directly."""
+@pytest.mark.parametrize("deterministic", [True, False], ids=["two-pass", "atomic-dq"])
+def test_fully_masked_rows_give_zeros(device, deterministic):
+    """The public function rejects Nq > Nk; the kernels, given it, mask every key for the first
+    Nq - Nk queries (they would see keys j <= i - (Nq - Nk) < 0). Those rows must be 0, not NaN,
+    and the others ordinary attention of the last Nk queries."""
+    Nq, Nk, D = 77, 40, 16
+    q, k, v = (t.detach() for t in make_heads(1, 2, 1, Nq, Nk, D, torch.float32, device))
+    o, lse = attention_forward(q, k, v, True, D**-0.5, False)
+    do = torch.randn_like(o)
+    dq, dk, dv = attention_backward(do, q, k, v, o, lse, True, D**-0.5, False, deterministic)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_o, _ = reference(*leaves, visible(Nq, Nk, True), D**-0.5)
+    assert ref_o[:, :, : Nq - Nk].abs().max() == 0
+    ref_grads = gradients(ref_o, leaves, do.double())
+    for name, out, ref in zip(("o", "dq", "dk", "dv"), (o, dq, dk, dv), (ref_o, *ref_grads)):
+        assert_close(out, ref, torch.float32, name)
+    assert torch.equal(o[:, :, : Nq - Nk], torch.zeros_like(o[:, :, : Nq - Nk]))
+    assert torch.equal(dq[:, :, : Nq - Nk], torch.zeros_like(dq[:, :, : Nq - Nk]))
 
-    def __init__(self, base: torch.Tensor):
-        super().__init__()
-        self.base_ptr = base.untyped_storage().data_ptr()
-        self.copies = []
 
-    def _in_base(self, t) -> bool:
-        return isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == self.base_ptr
+@pytest.mark.parametrize("deterministic", [True, False], ids=["two-pass", "atomic-dq"])
+@pytest.mark.parametrize(
+    "causal,window", [(False, NO_WINDOW), (True, NO_WINDOW), (False, (5, 100))], ids=str
+)
+def test_scores_all_far_below_zero(device, causal, window, deterministic):
+    """Every score about -100: the LSE is too, and 2^(0 - LSE) overflows (base 2: 0 + 144). The
+    key rows past Nk in the last (partial) key block are zeros with score 0; unmasked, their P =
+    inf times k = 0 put a NaN into the atomic dQ. Nk = 77 leaves a partial key block at every
+    block size; a window reaching past the keys too. The offset is the same for every pair
+    (first channel 20 in q, -20 in k), so the softmax is as well conditioned as without it."""
+    q, k, v = make_heads(1, 2, 1, 40, 77, 16, torch.float32, device)
+    with torch.no_grad():
+        q[..., 0] = 20.0
+        k[..., 0] = -20.0  # s * -400 = -100
+    run_dense(q, k, v, causal, window, deterministic=deterministic)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        reads_base = any(self._in_base(t) for t in tree_leaves((args, kwargs)))
-        factory = name.startswith("new_") or name.endswith("_like")
-        if (
-            reads_base
-            and not factory
-            and func.namespace != "fastlm"
-            and not any(self._in_base(t) for t in tree_leaves(out))
-        ):
-            self.copies.append(str(func))
-        return out
+
+# --------------------------------------------------------------------------------------------
+# Strides, determinism, memory
+# --------------------------------------------------------------------------------------------
 
 
 def test_strided_inputs_need_no_copy(device):
     """q, k, v as slices of one fused (B, N, 3, H, D) projection viewed as (B, H, N, D), and head
-    dims
-    with stride 4, are read in place: no torch op copies their memory, forward or backward (the
-    kernels get the strides). The results are bitwise those of contiguous copies."""
+    dims with stride 4, are read in place: no torch op copies their memory, forward or backward
+    (the kernels get the strides). The results are bitwise those of contiguous copies."""
     B, N, H, D = 2, 77, 2, 32
     qkv = torch.randn(B, N, 3, H, D, device=device, dtype=torch.float16, requires_grad=True)
     q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, N, D), token-major memory
     do = torch.randn(B, N, H, D, device=device, dtype=torch.float16).transpose(1, 2)
-    with _CopyRecorder(qkv) as recorder:
+    with CopyRecorder(qkv) as recorder:
         o = flash_attention(q, k, v, causal=True)
         (dqkv,) = torch.autograd.grad(o, qkv, do)
     assert not recorder.copies, f"q, k, v were copied by {recorder.copies}"
     assert o.transpose(1, 2).is_contiguous(), "o should keep q's [B, N, H, D] memory layout"
-    with torch.no_grad(), _CopyRecorder(qkv) as recorder:  # inside the ops: the launchers
+    with torch.no_grad(), CopyRecorder(qkv) as recorder:  # inside the ops: the launchers
         o_launched, lse = attention_forward(q, k, v, True, D**-0.5, True)
         for deterministic in (True, False):
             attention_backward(do, q, k, v, o_launched, lse, True, D**-0.5, True, deterministic)
@@ -276,20 +360,16 @@ def test_strided_inputs_need_no_copy(device):
     wide = torch.randn(1, 2, 130, 4 * D, device=device)
     q, k, v = wide[..., 0::4], wide[..., 1::4], wide[..., 2::4]
     assert q.stride(-1) == 4
-    with _CopyRecorder(wide) as recorder:
+    with CopyRecorder(wide) as recorder:
         o = flash_attention(q, k, v, causal=False, allow_tf32=False)
         attention_forward(q, k, v, False, D**-0.5, False)
     assert not recorder.copies, f"q, k, v with strided head dims were copied by {recorder.copies}"
-    assert torch.equal(
-        o,
-        flash_attention(
-            q.contiguous(), k.contiguous(), v.contiguous(), causal=False, allow_tf32=False
-        ),
-    )
+    contiguous = (t.contiguous() for t in (q, k, v))
+    assert torch.equal(o, flash_attention(*contiguous, causal=False, allow_tf32=False))
 
 
 def test_backward_is_deterministic(device):
-    q, k, v = make_inputs(1, 4, 2, 130, 130, 32, torch.float16, device)
+    q, k, v = make_heads(1, 4, 2, 130, 130, 32, torch.float16, device)
     o = flash_attention(q, k, v, causal=True, deterministic=True)
     do = torch.randn_like(o)
     first = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
@@ -298,64 +378,8 @@ def test_backward_is_deterministic(device):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("deterministic", [True, False])
-def test_fully_masked_rows_give_zeros(device, deterministic):
-    """The public function rejects Nq > Nk; the kernels, given it, mask every key for the first
-    Nq - Nk queries (they would see keys j <= i - (Nq - Nk) < 0). Those rows must be 0, not NaN."""
-    Nq, Nk, D = 77, 40, 16
-    q, k, v = make_inputs(1, 2, 1, Nq, Nk, D, torch.float32, device)
-    scale = D**-0.5
-    o, lse = attention_forward(q.detach(), k.detach(), v.detach(), True, scale, False)
-    do = torch.randn_like(o)
-    dq, dk, dv = attention_backward(
-        do, q.detach(), k.detach(), v.detach(), o, lse, True, scale, False, deterministic
-    )
-    hidden = Nq - Nk
-    assert torch.equal(o[:, :, :hidden], torch.zeros_like(o[:, :, :hidden]))
-    assert torch.equal(dq[:, :, :hidden], torch.zeros_like(dq[:, :, :hidden]))
-    # The other rows are ordinary attention of the last Nk queries.
-    q_seen = q[:, :, hidden:]
-    ref_o, (ref_dq, ref_dk, ref_dv) = reference_run(q_seen, k, v, do[:, :, hidden:], causal=True)
-    assert_close(o[:, :, hidden:], ref_o, torch.float32, "o")
-    assert_close(dq[:, :, hidden:], ref_dq, torch.float32, "dq")
-    assert_close(dk, ref_dk, torch.float32, "dk")
-    assert_close(dv, ref_dv, torch.float32, "dv")
-
-
-@pytest.mark.parametrize("deterministic", [True, False])
-@pytest.mark.parametrize("causal", [False, True])
-def test_scores_all_far_below_zero(device, causal, deterministic):
-    """Every score about -100: the LSE is too, and 2^(0 - LSE) overflows (base 2: 0 + 144). The
-    key rows past Nk in the last (partial) key block are zeros with score 0; unmasked, their P =
-    inf times k = 0 put a NaN into the atomic dQ. Nk = 77 leaves a partial key block at every
-    block size. The offset is the same for every pair (first channel 20 in q, -20 in k), so the
-    softmax is as well conditioned as without it."""
-    Nq, Nk, D = 40, 77, 16
-    q, k, v = make_inputs(1, 2, 1, Nq, Nk, D, torch.float32, device)
-    with torch.no_grad():
-        q[..., 0] = 20.0
-        k[..., 0] = -20.0  # s * -400 = -100
-    check_against_reference(q, k, v, causal, deterministic=deterministic)
-
-
-class _AllocationRecorder(TorchDispatchMode):
-    """Bytes of every distinct storage that a torch op returns while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.storages = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                self.storages[storage.data_ptr()] = storage.nbytes()
-        return out
-
-
 def _bytes_touched(device, N: int, causal: bool) -> tuple[int, int]:
-    q, k, v = make_inputs(1, 2, 1, N, N, 16, torch.float16, device)
+    q, k, v = make_heads(1, 2, 1, N, N, 16, torch.float16, device)
     do = torch.randn(1, 2, N, 16, device=device, dtype=torch.float16)
 
     def forward_backward():
@@ -364,7 +388,7 @@ def _bytes_touched(device, N: int, causal: bool) -> tuple[int, int]:
     # Once outside the recorder: on CUDA the first call autotunes, and the autotuner's timing
     # allocates a 256 MiB buffer (to flush L2) that is not the kernels' memory.
     forward_backward()
-    with _AllocationRecorder() as recorder:
+    with AllocationRecorder() as recorder:
         forward_backward()
     return sum(recorder.storages.values()), max(recorder.storages.values())
 
@@ -372,10 +396,9 @@ def _bytes_touched(device, N: int, causal: bool) -> tuple[int, int]:
 @pytest.mark.parametrize("causal", [True, False])
 def test_memory_is_linear_in_sequence_length(device, causal):
     """Every tensor the forward and backward allocate (outputs, log-sum-exp, Delta, the
-    interpreter's
-    copies) grows like N: doubling N doubles the bytes. One (N x N) fp32 score matrix for the two
-    heads would add 2 * N^2 * 4 bytes, at N = 128 already 2.5x all the linear tensors together (the
-    check then fails with a 3.4x growth)."""
+    interpreter's copies) grows like N: doubling N doubles the bytes. One (N x N) fp32 score
+    matrix for the two heads would add 2 * N^2 * 4 bytes, at N = 128 already 2.5x all the linear
+    tensors together (the check then fails with a 3.4x growth)."""
     N = 128
     total, largest = _bytes_touched(device, N, causal)
     total_2n, largest_2n = _bytes_touched(device, 2 * N, causal)
@@ -397,11 +420,14 @@ def test_memory_is_linear_in_sequence_length(device, causal):
 )
 def test_fuzz_shapes(batch, kv_heads, group, n_k, q_fraction, head_dim, causal, dtype):
     n_q = max(1, round(q_fraction * n_k))
-    device = (
-        "cuda" if torch.cuda.is_available() else "cpu"
-    )  # hypothesis refuses function-scoped fixtures
-    inputs = make_inputs(batch, kv_heads * group, kv_heads, n_q, n_k, head_dim, dtype, device)
-    check_against_reference(*inputs, causal)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # hypothesis refuses fixtures
+    q, k, v = make_heads(batch, kv_heads * group, kv_heads, n_q, n_k, head_dim, dtype, device)
+    run_dense(q, k, v, causal)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input; the PyTorch backend
+# --------------------------------------------------------------------------------------------
 
 
 def _heads(B=1, H=2, N=8, D=16, **kwargs):
@@ -427,6 +453,15 @@ BAD_INPUTS = [
     (dict(q=_heads(D=264), k=_heads(D=264), v=_heads(D=264)), ValueError, "head dim 264"),
     (dict(causal="yes"), TypeError, "causal must be a bool"),
     (dict(softmax_scale="0.1"), TypeError, "softmax_scale must be a real number"),
+    (dict(window_size=(-2, -1)), ValueError, "-1 \\(unbounded\\) or at least 0"),
+    (dict(window_size=(4, -3)), ValueError, "-1 \\(unbounded\\) or at least 0"),
+    (dict(window_size=(4, 2)), ValueError, "window_size\\[1\\] is 2, but with causal=True"),
+    (dict(window_size=4), TypeError, "window_size must be a pair of ints"),
+    (dict(window_size=(1.5, 0)), TypeError, "window_size must be a pair of ints"),
+    (dict(softcap=-1.0), ValueError, "softcap must be 0 \\(off\\) or a positive finite"),
+    (dict(softcap=math.inf), ValueError, "softcap must be 0 \\(off\\) or a positive finite"),
+    (dict(softcap="1"), TypeError, "softcap must be a real number"),
+    (dict(return_lse=1), TypeError, "return_lse must be a bool"),
 ]
 
 
@@ -437,26 +472,45 @@ def test_bad_input_is_named(overrides, error, message):
         flash_attention(**args)
 
 
-@pytest.mark.parametrize("Nq,Nk,causal", [(77, 130, True), (77, 77, True), (33, 64, False)])
-def test_torch_backend_same_math(device, monkeypatch, Nq, Nk, causal):
+@pytest.mark.parametrize(
+    "Nq,Nk,causal,window,softcap",
+    [
+        (77, 130, True, NO_WINDOW, 0.0),
+        (77, 77, True, NO_WINDOW, 0.0),
+        (33, 64, False, NO_WINDOW, 0.0),
+        (30, 41, True, (5, 0), 0.0),
+        (30, 41, False, (3, 7), 2.0),
+        (30, 41, True, NO_WINDOW, 3.0),
+    ],
+)
+def test_torch_backend_same_math(device, monkeypatch, Nq, Nk, causal, window, softcap):
+    """FASTLM_BACKEND=torch: attention_ref, through SDPA for plain attention and explicit scores
+    for a window, a cap or the log-sum-exp."""
     monkeypatch.setenv("FASTLM_BACKEND", "torch")
-    q, k, v = make_inputs(2, 4, 2, Nq, Nk, 32, torch.float32, device)
-    o = flash_attention(q, k, v, causal, softmax_scale=0.2)
-    do = torch.randn_like(o)
-    o.backward(do)
-    ref_o, ref_grads = reference_run(q, k, v, do, causal, softmax_scale=0.2)
-    assert_close(o, ref_o, torch.float32, "o")
-    for name, grad, ref_grad in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), ref_grads):
-        assert_close(grad, ref_grad, torch.float32, name)
+    q, k, v = make_heads(2, 4, 2, Nq, Nk, 12, torch.float32, device)
+    run_dense(q, k, v, causal, window, softcap, scale=0.2)
+
+
+def test_torch_backend_sdpa_path_equals_explicit_scores(device):
+    """attention_ref's SDPA path (plain attention) equals its explicit path (taken for lse)."""
+    q, k, v = (torch.randn(1, 2, 20, 8, device=device, dtype=torch.float64) for _ in range(3))
+    o, lse = attention_ref(q, k, v, True, return_lse=True)
+    assert_close(o, attention_ref(q, k, v, True), torch.float64, "o")
+    ref_o, ref_lse = reference(q, k, v, visible(20, 20, True), 8**-0.5)
+    assert_close(lse, ref_lse, torch.float64, "lse")
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA only
+# --------------------------------------------------------------------------------------------
 
 
 @pytest.mark.cuda
 def test_fp32_tf32_and_full_precision(device):
     """fp32 dots run as TF32 by default (10-bit mantissa like fp16, so fp16's bound);
-    allow_tf32=False
-    gives full fp32 accuracy."""
-    q, k, v = make_inputs(2, 4, 2, 257, 257, 64, torch.float32, device)
-    ref = reference_attention(q, k, v, True)
+    allow_tf32=False gives full fp32 accuracy."""
+    q, k, v = make_heads(2, 4, 2, 257, 257, 64, torch.float32, device)
+    ref, _ = reference(q.detach(), k.detach(), v.detach(), visible(257, 257, True), 64**-0.5)
     assert_close(flash_attention(q, k, v), ref, torch.float16, "o (tf32)")
     assert_close(flash_attention(q, k, v, allow_tf32=False), ref, torch.float32, "o (ieee)")
 
@@ -464,15 +518,16 @@ def test_fp32_tf32_and_full_precision(device):
 @pytest.mark.cuda
 def test_more_batch_heads_than_cuda_grid_axes_1_and_2_hold(device):
     """B * H = 65600 batch-heads, more than CUDA's 65535 cap on grid axes 1 and 2: the kernels
-    launch
-    because their grids are 1-D. The batches past the cap are also checked on their own, so an error
-    there cannot hide in the norm of the whole tensor."""
+    launch because their grids are 1-D. The batches past the cap are also checked on their own,
+    so an error there cannot hide in the norm of the whole tensor."""
     B, H, N, D = 4100, 16, 16, 16
-    q, k, v = make_inputs(
-        B, H, H, N, N, D, torch.float16, device
-    )  # Hkv = H: dK/dV's grid is as large
-    o, do, grads = run(q, k, v, causal=True)
-    ref_o, ref_grads = reference_run(q, k, v, do, causal=True)
+    q, k, v = make_heads(B, H, H, N, N, D, torch.float16, device)  # Hkv = H: dK/dV's grid too
+    o = flash_attention(q, k, v, causal=True)
+    do = torch.randn_like(o)
+    grads = gradients(o, (q, k, v), do)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_o, _ = reference(*leaves, visible(N, N, True), D**-0.5)
+    ref_grads = gradients(ref_o, leaves, do.double())
     past_cap = slice(65535 // H, None)
     for name, out, ref in zip(("o", "dq", "dk", "dv"), (o, *grads), (ref_o, *ref_grads)):
         assert_close(out, ref, torch.float16, name)
@@ -484,7 +539,7 @@ def test_more_batch_heads_than_cuda_grid_axes_1_and_2_hold(device):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_torch_compile(device, dtype):
-    q, k, v = make_inputs(2, 8, 2, 1000, 1000, 128, dtype, device)
+    q, k, v = make_heads(2, 8, 2, 1000, 1000, 128, dtype, device)
 
     def attend(q, k, v):
         return flash_attention(q, k, v, causal=True).float().square().sum()
@@ -493,222 +548,3 @@ def test_torch_compile(device, dtype):
     compiled_grads = torch.autograd.grad(torch.compile(attend, fullgraph=True)(q, k, v), (q, k, v))
     for eager, compiled in zip(eager_grads, compiled_grads):
         assert_close(compiled, eager, dtype)
-
-
-# --------------------------------------------------------------------------------------------
-# rope_attention: the packed q|k|v projection with RoPE, one gradient buffer
-# --------------------------------------------------------------------------------------------
-
-
-def _packed(B, T, Hq, Hkv, D, dtype, device):
-    """A projection output qkv (B, T, (Hq + 2 Hkv) D), a non-leaf as a GEMM's output is."""
-    weight = torch.randn((Hq + 2 * Hkv) * D, 24, device=device, dtype=torch.float64) / 5
-    x = torch.randn(B, T, 24, device=device, dtype=torch.float64)
-    return (x @ weight.T).to(dtype).detach().requires_grad_(), weight
-
-
-@pytest.mark.parametrize(
-    "Hq,Hkv,D,T,interleaved,dtype",
-    [
-        (2, 2, 16, 37, True, torch.float32),
-        (4, 2, 32, 77, True, torch.bfloat16),
-        (4, 1, 16, 64, False, torch.float16),
-        (2, 2, 32, 1, True, torch.float32),
-    ],
-)
-def test_rope_attention_matches_reference(device, Hq, Hkv, D, T, interleaved, dtype):
-    """o and the gradient of the projection output against float64 RoPE + attention, with
-    positions offset per sequence; dqkv is one poisoned buffer, so an unwritten part shows."""
-    B = 2
-    leaf, _ = _packed(B, T, Hq, Hkv, D, dtype, device)
-    qkv = leaf * 1  # rotated in place: a computed tensor, not the leaf
-    cos, sin = rope_tables(10000.0, D, 200, device=device)
-    positions = torch.arange(T, device=device) + torch.tensor([[3], [50]], device=device)
-    o = rope_attention(qkv, cos, sin, positions, Hq, Hkv, interleaved=interleaved)
-    assert o.shape == (B, Hq, T, D) and o.transpose(1, 2).is_contiguous()
-    do = torch.randn_like(o)
-    o.backward(do)
-
-    leaf64 = leaf.detach().double().requires_grad_()
-    o64 = rope_attention_ref(
-        leaf64, cos.double(), sin.double(), positions, Hq, Hkv, interleaved=interleaved
-    )
-    o64.backward(do.double())
-    assert_close(o, o64, dtype, "o")
-    assert leaf.grad.dtype == dtype
-    assert_close(leaf.grad, leaf64.grad, dtype, "dqkv")
-
-
-class _GlueRecorder(TorchDispatchMode):
-    """The aten ops outside fastlm's own that move data: what autograd adds around views."""
-
-    GLUE = {
-        "zeros",
-        "zero_",
-        "fill_",
-        "copy_",
-        "add",
-        "add_",
-        "select_backward",
-        "slice_backward",
-        "clone",
-        "_to_copy",
-        "cat",
-        "stack",
-        "new_zeros",
-        "index_put_",
-    }
-
-    def __init__(self):
-        super().__init__()
-        self.glue = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in self.GLUE:
-            self.glue.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
-@pytest.mark.parametrize("backend", ["auto", "torch"])
-def test_rope_attention_qkv_read_after_the_call(device, monkeypatch, backend):
-    """qkv holds the rotated q and k after the call, on both backends; a caller that reads it
-    again gets their gradient too (summed with o's and rotated back), as if it had rotated
-    copies itself."""
-    monkeypatch.setenv("FASTLM_BACKEND", backend)
-    leaf, _ = _packed(2, 21, 2, 2, 16, torch.float32, device)
-    cos, sin = rope_tables(10000.0, 16, 64, device=device)
-    positions = torch.arange(21, device=device)
-    weight = torch.randn(leaf.shape[-1], device=device)
-    qkv = leaf * 1
-    o = rope_attention(qkv, cos, sin, positions, 2)
-    (o.sum() + (qkv * weight).sum()).backward()
-
-    leaf64 = leaf.detach().double().requires_grad_()
-    q64, k64, v64 = split_heads(leaf64, 2, 2)  # (B, H, T, D)
-    q64, k64 = (rope_ref(t, cos.double(), sin.double(), positions) for t in (q64, k64))
-    rotated = [t.transpose(1, 2).reshape(2, 21, -1) for t in (q64, k64)]  # (B, T, H * D)
-    qkv64 = torch.cat([*rotated, leaf64[..., 64:]], dim=-1)
-    (attention_ref(q64, k64, v64).sum() + (qkv64 * weight.double()).sum()).backward()
-    assert_close(qkv, qkv64, torch.float32, "qkv after the call: q and k rotated in place")
-    assert_close(leaf.grad, leaf64.grad, torch.float32, "dqkv with qkv read again")
-
-
-def test_rope_attention_gradient_is_one_buffer(device):
-    """From the projection output to its gradient: no zero-filled buffers, no copies, no adds."""
-    leaf, weight = _packed(2, 37, 2, 2, 16, torch.float32, device)
-    cos, sin = rope_tables(10000.0, 16, 64, device=device)
-    with _GlueRecorder() as recorder:
-        qkv = leaf * 1
-        o = rope_attention(qkv, cos, sin, torch.arange(37, device=device), 2, check_positions=False)
-        o.backward(torch.randn_like(o))
-    glue = [op for op in recorder.glue if not op.startswith("aten.mul")]
-    assert not glue, glue
-    # ...and the same run through views of the projection and apply_rope_ does need them:
-    with _GlueRecorder() as recorder:
-        q, k, v = split_heads(leaf * 1, 2, 2)
-        apply_rope_(q, k, cos, sin, torch.arange(37, device=device))
-        flash_attention(q, k, v).backward(torch.randn(2, 2, 37, 16, device=device))
-    assert any("select" in op or "slice" in op or "zero" in op for op in recorder.glue)
-
-
-def test_rope_attention_is_deterministic_and_matches_the_torch_backend(device, monkeypatch):
-    leaf, _ = _packed(1, 50, 4, 2, 16, torch.float16, device)
-    cos, sin = rope_tables(10000.0, 16, 64, device=device)
-    positions = torch.arange(50, device=device)
-    do = torch.randn(1, 4, 50, 16, device=device, dtype=torch.float16)
-    runs = []
-    for backend in ["auto", "auto", "torch"]:
-        monkeypatch.setenv("FASTLM_BACKEND", backend)
-        leaf.grad = None
-        rope_attention(leaf * 1, cos, sin, positions, 4, 2).backward(do)
-        runs.append(leaf.grad.clone())
-    assert torch.equal(runs[0], runs[1])
-    assert_close(runs[0], runs[2].double(), torch.float16, "kernels vs torch backend")
-    monkeypatch.setenv("FASTLM_BACKEND", "auto")
-    leaf.grad = None
-    rope_attention(leaf * 1, cos, sin, positions, 4, 2, deterministic=False).backward(do)
-    assert_close(leaf.grad, runs[2].double(), torch.float16, "atomic-dQ schedule vs torch backend")
-
-
-@pytest.mark.parametrize(
-    "call,error,message",
-    [
-        (lambda qkv, c, s, p: rope_attention(qkv[..., :-1], c, s, p, 2), ValueError, "qkv must be"),
-        (lambda qkv, c, s, p: rope_attention(qkv, c, s, p, 0), ValueError, "num_heads"),
-        (lambda qkv, c, s, p: rope_attention(qkv, c, s, p, 4, 2), ValueError, "head dim 12"),
-        (lambda qkv, c, s, p: rope_attention(qkv, c, s, p, 2, 5), ValueError, "not a multiple"),
-        (
-            lambda qkv, c, s, p: rope_attention(qkv.detach().requires_grad_(), c, s, p, 2),
-            ValueError,
-            "leaf",
-        ),
-        (lambda qkv, c, s, p: rope_attention(qkv, c[:, :4], s, p, 2), ValueError, "cos and sin"),
-        (lambda qkv, c, s, p: rope_attention(qkv, c, s, p[:-1], 2), ValueError, "token_positions"),
-        (lambda qkv, c, s, p: rope_attention(qkv, c, s, p + 60, 2), ValueError, "token_positions"),
-        (lambda qkv, c, s, p: rope_attention(qkv.int(), c, s, p, 2), TypeError, "qkv"),
-    ],
-)
-def test_rope_attention_bad_input(device, call, error, message):
-    qkv = torch.randn(1, 9, 6 * 16, device=device, requires_grad=True) * 1
-    cos, sin = rope_tables(10000.0, 16, 64, device=device)
-    with pytest.raises(error, match=message):
-        call(qkv, cos, sin, torch.arange(9, device=device))
-
-
-@pytest.mark.parametrize("backend", ["auto", "torch"])
-def test_rope_attention_packed_rows_apart_in_memory(device, monkeypatch, backend):
-    """With cu_seqlens the B * T tokens are one sequence: a qkv whose rows are not one after
-    another (a transposed view) is refused by name, not failed inside a view."""
-    monkeypatch.setenv("FASTLM_BACKEND", backend)
-    qkv = torch.randn(9, 2, 6 * 16, device=device).transpose(0, 1)
-    cos, sin = rope_tables(10000.0, 16, 64, device=device)
-    cu = torch.tensor([0, 5, 18], dtype=torch.int32, device=device)
-    with pytest.raises(ValueError, match="qkv has strides .* row b \\+ 1 must follow row b"):
-        rope_attention(qkv, cos, sin, torch.arange(18, device=device), 2, cu_seqlens=cu)
-    o = rope_attention(qkv[:, :5], cos, sin, torch.arange(5, device=device), 2)  # not packed: fine
-    assert o.shape == (2, 2, 5, 16)
-
-
-@pytest.mark.parametrize("backend", ["auto", "torch"])
-@pytest.mark.parametrize("Hq, Hkv, interleaved", [(2, 2, True), (4, 2, False)])
-def test_rope_attention_packed_documents(device, monkeypatch, backend, Hq, Hkv, interleaved):
-    """cu_seqlens: the B * T tokens as packed documents (one running from row 0 into row 1),
-    each rotated by its own positions and attending only to itself: o and dqkv against float64
-    RoPE + attention run on each document alone; under the kernels dqkv is still one buffer."""
-    monkeypatch.setenv("FASTLM_BACKEND", backend)
-    B, T, D, docs = 2, 19, 16, [5, 1, 20, 12]
-    leaf, _ = _packed(B, T, Hq, Hkv, D, torch.float32, device)
-    cos, sin = rope_tables(10000.0, D, 64, device=device)
-    cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], device=device).int()
-    positions = torch.cat([torch.arange(n, device=device) for n in docs])  # (B * T,)
-    with _GlueRecorder() as recorder:
-        qkv = leaf * 1
-        o = rope_attention(
-            qkv, cos, sin, positions, Hq, Hkv, interleaved=interleaved, cu_seqlens=cu, max_seqlen=20
-        )
-        do = torch.randn_like(o)
-        o.backward(do)
-    assert o.shape == (1, Hq, B * T, D)
-    if backend == "auto":
-        assert not [op for op in recorder.glue if not op.startswith("aten.mul")], recorder.glue
-
-    rows64 = leaf.detach().double().reshape(1, B * T, -1).requires_grad_()
-    outs, start = [], 0
-    for n in docs:
-        doc = rows64[:, start : start + n]
-        outs.append(
-            rope_attention_ref(
-                doc,
-                cos.double(),
-                sin.double(),
-                torch.arange(n, device=device),
-                Hq,
-                Hkv,
-                interleaved=interleaved,
-            )
-        )
-        start += n
-    o64 = torch.cat(outs, dim=2)  # (1, Hq, B * T, D)
-    o64.backward(do.double())
-    assert_close(o, o64, torch.float32, "o")
-    assert_close(leaf.grad.reshape(1, B * T, -1), rows64.grad, torch.float32, "dqkv")

@@ -1,0 +1,301 @@
+"""The attention tests' one harness: which keys a query sees, the float64 reference, the inputs,
+and the runners that check a kernel's o, lse and every gradient against the reference.
+
+The reference computes scores in float64, caps them (softcap), masks them with a visibility
+matrix written from the definition (causal and windows aligned to each sequence's end; packed
+sequences block-diagonal), and takes the softmax with a row that sees no key giving o = 0 and
+lse = -inf. `test_attention.py` checks once that it equals `fastlm.reference`'s attention.
+
+Interpreter blocks are 64x32 (forward, dQ) and 32x64 (dK/dV): lengths such as 17, 77, 130 and 257
+end inside a block, and Nq < Nk puts the causal diagonal anywhere in one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from fastlm import flash_attention, flash_attention_varlen
+from fastlm.testing import TOLERANCE, assert_close
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+NO_WINDOW = (-1, -1)
+
+#: FASTLM_ATTENTION_TMA values that, with the default (None), run both forward paths: the
+#: interpreter and GPUs before sm_90 default to the pointer path, so the descriptor path is forced
+#: ("1"; the interpreter runs it); Hopper defaults to descriptors, so pointers are forced ("0").
+_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+FORWARD_PATHS = [None, "0" if _HOPPER else "1"]
+
+
+# --------------------------------------------------------------------------------------------
+# The reference
+# --------------------------------------------------------------------------------------------
+
+
+def visible(Nq: int, Nk: int, causal: bool, window: tuple[int, int] = NO_WINDOW) -> torch.Tensor:
+    """(Nq, Nk) bool, True where query i sees key j: with d = i + Nk - Nq the query's position
+    among the keys, j <= d when causal, and d - left <= j <= d + right for a window side >= 0."""
+    left, right = window
+    d = torch.arange(Nq)[:, None] + (Nk - Nq)
+    j = torch.arange(Nk)[None, :]
+    seen = torch.ones(Nq, Nk, dtype=torch.bool)
+    if causal:
+        seen &= j <= d
+    if left >= 0:
+        seen &= j >= d - left
+    if right >= 0:
+        seen &= j <= d + right
+    return seen
+
+
+def packed_visible(lens_q, lens_k, causal, window=NO_WINDOW) -> torch.Tensor:
+    """(total_q, total_k) bool: block-diagonal, each block its sequence's own `visible`."""
+    seen = torch.zeros(sum(lens_q), sum(lens_k), dtype=torch.bool)
+    q0 = k0 = 0
+    for nq, nk in zip(lens_q, lens_k):
+        seen[q0 : q0 + nq, k0 : k0 + nk] = visible(nq, nk, causal, window)
+        q0, k0 = q0 + nq, k0 + nk
+    return seen
+
+
+def reference(q, k, v, seen, scale, softcap=0.0):
+    """o and lse in float64 of q (..., Hq, Nq, D), k and v (..., Hkv, Nk, D), grouped heads
+    repeated: scores scale * q k^T, capped, masked by `seen`; a row that sees nothing has o = 0
+    and lse = -inf. Differentiable in q, k and v."""
+    q, k, v = (t.to(torch.float64) for t in (q, k, v))
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = scale * q @ k.transpose(-1, -2)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~seen.to(q.device), -math.inf)
+    lse = torch.logsumexp(scores.detach(), -1)
+    row_max = scores.detach().amax(-1, keepdim=True)
+    weights = torch.exp(scores - row_max.nan_to_num(neginf=0.0))
+    p = weights / weights.sum(-1, keepdim=True).clamp_min(1e-300)
+    return p @ v, lse
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs, runners and the checker
+# --------------------------------------------------------------------------------------------
+
+
+def make(shape_q, shape_kv, dtype, device, std=1.0):
+    """q, k, v leaves that require grad: q and k with standard deviation `std`, v with 1."""
+    q = (torch.randn(shape_q, device=device) * std).to(dtype).requires_grad_()
+    k = (torch.randn(shape_kv, device=device) * std).to(dtype).requires_grad_()
+    v = torch.randn(shape_kv, device=device).to(dtype).requires_grad_()
+    return q, k, v
+
+
+def make_heads(B, Hq, Hkv, Nq, Nk, D, dtype, device, std=1.0):
+    """q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D)."""
+    return make((B, Hq, Nq, D), (B, Hkv, Nk, D), dtype, device, std)
+
+
+def gradients(outputs, inputs, do):
+    for t in inputs:
+        t.grad = None
+    outputs.backward(do)
+    return [t.grad for t in inputs]
+
+
+def check(out, lse, grads, ref_out, ref_lse, ref_grads, dtype, single_key=None):
+    """o, lse and (dq, dk, dv) against the reference by `assert_close`'s per-dtype bound; lse is
+    -inf exactly on the rows that see no key.
+
+    single_key: (do, q, k, v, scale) when every query sees one key at most. Then P = 1 whatever q
+    and k are, so dq and dk are 0 but for the round-off of dP - Delta (|dO| |v| at most), scaled
+    by s |k| or s |q|: they are bounded by that instead of compared relatively with zero."""
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_close(out, ref_out, dtype, "o")
+    empty_rows = torch.isinf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty_rows), "lse = -inf exactly on rows with no key"
+    assert_close(lse[~empty_rows], ref_lse[~empty_rows], dtype, "lse")
+    assert_close(grads[2], ref_grads[2], dtype, "dv")
+    if single_key is None:
+        assert_close(grads[0], ref_grads[0], dtype, "dq")
+        assert_close(grads[1], ref_grads[1], dtype, "dk")
+        return
+    do, q, k, v, scale = (t.double() if isinstance(t, torch.Tensor) else t for t in single_key)
+    bound = TOLERANCE[dtype] * abs(scale) * do.norm() * v.norm()
+    assert grads[0].double().norm() <= bound * k.norm(), "dq of a single key is not ~0"
+    assert grads[1].double().norm() <= bound * q.norm(), "dk of a single key is not ~0"
+
+
+def run_dense(
+    q, k, v, causal, window=NO_WINDOW, softcap=0.0, scale=None, deterministic=True, seen=None
+):
+    """flash_attention of (B, H, N, D) leaves with lse, its gradients for a random dO, all
+    checked against the float64 reference (fp32 asks for full-precision dots, so the fp32 bound
+    holds on a GPU too). `seen` replaces the visibility the arguments imply. Returns o, lse,
+    grads."""
+    o, lse = flash_attention(
+        q,
+        k,
+        v,
+        causal,
+        scale,
+        window_size=window,
+        softcap=softcap,
+        return_lse=True,
+        allow_tf32=False,
+        deterministic=deterministic,
+    )
+    assert o.shape == q.shape
+    do = torch.randn_like(o)
+    grads = gradients(o, (q, k, v), do)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    seen = visible(q.shape[2], k.shape[2], causal, window) if seen is None else seen
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    ref_o, ref_lse = reference(q64, k64, v64, seen, scale, softcap)
+    ref_grads = gradients(ref_o, (q64, k64, v64), do.double())
+    single_key = (do, q, k, v, scale) if seen.sum(-1).max() <= 1 else None
+    check(o, lse, grads, ref_o, ref_lse, ref_grads, q.dtype, single_key)
+    return o, lse, grads
+
+
+def cu_seqlens(lens, device) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32).to(device)
+
+
+def run_varlen(
+    lens_q,
+    lens_k,
+    Hq,
+    Hkv,
+    D,
+    causal,
+    window,
+    softcap,
+    dtype,
+    device,
+    deterministic=True,
+    score_offset=0.0,
+):
+    """flash_attention_varlen with q, k, v as strided views of one packed projection (total,
+    Hq + 2 Hkv, D), against the block-diagonal float64 reference. A nonzero score_offset sets
+    the first channel of q to its square root and k's to minus that: every score drops by
+    scale * score_offset. Returns o, lse."""
+    total_q, total_k = sum(lens_q), sum(lens_k)
+    qkv_q = torch.randn(total_q, Hq + 2 * Hkv, D, device=device).to(dtype)
+    qkv_k = torch.randn(total_k, Hq + 2 * Hkv, D, device=device).to(dtype)
+    if score_offset:
+        qkv_q[:, :Hq, 0] = score_offset**0.5
+        qkv_k[:, Hq : Hq + Hkv, 0] = -(score_offset**0.5)
+    q = qkv_q[:, :Hq].requires_grad_()
+    k = qkv_k[:, Hq : Hq + Hkv].requires_grad_()
+    v = qkv_k[:, Hq + Hkv :].requires_grad_()
+    assert not q.is_contiguous() and not k.is_contiguous()
+    o, lse = flash_attention_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens(lens_q, device),
+        cu_seqlens(lens_k, device),
+        max(lens_q),
+        max(lens_k),
+        causal,
+        window_size=window,
+        softcap=softcap,
+        return_lse=True,
+        allow_tf32=False,
+        deterministic=deterministic,
+    )
+    assert o.shape == q.shape and lse.shape == (Hq, total_q)
+    do = torch.randn_like(o)
+    grads = gradients(o, (q, k, v), do)
+    heads = [t.detach().double().transpose(0, 1).requires_grad_() for t in (q, k, v)]
+    seen = packed_visible(lens_q, lens_k, causal, window)
+    ref_o, ref_lse = reference(*heads, seen, D**-0.5, softcap)
+    ref_grads = gradients(ref_o, heads, do.double().transpose(0, 1))
+    check(
+        o, lse, grads, ref_o.transpose(0, 1), ref_lse, [g.transpose(0, 1) for g in ref_grads], dtype
+    )
+    return o, lse
+
+
+# --------------------------------------------------------------------------------------------
+# What the ops do to memory, seen from a dispatch mode
+# --------------------------------------------------------------------------------------------
+
+
+class AllocationRecorder(TorchDispatchMode):
+    """Bytes of every distinct storage that a torch op returns while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                self.storages[storage.data_ptr()] = storage.nbytes()
+        return out
+
+
+class CopyRecorder(TorchDispatchMode):
+    """The ops that read `base`'s memory into other memory while active: clone (`.contiguous()`),
+    copy_, _to_copy and the like. Not recorded: views of `base` (they return its own memory),
+    factories like new_empty (they read only its dtype and device), and fastlm's own ops, which a
+    dispatch mode sees whole: what runs inside them (the launchers) is recorded by calling the
+    launchers directly."""
+
+    def __init__(self, base: torch.Tensor):
+        super().__init__()
+        self.base_ptr = base.untyped_storage().data_ptr()
+        self.copies = []
+
+    def _in_base(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == self.base_ptr
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        reads_base = any(self._in_base(t) for t in tree_leaves((args, kwargs)))
+        factory = name.startswith("new_") or name.endswith("_like")
+        if (
+            reads_base
+            and not factory
+            and func.namespace != "fastlm"
+            and not any(self._in_base(t) for t in tree_leaves(out))
+        ):
+            self.copies.append(str(func))
+        return out
+
+
+class GlueRecorder(TorchDispatchMode):
+    """The aten ops outside fastlm's own that move data: what autograd adds around views."""
+
+    GLUE = {
+        "zeros",
+        "zero_",
+        "fill_",
+        "copy_",
+        "add",
+        "add_",
+        "select_backward",
+        "slice_backward",
+        "clone",
+        "_to_copy",
+        "cat",
+        "stack",
+        "new_zeros",
+        "index_put_",
+    }
+
+    def __init__(self):
+        super().__init__()
+        self.glue = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.GLUE:
+            self.glue.append(str(func))
+        return func(*args, **(kwargs or {}))
