@@ -79,12 +79,6 @@ from fastlm.kernels.attention.qkv import rope_attention, rope_attention_ref, spl
 from fastlm.kernels.attention.reference import attention_ref, attention_varlen_ref
 
 __all__ = [
-    "MAX_HEAD_DIM",
-    "attention_ref",
-    "attention_varlen_ref",
-    "flash_attention",
-    "flash_attention_varlen",
-    "rope_attention",
-    "rope_attention_ref",
-    "split_heads",
+    "MAX_HEAD_DIM", "attention_ref", "attention_varlen_ref", "flash_attention",
+    "flash_attention_varlen", "rope_attention", "rope_attention_ref", "split_heads"
 ]

@@ -46,22 +46,11 @@ from fastlm.kernels.attention.launch import (
 
 @triton.jit
 def _attention_bwd_delta_kernel(
-    O,
-    DO,
-    DELTA,
-    stride_ob,
-    stride_oh,
-    stride_om,
-    stride_od,
-    stride_dob,
-    stride_doh,
-    stride_dom,
-    stride_dod,
-    num_heads,
-    n_q,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    O, DO, DELTA,  #
+    stride_ob, stride_oh, stride_om, stride_od,  #
+    stride_dob, stride_doh, stride_dom, stride_dod,  #
+    num_heads, n_q,  #
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr
 ):
     """Delta = rowsum(O * dO) in fp32, one value per query row."""
     start_m, batch_head = block_start_and_batch_head(n_q, BLOCK_M, False)
@@ -72,71 +61,27 @@ def _attention_bwd_delta_kernel(
     rows = offs_m.to(tl.int64)[:, None]
     o = load_tile(
         O + batch * stride_ob + head * stride_oh + rows * stride_om + offs_d[None, :] * stride_od,
-        offs_m,
-        n_q,
-        offs_d,
-        HEAD_DIM,
-        BLOCK_D,
-        True,
-        True,
+        offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True, True
     )
     do = load_tile(
-        DO
-        + batch * stride_dob
-        + head * stride_doh
-        + rows * stride_dom
-        + offs_d[None, :] * stride_dod,
-        offs_m,
-        n_q,
-        offs_d,
-        HEAD_DIM,
-        BLOCK_D,
-        True,
-        True,
+        DO + batch * stride_dob + head * stride_doh + rows * stride_dom +
+        offs_d[None, :] * stride_dod, offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True, True
     )
     tl.store(DELTA + batch_head.to(tl.int64) * n_q + offs_m, tl.sum(o * do, 1), mask=offs_m < n_q)
 
 
 @triton.jit
 def _dkdv_query_blocks(
-    dk,
-    dv,
-    k,
-    v,
-    Q_head,
-    DO_head,
-    LSE_head,
-    DELTA_head,
-    DQ_head,
-    stride_qm,
-    stride_qd,
-    stride_dom,
-    stride_dod,
-    stride_dqm,
-    stride_dqd,
-    offs_n,
-    offs_d,
-    lo,
-    hi,
-    n_q,
-    n_k,
-    causal_shift,
-    softmax_scale,
-    qk_scale,
-    window_left,
-    window_right,
-    softcap,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    CHECK_ROWS: tl.constexpr,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    TO_FP32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
+    dk, dv, k, v,  #
+    Q_head, DO_head, LSE_head, DELTA_head, DQ_head,  #
+    stride_qm, stride_qd, stride_dom, stride_dod,  #
+    stride_dqm, stride_dqd,  #
+    offs_n, offs_d, lo, hi, n_q, n_k, causal_shift, softmax_scale, qk_scale, window_left,  #
+    window_right, softcap,  #
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,  #
+    CHECK_ROWS: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,  #
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, TO_FP32: tl.constexpr,  #
+    DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr
 ):
     """Add to (dk, dv) of one key block the query blocks starting in [lo, hi) of one query head;
     with ATOMIC_DQ also add this key block's share of dq, s * dS k, to the fp32 DQ_head. MASKED:
@@ -162,15 +107,8 @@ def _dkdv_query_blocks(
         exponent = scores - lse[None, :]
         if MASKED:  # mask the exponent: 2^(t - LSE) of a key a query must not see may overflow
             visible = is_visible(
-                offs_m[None, :],
-                offs_n[:, None],
-                n_k,
-                causal_shift,
-                window_left,
-                window_right,
-                HAS_WINDOW or not CAUSAL,
-                CAUSAL,
-                HAS_WINDOW,
+                offs_m[None, :], offs_n[:, None], n_k, causal_shift, window_left, window_right,
+                HAS_WINDOW or not CAUSAL, CAUSAL, HAS_WINDOW
             )
             exponent = tl.where(visible, exponent, float("-inf"))
         p_t = tl.math.exp2(exponent)
@@ -183,10 +121,8 @@ def _dkdv_query_blocks(
         if ATOMIC_DQ:  # the fifth matmul: other key blocks add to the same rows, in any order
             dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION)
             tl.atomic_add(
-                dq_ptrs,
-                dq * softmax_scale,
-                sem="relaxed",
-                mask=(offs_m[:, None] < n_q) & (offs_d[None, :] < HEAD_DIM),
+                dq_ptrs, dq * softmax_scale, sem="relaxed",
+                mask=(offs_m[:, None] < n_q) & (offs_d[None, :] < HEAD_DIM)
             )
             dq_ptrs += BLOCK_M * stride_dqm
         q_ptrs += BLOCK_M * stride_qm
@@ -200,68 +136,20 @@ def _dkdv_query_blocks(
 )
 @triton.jit
 def _attention_bwd_dkdv_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    DK,
-    DV,
-    DQ,
-    LSE,
-    DELTA,
-    CU_SEQLENS_Q,
-    CU_SEQLENS_K,
-    stride_qb,
-    stride_qh,
-    stride_qm,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_vd,
-    stride_dob,
-    stride_doh,
-    stride_dom,
-    stride_dod,
-    stride_dkb,
-    stride_dkh,
-    stride_dkn,
-    stride_dkd,
-    stride_dvb,
-    stride_dvh,
-    stride_dvn,
-    stride_dvd,
-    stride_dqb,
-    stride_dqh,
-    stride_dqm,
-    stride_dqd,
-    num_kv_heads,
-    group,
-    n_q,
-    n_k,
-    softmax_scale,
-    qk_scale,
-    total_q,
-    window_left,
-    window_right,
-    softcap,
-    q_bucket,
-    k_bucket,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    VARLEN: tl.constexpr,
-    TO_FP32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    Q, K, V, DO, DK, DV, DQ, LSE, DELTA, CU_SEQLENS_Q, CU_SEQLENS_K,  #
+    stride_qb, stride_qh, stride_qm, stride_qd,  #
+    stride_kb, stride_kh, stride_kn, stride_kd,  #
+    stride_vb, stride_vh, stride_vn, stride_vd,  #
+    stride_dob, stride_doh, stride_dom, stride_dod,  #
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,  #
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,  #
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,  #
+    num_kv_heads, group, n_q, n_k, softmax_scale, qk_scale, total_q, window_left,  #
+    window_right, softcap, q_bucket, k_bucket,  #
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,  #
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,  #
+    TO_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,  #
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 ):
     """dK and dV of one key block; with ATOMIC_DQ also dQ, added with fp32 atomics into a zeroed
     DQ (FA2's 5-matmul schedule: one pass, no dQ kernel, sums in no fixed order). Without it
@@ -278,50 +166,20 @@ def _attention_bwd_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     rows = offs_n.to(tl.int64)[:, None]
     k = load_tile(
-        K
-        + batch * stride_kb
-        + kv_head * stride_kh
-        + k_start * stride_kn
-        + rows * stride_kn
-        + offs_d[None, :] * stride_kd,
-        offs_n,
-        n_k,
-        offs_d,
-        HEAD_DIM,
-        BLOCK_D,
-        True,
-        TO_FP32,
+        K + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn + rows * stride_kn +
+        offs_d[None, :] * stride_kd, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True, TO_FP32
     )  # (BLOCK_N, BLOCK_D)
     v = load_tile(
-        V
-        + batch * stride_vb
-        + kv_head * stride_vh
-        + k_start * stride_vn
-        + rows * stride_vn
-        + offs_d[None, :] * stride_vd,
-        offs_n,
-        n_k,
-        offs_d,
-        HEAD_DIM,
-        BLOCK_D,
-        True,
-        TO_FP32,
+        V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn + rows * stride_vn +
+        offs_d[None, :] * stride_vd, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True, TO_FP32
     )
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
     causal_shift = n_k - n_q
     lo, full_lo, full_hi, hi = query_range(
-        start_n,
-        n_q,
-        n_k,
-        causal_shift,
-        window_left,
-        window_right,
-        CAUSAL,
-        HAS_WINDOW,
-        BLOCK_M,
-        BLOCK_N,
+        start_n, n_q, n_k, causal_shift, window_left, window_right, CAUSAL, HAS_WINDOW, BLOCK_M,
+        BLOCK_N
     )
     # Three phases (`query_range`): queries that see part of the block, whole blocks of queries
     # that see all of it, then rows past n_q and queries that see part of it.
@@ -341,106 +199,40 @@ def _attention_bwd_dkdv_kernel(
         DQ_head = DQ + batch * stride_dqb + head * stride_dqh + q_start * stride_dqm
         for phase in tl.static_range(3):
             dk, dv = _dkdv_query_blocks(
-                dk,
-                dv,
-                k,
-                v,
-                Q_head,
-                DO_head,
-                LSE_head,
-                DELTA_head,
-                DQ_head,
-                stride_qm,
-                stride_qd,
-                stride_dom,
-                stride_dod,
-                stride_dqm,
-                stride_dqd,
-                offs_n,
-                offs_d,
-                starts[phase],
-                ends[phase],
-                n_q,
-                n_k,
-                causal_shift,
-                softmax_scale,
-                qk_scale,
-                window_left,
-                window_right,
-                softcap,
-                HEAD_DIM,
-                BLOCK_D,
-                BLOCK_M,
-                phase != 1,
-                masked[phase],
-                CAUSAL,
-                HAS_WINDOW,
-                SOFTCAP,
-                TO_FP32,
-                DOT_PRECISION,
-                ATOMIC_DQ,
+                dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, DQ_head, stride_qm, stride_qd,
+                stride_dom, stride_dod, stride_dqm, stride_dqd, offs_n, offs_d, starts[phase],
+                ends[phase], n_q, n_k, causal_shift, softmax_scale, qk_scale, window_left,
+                window_right, softcap, HEAD_DIM, BLOCK_D, BLOCK_M, phase != 1, masked[phase],
+                CAUSAL, HAS_WINDOW, SOFTCAP, TO_FP32, DOT_PRECISION, ATOMIC_DQ
             )
 
     dk_ptrs = (
-        DK
-        + batch * stride_dkb
-        + kv_head * stride_dkh
-        + k_start * stride_dkn
-        + rows * stride_dkn
-        + offs_d[None, :] * stride_dkd
+        DK + batch * stride_dkb + kv_head * stride_dkh + k_start * stride_dkn + rows * stride_dkn +
+        offs_d[None, :] * stride_dkd
     )
     dv_ptrs = (
-        DV
-        + batch * stride_dvb
-        + kv_head * stride_dvh
-        + k_start * stride_dvn
-        + rows * stride_dvn
-        + offs_d[None, :] * stride_dvd
+        DV + batch * stride_dvb + kv_head * stride_dvh + k_start * stride_dvn + rows * stride_dvn +
+        offs_d[None, :] * stride_dvd
     )
     store_tile(dk_ptrs, dk * softmax_scale, offs_n, n_k, offs_d, HEAD_DIM)
     store_tile(dv_ptrs, dv, offs_n, n_k, offs_d, HEAD_DIM)
 
 
 _attention_bwd_dkdv_dq_kernel = triton.autotune(
-    configs=DKDV_DQ_CONFIGS,
-    key=TUNING_KEY,
-    reset_to_zero=["DQ"],
-    prune_configs_by=prune_to_fitting(DKDV_DQ_CUDA_CONFIGS),
+    configs=DKDV_DQ_CONFIGS, key=TUNING_KEY, reset_to_zero=["DQ"],
+    prune_configs_by=prune_to_fitting(DKDV_DQ_CUDA_CONFIGS)
 )(_attention_bwd_dkdv_kernel.fn)
 
 
 @triton.jit
 def _dq_key_blocks(
-    dq,
-    q,
-    do,
-    lse,
-    delta,
-    K_head,
-    V_head,
-    stride_kn,
-    stride_kd,
-    stride_vn,
-    stride_vd,
-    offs_m,
-    offs_d,
-    lo,
-    hi,
-    n_k,
-    causal_shift,
-    qk_scale,
-    window_left,
-    window_right,
-    softcap,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    TO_FP32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    dq, q, do, lse, delta,  #
+    K_head, V_head,  #
+    stride_kn, stride_kd, stride_vn, stride_vd,  #
+    offs_m, offs_d, lo, hi, n_k, causal_shift, qk_scale, window_left, window_right, softcap,  #
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,  #
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,  #
+    SOFTCAP: tl.constexpr, TO_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr
 ):
     """Add to dq of one query block the key blocks starting in [lo, hi) (MASKED as in the
     forward)."""
@@ -457,15 +249,8 @@ def _dq_key_blocks(
         exponent = scores - lse[:, None]
         if MASKED:  # mask the exponent: 2^(t - LSE) of a hidden or padded key may overflow
             visible = is_visible(
-                offs_m[:, None],
-                offs_n[None, :],
-                n_k,
-                causal_shift,
-                window_left,
-                window_right,
-                True,
-                CAUSAL,
-                HAS_WINDOW,
+                offs_m[:, None], offs_n[None, :], n_k, causal_shift, window_left, window_right,
+                True, CAUSAL, HAS_WINDOW
             )
             exponent = tl.where(visible, exponent, float("-inf"))
         p = tl.math.exp2(exponent)
@@ -485,57 +270,18 @@ def _dq_key_blocks(
 )
 @triton.jit
 def _attention_bwd_dq_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    DQ,
-    LSE,
-    DELTA,
-    CU_SEQLENS_Q,
-    CU_SEQLENS_K,
-    stride_qb,
-    stride_qh,
-    stride_qm,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_vd,
-    stride_dob,
-    stride_doh,
-    stride_dom,
-    stride_dod,
-    stride_dqb,
-    stride_dqh,
-    stride_dqm,
-    stride_dqd,
-    num_heads,
-    group,
-    n_q,
-    n_k,
-    softmax_scale,
-    qk_scale,
-    total_q,
-    window_left,
-    window_right,
-    softcap,
-    q_bucket,
-    k_bucket,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    VARLEN: tl.constexpr,
-    TO_FP32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    Q, K, V, DO, DQ, LSE, DELTA, CU_SEQLENS_Q, CU_SEQLENS_K,  #
+    stride_qb, stride_qh, stride_qm, stride_qd,  #
+    stride_kb, stride_kh, stride_kn, stride_kd,  #
+    stride_vb, stride_vh, stride_vn, stride_vd,  #
+    stride_dob, stride_doh, stride_dom, stride_dod,  #
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,  #
+    num_heads, group, n_q, n_k, softmax_scale, qk_scale, total_q, window_left, window_right,  #
+    softcap, q_bucket, k_bucket,  #
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,  #
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,  #
+    TO_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,  #
+    BLOCK_N: tl.constexpr
 ):
     start_m, batch_head = block_start_and_batch_head(n_q, BLOCK_M, CAUSAL)
     batch = (batch_head // num_heads).to(tl.int64)
@@ -549,34 +295,12 @@ def _attention_bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     rows = offs_m.to(tl.int64)[:, None]
     q = load_tile(
-        Q
-        + batch * stride_qb
-        + head * stride_qh
-        + q_start * stride_qm
-        + rows * stride_qm
-        + offs_d[None, :] * stride_qd,
-        offs_m,
-        n_q,
-        offs_d,
-        HEAD_DIM,
-        BLOCK_D,
-        True,
-        TO_FP32,
+        Q + batch * stride_qb + head * stride_qh + q_start * stride_qm + rows * stride_qm +
+        offs_d[None, :] * stride_qd, offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True, TO_FP32
     )  # (BLOCK_M, BLOCK_D)
     do = load_tile(
-        DO
-        + batch * stride_dob
-        + head * stride_doh
-        + q_start * stride_dom
-        + rows * stride_dom
-        + offs_d[None, :] * stride_dod,
-        offs_m,
-        n_q,
-        offs_d,
-        HEAD_DIM,
-        BLOCK_D,
-        True,
-        TO_FP32,
+        DO + batch * stride_dob + head * stride_doh + q_start * stride_dom + rows * stride_dom +
+        offs_d[None, :] * stride_dod, offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True, TO_FP32
     )
     row_stats = stats_offset(batch_head, head, n_q, q_start, total_q, VARLEN) + offs_m
     lse = tl.load(LSE + row_stats, mask=offs_m < n_q, other=float("inf"))
@@ -593,63 +317,22 @@ def _attention_bwd_dq_kernel(
     bounds = (lo, full_lo, full_hi, hi)
     for phase in tl.static_range(0 if HAS_WINDOW else 1, 3):
         dq = _dq_key_blocks(
-            dq,
-            q,
-            do,
-            lse,
-            delta,
-            K_head,
-            V_head,
-            stride_kn,
-            stride_kd,
-            stride_vn,
-            stride_vd,
-            offs_m,
-            offs_d,
-            bounds[phase],
-            bounds[phase + 1],
-            n_k,
-            causal_shift,
-            qk_scale,
-            window_left,
-            window_right,
-            softcap,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_N,
-            phase != 1,
-            CAUSAL,
-            HAS_WINDOW,
-            SOFTCAP,
-            TO_FP32,
-            DOT_PRECISION,
+            dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_d, bounds[phase], bounds[phase + 1], n_k, causal_shift, qk_scale,
+            window_left, window_right, softcap, HEAD_DIM, BLOCK_D, BLOCK_N, phase != 1, CAUSAL,
+            HAS_WINDOW, SOFTCAP, TO_FP32, DOT_PRECISION
         )
     dq_ptrs = (
-        DQ
-        + batch * stride_dqb
-        + head * stride_dqh
-        + q_start * stride_dqm
-        + rows * stride_dqm
-        + offs_d[None, :] * stride_dqd
+        DQ + batch * stride_dqb + head * stride_dqh + q_start * stride_dqm + rows * stride_dqm +
+        offs_d[None, :] * stride_dqd
     )
     store_tile(dq_ptrs, dq * softmax_scale, offs_m, n_q, offs_d, HEAD_DIM)
 
 
 def attention_backward(
-    do,
-    q,
-    k,
-    v,
-    o,
-    lse,
-    causal: bool,
-    softmax_scale: float,
-    allow_tf32: bool,
-    deterministic: bool,
+    do, q, k, v, o, lse, causal: bool, softmax_scale: float, allow_tf32: bool, deterministic: bool,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    window: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    varlen: Varlen | None = None,
+    window: tuple[int, int] = (-1, -1), softcap: float = 0.0, varlen: Varlen | None = None
 ):
     """dq, dk, dv from the saved forward inputs, output and log-sum-exp; written into `out`
     (any strides: views of one packed gradient, say) when given.
@@ -667,15 +350,7 @@ def attention_backward(
     delta_block = 32 if interpreting() else 64
     # Row by row: packed sequences need no bounds here (Delta's rows are o's and dO's).
     _attention_bwd_delta_kernel[block_grid(Nq, "BLOCK_M", B * Hq)](
-        o,
-        do,
-        delta,
-        *o.stride(),
-        *do.stride(),
-        Hq,
-        Nq,
-        HEAD_DIM=D,
-        BLOCK_D=flags["BLOCK_D"],
+        o, do, delta, *o.stride(), *do.stride(), Hq, Nq, HEAD_DIM=D, BLOCK_D=flags["BLOCK_D"],
         BLOCK_M=delta_block,
         num_warps=8,  # at 4, fp32 O and dO tiles of head dim 64 spill on sm_90a (compile_report.py)
     )
@@ -688,58 +363,20 @@ def attention_backward(
     if not deterministic and flags["BLOCK_D"] <= ATOMIC_MAX_BLOCK_D:
         dq_acc = empty_heads_like(q, torch.float32).zero_()
         _attention_bwd_dkdv_dq_kernel[block_grid(n_k, "BLOCK_N", sequences * Hkv)](
-            q,
-            k,
-            v,
-            do,
-            dk,
-            dv,
-            dq_acc,
-            lse,
-            delta,
-            cu_q,
-            cu_k,
-            *(s for t in (q, k, v, do, dk, dv, dq_acc) for s in kernel_strides(t, varlen)),
-            Hkv,
-            group,
-            *args,
-            ATOMIC_DQ=True,
-            **flags,
+            q, k, v, do, dk, dv, dq_acc, lse, delta, cu_q, cu_k,
+            *(s for t in (q, k, v, do, dk, dv, dq_acc) for s in kernel_strides(t, varlen)), Hkv,
+            group, *args, ATOMIC_DQ=True, **flags
         )
         return dq.copy_(dq_acc), dk, dv
     _attention_bwd_dkdv_kernel[block_grid(n_k, "BLOCK_N", sequences * Hkv)](
-        q,
-        k,
-        v,
-        do,
-        dk,
-        dv,
-        dk,  # stands in for the unused DQ
-        lse,
-        delta,
-        cu_q,
-        cu_k,
-        *(s for t in (q, k, v, do, dk, dv, dk) for s in kernel_strides(t, varlen)),
-        Hkv,
-        group,
-        *args,
-        ATOMIC_DQ=False,
-        **flags,
+        q, k, v, do, dk, dv, dk,  # stands in for the unused DQ
+        lse, delta, cu_q, cu_k,
+        *(s for t in (q, k, v, do, dk, dv, dk) for s in kernel_strides(t, varlen)), Hkv, group,
+        *args, ATOMIC_DQ=False, **flags
     )
     _attention_bwd_dq_kernel[block_grid(n_q, "BLOCK_M", sequences * Hq)](
-        q,
-        k,
-        v,
-        do,
-        dq,
-        lse,
-        delta,
-        cu_q,
-        cu_k,
-        *(s for t in (q, k, v, do, dq) for s in kernel_strides(t, varlen)),
-        Hq,
-        group,
-        *args,
-        **flags,
+        q, k, v, do, dq, lse, delta, cu_q, cu_k,
+        *(s for t in (q, k, v, do, dq) for s in kernel_strides(t, varlen)), Hq, group, *args,
+        **flags
     )
     return dq, dk, dv

@@ -7,14 +7,9 @@ from fastlm.kernels._common import tl, triton
 
 @triton.jit
 def load_tile(
-    ptrs,
-    rows,
-    n_rows,
-    cols,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    CHECK_ROWS: tl.constexpr,
-    TO_FP32: tl.constexpr,
+    ptrs, rows, n_rows, cols,  #
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr,  #
+    TO_FP32: tl.constexpr
 ):
     """A (rows, BLOCK_D) tile; rows >= n_rows and the head-dim padding read as zero.
 
@@ -35,9 +30,8 @@ def load_tile(
 @triton.jit
 def store_tile(ptrs, tile, rows, n_rows, cols, HEAD_DIM: tl.constexpr):
     tl.store(
-        ptrs,
-        tile.to(ptrs.dtype.element_ty),
-        mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM),
+        ptrs, tile.to(ptrs.dtype.element_ty),
+        mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM)
     )
 
 
@@ -114,15 +108,8 @@ def stats_offset(batch_head, head, n_q, q_start, total_q, VARLEN: tl.constexpr):
 
 @triton.jit
 def is_visible(
-    rows,
-    cols,
-    n_k,
-    causal_shift,
-    window_left,
-    window_right,
-    CHECK_COLS: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
+    rows, cols, n_k, causal_shift, window_left, window_right,  #
+    CHECK_COLS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr
 ):
     """Whether query `rows` sees key `cols` (index tensors that broadcast): the key lies within
     the window [d - window_left, d + window_right] or (CAUSAL, no window) at most d, d = rows +
@@ -145,15 +132,9 @@ def is_visible(
 
 @triton.jit
 def key_range(
-    start_m,
-    n_k,
-    causal_shift,
-    window_left,
-    window_right,
-    CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    start_m, n_k, causal_shift, window_left, window_right,  #
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,  #
+    BLOCK_N: tl.constexpr
 ):
     """(lo, full_lo, full_hi, hi) for the query block [start_m, start_m + BLOCK_M): every row sees
     the whole of the key blocks starting in [full_lo, full_hi), no row sees a key outside [lo, hi),
@@ -186,16 +167,9 @@ def key_range(
 
 @triton.jit
 def query_range(
-    start_n,
-    n_q,
-    n_k,
-    causal_shift,
-    window_left,
-    window_right,
-    CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    start_n, n_q, n_k, causal_shift, window_left, window_right,  #
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,  #
+    BLOCK_N: tl.constexpr
 ):
     """(lo, full_lo, full_hi, hi) for the key block [start_n, start_n + BLOCK_N): the query blocks
     starting in [lo, min(full_lo, hi)) see part of it (mask), those in [full_lo, full_hi) are whole

@@ -41,23 +41,20 @@ def has_options(args: dict) -> bool:
     return any(args.get(flag) for flag in OPTION_FLAGS)
 
 
-def fitting_configs(
-    cuda: list[CudaConfig], block_d: int, element_size: int, options: bool = False
-) -> list[CudaConfig]:
+def fitting_configs(cuda: list[CudaConfig], block_d: int, element_size: int,
+                    options: bool = False) -> list[CudaConfig]:
     """The configs of a CUDA list that take head blocks of BLOCK_D at this input element size
     (and with `options`, an option variant)."""
     return [
-        config
-        for config in cuda
-        if block_d <= (config.max_block_d_fp32 if element_size == 4 else config.max_block_d)
-        and (config.options or not options)
+        config for config in cuda
+        if block_d <= (config.max_block_d_fp32 if element_size == 4 else config.max_block_d) and
+        (config.options or not options)
     ]
 
 
 def triton_configs(
-    interpreter_blocks: dict,
-    cuda: list[CudaConfig],
-    covers: tuple[int, int] = (MAX_HEAD_DIM, MAX_HEAD_DIM),
+    interpreter_blocks: dict, cuda: list[CudaConfig],
+    covers: tuple[int, int] = (MAX_HEAD_DIM, MAX_HEAD_DIM)
 ) -> list[triton.Config]:
     """One small config under the interpreter (autotuning there runs every config); the CUDA list
     otherwise, which `prune_to_fitting` cuts down per launch. `covers`: the largest head blocks
@@ -94,21 +91,12 @@ def prune_to_fitting(cuda: list[CudaConfig]):
 
 
 def cuda_config(
-    block_m: int,
-    block_n: int,
-    warps: int,
-    stages: int,
-    max_block_d: int,
-    max_block_d_fp32: int,
-    options: bool = True,
+    block_m: int, block_n: int, warps: int, stages: int, max_block_d: int, max_block_d_fp32: int,
+    options: bool = True
 ) -> CudaConfig:
     return CudaConfig(
-        {"BLOCK_M": block_m, "BLOCK_N": block_n},
-        warps,
-        stages,
-        max_block_d,
-        max_block_d_fp32,
-        options,
+        {"BLOCK_M": block_m, "BLOCK_N": block_n}, warps, stages, max_block_d, max_block_d_fp32,
+        options
     )
 
 
@@ -124,7 +112,7 @@ FWD_CUDA_CONFIGS = [
     cuda_config(64, 64, 4, 3, 128, 0),
     cuda_config(64, 32, 8, 3, 256, 128),  # 1 stage spilled 4 B on sm_80 (bf16, head dim 64)
     cuda_config(32, 32, 4, 1, 256, 0),
-    cuda_config(32, 32, 8, 1, 0, 256),
+    cuda_config(32, 32, 8, 1, 0, 256)
 ]
 # dK/dV keep a key block's k, v, dk, dv on chip and stream query blocks past it: its fp32 dk and
 # dv accumulators take twice the registers of the forward's one, hence the small key blocks.
@@ -132,7 +120,7 @@ DKDV_CUDA_CONFIGS = [
     cuda_config(32, 128, 8, 2, 64, 64),
     cuda_config(32, 64, 4, 3, 128, 0, options=False),  # with the cap: 28 B spilled on sm_80
     cuda_config(16, 64, 4, 2, 128, 64),
-    cuda_config(32, 32, 8, 1, 256, 256),
+    cuda_config(32, 32, 8, 1, 256, 256)
 ]
 # dQ keeps a query block's q, dO, dq on chip and streams key blocks past it.
 DQ_CUDA_CONFIGS = [
@@ -140,7 +128,7 @@ DQ_CUDA_CONFIGS = [
     cuda_config(64, 32, 8, 2, 256, 128),
     cuda_config(64, 32, 4, 2, 128, 128),
     cuda_config(32, 32, 4, 1, 256, 128),
-    cuda_config(16, 32, 8, 1, 0, 256),
+    cuda_config(16, 32, 8, 1, 0, 256)
 ]
 FWD_CONFIGS = triton_configs({"BLOCK_M": 64, "BLOCK_N": 32}, FWD_CUDA_CONFIGS)
 DKDV_CONFIGS = triton_configs({"BLOCK_M": 32, "BLOCK_N": 64}, DKDV_CUDA_CONFIGS)
@@ -148,16 +136,8 @@ DQ_CONFIGS = triton_configs({"BLOCK_M": 64, "BLOCK_N": 32}, DQ_CUDA_CONFIGS)
 # Tuned per power-of-two bucket of the sequence lengths, so a growing KV cache does not retune;
 # a window, the cap or packed sequences change the work per block, so they are tuned apart.
 TUNING_KEY = [
-    "q_bucket",
-    "k_bucket",
-    "BLOCK_D",
-    "CAUSAL",
-    "HAS_WINDOW",
-    "SOFTCAP",
-    "VARLEN",
-    "DOT_PRECISION",
+    "q_bucket", "k_bucket", "BLOCK_D", "CAUSAL", "HAS_WINDOW", "SOFTCAP", "VARLEN", "DOT_PRECISION"
 ]
-
 
 # The descriptor forward's own list (the pointer list's shapes: TMA moves the same tiles). Each
 # compiled for sm_90a without spills at bf16 head dims 64 and 128 (ptxas -v, Triton 3.9); fp32 and
@@ -170,12 +150,11 @@ FWD_TMA_CUDA_CONFIGS = [
     cuda_config(128, 64, 8, 3, 128, 0),
     cuda_config(128, 128, 8, 2, 128, 0),
     cuda_config(64, 64, 4, 3, 128, 0),
-    cuda_config(64, 32, 4, 2, 128, 0),
+    cuda_config(64, 32, 4, 2, 128, 0)
 ]
 FWD_TMA_CONFIGS = triton_configs(
     {"BLOCK_M": 64, "BLOCK_N": 32}, FWD_TMA_CUDA_CONFIGS, covers=(TMA_MAX_BLOCK_D, 0)
 )
-
 
 # The atomic schedule's one backward pass holds a dq tile besides dk, dv, k and v, so it fits
 # narrower query blocks than the deterministic pass. Each config takes the head blocks it compiles
@@ -186,10 +165,9 @@ DKDV_DQ_CUDA_CONFIGS = [
     cuda_config(32, 128, 8, 2, 64, 0),
     cuda_config(16, 64, 4, 2, 64, 0),
     cuda_config(16, 64, 8, 2, 128, 0),
-    cuda_config(16, 32, 4, 1, ATOMIC_MAX_BLOCK_D, ATOMIC_MAX_BLOCK_D),
+    cuda_config(16, 32, 4, 1, ATOMIC_MAX_BLOCK_D, ATOMIC_MAX_BLOCK_D)
 ]
 DKDV_DQ_CONFIGS = triton_configs(
-    {"BLOCK_M": 32, "BLOCK_N": 64},
-    DKDV_DQ_CUDA_CONFIGS,
-    covers=(ATOMIC_MAX_BLOCK_D, ATOMIC_MAX_BLOCK_D),
+    {"BLOCK_M": 32, "BLOCK_N": 64}, DKDV_DQ_CUDA_CONFIGS,
+    covers=(ATOMIC_MAX_BLOCK_D, ATOMIC_MAX_BLOCK_D)
 )

@@ -46,26 +46,10 @@ from fastlm.kernels.attention.launch import (
 
 @triton.jit
 def _online_softmax_step(
-    acc,
-    m_i,
-    l_i,
-    q,
-    k,
-    v,
-    offs_m,
-    offs_n,
-    n_k,
-    causal_shift,
-    qk_scale,
-    window_left,
-    window_right,
-    softcap,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    SCALE_POSITIVE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    acc, m_i, l_i, q, k, v, offs_m, offs_n, n_k, causal_shift, qk_scale, window_left,  #
+    window_right, softcap,  #
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,  #
+    SOFTCAP: tl.constexpr, SCALE_POSITIVE: tl.constexpr, DOT_PRECISION: tl.constexpr
 ):
     """(acc, m_i, l_i) after one key block k, v (rows offs_n); m_i is in scaled (base-2) units.
 
@@ -85,15 +69,8 @@ def _online_softmax_step(
         fma_scale = 1.0
     if MASKED:
         visible = is_visible(
-            offs_m[:, None],
-            offs_n[None, :],
-            n_k,
-            causal_shift,
-            window_left,
-            window_right,
-            True,
-            CAUSAL,
-            HAS_WINDOW,
+            offs_m[:, None], offs_n[None, :], n_k, causal_shift, window_left, window_right, True,
+            CAUSAL, HAS_WINDOW
         )
         qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1) * fma_scale)
@@ -108,36 +85,14 @@ def _online_softmax_step(
 
 @triton.jit
 def _fwd_key_blocks(
-    acc,
-    m_i,
-    l_i,
-    q,
-    K_head,
-    V_head,
-    stride_kn,
-    stride_kd,
-    stride_vn,
-    stride_vd,
-    offs_m,
-    offs_d,
-    lo,
-    hi,
-    n_k,
-    causal_shift,
-    qk_scale,
-    window_left,
-    window_right,
-    softcap,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    TO_FP32: tl.constexpr,
-    SCALE_POSITIVE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    acc, m_i, l_i, q,  #
+    K_head, V_head,  #
+    stride_kn, stride_kd, stride_vn, stride_vd,  #
+    offs_m, offs_d, lo, hi, n_k, causal_shift, qk_scale, window_left, window_right, softcap,  #
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,  #
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,  #
+    SOFTCAP: tl.constexpr, TO_FP32: tl.constexpr, SCALE_POSITIVE: tl.constexpr,  #
+    DOT_PRECISION: tl.constexpr
 ):
     """Online-softmax update of (acc, m_i, l_i) with the key blocks starting in [lo, hi),
     loaded through pointers."""
@@ -148,26 +103,9 @@ def _fwd_key_blocks(
         k = load_tile(k_ptrs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TO_FP32)
         v = load_tile(v_ptrs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TO_FP32)
         acc, m_i, l_i = _online_softmax_step(
-            acc,
-            m_i,
-            l_i,
-            q,
-            k,
-            v,
-            offs_m,
-            offs_n,
-            n_k,
-            causal_shift,
-            qk_scale,
-            window_left,
-            window_right,
-            softcap,
-            MASKED,
-            CAUSAL,
-            HAS_WINDOW,
-            SOFTCAP,
-            SCALE_POSITIVE,
-            DOT_PRECISION,
+            acc, m_i, l_i, q, k, v, offs_m, offs_n, n_k, causal_shift, qk_scale, window_left,
+            window_right, softcap, MASKED, CAUSAL, HAS_WINDOW, SOFTCAP, SCALE_POSITIVE,
+            DOT_PRECISION
         )
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -180,51 +118,17 @@ def _fwd_key_blocks(
 )
 @triton.jit
 def _attention_fwd_kernel(
-    Q,
-    K,
-    V,
-    O,
-    LSE,
-    CU_SEQLENS_Q,
-    CU_SEQLENS_K,
-    stride_qb,
-    stride_qh,
-    stride_qm,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_vd,
-    stride_ob,
-    stride_oh,
-    stride_om,
-    stride_od,
-    num_heads,
-    group,
-    n_q,
-    n_k,
-    qk_scale,
-    total_q,
-    window_left,
-    window_right,
-    softcap,
-    q_bucket,
-    k_bucket,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    VARLEN: tl.constexpr,
-    TO_FP32: tl.constexpr,
-    SCALE_POSITIVE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    Q, K, V, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K,  #
+    stride_qb, stride_qh, stride_qm, stride_qd,  #
+    stride_kb, stride_kh, stride_kn, stride_kd,  #
+    stride_vb, stride_vh, stride_vn, stride_vd,  #
+    stride_ob, stride_oh, stride_om, stride_od,  #
+    num_heads, group, n_q, n_k, qk_scale, total_q, window_left, window_right, softcap,  #
+    q_bucket, k_bucket,  #
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,  #
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,  #
+    TO_FP32: tl.constexpr, SCALE_POSITIVE: tl.constexpr, DOT_PRECISION: tl.constexpr,  #
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 ):
     """With VARLEN the batch index walks the sequences of cu_seqlens (the launcher passes batch
     strides of 0), n_q and n_k are the longest sequences' lengths, and a block past its
@@ -241,12 +145,8 @@ def _attention_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
 
     q_ptrs = (
-        Q
-        + batch * stride_qb
-        + head * stride_qh
-        + q_start * stride_qm
-        + offs_m.to(tl.int64)[:, None] * stride_qm
-        + offs_d[None, :] * stride_qd
+        Q + batch * stride_qb + head * stride_qh + q_start * stride_qm +
+        offs_m.to(tl.int64)[:, None] * stride_qm + offs_d[None, :] * stride_qd
     )
     q = load_tile(
         q_ptrs, offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True, TO_FP32
@@ -262,46 +162,16 @@ def _attention_fwd_kernel(
     bounds = (lo, full_lo, full_hi, hi)
     for phase in tl.static_range(0 if HAS_WINDOW else 1, 3):
         acc, m_i, l_i = _fwd_key_blocks(
-            acc,
-            m_i,
-            l_i,
-            q,
-            K_head,
-            V_head,
-            stride_kn,
-            stride_kd,
-            stride_vn,
-            stride_vd,
-            offs_m,
-            offs_d,
-            bounds[phase],
-            bounds[phase + 1],
-            n_k,
-            causal_shift,
-            qk_scale,
-            window_left,
-            window_right,
-            softcap,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_N,
-            phase != 1,
-            CAUSAL,
-            HAS_WINDOW,
-            SOFTCAP,
-            TO_FP32,
-            SCALE_POSITIVE,
-            DOT_PRECISION,
+            acc, m_i, l_i, q, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd, offs_m,
+            offs_d, bounds[phase], bounds[phase + 1], n_k, causal_shift, qk_scale, window_left,
+            window_right, softcap, HEAD_DIM, BLOCK_D, BLOCK_N, phase != 1, CAUSAL, HAS_WINDOW,
+            SOFTCAP, TO_FP32, SCALE_POSITIVE, DOT_PRECISION
         )
 
     o, lse = _fwd_finish(acc, m_i, l_i)
     o_ptrs = (
-        O
-        + batch * stride_ob
-        + head * stride_oh
-        + q_start * stride_om
-        + offs_m.to(tl.int64)[:, None] * stride_om
-        + offs_d[None, :] * stride_od
+        O + batch * stride_ob + head * stride_oh + q_start * stride_om +
+        offs_m.to(tl.int64)[:, None] * stride_om + offs_d[None, :] * stride_od
     )
     store_tile(o_ptrs, o, offs_m, n_q, offs_d, HEAD_DIM)
     stats = stats_offset(batch_head, head, n_q, q_start, total_q, VARLEN)
@@ -310,16 +180,9 @@ def _attention_fwd_kernel(
 
 @triton.jit
 def _fwd_start(
-    start_m,
-    n_q,
-    n_k,
-    window_left,
-    window_right,
-    CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    start_m, n_q, n_k, window_left, window_right,  #
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,  #
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr
 ):
     """The online softmax's empty state (acc, m_i, l_i), the causal shift Nk - Nq, and the query
     block's key range (lo, full_lo, full_hi, hi) (`key_range`)."""
@@ -345,30 +208,11 @@ def _fwd_finish(acc, m_i, l_i):
 
 @triton.jit
 def _fwd_key_blocks_tma(
-    acc,
-    m_i,
-    l_i,
-    q,
-    k_desc,
-    v_desc,
-    offs_m,
-    lo,
-    hi,
-    n_k,
-    causal_shift,
-    qk_scale,
-    window_left,
-    window_right,
-    softcap,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    TO_FP32: tl.constexpr,
-    SCALE_POSITIVE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    acc, m_i, l_i, q, k_desc, v_desc, offs_m, lo, hi, n_k, causal_shift, qk_scale,  #
+    window_left, window_right, softcap,  #
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,  #
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, TO_FP32: tl.constexpr,  #
+    SCALE_POSITIVE: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr
 ):
     """_fwd_key_blocks with k and v read through tensor descriptors (TMA on sm_90+): rows past
     the head's n_k and the head-dim padding come back as zeros, with no masks to compute."""
@@ -379,74 +223,24 @@ def _fwd_key_blocks_tma(
             k, v = k.to(tl.float32), v.to(tl.float32)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         acc, m_i, l_i = _online_softmax_step(
-            acc,
-            m_i,
-            l_i,
-            q,
-            k,
-            v,
-            offs_m,
-            offs_n,
-            n_k,
-            causal_shift,
-            qk_scale,
-            window_left,
-            window_right,
-            softcap,
-            MASKED,
-            CAUSAL,
-            HAS_WINDOW,
-            SOFTCAP,
-            SCALE_POSITIVE,
-            DOT_PRECISION,
+            acc, m_i, l_i, q, k, v, offs_m, offs_n, n_k, causal_shift, qk_scale, window_left,
+            window_right, softcap, MASKED, CAUSAL, HAS_WINDOW, SOFTCAP, SCALE_POSITIVE,
+            DOT_PRECISION
         )
     return acc, m_i, l_i
 
 
 @triton.jit
 def _attention_fwd_tma_kernel(
-    Q,
-    K,
-    V,
-    O,
-    LSE,
-    CU_SEQLENS_Q,
-    CU_SEQLENS_K,
-    stride_qb,
-    stride_qh,
-    stride_qm,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_ob,
-    stride_oh,
-    stride_om,
-    num_heads,
-    group,
-    n_q,
-    n_k,
-    qk_scale,
-    total_q,
-    window_left,
-    window_right,
-    softcap,
-    q_bucket,
-    k_bucket,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    VARLEN: tl.constexpr,
-    TO_FP32: tl.constexpr,
-    SCALE_POSITIVE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    Q, K, V, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K,  #
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,  #
+    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,  #
+    num_heads, group, n_q, n_k, qk_scale, total_q, window_left, window_right, softcap,  #
+    q_bucket, k_bucket,  #
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,  #
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,  #
+    TO_FP32: tl.constexpr, SCALE_POSITIVE: tl.constexpr, DOT_PRECISION: tl.constexpr,  #
+    WARP_SPECIALIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 ):
     """The forward with q, k, v, o moved by tensor descriptors, one 2-D [rows, HEAD_DIM] view per
     (batch, head) with unit last stride: any row stride, so a packed q|k|v (row stride 3C) is read
@@ -461,31 +255,23 @@ def _attention_fwd_tma_kernel(
     if VARLEN and start_m >= n_q:
         return
     q_desc = tl.make_tensor_descriptor(
-        Q + batch * stride_qb + head * stride_qh + q_start * stride_qm,
-        [n_q, HEAD_DIM],
-        [stride_qm, 1],
-        [BLOCK_M, BLOCK_D],
+        Q + batch * stride_qb + head * stride_qh + q_start * stride_qm, [n_q, HEAD_DIM],
+        [stride_qm, 1], [BLOCK_M, BLOCK_D]
     )
     k_rows = n_k
     if VARLEN:  # a sequence without keys: a descriptor needs a row (its loop reads none)
         k_rows = tl.maximum(n_k, 1)
     k_desc = tl.make_tensor_descriptor(
-        K + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn,
-        [k_rows, HEAD_DIM],
-        [stride_kn, 1],
-        [BLOCK_N, BLOCK_D],
+        K + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn, [k_rows, HEAD_DIM],
+        [stride_kn, 1], [BLOCK_N, BLOCK_D]
     )
     v_desc = tl.make_tensor_descriptor(
-        V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn,
-        [k_rows, HEAD_DIM],
-        [stride_vn, 1],
-        [BLOCK_N, BLOCK_D],
+        V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn, [k_rows, HEAD_DIM],
+        [stride_vn, 1], [BLOCK_N, BLOCK_D]
     )
     o_desc = tl.make_tensor_descriptor(
-        O + batch * stride_ob + head * stride_oh + q_start * stride_om,
-        [n_q, HEAD_DIM],
-        [stride_om, 1],
-        [BLOCK_M, BLOCK_D],
+        O + batch * stride_ob + head * stride_oh + q_start * stride_om, [n_q, HEAD_DIM],
+        [stride_om, 1], [BLOCK_M, BLOCK_D]
     )
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = q_desc.load([start_m, 0])
@@ -499,30 +285,10 @@ def _attention_fwd_tma_kernel(
     bounds = (lo, full_lo, full_hi, hi)
     for phase in tl.static_range(0 if HAS_WINDOW else 1, 3):
         acc, m_i, l_i = _fwd_key_blocks_tma(
-            acc,
-            m_i,
-            l_i,
-            q,
-            k_desc,
-            v_desc,
-            offs_m,
-            bounds[phase],
-            bounds[phase + 1],
-            n_k,
-            causal_shift,
-            qk_scale,
-            window_left,
-            window_right,
-            softcap,
-            BLOCK_N,
-            phase != 1,
-            CAUSAL,
-            HAS_WINDOW,
-            SOFTCAP,
-            TO_FP32,
-            SCALE_POSITIVE,
-            DOT_PRECISION,
-            WARP_SPECIALIZE and phase == 1,
+            acc, m_i, l_i, q, k_desc, v_desc, offs_m, bounds[phase], bounds[phase + 1], n_k,
+            causal_shift, qk_scale, window_left, window_right, softcap, BLOCK_N, phase != 1, CAUSAL,
+            HAS_WINDOW, SOFTCAP, TO_FP32, SCALE_POSITIVE, DOT_PRECISION, WARP_SPECIALIZE
+            and phase == 1
         )
 
     o, lse = _fwd_finish(acc, m_i, l_i)
@@ -532,9 +298,9 @@ def _attention_fwd_tma_kernel(
 
 
 _attention_fwd_tma_autotuned = triton.autotune(
-    configs=FWD_TMA_CONFIGS, key=TUNING_KEY, prune_configs_by=prune_to_fitting(FWD_TMA_CUDA_CONFIGS)
+    configs=FWD_TMA_CONFIGS, key=TUNING_KEY,
+    prune_configs_by=prune_to_fitting(FWD_TMA_CUDA_CONFIGS)
 )(_attention_fwd_tma_kernel)
-
 
 # Tensor descriptors (TMA on sm_90+) for the forward: FASTLM_ATTENTION_TMA=1 forces them wherever
 # this Triton has them (the interpreter too, which is how the tests run both paths), 0 forbids
@@ -575,8 +341,7 @@ def _use_tensor_descriptors(*tensors: torch.Tensor) -> bool:
     for t in tensors:
         size = t.element_size()
         if (
-            t.stride(-1) != 1
-            or t.data_ptr() % 16
+            t.stride(-1) != 1 or t.data_ptr() % 16
             or any(stride * size % 16 for stride in t.stride()[:-1])
         ):
             return False
@@ -587,15 +352,8 @@ def _use_tensor_descriptors(*tensors: torch.Tensor) -> bool:
 
 
 def attention_forward(
-    q,
-    k,
-    v,
-    causal: bool,
-    softmax_scale: float,
-    allow_tf32: bool,
-    window: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    varlen: Varlen | None = None,
+    q, k, v, causal: bool, softmax_scale: float, allow_tf32: bool,
+    window: tuple[int, int] = (-1, -1), softcap: float = 0.0, varlen: Varlen | None = None
 ):
     """o (B, Hq, Nq, D) and the base-2 log-sum-exp (B, Hq, Nq) fp32 of checked inputs (a row
     that sees no key: o = 0, lse = +inf)."""
@@ -608,26 +366,15 @@ def attention_forward(
     args = (Hq, Hq // Hkv, n_q, n_k, softmax_scale * LOG2_E, Nq, *mask_args)
     args = (*args, tuning_bucket(n_q), tuning_bucket(n_k))
     flags = dict(
-        kernel_flags(q, causal, allow_tf32),
-        **mask_flags,
-        VARLEN=varlen is not None,
-        SCALE_POSITIVE=softmax_scale > 0,
+        kernel_flags(q, causal, allow_tf32), **mask_flags, VARLEN=varlen is not None,
+        SCALE_POSITIVE=softmax_scale > 0
     )
     grid = block_grid(n_q, "BLOCK_M", sequences * Hq)
     strides = [kernel_strides(t, varlen) for t in (q, k, v, o)]
     if _use_tensor_descriptors(q, k, v, o):
         _attention_fwd_tma_autotuned[grid](
-            q,
-            k,
-            v,
-            o,
-            lse,
-            cu_q,
-            cu_k,
-            *(s for t in strides for s in t[:3]),
-            *args,
-            WARP_SPECIALIZE=_WARP_SPECIALIZE,
-            **flags,
+            q, k, v, o, lse, cu_q, cu_k, *(s for t in strides for s in t[:3]), *args,
+            WARP_SPECIALIZE=_WARP_SPECIALIZE, **flags
         )
     else:
         _attention_fwd_kernel[grid](

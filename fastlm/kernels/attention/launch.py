@@ -30,7 +30,7 @@ def block_grid(n_rows: int, block: str, batch_heads: int):
     """The 1-D grid `block_start_and_batch_head` decomposes: cdiv(n_rows, BLOCK) * (B * H)
     programs,
     BLOCK the launch's (possibly autotuned) block size named `block`."""
-    return lambda meta: (triton.cdiv(n_rows, meta[block]) * batch_heads,)
+    return lambda meta: (triton.cdiv(n_rows, meta[block]) * batch_heads, )
 
 
 def tuning_bucket(n: int) -> int:
@@ -42,11 +42,8 @@ def kernel_flags(q: torch.Tensor, causal: bool, allow_tf32: bool) -> dict:
     head_dim = q.shape[-1]
     full_fp32 = q.dtype == torch.float32 and not allow_tf32
     return dict(
-        HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        CAUSAL=causal,
-        TO_FP32=interpreter_bf16(q.dtype),
-        DOT_PRECISION="ieee" if full_fp32 else "tf32",
+        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), CAUSAL=causal,
+        TO_FP32=interpreter_bf16(q.dtype), DOT_PRECISION="ieee" if full_fp32 else "tf32"
     )
 
 
@@ -68,11 +65,8 @@ def sequence_args(q, k, varlen: Varlen | None) -> tuple:
     if varlen is None:
         return None, None, q.shape[0], q.shape[2], k.shape[2]
     return (
-        varlen.cu_seqlens_q.contiguous(),
-        varlen.cu_seqlens_k.contiguous(),
-        varlen.cu_seqlens_q.numel() - 1,
-        varlen.max_seqlen_q,
-        varlen.max_seqlen_k,
+        varlen.cu_seqlens_q.contiguous(), varlen.cu_seqlens_k.contiguous(),
+        varlen.cu_seqlens_q.numel() - 1, varlen.max_seqlen_q, varlen.max_seqlen_k
     )
 
 

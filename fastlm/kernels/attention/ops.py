@@ -26,16 +26,8 @@ from fastlm.kernels.attention.reference import attention_ref, attention_varlen_r
 
 @torch.library.custom_op("fastlm::flash_attention", mutates_args=())
 def flash_attention_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    softmax_scale: float,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    allow_tf32: bool,
-    deterministic: bool,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+    window_left: int, window_right: int, softcap: float, allow_tf32: bool, deterministic: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse): o (B, Hq, Nq, D) in q's memory layout, lse (B, Hq, Nq) fp32 base 2.
     deterministic picks the backward's schedule (the forward has one)."""
@@ -52,33 +44,13 @@ def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap, *flags
 
 @torch.library.custom_op("fastlm::flash_attention_backward", mutates_args=())
 def _flash_attention_backward_op(
-    do: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    causal: bool,
-    softmax_scale: float,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    allow_tf32: bool,
-    deterministic: bool,
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+    lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int, window_right: int,
+    softcap: float, allow_tf32: bool, deterministic: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return attention_backward(
-        do,
-        q,
-        k,
-        v,
-        o,
-        lse,
-        causal,
-        softmax_scale,
-        allow_tf32,
-        deterministic,
-        window=(window_left, window_right),
-        softcap=softcap,
+        do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, deterministic,
+        window=(window_left, window_right), softcap=softcap
     )
 
 
@@ -111,74 +83,37 @@ refuse_double_backward("fastlm::flash_attention_backward", "flash_attention")
 
 @torch.library.custom_op("fastlm::flash_attention_varlen", mutates_args=())
 def flash_attention_varlen_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    causal: bool,
-    softmax_scale: float,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    allow_tf32: bool,
-    deterministic: bool,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+    softmax_scale: float, window_left: int, window_right: int, softcap: float, allow_tf32: bool,
+    deterministic: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse): o (total_q, Hq, D) in q's memory layout, lse (Hq, total_q) fp32 base 2."""
     varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     o, lse = attention_forward(
-        as_heads(q),
-        as_heads(k),
-        as_heads(v),
-        causal,
-        softmax_scale,
-        allow_tf32,
-        (window_left, window_right),
-        softcap,
-        varlen,
+        as_heads(q), as_heads(k), as_heads(v), causal, softmax_scale, allow_tf32,
+        (window_left, window_right), softcap, varlen
     )
     return as_packed(o), lse[0]
 
 
 @flash_attention_varlen_op.register_fake
 def _(q, k, v, *rest):
-    return as_packed(empty_heads_like(as_heads(q))), q.new_empty(
-        (q.shape[1], q.shape[0]), dtype=torch.float32
-    )
+    return as_packed(empty_heads_like(as_heads(q))
+                     ), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("fastlm::flash_attention_varlen_backward", mutates_args=())
 def _flash_attention_varlen_backward_op(
-    do: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    causal: bool,
-    softmax_scale: float,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    allow_tf32: bool,
-    deterministic: bool,
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+    lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+    max_seqlen_k: int, causal: bool, softmax_scale: float, window_left: int, window_right: int,
+    softcap: float, allow_tf32: bool, deterministic: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     grads = attention_backward(
-        *(as_heads(t) for t in (do, q, k, v, o)),
-        lse[None],
-        causal,
-        softmax_scale,
-        allow_tf32,
-        deterministic,
-        window=(window_left, window_right),
-        softcap=softcap,
-        varlen=Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+        *(as_heads(t) for t in (do, q, k, v, o)), lse[None], causal, softmax_scale, allow_tf32,
+        deterministic, window=(window_left, window_right), softcap=softcap,
+        varlen=Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     )
     return tuple(as_packed(g) for g in grads)
 
@@ -206,9 +141,8 @@ def _flash_attention_varlen_grad(ctx, do, _):
 
 
 torch.library.register_autograd(
-    "fastlm::flash_attention_varlen",
-    _flash_attention_varlen_grad,
-    setup_context=_flash_attention_varlen_setup,
+    "fastlm::flash_attention_varlen", _flash_attention_varlen_grad,
+    setup_context=_flash_attention_varlen_setup
 )
 refuse_double_backward("fastlm::flash_attention_varlen_backward", "flash_attention_varlen")
 
@@ -265,9 +199,8 @@ def check_inputs(q, k, v, causal, softmax_scale) -> None:
 def _check_options(causal: bool, window_size, softcap, return_lse) -> tuple[tuple[int, int], float]:
     """window_size as two ints and softcap as a float, checked."""
     if (
-        not isinstance(window_size, (tuple, list))
-        or len(window_size) != 2
-        or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)
+        not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or
+        not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)
     ):
         raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
     left, right = (int(w) for w in window_size)
@@ -329,17 +262,10 @@ def _natural_lse(lse: torch.Tensor) -> torch.Tensor:
 
 
 def flash_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool = True,
-    softmax_scale: float | None = None,
-    *,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    return_lse: bool = False,
-    allow_tf32: bool = True,
-    deterministic: bool = True,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+    softmax_scale: float | None = None, *, window_size: tuple[int,
+                                                              int] = (-1, -1), softcap: float = 0.0,
+    return_lse: bool = False, allow_tf32: bool = True, deterministic: bool = True
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """softmax(softmax_scale * q k^T [+ causal mask]) v without materialising the scores.
 
@@ -379,21 +305,11 @@ def flash_attention(
 
 
 def flash_attention_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    causal: bool = True,
-    softmax_scale: float | None = None,
-    *,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    return_lse: bool = False,
-    allow_tf32: bool = True,
-    deterministic: bool = True,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,
+    softmax_scale: float | None = None, *, window_size: tuple[int,
+                                                              int] = (-1, -1), softcap: float = 0.0,
+    return_lse: bool = False, allow_tf32: bool = True, deterministic: bool = True
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """flash_attention of packed sequences (documents): sequence i's queries, rows
     cu_seqlens_q[i] to cu_seqlens_q[i + 1] of q, attend only to its keys, rows cu_seqlens_k[i]
@@ -415,7 +331,7 @@ def flash_attention_varlen(
     window, softcap = _check_options(causal, window_size, softcap, return_lse)
     for name, cu, total, longest in (
         ("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
-        ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k),
+        ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
     ):
         check_cu_seqlens(name, cu, total, longest, q.device)
     if cu_seqlens_k.numel() != cu_seqlens_q.numel():
@@ -426,31 +342,12 @@ def flash_attention_varlen(
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if not use_triton(q) or q.numel() == 0 or k.shape[0] == 0:
         return attention_varlen_ref(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            causal,
-            scale,
-            window_size=window,
-            softcap=softcap,
-            return_lse=return_lse,
+            q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_size=window, softcap=softcap,
+            return_lse=return_lse
         )
     check_kernel_head_dim(q.shape[-1])
     o, lse = flash_attention_varlen_op(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        int(max_seqlen_q),
-        int(max_seqlen_k),
-        causal,
-        scale,
-        *window,
-        softcap,
-        bool(allow_tf32),
-        bool(deterministic),
+        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal, scale,
+        *window, softcap, bool(allow_tf32), bool(deterministic)
     )
     return (o, _natural_lse(lse)) if return_lse else o

@@ -36,39 +36,18 @@ from fastlm.kernels.rope import check_rope_args, check_rotatable, rope_ref
 
 @torch.library.custom_op("fastlm::flash_attention_backward_", mutates_args=("dq", "dk", "dv"))
 def _flash_attention_backward_into_op(
-    do: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    causal: bool,
-    softmax_scale: float,
-    allow_tf32: bool,
-    deterministic: bool,
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-    cu_seqlens: torch.Tensor | None = None,
-    max_seqlen: int = 0,
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+    lse: torch.Tensor, causal: bool, softmax_scale: float, allow_tf32: bool, deterministic: bool,
+    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int = 0
 ) -> None:
     """flash_attention's backward written into dq, dk, dv (views of one buffer, say); with
     cu_seqlens, of packed sequences (self-attention: the same bounds for queries and keys) held
     as the launchers' (1, H, total, D) views, lse (1, H, total)."""
     varlen = None if cu_seqlens is None else Varlen(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
     attention_backward(
-        do,
-        q,
-        k,
-        v,
-        o,
-        lse,
-        causal,
-        softmax_scale,
-        allow_tf32,
-        deterministic,
-        out=(dq, dk, dv),
-        varlen=varlen,
+        do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, deterministic, out=(dq, dk, dv),
+        varlen=varlen
     )
 
 
@@ -100,20 +79,8 @@ class _PackedRopeAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx,
-        qkv,
-        cos,
-        sin,
-        positions,
-        num_heads,
-        num_kv_heads,
-        causal,
-        softmax_scale,
-        allow_tf32,
-        deterministic,
-        interleaved,
-        cu_seqlens,
-        max_seqlen,
+        ctx, qkv, cos, sin, positions, num_heads, num_kv_heads, causal, softmax_scale, allow_tf32,
+        deterministic, interleaved, cu_seqlens, max_seqlen
     ):
         packed = cu_seqlens is not None
         q, k, v = split_heads(qkv, num_heads, num_kv_heads, packed)
@@ -124,18 +91,8 @@ class _PackedRopeAttention(torch.autograd.Function):
             )
         else:  # q, k, v are the packed sequences' (1, H, total, D)
             o, lse = flash_attention_varlen_op(
-                *(as_packed(t) for t in (q, k, v)),
-                cu_seqlens,
-                cu_seqlens,
-                max_seqlen,
-                max_seqlen,
-                causal,
-                softmax_scale,
-                -1,
-                -1,
-                0.0,
-                allow_tf32,
-                deterministic,
+                *(as_packed(t) for t in (q, k, v)), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                causal, softmax_scale, -1, -1, 0.0, allow_tf32, deterministic
             )
             o, lse = as_heads(o), lse[None]  # (1, H, total, D), (1, H, total)
         ctx.mark_dirty(qkv)
@@ -143,13 +100,7 @@ class _PackedRopeAttention(torch.autograd.Function):
         ctx.save_for_backward(qkv, o, lse, cos, sin, positions, cu_seqlens)
         ctx.max_seqlen = max_seqlen or 0  # the op takes an int
         ctx.args = (
-            num_heads,
-            num_kv_heads,
-            causal,
-            softmax_scale,
-            allow_tf32,
-            deterministic,
-            interleaved,
+            num_heads, num_kv_heads, causal, softmax_scale, allow_tf32, deterministic, interleaved
         )
         return o, qkv
 
@@ -175,21 +126,8 @@ class _PackedRopeAttention(torch.autograd.Function):
         else:
             q, k, v = split_heads(qkv, num_heads, num_kv_heads, packed)
             _flash_attention_backward_into_op(
-                do,
-                q,
-                k,
-                v,
-                o,
-                lse,
-                causal,
-                softmax_scale,
-                allow_tf32,
-                deterministic,
-                dq,
-                dk,
-                dv,
-                cu_seqlens,
-                ctx.max_seqlen,
+                do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, deterministic, dq, dk, dv,
+                cu_seqlens, ctx.max_seqlen
             )
         if d_rotated is not None:
             dqkv.add_(d_rotated)
@@ -198,15 +136,9 @@ class _PackedRopeAttention(torch.autograd.Function):
 
 
 def rope_attention_ref(
-    qkv: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    positions: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int | None = None,
-    causal: bool = True,
-    softmax_scale: float | None = None,
-    interleaved: bool = True,
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+    num_heads: int, num_kv_heads: int | None = None, causal: bool = True,
+    softmax_scale: float | None = None, interleaved: bool = True
 ) -> torch.Tensor:
     """rope_attention's math in PyTorch (rotated copies; qkv is left as it is)."""
     q, k, v = split_heads(qkv, num_heads, num_kv_heads or num_heads)
@@ -216,21 +148,11 @@ def rope_attention_ref(
 
 
 def rope_attention(
-    qkv: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    token_positions: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int | None = None,
-    causal: bool = True,
-    softmax_scale: float | None = None,
-    *,
-    interleaved: bool = True,
-    allow_tf32: bool = True,
-    deterministic: bool = True,
-    check_positions: bool = True,
-    cu_seqlens: torch.Tensor | None = None,
-    max_seqlen: int | None = None,
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, token_positions: torch.Tensor,
+    num_heads: int, num_kv_heads: int | None = None, causal: bool = True,
+    softmax_scale: float | None = None, *, interleaved: bool = True, allow_tf32: bool = True,
+    deterministic: bool = True, check_positions: bool = True,
+    cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None
 ) -> torch.Tensor:
     """Attention of a fused q|k|v projection with RoPE: the model's attention in one call.
 
@@ -282,13 +204,8 @@ def rope_attention(
             t.copy_(rope_ref(t, cos, sin, positions, interleaved))
         if packed:
             o = flash_attention_varlen(
-                *(as_packed(t) for t in (q, k, v)),
-                cu_seqlens,
-                cu_seqlens,
-                max_seqlen,
-                max_seqlen,
-                causal,
-                scale,
+                *(as_packed(t) for t in (q, k, v)), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                causal, scale
             )
             return as_heads(o)
         return attention_ref(q, k, v, causal, scale)
@@ -297,19 +214,8 @@ def rope_attention(
     if qkv.numel() == 0:
         return empty_heads_like(q)
     return _PackedRopeAttention.apply(
-        qkv,
-        cos.contiguous(),
-        sin.contiguous(),
-        positions,
-        num_heads,
-        num_kv_heads,
-        causal,
-        scale,
-        bool(allow_tf32),
-        bool(deterministic),
-        interleaved,
-        cu_seqlens,
-        max_seqlen,
+        qkv, cos.contiguous(), sin.contiguous(), positions, num_heads, num_kv_heads, causal, scale,
+        bool(allow_tf32), bool(deterministic), interleaved, cu_seqlens, max_seqlen
     )[0]
 
 

@@ -30,15 +30,9 @@ def _visible_keys(
 
 
 def attention_ref(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool = True,
-    softmax_scale: float | None = None,
-    *,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    return_lse: bool = False,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+    softmax_scale: float | None = None, *, window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0, return_lse: bool = False
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """flash_attention's math in PyTorch (the PyTorch backend): GQA by repeating k and v, the
     causal mask aligned to the end. Plain attention goes through scaled_dot_product_attention;
@@ -74,17 +68,9 @@ def attention_ref(
 
 
 def attention_varlen_ref(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    causal: bool = True,
-    softmax_scale: float | None = None,
-    *,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    return_lse: bool = False,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor, causal: bool = True, softmax_scale: float | None = None, *,
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, return_lse: bool = False
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """flash_attention_varlen's math in PyTorch: `attention_ref` of each sequence on its own (the
     sequence bounds are read on the host). o (total_q, Hq, D); lse (Hq, total_q)."""
@@ -92,12 +78,8 @@ def attention_varlen_ref(
     bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for q0, q1, k0, k1 in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:]):
         o, lse = attention_ref(
-            *(t[None].transpose(1, 2) for t in (q[q0:q1], k[k0:k1], v[k0:k1])),
-            causal,
-            softmax_scale,
-            window_size=window_size,
-            softcap=softcap,
-            return_lse=True,
+            *(t[None].transpose(1, 2) for t in (q[q0:q1], k[k0:k1], v[k0:k1])), causal,
+            softmax_scale, window_size=window_size, softcap=softcap, return_lse=True
         )
         outs.append(o[0].transpose(0, 1))
         lses.append(lse[0])
