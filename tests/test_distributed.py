@@ -8,23 +8,32 @@ README's memory model). The layout helpers and the errors run in this process.""
 from __future__ import annotations
 
 import contextlib
+import copy
+import importlib.util
+import json
 import os
+import shutil
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+import test_train
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_train import TOY, run_main, torchrun
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import fastlm.kernels._common as kernel_common
-from fastlm import Transformer, flash_attention
+import fastlm.train as train_cli
+from fastlm import Transformer, checkpoint, flash_attention
 from fastlm.distributed import (
     ExchangePlan,
     context_parallel_attention,
+    context_parallel_mesh,
     gather_sequence,
     sequence_positions,
     shard_sequence,
@@ -194,6 +203,44 @@ def _model_check(rank, world_size, backend, model, inputs, targets, expected, lo
     assert torch.equal(given, own)
 
 
+def _mesh_problem(seed: int):
+    """(a model, two data ranks' batches, the mean of their single-process losses and of every
+    parameter's gradients): what one step of DDP or FSDP over data x context must give."""
+    torch.manual_seed(seed)
+    model = Transformer(**MODEL)
+    batches, results = [], []
+    tokens = torch.randint(0, MODEL["vocab_size"], (2, 2, MODEL["context_length"] + 1))
+    with _backend("torch"):
+        for inputs, targets in zip(tokens[..., :-1], tokens[..., 1:]):
+            loss = model.loss(inputs, targets)
+            results.append([loss.detach(), *torch.autograd.grad(loss, list(model.parameters()))])
+            batches.append((inputs, targets))
+    return model, batches, [sum(pair) / 2 for pair in zip(*results)]
+
+
+def _mesh_check(rank, world_size, model, batches, expected):
+    """On a (data 2 x context 2) DeviceMesh, DDP and FSDP2 as fastlm.train wraps them (over all
+    four ranks): the step's loss and gradients are the single-process ones of both batches."""
+    os.environ["FASTLM_BACKEND"] = "torch"
+    mesh = context_parallel_mesh(2)
+    data, context = mesh["data"].get_local_rank(), mesh["context"].get_local_rank()
+    inputs, targets = (shard_sequence(t, context, 2) for t in batches[data])
+    run = train_cli.Run(rank, world_size, torch.device("cpu"), 2, mesh["context"].get_group())
+    for fsdp in (False, True):
+        local = copy.deepcopy(model).set_context_parallel(mesh)
+        wrapped = train_cli.distribute(train_cli.NextTokenLoss(local), run, fsdp)
+        loss = wrapped(inputs, targets)
+        loss.backward()
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        got = [loss / world_size]
+        for p in local.parameters():  # FSDP's are DTensor shards: gathered whole
+            got.append(p.grad.full_tensor() if fsdp else p.grad)
+        names = ["loss", *(name for name, _ in local.named_parameters())]
+        for name, out, ref in zip(names, got, expected):
+            _check(f"fsdp={fsdp}, rank {rank}: {name}", out, ref, 1e-5)
+
+
 # --------------------------------------------------------------------------------------------
 # Memory and traffic
 # --------------------------------------------------------------------------------------------
@@ -271,11 +318,13 @@ def _memory_check(rank, world_size, seed, dtype, left: int):
 # --------------------------------------------------------------------------------------------
 
 
-def _worker(rank, world_size, seed, attention, models):
+def _worker(rank, world_size, seed, attention, models, mesh):
     for problem in attention:
         _attention_check(rank, world_size, *problem)
     for problem in models:
         _model_check(rank, world_size, *problem)
+    if mesh is not None:
+        _mesh_check(rank, world_size, *mesh)
     for dtype, left in ((torch.float32, -1), (torch.bfloat16, -1), (torch.float32, 5)):
         _memory_check(rank, world_size, seed, dtype, left)
 
@@ -284,14 +333,15 @@ def _worker(rank, world_size, seed, attention, models):
 def test_context_parallel_matches_single_process(tmp_path, fresh_seed, world_size):
     """On every rank: attention's output, log-sum-exp and dq, dk, dv (causal and not, windowed,
     capped, MHA and GQA; PyTorch backend and kernels), a model's loss, gradients and logits,
-    equal single-process results, computed here once; the exchange's buffers and traffic are
-    the memory model's."""
+    and (4 ranks) a DDP and an FSDP2 step on a data x context mesh, equal single-process
+    results, computed here once; the exchange's buffers and traffic are the memory model's."""
     cases = [*TORCH_CASES, KERNEL_CASES[world_size]]
     attention = [_attention_problem(case, world_size, fresh_seed) for case in cases]
     models = [_model_problem("torch", layers=2, batch=2, seed=fresh_seed)]
     if world_size == 2:
         models.append(_model_problem("triton", layers=1, batch=1, seed=fresh_seed))
-    spawn(world_size, tmp_path, _worker, fresh_seed, attention, models)
+    mesh = _mesh_problem(fresh_seed) if world_size == 4 else None
+    spawn(world_size, tmp_path, _worker, fresh_seed, attention, models, mesh)
 
 
 # --------------------------------------------------------------------------------------------
@@ -342,3 +392,99 @@ def test_group_of_one_is_plain_attention(tmp_path):
         assert model.set_context_parallel(dist.group.WORLD).context_parallel_group is None
     finally:
         dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------
+# python -m fastlm.train --context-parallel
+# --------------------------------------------------------------------------------------------
+
+corpus = test_train.corpus  # the fixture
+FASTLM_TOY = [*TOY, "--model", "fastlm", "--num-kv-heads", "1"]  # grouped-query heads too
+
+
+SHARDED_LOSS = """
+import fastlm.model
+whole_loss = fastlm.model.Transformer.loss
+def sharded_loss(model, token_ids, *args, **kwargs):
+    assert model.context_parallel_group is not None and token_ids.shape[1] == 8, token_ids.shape
+    return whole_loss(model, token_ids, *args, **kwargs)
+fastlm.model.Transformer.loss = sharded_loss
+"""
+
+
+def _train(tmp_path, corpus, capsys, name: str, *extra) -> list[float]:
+    """An in-process run's training losses (its checkpoint's history)."""
+    argv = [*FASTLM_TOY, "--data", corpus, "--steps", 6, "--out", tmp_path / name, *extra]
+    status, _, err = run_main(argv, capsys)
+    assert status == 0, err
+    return checkpoint.load_state(tmp_path / name)["train_losses"]
+
+
+def test_train_resumes_into_and_out_of_context_parallelism(tmp_path, corpus, capsys, monkeypatch):
+    """The step-2 checkpoint of a one-process run resumes under torchrun with --context-parallel
+    2 (each sequence over both ranks, DDP averaging their gradients), and that run's step-4
+    checkpoint (full tensors) back in one process: every loss is the uninterrupted
+    single-process run's, to rounding, and nothing notes a change of settings."""
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")  # as torchrun's ranks run
+    save = train_cli.Trainer.save
+
+    def save_and_keep(trainer):
+        note = save(trainer)
+        shutil.copytree(trainer.out, tmp_path / f"{trainer.out.name}-{trainer.step}")
+        return note
+
+    monkeypatch.setattr(train_cli.Trainer, "save", save_and_keep)
+    # Each rank's model must see its shard with the group set, not the whole sequence.
+    script = test_train.RANK_SCRIPT.replace("status = ", SHARDED_LOSS + "status = ")
+    monkeypatch.setattr(test_train, "RANK_SCRIPT", script)
+    uninterrupted = _train(tmp_path, corpus, capsys, "single", "--save-every", "2")
+    shutil.copytree(tmp_path / "single-2", tmp_path / "cp")
+    extra = ["--steps", "6", "--save-every", "2", "--context-parallel", "2", "--resume"]
+    result, records = torchrun(tmp_path, corpus, "cp", *FASTLM_TOY[len(TOY) :], *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "context parallel 2" in result.stderr and "note:" not in result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 6 and summary["world_size"] == 2
+    parallel = checkpoint.load_state(tmp_path / "cp")["train_losses"]
+    shutil.copytree(records / "checkpoint-4", tmp_path / "back")
+    back = _train(tmp_path, corpus, capsys, "back", "--resume")
+    assert parallel[:2] == back[:2] == uninterrupted[:2]
+    assert parallel == pytest.approx(uninterrupted, rel=1e-5)
+    assert back == pytest.approx(uninterrupted, rel=1e-5)
+    weights = checkpoint.load_weights(tmp_path / "back")
+    for key, value in checkpoint.load_weights(tmp_path / "single").items():
+        assert torch.allclose(weights[key], value, rtol=1e-4, atol=1e-6), key
+
+
+def test_benchmark_without_cuda_says_so(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("measures on a GPU: benchmarks/context_parallel.py")
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "context_parallel.py"
+    spec = importlib.util.spec_from_file_location("context_parallel_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main([]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--context-parallel", "0"], "--context-parallel must be at least 1, got 0"),
+        (
+            ["--context-parallel", "3"],
+            "--context-length 16 must be divisible by 2 * --context-parallel = 6",
+        ),
+        (["--context-parallel", "2", "--model", "reference"], "runs fastlm's model"),
+        (["--context-parallel", "2", "--pack-documents"], "does not take --pack-documents"),
+        (["--context-parallel", "2", "--compile"], "does not run under --compile"),
+        (["--context-parallel", "2"], "must divide the number of processes (1)"),
+    ],
+)
+def test_train_bad_context_parallel_is_one_line(tmp_path, corpus, capsys, extra, message):
+    argv = [*FASTLM_TOY, "--data", corpus, "--out", tmp_path / "out", *extra]
+    status, summary, err = run_main(argv, capsys)
+    assert status == 2 and summary is None
+    assert err.count("\n") == 1 and err.startswith("fastlm.train: error: "), err
+    assert message in err, err
+    assert not (tmp_path / "out").exists()
