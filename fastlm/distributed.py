@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from fastlm.backend import use_triton
+from fastlm.kernels._common import empty, empty_like
 from fastlm.kernels.attention import attention_ref, flash_attention
 from fastlm.kernels.attention.launch import check_kernel_head_dim
 from fastlm.kernels.attention.ops import (
@@ -74,7 +75,7 @@ def _check_world(rank: int, world_size: int) -> None:
         raise ValueError(f"rank must lie in [0, world_size={world_size}), got {rank}")
 
 
-def chunk_length(seq_len: int, world_size: int) -> int:
+def _chunk_length(seq_len: int, world_size: int) -> int:
     """c = seq_len / (2 * world_size); ValueError unless it divides."""
     if seq_len % (2 * world_size):
         raise ValueError(
@@ -99,7 +100,7 @@ def shard_sequence(x: torch.Tensor, rank: int, world_size: int, dim: int = 1) ->
         by 2 * world_size.
     """
     _check_world(rank, world_size)
-    c = chunk_length(x.shape[dim], world_size)
+    c = _chunk_length(x.shape[dim], world_size)
     first, second = rank, 2 * world_size - 1 - rank
     return torch.cat((x.narrow(dim, first * c, c), x.narrow(dim, second * c, c)), dim)
 
@@ -196,7 +197,7 @@ class ExchangePlan:
         """The plan for a sequence of `seq_len` tokens (ValueError unless 2 * world_size divides
         it), causal or not, with a left window of `window_left` keys (-1: none)."""
         _check_world(rank, world_size)
-        c = chunk_length(seq_len, world_size)
+        c = _chunk_length(seq_len, world_size)
         P = world_size
 
         def ranges_of(r: int):
@@ -294,7 +295,8 @@ def _exchange_kv(k, v, plan: ExchangePlan, group) -> list[torch.Tensor]:
     received from their owners; a chunk's rows are contiguous, so each travels as one message."""
     B, Hkv, _, D = k.shape
     c = plan.chunk
-    spans = [k.new_empty(((hi - lo + 1) * c, 2, B, Hkv, D)) for lo, hi in plan.spans]
+    shapes = [((hi - lo + 1) * c, 2, B, Hkv, D) for lo, hi in plan.spans]
+    spans = [empty(shape, device=k.device, dtype=k.dtype) for shape in shapes]
 
     def slot(chunk: int) -> torch.Tensor:
         index, row = plan.slot(chunk)
@@ -374,7 +376,8 @@ class _ContextParallelAttention(torch.autograd.Function):
         B, Hq, T, D = q.shape
         c = plan.chunk
         spans = _exchange_kv(k, v, plan, group)
-        o = q.new_empty((B, T, Hq, D)).transpose(1, 2)  # (B, T, H, D) memory, as the model reads it
+        # (B, T, H, D) memory, as the model reads it
+        o = empty((B, T, Hq, D), device=q.device, dtype=q.dtype).transpose(1, 2)
         stats = []
         for half in range(2):
             rows = slice(half * c, (half + 1) * c)
@@ -407,7 +410,7 @@ class _ContextParallelAttention(torch.autograd.Function):
             return grads[index][row : row + c]
 
         # Each received chunk's partial gradient goes back to its owner, which adds them up.
-        returned = [(torch.empty_like(slot(chunk)), chunk, dst) for chunk, _, dst in plan.sends]
+        returned = [(empty_like(slot(chunk)), chunk, dst) for chunk, _, dst in plan.sends]
         _run_p2p(
             [(slot(chunk), src) for chunk, src in plan.receives],
             [(buffer, dst) for buffer, _, dst in returned],
@@ -427,7 +430,7 @@ def _local_backward(attend, do, q, k, v, o, stats, plan: ExchangePlan, group):
     c = plan.chunk
     spans = _exchange_kv(k, v, plan, group)
     grads = [torch.zeros(span.shape, dtype=torch.float32, device=q.device) for span in spans]
-    dq = torch.empty_like(q)
+    dq = empty_like(q)
     for half in range(2):
         rows = slice(half * c, (half + 1) * c)
         dq_half, dk, dv = attend.backward(
@@ -447,8 +450,17 @@ def _local_backward(attend, do, q, k, v, o, stats, plan: ExchangePlan, group):
 
 
 def context_group(group) -> dist.ProcessGroup | None:
-    """The process group of `group`: a ProcessGroup, None (the default group; None also when
-    torch.distributed is not initialised), or a DeviceMesh, 1-D or with a "context" dimension."""
+    """The context-parallel process group `group` names.
+
+    Args:
+        group: a ProcessGroup; a DeviceMesh, 1-D or with a "context" dimension; or None, the
+            default group.
+
+    Returns:
+        The ProcessGroup, or None when `group` is None and torch.distributed is not initialised
+        (one process). ValueError for a mesh without a "context" dimension, TypeError for
+        anything else.
+    """
     if group is None:
         return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
     try:
@@ -563,13 +575,22 @@ def context_parallel_attention(
 
 
 def mean_share(loss: torch.Tensor, targets: torch.Tensor, ignore_index: int, group) -> torch.Tensor:
-    """This rank's share of the mean loss over the whole sequence, from its own mean `loss`
-    over its `targets` (ignore_index left out; 0 when all are): local sum * P / global count.
+    """This rank's share of the mean loss over whole sequences: local sum * P / global count.
 
-    The shares' mean over the group is the sequence's mean, so averaging losses and gradients
+    The shares' mean over the group is the sequences' mean, so averaging losses and gradients
     over the group's ranks (as DDP and FSDP do over data x context) gives the mean and its
     gradient; with ranks holding different counts of ignored targets a plain mean of the
-    ranks' means would weigh their tokens unequally. One all-reduce of a count, no host sync.
+    ranks' means would weigh their tokens unequally. One all-reduce of a count, no host sync;
+    every rank of the group calls it.
+
+    Args:
+        loss: this rank's mean loss over its targets (0 when all are ignored, as fastlm's
+            cross-entropy gives).
+        targets: this rank's targets; ignore_index: the target value left out.
+        group: the context-parallel ProcessGroup.
+
+    Returns:
+        The share, differentiable as `loss` is (the counts are constants).
     """
     count = (targets != ignore_index).sum()
     total = count.clone()
@@ -579,9 +600,18 @@ def mean_share(loss: torch.Tensor, targets: torch.Tensor, ignore_index: int, gro
 
 
 def context_parallel_mesh(context_parallel: int, device_type: str = "cpu"):
-    """The (data, context) DeviceMesh of the default group's ranks: rank = data_rank *
-    context_parallel + context_rank, so a context-parallel group is neighbouring ranks (one
-    node's GPUs when it fits). ValueError unless context_parallel divides the world size."""
+    """The (data, context) DeviceMesh of the default group's ranks (every rank calls it).
+
+    Args:
+        context_parallel: the ranks sharing each sequence; it must divide the world size.
+        device_type: "cuda" or "cpu".
+
+    Returns:
+        A 2-D DeviceMesh with dimensions ("data", "context") of world / context_parallel x
+        context_parallel: rank = data_rank * context_parallel + context_rank, so a context group
+        is neighbouring ranks (one node's GPUs when it fits). `mesh["context"].get_group()` is
+        the group for `context_parallel_attention`. ValueError for a size that does not divide.
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()

@@ -17,7 +17,10 @@ load both ways with `strict=True`. What changes is how the math runs:
   where the device has it (CUDA): no cast per weight on the way in or out;
 - `loss()` runs the final norm's output through fused linear cross-entropy: the [tokens x vocab]
   logits never exist at once;
-- generation uses a KV cache (`make_kv_cache`) read by flash attention with fewer queries than keys.
+- generation uses a KV cache (`make_kv_cache`) read by flash attention with fewer queries than keys;
+- `set_context_parallel(group)` spreads each sequence over a process group's ranks
+  (`fastlm.distributed`): RoPE and flash attention on each rank's shard, keys and values
+  exchanged with the others.
 
 Shapes in comments: B batch, T new tokens, S cached + new tokens, H heads, D head dim, C model dim.
 """
