@@ -201,6 +201,23 @@ def _model_check(rank, world_size, backend, model, inputs, targets, expected, lo
         given = model(local[0], positions)
     _check(f"rank {rank}: logits", own, shard_sequence(logits, rank, world_size), 1e-5)
     assert torch.equal(given, own)
+    cu_seqlens = torch.tensor([0, local[0].numel()], dtype=torch.int32)
+    with pytest.raises(ValueError, match="without a KV cache and without packed documents"):
+        model.loss(*local, cu_seqlens=cu_seqlens)
+    with pytest.raises(ValueError, match="longer than context_length=24"):
+        model(torch.cat([local[0], local[0]], 1))
+
+
+def _errors_check(rank, world_size):
+    """What a group of several ranks refuses, naming it."""
+    q = torch.randn(1, 2, 3, 8)  # 3 tokens a rank: not 2 chunks
+    with pytest.raises(ValueError, match=f"not divisible by 2 \\* {world_size}"):
+        context_parallel_attention(q, q, q)
+    two, four = q[:, :, :2], torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="q holds 2 tokens and k 4"):
+        context_parallel_attention(two, four, four)
+    with pytest.raises(ValueError, match="needs causal=True"):
+        context_parallel_attention(two, two, two, None, False, window_size=(1, 1))
 
 
 def _mesh_problem(seed: int):
@@ -325,6 +342,7 @@ def _worker(rank, world_size, seed, attention, models, mesh):
         _model_check(rank, world_size, *problem)
     if mesh is not None:
         _mesh_check(rank, world_size, *mesh)
+    _errors_check(rank, world_size)
     for dtype, left in ((torch.float32, -1), (torch.bfloat16, -1), (torch.float32, 5)):
         _memory_check(rank, world_size, seed, dtype, left)
 
