@@ -607,12 +607,9 @@ RANK_SCRIPT = textwrap.dedent("""
 """)
 
 
-def torchrun(
-    tmp_path, data, name, *extra, nproc: int = 2
-) -> tuple[subprocess.CompletedProcess, Path]:
-    """The finished torchrun, `nproc` ranks on gloo, and the folder of the ranks' records.
-    fastlm's model runs its PyTorch path (the kernels run interpreted in test_model, too slowly
-    here)."""
+def torchrun(tmp_path, data, name, *extra) -> tuple[subprocess.CompletedProcess, Path]:
+    """The finished torchrun, two ranks on gloo, and the folder of the ranks' records. fastlm's
+    model runs its PyTorch path (the kernels run interpreted in test_model, too slowly here)."""
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
     records = tmp_path / f"records-{name}"
@@ -621,7 +618,7 @@ def torchrun(
         sys.executable,
         "-m",
         "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
+        "--nproc_per_node=2",
         "--standalone",
         str(script),
         str(records),
