@@ -11,6 +11,7 @@
 - `python -m fastlm.train`, `python -m fastlm.generate`: the commands (`fastlm.generate` is the
   command's module, not a function).
 - `fastlm.backend`: which of kernels and PyTorch runs (FASTLM_BACKEND).
+- `fastlm.distributed`: context parallelism, one sequence over the ranks of a process group.
 - `fastlm.hf`: Hugging Face Llama, Mistral and Qwen2 models patched onto the kernels (`patch`), and
   weights converted to and from `fastlm.Transformer` (`from_hf`, `to_hf`); needs transformers
   (`pip install fastlm[hf]`), imported only when one of them is called.

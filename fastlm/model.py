@@ -17,7 +17,10 @@ load both ways with `strict=True`. What changes is how the math runs:
   where the device has it (CUDA): no cast per weight on the way in or out;
 - `loss()` runs the final norm's output through fused linear cross-entropy: the [tokens x vocab]
   logits never exist at once;
-- generation uses a KV cache (`make_kv_cache`) read by flash attention with fewer queries than keys.
+- generation uses a KV cache (`make_kv_cache`) read by flash attention with fewer queries than keys;
+- `set_context_parallel(group)` spreads each sequence over a process group's ranks
+  (`fastlm.distributed`): RoPE and flash attention on each rank's shard, keys and values
+  exchanged with the others.
 
 Shapes in comments: B batch, T new tokens, S cached + new tokens, H heads, D head dim, C model dim.
 """
@@ -27,11 +30,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from fastlm import reference
 from fastlm.backend import use_triton
+from fastlm.distributed import (
+    context_group,
+    context_parallel_attention,
+    mean_share,
+    sequence_positions,
+)
 from fastlm.kernels.attention import MAX_HEAD_DIM, flash_attention, rope_attention, split_heads
 from fastlm.kernels.cross_entropy import linear_cross_entropy
 from fastlm.kernels.linear import autocast_dtype, cast_weights, half_linear
@@ -171,11 +181,14 @@ class MultiHeadAttentionWithRoPE(nn.Module):
         half: tuple[torch.Tensor, torch.Tensor] | None = None,
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
+        context_parallel=None,
     ) -> torch.Tensor:
         """positions_checked: the caller has checked token_positions' values (the model does,
         once for every layer). half: the two projections' weights cast for autocast.
         cu_seqlens, max_seqlen: packed documents, as in `Transformer.hidden` (token_positions
-        then each token's position in its document)."""
+        then each token's position in its document). context_parallel: a process group of more
+        than one rank over which x's sequence is sharded (`fastlm.distributed`; no KV cache);
+        token_positions are then the global positions of x's tokens."""
         B, T, C = x.shape
         half_qkv, half_out = half if half is not None else (None, None)
         H, Hkv = self.num_heads, self.num_kv_heads
@@ -183,7 +196,7 @@ class MultiHeadAttentionWithRoPE(nn.Module):
             start = kv_cache.length if kv_cache is not None else 0
             token_positions = torch.arange(start, start + T, device=x.device)
             positions_checked = True
-        if kv_cache is None:  # training: the projection's gradient is written as one tensor
+        if kv_cache is None and context_parallel is None:  # the projection's gradient: one tensor
             out = rope_attention(  # (B, H, T, D), or packed (1, H, B * T, D)
                 self.qkv_proj(x, half_qkv),
                 self.rope.cos_cached,
@@ -211,7 +224,9 @@ class MultiHeadAttentionWithRoPE(nn.Module):
         )
         if kv_cache is not None:
             k, v = kv_cache.append(layer, k, v)  # (B, Hkv, S, D)
-        out = flash_attention(q, k, v, causal=True)  # (B, H, T, D)
+            out = flash_attention(q, k, v, causal=True)  # (B, H, T, D)
+        else:  # (B, H, T, D) in (B, T, H, D) memory, the keys exchanged with the group
+            out = context_parallel_attention(q, k, v, context_parallel)
         return self.output_proj(out.transpose(1, 2).reshape(B, T, C), half_out)
 
 
@@ -250,6 +265,7 @@ class TransformerBlock(nn.Module):
         positions_checked: bool = False,
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
+        context_parallel=None,
     ):
         """x + attention + feed-forward, as the reference's block.
 
@@ -258,7 +274,7 @@ class TransformerBlock(nn.Module):
         the add of each delta is fused with the RMSNorm that follows it, here or in the next
         block. The model passes pairs, and through this forward, so that hooks on the block
         (FSDP2 gathers its sharded weights in one) run. positions_checked, cu_seqlens,
-        max_seqlen: as in the attention's.
+        max_seqlen, context_parallel: as in the attention's.
         """
         pair = isinstance(x, tuple)
         residual, delta = x if pair else (x, None)
@@ -273,6 +289,7 @@ class TransformerBlock(nn.Module):
             half=half_attention,
             cu_seqlens=cu_seqlens,
             max_seqlen=max_seqlen,
+            context_parallel=context_parallel,
         )
         normed, residual = _add_norm(delta, residual, self.rms_norm2)
         delta = self.ffe(normed, half_ffe)
@@ -348,6 +365,30 @@ class Transformer(nn.Module):
         self.final_norm = RmsNorm(d_model, norm_eps, device=device, dtype=dtype)
         self.out_linear = Linear(d_model, vocab_size, device, dtype)
         reference.tie(self, tie_embeddings)
+        self.context_parallel_group: dist.ProcessGroup | None = None
+
+    def set_context_parallel(self, group) -> Transformer:
+        """Spread each sequence over the ranks of `group` (context parallelism).
+
+        Args:
+            group: a ProcessGroup, a DeviceMesh (1-D, or with a "context" dimension), or None
+                to turn it off; a group of one rank is the plain path.
+
+        Returns:
+            The model. From then on every rank of the group calls `hidden`, `forward` and
+            `loss` together, each with its shard of the tokens (and targets):
+            `fastlm.distributed.shard_sequence(token_ids, rank, P)`, (B, N / P) of a batch of
+            N-token sequences, N divisible by 2P and at most context_length. RoPE rotates each
+            token by its global position (or by `token_positions`, the shard's global
+            positions). Outputs are the shard's; each rank's `loss` is its share of the mean
+            over the whole sequences (`fastlm.distributed.mean_share`), so averaging losses and
+            gradients over the group gives the single-process ones. No KV cache, no packed
+            documents (cu_seqlens).
+        """
+        group = None if group is None else context_group(group)
+        single = group is None or dist.get_world_size(group) == 1
+        self.context_parallel_group = None if single else group
+        return self
 
     def hidden(
         self,
@@ -371,7 +412,12 @@ class Transformer(nn.Module):
         """
         _check_tokens(token_ids, self.vocab_size, self.context_length, kv_cache)
         B, T = token_ids.shape
-        if cu_seqlens is not None:
+        group = self._check_context_parallel(T, kv_cache, cu_seqlens)
+        if group is not None and token_positions is None:  # this shard's global positions
+            world = dist.get_world_size(group)
+            rank = dist.get_rank(group)
+            token_positions = sequence_positions(T * world, rank, world, token_ids.device)
+        elif cu_seqlens is not None:
             token_positions, max_seqlen = self._packed_positions(
                 token_ids, token_positions, kv_cache, cu_seqlens, max_seqlen
             )
@@ -392,11 +438,31 @@ class Transformer(nn.Module):
                 positions_checked=True,
                 cu_seqlens=cu_seqlens,
                 max_seqlen=max_seqlen,
+                context_parallel=group,
             )
         residual, delta = stream
         if kv_cache is not None:
             kv_cache.length += token_ids.shape[-1]
         return _add_norm(delta, residual, self.final_norm)[0]
+
+    def _check_context_parallel(self, T: int, kv_cache, cu_seqlens) -> dist.ProcessGroup | None:
+        """The context-parallel group (None: off), with what it cannot run refused."""
+        group = self.context_parallel_group
+        if group is None:
+            return None
+        if kv_cache is not None or cu_seqlens is not None:
+            raise ValueError(
+                "context parallelism (set_context_parallel) runs without a KV cache and without "
+                "packed documents (cu_seqlens): the exchange of keys cuts at chunk bounds, not "
+                "at documents"
+            )
+        world = dist.get_world_size(group)
+        if T * world > self.context_length:
+            raise ValueError(
+                f"token_ids: {T} tokens on each of {world} context-parallel ranks make sequences "
+                f"of {T * world}, longer than context_length={self.context_length}"
+            )
+        return group
 
     def _packed_positions(self, token_ids, token_positions, kv_cache, cu_seqlens, max_seqlen):
         """(each token's position: in its document, computed on the device with no host sync, or
@@ -468,7 +534,9 @@ class Transformer(nn.Module):
         hidden = self.hidden(
             token_ids, token_positions, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
         )
-        return linear_cross_entropy(hidden, self.out_linear.w, targets, ignore_index=ignore_index)
+        loss = linear_cross_entropy(hidden, self.out_linear.w, targets, ignore_index=ignore_index)
+        group = self.context_parallel_group
+        return loss if group is None else mean_share(loss, targets, ignore_index, group)
 
     def make_kv_cache(self, batch_size: int | None = None) -> KVCache:
         """An empty KV cache for generating up to context_length positions (the batch size is

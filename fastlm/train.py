@@ -7,6 +7,7 @@ bar and notes go to stderr; stdout gets one JSON line (the run's summary) at the
     python -m fastlm.train                                    # tiny preset, default corpus
     python -m fastlm.train --data my_texts/ --preset gpt2-small --compile
     torchrun --nproc_per_node=8 -m fastlm.train --preset gpt2-medium [--fsdp]
+    torchrun --nproc_per_node=8 -m fastlm.train --context-parallel 4   # 2 data x 4 context
 
 Exit status: 0 done, 2 bad input (one line on stderr, no checkpoint touched), 130 interrupted
 (Ctrl-C: the last finished step was checkpointed first; `--resume` continues it exactly).
@@ -57,6 +58,7 @@ from fastlm.data import (
     load_tokenizer,
     training_batch,
 )
+from fastlm.distributed import context_parallel_mesh, shard_sequence
 
 LOSS_CURVE = checkpoint.LOSS_CURVE
 
@@ -224,6 +226,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run.add_argument("--compile", action="store_true", help="torch.compile the model and loss")
     run.add_argument("--fsdp", action="store_true", help="under torchrun, FSDP2 instead of DDP")
     run.add_argument(
+        "--context-parallel",
+        type=int,
+        default=1,
+        metavar="P",
+        help="under torchrun, spread each sequence over P ranks (context parallelism; P divides "
+        "the processes, 2P the context length); the others hold other data (1)",
+    )
+    run.add_argument(
         "--peak-tflops",
         type=float,
         help="the GPU's dense bf16 peak, for the MFU "
@@ -301,6 +311,29 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--peak-tflops must be positive, got {args.peak_tflops}")
     if args.resume and args.overwrite:
         raise ConfigError("--resume and --overwrite exclude each other")
+    check_context_parallel(args)
+
+
+def check_context_parallel(args: argparse.Namespace) -> None:
+    """ConfigError for a --context-parallel the run cannot take (the number of processes is
+    checked in `start_run`)."""
+    P = args.context_parallel
+    if P < 1:
+        raise ConfigError(f"--context-parallel must be at least 1, got {P}")
+    if P == 1:
+        return
+    if args.context_length % (2 * P):
+        raise ConfigError(
+            f"--context-length {args.context_length} must be divisible by 2 * --context-parallel "
+            f"= {2 * P} (each sequence is cut into {2 * P} chunks)"
+        )
+    for refused, reason in (
+        (args.model != "fastlm", "runs fastlm's model (--model fastlm)"),
+        (args.pack_documents, "does not take --pack-documents (documents cross the chunks)"),
+        (args.compile, "does not run under --compile yet"),
+    ):
+        if refused:
+            raise ConfigError(f"--context-parallel {reason}")
 
 
 def model_config(args: argparse.Namespace, tokenizer, device: torch.device) -> ModelConfig:
@@ -381,11 +414,27 @@ def resume_note(saved: dict, args: argparse.Namespace, world_size: int) -> str |
 
 @dataclass
 class Run:
-    """Where this process trains: its rank among `world_size` and its device."""
+    """Where this process trains: its rank among `world_size` and its device; with context
+    parallelism, the `context` ranks of its `context_group` (neighbours in rank order) share
+    each sequence, and the data is split `world_size / context` ways."""
 
     rank: int
     world_size: int
     device: torch.device
+    context: int = 1
+    context_group: dist.ProcessGroup | None = None
+
+    @property
+    def data_rank(self) -> int:
+        return self.rank // self.context
+
+    @property
+    def data_size(self) -> int:
+        return self.world_size // self.context
+
+    @property
+    def context_rank(self) -> int:
+        return self.rank % self.context
 
     @property
     def is_main(self) -> bool:
@@ -405,6 +454,11 @@ def start_run(args: argparse.Namespace) -> Run:
     device = pick_device(args.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
     if world_size == 1 and args.fsdp:
         raise ConfigError("--fsdp shards over several processes: start with torchrun")
+    if world_size % args.context_parallel:
+        raise ConfigError(
+            f"--context-parallel {args.context_parallel} must divide the number of processes "
+            f"({world_size}): start with torchrun --nproc_per_node=<a multiple of it>"
+        )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if device.type == "cpu":
@@ -414,7 +468,10 @@ def start_run(args: argparse.Namespace) -> Run:
     if world_size == 1:
         return Run(0, 1, device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return Run(dist.get_rank(), world_size, device)
+    run = Run(dist.get_rank(), world_size, device, args.context_parallel)
+    if run.context > 1:  # DDP and FSDP2 keep the whole world: gradients average over both
+        run.context_group = context_parallel_mesh(run.context, device.type)["context"].get_group()
+    return run
 
 
 def agree(run: Run, action) -> object:
@@ -641,6 +698,8 @@ class Trainer:
         self.config = {**config.as_dict(), "tokenizer": tokenizer_name}  # what a checkpoint keeps
         torch.manual_seed(args.seed)  # the same initial weights on every rank
         self.model = build_model(config, args.model, run.device)
+        if run.context_group is not None:
+            self.model.set_context_parallel(run.context_group)
         if saved is not None:
             checkpoint.fit_weights(self.model, saved["weights"], out)
         self.loss_module = NextTokenLoss(self.model)
@@ -675,6 +734,11 @@ class Trainer:
     ) -> torch.Tensor:
         device = self.run.device
         packed = () if cu_seqlens is None else (cu_seqlens.to(device),)
+        if self.run.context > 1:  # this rank's chunks of each sequence
+            token_ids, targets = (
+                shard_sequence(t, self.run.context_rank, self.run.context)
+                for t in (token_ids, targets)
+            )
         with self.autocast():
             return self.loss_fn(token_ids.to(device), targets.to(device), *packed)
 
@@ -698,7 +762,7 @@ class Trainer:
                 args.batch_size,
                 args.context_length,
                 args.seed,
-                self.run.rank,
+                self.run.data_rank,
                 self.step,
                 micro,
                 self.split.train_starts,
@@ -738,7 +802,7 @@ class Trainer:
             "optimizer_kind": optimizer_kind(self.optimizer),
             "train_losses": self.train_losses,
             "val_losses": self.val_losses,
-            "settings": curve_settings(self.args, self.run.world_size),
+            "settings": curve_settings(self.args, self.run.data_size),
         }
         # The curve is part of the checkpoint folder, which is replaced whole.
         with checkpoint.replacing(self.out) as folder:
@@ -788,7 +852,7 @@ def prepare(
     saved = None
     if args.resume:
         saved = load_saved(out)
-        note = resume_note(saved, args, run.world_size)
+        note = resume_note(saved, args, run.data_size)
         if note:
             say(note)
         if args.steps <= saved["step"]:
@@ -803,8 +867,8 @@ def prepare(
             tokenizer,
             args.context_length,
             args.val_fraction,
-            run.rank,
-            run.world_size,
+            run.data_rank,
+            run.data_size,
             say,
             args.pack_documents,
             args.document_separator,
@@ -834,13 +898,15 @@ def run_training(args: argparse.Namespace, run: Run, out: Path, stack: contextli
 
     trainer = prepare(args, run, out, stack, say)
     parameters = sum(p.numel() for p in trainer.model.parameters())
-    tokens_per_step = args.batch_size * args.context_length * args.grad_accum * run.world_size
+    tokens_per_step = args.batch_size * args.context_length * args.grad_accum * run.data_size
     work_per_token = flops_per_token(trainer.model, trainer.config)
     peak = peak_flops(args, run.device)
     say(
         f"fastlm.train: {args.model} model, {parameters / 1e6:.2f}M parameters, preset "
-        f"{args.preset}, {len(trainer.split.train) * run.world_size / 1e6:.2f}M training tokens, "
-        f"{run.world_size} x {run.device.type}" + (", FSDP" if args.fsdp else "")
+        f"{args.preset}, {len(trainer.split.train) * run.data_size / 1e6:.2f}M training tokens, "
+        f"{run.world_size} x {run.device.type}"
+        + (", FSDP" if args.fsdp else "")
+        + (f", context parallel {run.context}" if run.context > 1 else "")
     )
     if peak:
         say(
