@@ -44,10 +44,10 @@ from fastlm.kernels._common import empty, empty_like
 from fastlm.kernels.attention import attention_ref, flash_attention
 from fastlm.kernels.attention.launch import check_kernel_head_dim
 from fastlm.kernels.attention.ops import (
-    _check_options,
-    _natural_lse,
     check_inputs,
+    check_options,
     flash_attention_op,
+    natural_lse,
 )
 
 __all__ = [
@@ -338,7 +338,7 @@ class _Kernels:
 
     @staticmethod
     def natural(lse):
-        return _natural_lse(lse)
+        return natural_lse(lse)
 
 
 class _Torch:
@@ -524,7 +524,7 @@ def context_parallel_attention(
         (o, lse). Packed documents (cu_seqlens) are not supported.
     """
     check_inputs(q, k, v, causal, softmax_scale)
-    window, softcap = _check_options(causal, window_size, softcap, return_lse)
+    window, softcap = check_options(causal, window_size, softcap, return_lse)
     process_group = context_group(group)
     world = 1 if process_group is None else dist.get_world_size(process_group)
     if world == 1:

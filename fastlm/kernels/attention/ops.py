@@ -196,7 +196,7 @@ def check_inputs(q, k, v, causal, softmax_scale) -> None:
     _check_causal_and_scale(causal, softmax_scale)
 
 
-def _check_options(causal: bool, window_size, softcap, return_lse) -> tuple[tuple[int, int], float]:
+def check_options(causal: bool, window_size, softcap, return_lse) -> tuple[tuple[int, int], float]:
     """window_size as two ints and softcap as a float, checked."""
     if (
         not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or
@@ -255,7 +255,7 @@ def check_cu_seqlens(name: str, cu: object, total: int, max_seqlen: object, devi
         torch._assert_async(valid, message)
 
 
-def _natural_lse(lse: torch.Tensor) -> torch.Tensor:
+def natural_lse(lse: torch.Tensor) -> torch.Tensor:
     """The kernels' base-2 log-sum-exp in natural log, with a row that saw no key at -inf (the
     kernels keep +inf there, which zeroes the backward's P)."""
     return torch.where(torch.isposinf(lse), -math.inf, lse * LN_2)
@@ -291,7 +291,7 @@ def flash_attention(
     Returns o (B, Hq, Nq, D) in q's dtype, differentiable in q, k and v; (o, lse) with return_lse.
     """
     check_inputs(q, k, v, causal, softmax_scale)
-    window, softcap = _check_options(causal, window_size, softcap, return_lse)
+    window, softcap = check_options(causal, window_size, softcap, return_lse)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if not use_triton(q) or q.numel() == 0:
         return attention_ref(
@@ -301,7 +301,7 @@ def flash_attention(
     o, lse = flash_attention_op(
         q, k, v, causal, scale, *window, softcap, bool(allow_tf32), bool(deterministic)
     )
-    return (o, _natural_lse(lse)) if return_lse else o
+    return (o, natural_lse(lse)) if return_lse else o
 
 
 def flash_attention_varlen(
@@ -328,7 +328,7 @@ def flash_attention_varlen(
     """
     _check_heads(("q", "k", "v"), q, k, v, 3, "tokens, heads, head_dim")
     _check_causal_and_scale(causal, softmax_scale)
-    window, softcap = _check_options(causal, window_size, softcap, return_lse)
+    window, softcap = check_options(causal, window_size, softcap, return_lse)
     for name, cu, total, longest in (
         ("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
         ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
@@ -350,4 +350,4 @@ def flash_attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal, scale,
         *window, softcap, bool(allow_tf32), bool(deterministic)
     )
-    return (o, _natural_lse(lse)) if return_lse else o
+    return (o, natural_lse(lse)) if return_lse else o
