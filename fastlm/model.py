@@ -230,30 +230,14 @@ class MultiHeadAttentionWithRoPE(nn.Module):
         return self.output_proj(out.transpose(1, 2).reshape(B, T, C), half_out)
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm block with the reference's attribute names (rms_norm1, mult_head_atten, rms_norm2,
-    ffe), so its state_dict keys are the reference's."""
+class TransformerBlock(reference.TransformerBlock):
+    """Pre-norm block with the reference's constructor and attribute names (rms_norm1,
+    mult_head_atten, rms_norm2, ffe), so its state_dict keys are the reference's, built from the
+    kernels' modules."""
 
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        d_ff: int,
-        max_seq_len: int,
-        theta: float,
-        device=None,
-        dtype=None,
-        num_kv_heads: int | None = None,
-        rope_interleaved: bool = True,
-        norm_eps: float = 1e-5,
-    ):
-        super().__init__()
-        self.rms_norm1 = RmsNorm(d_model, norm_eps, device=device, dtype=dtype)
-        self.mult_head_atten = MultiHeadAttentionWithRoPE(
-            d_model, num_heads, max_seq_len, theta, device, dtype, num_kv_heads, rope_interleaved
-        )
-        self.rms_norm2 = RmsNorm(d_model, norm_eps, device=device, dtype=dtype)
-        self.ffe = SwiGlu(d_model, d_ff, device, dtype)
+    norm_class = RmsNorm
+    attention_class = MultiHeadAttentionWithRoPE
+    ffn_class = SwiGlu
 
     def forward(
         self,
@@ -321,51 +305,17 @@ def _add_norm(delta: torch.Tensor | None, residual: torch.Tensor, norm: RmsNorm)
     return add_rms_norm(delta, residual, norm.g, norm.eps, out_dtype=out_dtype)
 
 
-class Transformer(nn.Module):
-    """Decoder-only language model; a drop-in for reference.Transformer (same constructor, with
-    its LLaMA-style options num_kv_heads, rope_interleaved, tie_embeddings and norm_eps, and the
-    same state_dict)."""
+class Transformer(reference.Transformer):
+    """Decoder-only language model; a drop-in for reference.Transformer: its constructor (with
+    the LLaMA-style options num_kv_heads, rope_interleaved, tie_embeddings and norm_eps) and its
+    state_dict, built from the kernels' modules."""
 
-    def __init__(
-        self,
-        vocab_size: int,
-        context_length: int,
-        d_model: int,
-        num_layers: int,
-        num_heads: int,
-        d_ff: int,
-        rope_theta: float,
-        device=None,
-        dtype=None,
-        *,
-        num_kv_heads: int | None = None,
-        rope_interleaved: bool = True,
-        tie_embeddings: bool = False,
-        norm_eps: float = 1e-5,
-    ):
-        super().__init__()
-        self.vocab_size = vocab_size
-        self.context_length = context_length
-        self.embedding = Embedding(vocab_size, d_model, device, dtype)
-        self.blocks = nn.ModuleList(
-            TransformerBlock(
-                d_model,
-                num_heads,
-                d_ff,
-                context_length,
-                rope_theta,
-                device,
-                dtype,
-                num_kv_heads,
-                rope_interleaved,
-                norm_eps,
-            )
-            for _ in range(num_layers)
-        )
-        self.final_norm = RmsNorm(d_model, norm_eps, device=device, dtype=dtype)
-        self.out_linear = Linear(d_model, vocab_size, device, dtype)
-        reference.tie(self, tie_embeddings)
-        self.context_parallel_group: dist.ProcessGroup | None = None
+    embedding_class = Embedding
+    block_class = TransformerBlock
+    norm_class = RmsNorm
+    linear_class = Linear
+    #: The context-parallel group every forward spreads each sequence over (`set_context_parallel`).
+    context_parallel_group: dist.ProcessGroup | None = None
 
     def set_context_parallel(self, group) -> Transformer:
         """Spread each sequence over the ranks of `group` (context parallelism).

@@ -272,7 +272,14 @@ class MultiHeadAttentionWithRoPE(MultiHeadAttention):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.))."""
+    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.)).
+
+    The constructor builds the block from the classes named below, so that a subclass of the same
+    parameters (fastlm.model's, on the kernels) swaps the parts without repeating it."""
+
+    norm_class = RmsNorm
+    attention_class = MultiHeadAttentionWithRoPE
+    ffn_class = SwiGlu
 
     def __init__(
         self,
@@ -288,12 +295,12 @@ class TransformerBlock(nn.Module):
         norm_eps: float = 1e-5,
     ):
         super().__init__()
-        self.rms_norm1 = RmsNorm(d_model, norm_eps, device=device, dtype=dtype)
-        self.mult_head_atten = MultiHeadAttentionWithRoPE(
+        self.rms_norm1 = self.norm_class(d_model, norm_eps, device=device, dtype=dtype)
+        self.mult_head_atten = self.attention_class(
             d_model, num_heads, max_seq_len, theta, device, dtype, num_kv_heads, rope_interleaved
         )
-        self.rms_norm2 = RmsNorm(d_model, norm_eps, device=device, dtype=dtype)
-        self.ffe = SwiGlu(d_model, d_ff, device, dtype)
+        self.rms_norm2 = self.norm_class(d_model, norm_eps, device=device, dtype=dtype)
+        self.ffe = self.ffn_class(d_model, d_ff, device, dtype)
 
     def forward(
         self,
@@ -334,8 +341,17 @@ class Transformer(nn.Module):
     The LLaMA-style options: `num_kv_heads` (grouped-query attention; default num_heads),
     `rope_interleaved` (False: RoPE's half-split pairs, as Hugging Face's checkpoints hold them),
     `tie_embeddings` (out_linear.w is embedding.w, one parameter under both state_dict keys) and
-    `norm_eps` (every RMSNorm's). Their defaults are the seed's model.
+    `norm_eps` (every RMSNorm's). Their defaults give the original model (multi-head attention,
+    interleaved pairs, untied embeddings, eps 1e-5).
+
+    The constructor builds the model from the classes named below, so that a subclass of the same
+    parameters (fastlm.Transformer, on the kernels) swaps the parts without repeating it.
     """
+
+    embedding_class = Embedding
+    block_class = TransformerBlock
+    norm_class = RmsNorm
+    linear_class = Linear
 
     def __init__(
         self,
@@ -357,9 +373,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
         self.context_length = context_length
-        self.embedding = Embedding(vocab_size, d_model, device, dtype)
+        self.embedding = self.embedding_class(vocab_size, d_model, device, dtype)
         self.blocks = nn.ModuleList(
-            TransformerBlock(
+            self.block_class(
                 d_model,
                 num_heads,
                 d_ff,
@@ -373,8 +389,8 @@ class Transformer(nn.Module):
             )
             for _ in range(num_layers)
         )
-        self.final_norm = RmsNorm(d_model, norm_eps, device=device, dtype=dtype)
-        self.out_linear = Linear(d_model, vocab_size, device, dtype)
+        self.final_norm = self.norm_class(d_model, norm_eps, device=device, dtype=dtype)
+        self.out_linear = self.linear_class(d_model, vocab_size, device, dtype)
         tie(self, tie_embeddings)
 
     def forward(
