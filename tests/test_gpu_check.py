@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.sh without a GPU: its syntax, its plan, its packing and its flow.
+"""benchmarks/gpu/gpu_check.sh without a GPU: its syntax, its plan, its packing and its flow.
 
 The flow test runs the real script with PYTHON pointing at a stand-in for the GPU programs (each
 benchmark writes a small table, one sleeps past its limit), with every limit scaled down, and
@@ -14,12 +14,13 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
+SCRIPT = REPO / "benchmarks" / "gpu" / "gpu_check.sh"
 BUDGET_S = 540  # 9 minutes: the device call's limit is 10, and timeout_s 570 leaves the rest
 
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
 import gpu_report  # noqa: E402
 
 
@@ -62,7 +63,7 @@ def test_dry_run_plan_fits_the_budget():
     assert total <= BUDGET_S
     assert f"total of limits: {total} s" in result.stdout
     assert "OUT/summary.md and OUT/results.tar.gz, nothing else" in result.stdout
-    assert "device machine: bash benchmarks/gpu_check.sh $OUT, timeout_s 570" in result.stdout
+    assert "device machine: bash benchmarks/gpu/gpu_check.sh $OUT, timeout_s 570" in result.stdout
 
 
 def test_limits_over_the_budget_are_refused():
@@ -222,10 +223,10 @@ STAND_IN = r"""#!/usr/bin/env bash
 # sleeps past its limit, pytest reports; gpu_report.py's packing is the real one.
 real=__PYTHON__
 case "$1 ${2:-}" in
-"benchmarks/gpu_report.py publish"*) exec "$real" "$@" ;;
-"benchmarks/gpu_report.py pytest") echo "===== 7 passed in 0.50s ====="; exit 0 ;;
+"benchmarks/gpu/gpu_report.py publish"*) exec "$real" "$@" ;;
+"benchmarks/gpu/gpu_report.py pytest") echo "===== 7 passed in 0.50s ====="; exit 0 ;;
 "benchmarks/compile_report.py"*) exit 0 ;;
-"benchmarks/_common.py"*)
+"benchmarks/gpu/gpu_report.py env")
     printf '{"gpu": "Fake GPU 9000", "date": "2026-01-02T03:04:05", "commit": "f00d"}' \
         >"$STAGE/env.json"; exit 0 ;;
 esac
@@ -234,6 +235,7 @@ out=$(echo "$@" | sed -E 's/.*--out ([^ ]+).*/\1/')
 case "$*" in
 *--headline*) name=${script}_headline ;;
 *--varlen*) name=${script}_varlen ;;
+*--hf*) name=${script}_hf ;;
 *) name=${script}_sweep ;;
 esac
 [ "$name" = kernels_headline ] && { echo "measuring..."; exec sleep 60; }
@@ -273,6 +275,7 @@ def test_flow_returns_two_files_and_reports_the_limit(tmp_path):
         "attention_sweep",
         "attention_varlen",
         "kernels_sweep",
+        "train_hf",
         "train_sweep",
     ):
         assert f"{folder}/{name}.csv" in names and f"{folder}/{name}.log" in names
@@ -294,3 +297,17 @@ def test_flow_returns_two_files_and_reports_the_limit(tmp_path):
     assert [line.split("\t")[0] for line in steps_tsv.splitlines()] == [
         name for name in steps if name != "pack"
     ]  # every step, in the plan's order
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the path without CUDA")
+def test_env_without_cuda_writes_env_json_and_exits_3(tmp_path):
+    """The setup step: env.json with the versions and the missing modules, exit 3 (no GPU)."""
+    report = REPO / "benchmarks" / "gpu" / "gpu_report.py"
+    args = ["env", "--out", str(tmp_path), "--require", "json", "no_such_module", "--need-cuda"]
+    result = subprocess.run([sys.executable, str(report), *args], capture_output=True, text=True)
+    assert result.returncode == 3, result.stderr
+    assert "no CUDA device" in result.stderr
+    env = json.loads((tmp_path / "env.json").read_text())
+    assert env["missing_modules"] == "no_such_module"
+    assert env["gpu"].startswith("none") and env["source"] == gpu_report.source_fingerprint(REPO)
+    assert {"torch", "triton", "commit", "liger_kernel"} <= set(env)

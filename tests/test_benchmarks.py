@@ -1,0 +1,156 @@
+"""The benchmark scripts without a GPU: what they feed each implementation, and their plumbing.
+
+The timings need CUDA; here each script's inputs are checked at tiny sizes (every implementation
+of a packed attention batch, every batch shape of the Hugging Face rows computes what the
+reference computes), the plans say what gpu_check.sh relies on, the measuring loop turns timings
+into rows and files (with a stand-in timer), and without CUDA every script says so and exits 0.
+"""
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastlm.testing import assert_close
+
+# Appended: benchmarks/ holds attention.py, kernels.py and train.py, which must not shadow
+# anything another test imports.
+sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+common = importlib.import_module("_common")
+attention = importlib.import_module("attention")  # benchmarks/attention.py
+kernels = importlib.import_module("kernels")
+train = importlib.import_module("train")
+
+
+@pytest.mark.parametrize("total", [16384, 65536])
+def test_document_lengths_are_mixed_and_fill_the_batch(total):
+    lengths = attention.document_lengths(total)
+    assert sum(lengths) == total and min(lengths) >= 1
+    assert min(lengths) < 64 and max(lengths) > 2048, "short documents beside long ones"
+    assert lengths == attention.document_lengths(total), "the same batch on every run"
+
+
+def test_varlen_implementations_compute_the_same_attention(device, monkeypatch):
+    monkeypatch.setattr(attention, "_flex_attention", lambda: None)  # needs CUDA
+    monkeypatch.setattr(common, "DEVICE", device)
+    packed = attention.Packed.of([5, 1, 17, 2])
+    assert packed.cu_seqlens.tolist() == [0, 5, 6, 23, 25]
+    assert packed.positions.tolist()[4:8] == [4, 0, 0, 1]
+    impls = attention.varlen_implementations(packed)
+    assert {"fastlm", "fastlm padded", "sdpa block-diagonal mask"} <= set(impls)
+    q, k, v = (torch.randn(25, 2, 16, device=device) for _ in range(3))
+    ref = attention.varlen_reference(packed)(*(t.double() for t in (q, k, v)))
+    for name, fn in impls.items():
+        if not name.startswith("flash-attn"):
+            assert_close(fn(q, k, v), ref, torch.float32, name)
+
+
+def test_headline_times_both_backward_schedules():
+    """The first GPU run must say which backward schedule should be the default: the headline
+    times fastlm's forward+backward with each, and --skip-headline times the rest."""
+    parse = attention.parser().parse_args
+    headline = attention.plan(parse(["--headline"]))
+    assert [shape for shape, _ in headline] == attention.headline_shapes()
+    for _, modes in headline:
+        assert "fwd+bwd" in modes["fastlm"] and "fwd+bwd" in modes[attention.ATOMIC]
+        assert "fwd" not in modes[attention.ATOMIC], "its forward is fastlm's"
+    rest = dict(attention.plan(parse(["--quick", "--skip-headline"])))
+    for shape in attention.headline_shapes():
+        assert rest[shape][attention.ATOMIC] == ("bwd",) and rest[shape]["fastlm"] == ("bwd",)
+    assert attention.ATOMIC in attention.implementations()
+
+
+def test_kernel_cases_put_the_headline_first():
+    def cases(*argv):
+        return [(op.name, m, n) for op, m, n in kernels.cases(kernels.parser().parse_args(argv))]
+
+    headline = [(op.name, *op.sizes[0]) for op in kernels.OPS if not op.fused]
+    assert len(headline) == 5  # every op but fused linear cross-entropy
+    assert cases("--headline") == headline
+    assert cases("--quick") == [*headline, (kernels.LCE, 16384, 768)]
+    full = cases()
+    assert full[: len(headline) + 1] == cases("--quick")
+    assert len(full) == len(set(full)) == 4 * 9 + 2 + 2  # the norms, RoPE, SwiGLU; CE; fused
+    assert not set(cases("--skip-headline")) & set(headline)
+    assert cases("--quick", "--ops", "swiglu") == [("swiglu", 16384, 4096)]
+
+
+def test_measuring_loop_makes_rows_and_files(tmp_path, monkeypatch):
+    """attention.bench with a stand-in timer (every timed call runs once and "takes" 2 ms): one
+    row per implementation and mode, TFLOP/s from the FLOP count, the output check's error, and
+    the CSV, JSON and summary written."""
+    calls = []
+
+    def bench_ms(fn, args, *, graph=False, grad_to_none=None):
+        fn()
+        calls.append(graph)
+        return 2.0
+
+    monkeypatch.setattr(common, "bench_ms", bench_ms)
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")  # the loop under test, not the kernels
+    args = attention.parser().parse_args(["--varlen", "--out", str(tmp_path)])
+    run = common.Run("attention_varlen", args, attention.VARLEN_COLUMNS, 60)
+    packed = attention.Packed.of([3, 6])
+    impls = attention.varlen_implementations(packed)
+    impls = {name: impls[name] for name in ("fastlm", "sdpa block-diagonal mask")}
+    wrong = lambda q, k, v: impls["fastlm"](q, k, v) * 2  # noqa: E731
+    impls["wrong"] = wrong
+    row = dict(case="varlen causal", tokens=9, docs=2, longest=6)
+    build = lambda: (impls, attention.random_inputs(9, 2, 16), attention.varlen_reference(packed))  # noqa: E731
+    attention.bench(run, [(row, build, 1e9, {})])
+    assert run.finish(["summary line"]) == 0
+    assert [(r["impl"], r["mode"]) for r in run.rows] == [
+        (name, mode) for name in impls for mode in common.MODES
+    ]
+    for r in run.rows:
+        assert r["ms"] == 2.0
+        assert r["TFLOP/s"] == pytest.approx(attention.FLOP_FACTOR[r["mode"]] * 1e9 / 2e-3 / 1e12)
+        assert (r["rel err"] > 0.5) == (r["impl"] == "wrong"), r
+    assert len(calls) == 3 * len(impls) and not any(calls)
+    written = json.loads((tmp_path / "attention_varlen.json").read_text())
+    assert len(written["rows"]) == len(run.rows) and written["stopped"] is None
+    assert len((tmp_path / "attention_varlen.csv").read_text().splitlines()) == 1 + len(run.rows)
+    assert (tmp_path / "attention_varlen_summary.md").read_text() == "summary line\n"
+
+
+# Llama-3's options at tiny sizes, logits far from uniform (so that each prediction counts).
+TINY_LLAMA = train.LLAMA3_LAYERS | dict(vocab_size=97, hidden_size=32, intermediate_size=64)
+TINY_LLAMA |= dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+TINY_LLAMA |= dict(max_position_embeddings=64, initializer_range=0.5)
+
+
+def test_hf_rows_feed_every_model_the_same_documents(monkeypatch):
+    """train.py --hf: the padded batch, the padding-free one (DataCollatorWithFlattening's) and
+    fastlm's packed one hold the same documents and count the same predictions, so every row's
+    model gives the unpatched padded loss (PyTorch math inside fastlm: the batches are checked
+    here, the kernels in tests/test_hf.py)."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")
+    lengths = [5, 1, 9, 3]
+    batches = train.hf_batches(lengths, TINY_LLAMA["vocab_size"], "cpu")
+    padded, free = batches[train.PADDED], batches[train.PADDING_FREE]
+    assert padded["input_ids"].shape == (4, 9) and free["input_ids"].shape == (1, 18)
+    assert free["cu_seq_lens_q"].tolist() == [0, 5, 6, 15, 18] and free["max_length_q"] == 9
+    assert padded["attention_mask"].sum() == 18 and (padded["labels"] == -100).sum() == 36 - 18
+    losses = {}
+    for kind, shape in train.HF_KINDS:
+        if kind != train.LIGER:
+            model, loss_fn = train.hf_model(kind, TINY_LLAMA, "cpu")
+            losses[kind, shape] = loss_fn(
+                model, **batches["packed" if kind == train.VARLEN else shape]
+            )
+    expected = losses[train.HF, train.PADDED]
+    for key, loss in losses.items():
+        assert_close(loss, expected, torch.float32, str(key))
+
+
+@pytest.mark.skipif(common.HAS_CUDA, reason="the path without CUDA")
+@pytest.mark.parametrize("script", ["attention", "kernels", "train"])
+def test_without_cuda_each_script_says_so_and_exits_0(script, capsys, tmp_path):
+    module = importlib.import_module(script)
+    assert module.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert "no CUDA device, nothing to measure" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())
