@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -170,31 +171,35 @@ def test_descriptor_forward_moves_tiles_by_tma(report):
     assert not without, "no TMA in:\n" + "\n".join(without)
 
 
+def _attention_internals() -> SimpleNamespace:
+    """What these tests reach inside fastlm's attention, in one place: the module whose
+    `interpreting` the autotuners' pruning asks, the config helpers, and each autotuner with its
+    CUDA configs and the largest 16-bit and fp32 head blocks it serves (the launchers route
+    larger ones, and fp32 descriptors, to the pointer forward / the deterministic backward)."""
+    attention = importlib.import_module("fastlm.kernels.attention")
+    every, tma = (attention.MAX_HEAD_DIM,) * 2, (attention.TMA_MAX_BLOCK_D, 0)
+    atomic = (attention.ATOMIC_MAX_BLOCK_D,) * 2
+    return SimpleNamespace(
+        prune_module=attention,
+        fitting_configs=attention.fitting_configs,
+        option_flags=attention.OPTION_FLAGS,
+        autotuned=[
+            (attention._attention_fwd_kernel, attention.FWD_CUDA_CONFIGS, every),
+            (attention._attention_bwd_dkdv_kernel, attention.DKDV_CUDA_CONFIGS, every),
+            (attention._attention_bwd_dq_kernel, attention.DQ_CUDA_CONFIGS, every),
+            (attention._attention_fwd_tma_autotuned, attention.FWD_TMA_CUDA_CONFIGS, tma),
+            (attention._attention_bwd_dkdv_dq_kernel, attention.DKDV_DQ_CUDA_CONFIGS, atomic),
+        ],
+    )
+
+
 def test_autotuners_try_the_configs_the_report_compiles(monkeypatch):
     """The report compiles `fitting_configs`; on CUDA the autotuners prune to the same configs
     (to the last of them under FASTLM_AUTOTUNE=0), for every head block and element size, plain
     and with each option variant compiled in (which some configs do not take)."""
-    attention = importlib.import_module("fastlm.kernels.attention")
-    monkeypatch.setattr(attention, "interpreting", lambda: False)  # prune as on CUDA
-    every_head_dim = (attention.MAX_HEAD_DIM, attention.MAX_HEAD_DIM)
-    # (autotuner, its CUDA list, the largest 16-bit and fp32 head blocks it serves: the launchers
-    # route larger ones, and fp32 descriptors, to the pointer forward / deterministic backward)
-    autotuned = (
-        (attention._attention_fwd_kernel, attention.FWD_CUDA_CONFIGS, every_head_dim),
-        (attention._attention_bwd_dkdv_kernel, attention.DKDV_CUDA_CONFIGS, every_head_dim),
-        (attention._attention_bwd_dq_kernel, attention.DQ_CUDA_CONFIGS, every_head_dim),
-        (
-            attention._attention_fwd_tma_autotuned,
-            attention.FWD_TMA_CUDA_CONFIGS,
-            (attention.TMA_MAX_BLOCK_D, 0),
-        ),
-        (
-            attention._attention_bwd_dkdv_dq_kernel,
-            attention.DKDV_DQ_CUDA_CONFIGS,
-            (attention.ATOMIC_MAX_BLOCK_D, attention.ATOMIC_MAX_BLOCK_D),
-        ),
-    )
-    for kernel, cuda, served in autotuned:
+    attention = _attention_internals()
+    monkeypatch.setattr(attention.prune_module, "interpreting", lambda: False)  # as on CUDA
+    for kernel, cuda, served in attention.autotuned:
         every = [
             triton.Config(dict(c.blocks), num_warps=c.num_warps, num_stages=c.num_stages)
             for c in cuda
@@ -206,7 +211,7 @@ def test_autotuners_try_the_configs_the_report_compiles(monkeypatch):
                 (d, flag)
                 for d in (16, 32, 64, 128, 256)
                 if d <= largest
-                for flag in (None, *attention.OPTION_FLAGS)
+                for flag in (None, *attention.option_flags)
             ):
                 options = {flag: True} if flag else {}
                 expected = [
