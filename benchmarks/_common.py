@@ -14,12 +14,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import datetime
 import gc
+import hashlib
 import importlib
+import importlib.metadata
+import importlib.util
 import json
 import math
 import os
+import platform
+import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,8 +37,9 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:  # step_profile.py runs the kernels on the CPU; set before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 DEVICE = "cuda" if HAS_CUDA else "cpu"
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE / "gpu")]  # this checkout's fastlm; gpu_report
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's fastlm, wherever (or whether) fastlm is installed
+SOURCES = ("fastlm", "benchmarks", "tests", "tools", "pyproject.toml")
 
 OOM, UNSUPPORTED, NOT_AVAILABLE, ERROR, SKIPPED = "OOM", "unsupported", "n/a", "error", "skipped"
 MODES = ("fwd", "bwd", "fwd+bwd")
@@ -206,8 +214,6 @@ class Run:
     --headline, else none."""
 
     def __init__(self, name: str, args: argparse.Namespace, columns, budget_s: float):
-        from gpu_report import environment
-
         self.name = name + ("_headline" if args.headline else "")
         self.name += "_sweep" if args.skip_headline else ""
         self.args, self.columns = args, list(columns)
@@ -279,10 +285,10 @@ class Run:
             self.stopped = "interrupted (SIGINT)"
             self.note(f"interrupted (SIGINT) after {self.elapsed():.0f} s: later rows are missing")
 
-    def finish(self, summary=(), plot: dict | None = None, group_by=()) -> int:
-        """The table and notes on stdout; with --out the CSV (rewritten whole), the JSON, the
-        plot (`plot`: plot()'s keywords) and NAME_summary.md (`summary`'s lines). Rows with equal
-        `group_by` fields are put together. Returns the exit status: 130 if interrupted, else 0."""
+    def finish(self, summary=(), group_by=()) -> int:
+        """The table and notes on stdout; with --out the CSV (rewritten whole), the JSON and
+        NAME_summary.md (`summary`'s lines). Rows with equal `group_by` fields are put together.
+        Returns the exit status: 130 if interrupted, else 0."""
         order: dict = {}
         for row in self.rows:
             order.setdefault(tuple(row[k] for k in group_by), len(order))
@@ -302,9 +308,7 @@ class Run:
             record.update(rows=self.rows, notes=self.notes, **self.extra)
             (out / f"{self.name}.json").write_text(json.dumps(record, indent=1, default=str))
             (out / f"{self.name}_summary.md").write_text("\n".join(summary) + "\n")
-            if plot:
-                print(draw(out / f"{self.name}.png", self.rows, **plot) or "", end="")
-            print(f"wrote {out}/{self.name}.{{csv,json,png}} and {self.name}_summary.md")
+            print(f"wrote {out}/{self.name}.csv, .json and _summary.md")
         return 130 if self.stopped and self.stopped.startswith("interrupted") else 0
 
 
@@ -341,40 +345,6 @@ def markdown_table(rows, columns) -> str:
     return "\n".join(lines)
 
 
-def draw(path: Path, rows, *, x, y, series, panel, title, logx=False) -> str | None:
-    """One panel per distinct `panel` fields, one line per `series` value, y against x (rows
-    whose y is not a number left out); a note when nothing is drawn."""
-    os.environ.setdefault("MPLBACKEND", "Agg")  # no display needed
-    plt = optional_module("matplotlib.pyplot")
-    if plt is None:
-        return f"matplotlib is not installed: no {path.name}\n"
-    rows = [r for r in rows if number(r.get(y)) is not None]
-    panels = list(dict.fromkeys(tuple(r[k] for k in panel) for r in rows))
-    if not panels:
-        return f"no measured values: no {path.name}\n"
-    cols = min(3, len(panels))
-    lines = -(-len(panels) // cols)
-    fig, axes = plt.subplots(lines, cols, figsize=(5.5 * cols, 4 * lines), squeeze=False)
-    for ax, key in zip(axes.flat, panels):
-        mine = [r for r in rows if tuple(r[k] for k in panel) == key]
-        for name in dict.fromkeys(r[series] for r in mine):
-            points = [(r[x], r[y]) for r in mine if r[series] == name]
-            points = sorted(points) if logx else [(str(a), b) for a, b in points]
-            ax.plot(*zip(*points), marker="o", label=str(name))
-        ax.set(title=", ".join(f"{k}={v}" for k, v in zip(panel, key)), xlabel=x, ylabel=y)
-        if logx:
-            ax.set_xscale("log", base=2)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels) :]:
-        ax.axis("off")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return None
-
-
 def versus(rows, key, shown, value: str = "ms", ours: str = "fastlm") -> list[dict]:
     """One row per `key` group that holds an `ours` row: the key fields, that row's `shown`
     columns and, for each other impl of the group, 'vs NAME' = NAME's `value` / ours (the
@@ -394,7 +364,96 @@ def versus(rows, key, shown, value: str = "ms", ours: str = "fastlm") -> list[di
     return table
 
 
-def table_lines(title: str, table: list[dict]) -> list[str]:
-    """A summary's lines: the title and the table (every column any row has)."""
-    columns = list(dict.fromkeys(c for row in table for c in row))
-    return [title, "", markdown_table(table, columns)] if table else [f"{title}: no rows"]
+def table_lines(title: str, table: list[dict], columns=None) -> list[str]:
+    """A summary's lines: the title and the table (`columns`, default every column a row has)."""
+    columns = columns or list(dict.fromkeys(c for row in table for c in row))
+    return [title, "", markdown_table(table, columns)] if table else [f"{title} no rows"]
+
+
+# --------------------------------------------------------------------------------------------
+# The environment every result records
+# --------------------------------------------------------------------------------------------
+
+
+def source_fingerprint(repo: Path = REPO) -> str:
+    """12 hex digits of SHA-256 over the path and bytes of every .py, .sh and .toml file of
+    SOURCES (caches and results left out), in sorted order: what ties numbers measured on a
+    tree without .git to a commit."""
+    digest = hashlib.sha256()
+    files = []
+    for top in (repo / name for name in SOURCES):
+        files += [top] if top.is_file() else top.rglob("*")
+    for f in sorted(files, key=lambda f: f.relative_to(repo).as_posix()):
+        skip = {"__pycache__", "results"} & set(f.parts)
+        if f.is_file() and f.suffix in (".py", ".sh", ".toml") and not skip:
+            digest.update(f.relative_to(repo).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
+def _run(*command: str) -> str:
+    try:
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout.strip()
+
+
+def environment() -> dict:
+    """What a reader needs to compare numbers: GPU, driver, versions, commit, date. Without .git
+    the commit is FASTLM_COMMIT (or "unknown"), and `source` still ties the numbers to one."""
+    import triton
+
+    commit = _run("git", "rev-parse", "--short", "HEAD")
+    smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+    info = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name() if HAS_CUDA else "none (CPU)",
+        "driver": (_run(*smi).split() or [None])[0] if HAS_CUDA and shutil.which(smi[0]) else None,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if HAS_CUDA else None,
+        "python": platform.python_version(),
+        "commit": commit or os.environ.get("FASTLM_COMMIT") or "unknown",
+        "uncommitted_changes": bool(_run("git", "status", "--porcelain")) if commit else None,
+        "source": source_fingerprint(),
+    }
+    if HAS_CUDA:
+        props = torch.cuda.get_device_properties(0)
+        info.update(sms=props.multi_processor_count, gpu_memory_gib=props.total_memory / 2**30)
+    for module, distribution in (("liger_kernel", "liger-kernel"), ("flash_attn", "flash-attn")):
+        try:
+            info[module] = importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            info[module] = None
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`env --out DIR`: DIR/env.json, with the --require modules that do not import (exit 3
+    with --need-cuda where torch sees no CUDA device); `fingerprint`: the source fingerprint."""
+    p = argparse.ArgumentParser(description="the environment benchmarks record")
+    sub = p.add_subparsers(dest="command", required=True)
+    env = sub.add_parser("env", help="print the environment and write DIR/env.json")
+    env.add_argument("--out", type=Path, required=True, metavar="DIR")
+    env.add_argument("--require", nargs="*", default=[], metavar="MODULE")
+    env.add_argument("--need-cuda", action="store_true", help="exit 3 without a CUDA device")
+    sub.add_parser("fingerprint", help="print this checkout's source fingerprint")
+    args = p.parse_args(argv)
+    if args.command == "fingerprint":
+        print(source_fingerprint())
+        return 0
+    info = environment()
+    missing = [m for m in args.require if importlib.util.find_spec(m) is None]
+    info["missing_modules"] = " ".join(missing)
+    print(json.dumps(info, indent=1))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "env.json").write_text(json.dumps(info, indent=1) + "\n")
+    if args.need_cuda and not HAS_CUDA:
+        print("no CUDA device: torch.cuda.is_available() is False", file=sys.stderr)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

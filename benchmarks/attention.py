@@ -24,6 +24,7 @@ attended pairs. Files attention_varlen.*.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from functools import partial
@@ -202,10 +203,38 @@ def causal_main(args, impls) -> int:
     ours = [r for r in run.rows if r["dtype"] == "bf16" and r["D"] == 128]
     title = "Causal attention, bf16, D = 128, H = 16 (vs X = X's ms / fastlm's):"
     summary = common.table_lines(title, common.versus(ours, ("N", "B", "mode"), ("TFLOP/s", "ms")))
-    for row in run.rows:
-        row["batch"] = "1" if row["B"] == 1 else "fill"
-    plot = dict(x="N", y="TFLOP/s", series="impl", logx=True, panel=("dtype", "D", "batch", "mode"))
-    return run.finish(summary, plot | dict(title=f"causal attention, {run.env['gpu']}"), KEY)
+    status = run.finish(summary, KEY)
+    if args.out:
+        print(plot(run.rows, args.out / f"{run.name}.png", f"causal attention, {run.env['gpu']}"))
+    return status
+
+
+def plot(rows: list[dict], path, title: str) -> str:
+    """TFLOP/s against N, a line per implementation, a panel per dtype, D, batch and mode."""
+    os.environ.setdefault("MPLBACKEND", "Agg")  # no display needed
+    plt = common.optional_module("matplotlib.pyplot")
+    rows = [r for r in rows if common.number(r["TFLOP/s"])]
+    if plt is None or not rows:
+        return f"no plot: {'no matplotlib' if plt is None else 'nothing measured'}"
+    panel = lambda r: (r["dtype"], r["D"], "1" if r["B"] == 1 else "fill", r["mode"])  # noqa: E731
+    panels = list(dict.fromkeys(map(panel, rows)))
+    cols, lines = min(3, len(panels)), -(-len(panels) // 3)
+    fig, axes = plt.subplots(lines, cols, figsize=(5.5 * cols, 4 * lines), squeeze=False)
+    for ax, key in zip(axes.flat, panels):
+        mine = [r for r in rows if panel(r) == key]
+        for name in dict.fromkeys(r["impl"] for r in mine):
+            points = sorted((r["N"], r["TFLOP/s"]) for r in mine if r["impl"] == name)
+            ax.plot(*zip(*points), marker="o", label=name)
+        ax.set(title="dtype={}, D={}, batch={}, {}".format(*key), xlabel="N", ylabel="TFLOP/s")
+        ax.set_xscale("log", base=2)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"wrote {path}"
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,12 +1,6 @@
 """RMSNorm, residual add + RMSNorm, RoPE, SwiGLU, cross-entropy and fused linear cross-entropy:
-fastlm's kernels against the alternatives.
-
-Each op forward, backward and forward+backward in bf16 at LLaMA-like sizes (M tokens x N hidden;
-x V vocabulary for cross-entropy), side by side with the reference eager (`fastlm.reference`'s
-math), `torch.compile` of it, PyTorch's built-ins (F.rms_norm, F.silu(gate) * up,
-F.cross_entropy) and Liger-Kernel when it imports. Columns: ms, GB/s, % of a device-to-device
-copy measured in the same run, speed-ups over the eager and the compiled reference, and each
-output's relative error against the eager reference (cross-entropy's against it in fp32).
+fastlm's kernels against the eager reference, `torch.compile` of it, PyTorch's built-ins and
+Liger-Kernel (when it imports), in bf16 at LLaMA-like sizes (M tokens x N hidden; V = 32000).
 
 Bytes are the fewest each op must move (e = 2 bytes; the weight and the RoPE tables left out):
   rms_norm      fwd read x, write y: 2MNe        bwd read x, dy, write dx: 3MNe
@@ -14,27 +8,19 @@ Bytes are the fewest each op must move (e = 2 bytes; the weight and the RoPE tab
   rope (q, k)   fwd read and write q, k: 4MNe    bwd the same on the gradients: 4MNe
   swiglu        fwd read g, u, write y: 3MNe     bwd read g, u, dy, write dg, du: 5MNe
   cross_entropy fwd read logits: MVe             fwd+bwd also write the gradient: 2MVe
-fwd+bwd is the sum. Cross-entropy has no backward-alone row: fastlm writes the gradient in the
-forward and its backward scales it in place once, which a retained graph cannot repeat. RoPE
-rotates in place, which autograd allows only on computed tensors, so with autograd on every
-implementation runs on clones of q and k: fwd+bwd times and counts the clone too (12MNe), the
-forward runs under no_grad on the tensors themselves. RoPE's q and k are (B, N / 128, 2048, 128);
-Liger's RoPE is half-split, so it is also compared with fastlm's half-split mode. Cross-entropy:
-V = 32000, random targets; Liger writes its gradient into the logits, so every check runs before
-any timing.
+fwd+bwd is the sum. Cross-entropy has no backward-alone row (fastlm writes the gradient in the
+forward and scales it in place once, which a retained graph cannot repeat). RoPE rotates in
+place, which autograd allows only on computed tensors: with autograd on every implementation
+rotates clones, so fwd+bwd times and counts the clone too (12MNe); the forward runs under no_grad.
+Liger's RoPE is half-split, so it is also compared with fastlm's half-split mode. Liger writes
+its cross-entropy gradient into the logits, so every output check runs before any timing.
 
-Fused linear cross-entropy (the loss of x @ w.T without the logits; x (M, C), w (V, C), M = 16k,
-C = 768 or 2048), forward+backward only, against the logits materialised (x @ w.T, then
-F.cross_entropy: the "vs reference" column), torch.compile of that ("vs compiled") and Liger's:
-ms and `peak MiB`, the memory allocated during one forward+backward beyond the inputs (the
-gradients dx and dw included), also as a multiple of the logits' size MVe (`peak / logits`).
-
-Rows shorter than --graph-below-ms (1 ms) are also timed replayed from a CUDA graph (`ms
-(graph)`): at 16k x 4096 a kernel takes tens of microseconds and the host's launch overhead can
-decide `ms`. No L2 flush between replays; every tensor here is over twice the H200's L2.
-
-Order: each op at its first size (16384 x 4096; cross-entropy 16384 x 32000: `--headline`), then
-fused linear cross-entropy, then (without --quick) the other sizes.
+Fused linear cross-entropy (x (M, C) @ w.T (V, C) without the logits), forward+backward only,
+against the logits materialised (x @ w.T, F.cross_entropy), torch.compile of that and Liger's:
+ms and the memory allocated beyond the inputs (`peak MiB`, dx and dw included), also as a
+multiple of the logits' size MVe (`peak / logits`). Rows under --graph-below-ms are also timed
+from CUDA graphs (`ms (graph)`): at 16k x 4096 a kernel takes tens of microseconds, and launch
+overhead can decide `ms`.
 """
 
 from __future__ import annotations
@@ -60,6 +46,7 @@ GRID = tuple((m, n) for m in (4096, 16384, 65536) for n in (2048, 4096, 8192))
 KEY = ("op", "size", "mode")
 COLUMNS = [*KEY, "impl", "ms", "ms (graph)", "GB/s", "% of copy", "vs reference", "vs compiled"]
 COLUMNS += ["graph vs compiled", "rel err", "peak MiB", "peak / logits"]
+FUSED_COLUMNS = ["size", "impl", "ms", "vs reference", "vs compiled", "peak MiB", "peak / logits"]
 
 
 @dataclass(eq=False)  # compared and hashed by identity
@@ -295,9 +282,8 @@ def copy_bandwidth(run: common.Run) -> float:
     """GB/s of a device-to-device copy of 1 GiB, bytes read plus written (nan if it failed)."""
     src = torch.randn(2**28, device=common.DEVICE)
     dst = torch.empty_like(src)
-    ms = common.number(
-        run.measure(lambda: common.bench_ms(lambda: dst.copy_(src), run.args), "copy")
-    )
+    copy = lambda: common.bench_ms(lambda: dst.copy_(src), run.args)  # noqa: E731
+    ms = common.number(run.measure(copy, "copy"))
     run.env["copy_GB/s"] = 2 * src.nbytes / 1e9 / (ms * 1e-3) if ms else math.nan
     print(f"device-to-device copy: {run.env['copy_GB/s']:.0f} GB/s (bytes read + written)\n")
     return run.env["copy_GB/s"]
@@ -306,9 +292,7 @@ def copy_bandwidth(run: common.Run) -> float:
 def cases(args) -> list[tuple[Op, int, int]]:
     """(op, M, N or C) in the order measured, for the ops of --ops."""
     headline = [(op, *op.sizes[0]) for op in OPS if not op.fused]
-    wanted = (
-        headline if args.headline else headline + [(op, *op.sizes[0]) for op in OPS if op.fused]
-    )
+    wanted = headline + [(op, *op.sizes[0]) for op in OPS if op.fused and not args.headline]
     if not args.quick and not args.headline:
         wanted += [(op, *size) for op in OPS for size in op.sizes]
     if args.skip_headline:
@@ -349,28 +333,10 @@ def main(argv: list[str] | None = None) -> int:
     shown = ("ms", "ms (graph)", "GB/s", "% of copy", "graph vs compiled")
     title = "Memory-bound kernels, bf16 (vs X = X's ms / fastlm's; graph: both from CUDA graphs):"
     summary = common.table_lines(title, common.versus(bound, KEY, shown))
-    fused = [
-        {
-            k: r.get(k)
-            for k in (
-                "size",
-                "impl",
-                "ms",
-                "vs reference",
-                "vs compiled",
-                "peak MiB",
-                "peak / logits",
-            )
-        }
-        for r in run.rows
-        if r["op"] == LCE
-    ]
-    summary += [
-        "",
-        *common.table_lines(f"{LCE}, bf16, forward+backward (peak beyond the inputs):", fused),
-    ]
-    plot = dict(x="size", y="GB/s", series="impl", panel=("op", "mode"))
-    return run.finish(summary, plot | dict(title=f"fastlm kernels, bf16, {run.env['gpu']}"), KEY)
+    fused = [r for r in run.rows if r["op"] == LCE]
+    title = f"{LCE}, bf16, forward+backward (peak: memory beyond the inputs):"
+    summary += ["", *common.table_lines(title, fused, FUSED_COLUMNS)]
+    return run.finish(summary, group_by=KEY)
 
 
 if __name__ == "__main__":

@@ -1,61 +1,39 @@
 """What one training step moves outside the kernels: Triton launches, GEMMs and glue, per layer.
 
-One step is what `python -m fastlm.train` runs on CUDA: fp32 parameters, the loss (through
-`fastlm.train.NextTokenLoss`) under bf16 autocast, then `backward()` outside it. Without CUDA it
-runs on the CPU with `torch.autocast("cpu", dtype=torch.bfloat16)` and the Triton kernels through
-the interpreter (TRITON_INTERPRET=1 is set before triton is imported); with CUDA, on the GPU after
-one unrecorded warm-up step (autotuning launches kernels that are not part of a step). CPU
-autocast casts the same GEMMs (mm, bmm, linear) to bf16 as CUDA's, but runs exp, log, pow, rsqrt
-and sum on bf16 inputs in bf16, where CUDA's casts them to fp32 first: the reference's eager
-attention and loss would show more casts on CUDA; fastlm's layers call none of those ops. The CPU
-also lacks the GEMMs with an fp32 result from bf16 inputs (`mm`/`addmm` with `out_dtype=`) that
-fastlm's weight gradients use on CUDA: the CPU run is lent them
-(`fastlm.testing.mixed_gemms_on_cpu`), so that it records the ops a CUDA step runs.
+One step is what `python -m fastlm.train` runs on CUDA: fp32 parameters, the loss
+(`fastlm.train.NextTokenLoss`) under bf16 autocast, `backward()` outside it. Without CUDA it runs
+on the CPU under CPU autocast, the kernels through the interpreter, lent the GEMMs with an fp32
+result from bf16 inputs that fastlm's weight gradients use on CUDA
+(`fastlm.testing.mixed_gemms_on_cpu`); CPU autocast casts the same GEMMs as CUDA's but runs exp,
+log, pow, rsqrt and sum in bf16 (the reference's eager attention and loss would show more casts
+on CUDA; fastlm's layers call none of them). With CUDA, one unrecorded warm-up step first.
 
-A `TorchDispatchMode` records every aten op of the step, and Triton's launch entry
-(`JITFunction.run`, or `InterpretedFunction.run` under the interpreter) is wrapped with a depth
-counter: each outermost launch counts once, under its kernel's name, and the aten ops inside it
-(the interpreter copying arguments to and from the host) are not recorded.
+A `TorchDispatchMode` records every aten op; Triton's launch entry (`JITFunction.run`, or
+`InterpretedFunction.run`) counts each outermost launch once under its kernel's name, and the
+aten ops inside it (the interpreter's copies) are not recorded. Categories: `triton` launches (no
+bytes: a kernel's traffic is its own business); `gemm` (`GEMM_OPS`); `model`, the embedding and
+its backward; `glue`, every other op that moves bytes (casts, copies, fills, adds, reductions; for
+the reference, all its eager math outside GEMMs); `metadata`, ops that move none (views,
+allocations).
 
-Categories:
-- `triton`: kernel launches (no bytes counted: what a kernel moves is the kernel's business);
-- `gemm`: mm, addmm, bmm, baddbmm, matmul, linear and the other matrix products (`GEMM_OPS`);
-- `model`: the embedding lookup and its backward (`MODEL_OPS`), the model's own work;
-- `glue`: every other aten op that moves bytes: casts (`_to_copy`), copies, zero-fills, adds,
-  reductions, `select_backward`, ... For the reference, whose math is all eager aten ops, this
-  is everything besides GEMMs and the embedding: there "glue" means "outside GEMMs";
-- `metadata`: ops that move no bytes (views, `_unsafe_view`, `detach`, allocations such as
-  `empty`/`empty_strided`): counted, never glue.
+Bytes of an op: every tensor it reads plus every tensor it writes, each by the memory its view
+spans (a stride-0 dimension counts once). Inputs are read, a functional op's outputs written; an
+argument the op mutates is written, and read too unless the op overwrites it without looking
+(`copy_`, `fill_`, `zero_`, `out=`), and counts whole even where the op touches part of it; an
+output that aliases an input, a view and an allocation add nothing.
 
-Bytes of an op: every tensor it reads plus every tensor it writes, each counted by the memory its
-view spans (a slice counts its own elements; an expanded stride-0 dimension counts once):
-- inputs are read; a functional op's outputs are written;
-- an argument the op mutates (`add_`, `mul_`, an `out=` tensor) is written, and also read unless
-  the op overwrites it without looking (`copy_`, `fill_`, `zero_`, `out=`): `copy_` into a slice
-  reads the source and writes the slice; an in-place add reads both operands and writes one;
-  a mutated argument counts whole even where the op touches part of it (`index_put_`), and an
-  indexing op reads its whole source (the reference's RoPE table lookups);
-- outputs that alias an input (the result of an in-place op, a view) add nothing;
-- views and allocations move nothing.
-
-Per layer: the step runs at two depths L1 < L2 and two batch sizes B1 < B2 (tokens N = B x T,
-T fixed), and each (category, op) total is fitted exactly through the four runs as
+Per layer: the step runs at two depths L1 < L2 and two batch sizes B1 < B2 (N = B x T tokens),
+and each (category, op) total is fitted exactly through the four runs as
     bytes(L, N) = fixed_step + token_step * N + L * (fixed_layer + token_layer * N).
-Everything outside the blocks (embedding, final norm, loss) and the first block's difference from
-the others (in fastlm it has no residual delta to add) is the same at both depths, so the depth
-difference is one middle block; the rest is the once-per-step part. Tokens and weights need
-separating because at these small sizes the weight casts (fp32 to bf16 and the gradients back:
-12 bytes per parameter per step) would swamp a per-token figure that at training sizes they barely
-touch. So `token_layer` (activations) is reported in bytes per token x d_model (a [tokens,
-d_model] bf16 tensor read once is 2; the reference's [T x T] attention terms count at this T),
-and `fixed_layer` (weight casts, weight-gradient casts, partial sums) in bytes per parameter of
-the layer (casting an fp32 weight to bf16 is 6). Counts per layer are (count(L2) - count(L1)) /
-(L2 - L1) at B1 (with a note if B2 gives others); "large" glue ops are those moving at least
-`LARGE` bytes per token x d_model or per parameter, so that the small host-side checks (token
-ranges read back for validation) stand apart.
+The depth difference is one middle block (all else is the same at both depths); the rest is the
+once-per-step part. Weights are separated from tokens because at these sizes the weight casts
+(12 bytes per parameter a step) would swamp a per-token figure they barely touch at training
+sizes: `token_layer` is reported in bytes per token x d_model (a bf16 [tokens, d_model] tensor
+read once is 2), `fixed_layer` in bytes per parameter of the layer (an fp32 weight cast to bf16
+is 6). Counts per layer are taken at B1 (a note if B2 gives others); "large" glue ops move at
+least `LARGE` bytes per token x d_model or per parameter (host-side checks stand apart).
 
-    python benchmarks/step_profile.py                      # both models, default sizes
-    python benchmarks/step_profile.py --d-model 128 --json step_profile.json
+    python benchmarks/step_profile.py [--d-model 128] [--json step_profile.json]
 """
 
 from __future__ import annotations
@@ -523,12 +501,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ops += op_rows(kind, fits, args.d_model, params)
     print_report(config, args, summaries, ops)
     if args.json is not None:
-        from gpu_report import environment
-
         record = {"config": {k: v for k, v in config.items() if k != "num_layers"}}
         record |= {"layers": list(args.layers), "batch_sizes": list(args.batch_sizes)}
         record |= {"warmup_steps": args.warmup_steps, "device": common.DEVICE}
-        record |= {"environment": environment(), "summary": summaries, "ops": ops}
+        record |= {"environment": common.environment(), "summary": summaries, "ops": ops}
         args.json.write_text(json.dumps(record, indent=1) + "\n")
         print(f"\nwrote {args.json}")
     return 0

@@ -119,14 +119,26 @@ def measure(model, loss_fn, batch: dict, args, compiled: bool) -> Measured:
     return Measured(ms, peak, first_loss, first_step_s, counted if compiled else None)
 
 
-def row_of(outcome, tokens: int, row: dict) -> dict:
-    """`row` with a measurement's cells: its numbers, or its status word."""
-    if not isinstance(outcome, Measured):
-        return row | {"ms/step": outcome, "peak GiB": outcome}
-    m = outcome
-    fields = {"ms/step": m.ms, "tokens/s": tokens / (m.ms * 1e-3), "peak GiB": m.peak_gib}
-    fields |= {"first loss": m.first_loss, "first step s": m.first_step_s}
-    return row | fields | {"graph breaks": m.compiled["graph_breaks"] if m.compiled else None}
+def bench(run: common.Run, cases) -> None:
+    """Measure each case (row, tokens a step, make): make() gives (model, loss_fn, batch,
+    compiled?); a row of `row`'s fields and the measurement's cells."""
+    with run.measuring():
+        for row, tokens, make in cases:
+            if run.out_of_time():
+                break
+            label = " ".join(f"{k}={v}" for k, v in row.items())
+            outcome = run.measure(lambda: measure(*make(), run.args), label)  # noqa: B023
+            torch._dynamo.reset()  # drop compiled graphs (and what their guards hold)
+            common.free_memory()
+            if not isinstance(outcome, Measured):
+                run.add(row | {"ms/step": outcome, "peak GiB": outcome})
+                continue
+            if outcome.compiled:
+                run.extra.setdefault("graph_breaks", {})[label] = outcome.compiled
+            m, breaks = outcome, (outcome.compiled or {}).get("graph_breaks")
+            cells = {"ms/step": m.ms, "tokens/s": tokens / (m.ms * 1e-3), "peak GiB": m.peak_gib}
+            cells |= {"first loss": m.first_loss, "first step s": m.first_step_s}
+            run.add(row | cells | {"graph breaks": breaks})
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,6 +173,20 @@ def build(kind: str, config: dict):
     return model, lambda model, ids, targets: model.loss(ids, targets)
 
 
+def gpt2_cases(args, todo, layers: int):
+    for seq, kind in todo:
+        batch = max(1, args.tokens // seq)
+
+        def make(kind=kind, seq=seq, batch=batch):
+            model, loss_fn = build(kind, GPT2 | dict(num_layers=layers, context_length=seq))
+            generator = torch.Generator(common.DEVICE).manual_seed(1)
+            size = (2, batch, seq)
+            ids, targets = torch.randint(32000, size, device=common.DEVICE, generator=generator)
+            return model, loss_fn, dict(ids=ids, targets=targets), kind.startswith("torch.compile")
+
+        yield dict(seq=seq, batch=batch, layers=layers, impl=kind), batch * seq, make
+
+
 def gpt2_main(args) -> int:
     quick = args.quick and not args.headline  # the headline is the whole 12-layer model
     seqs = args.seqs or ([1024] if quick else [1024, 2048])
@@ -171,51 +197,17 @@ def gpt2_main(args) -> int:
     if args.skip_headline:
         todo = [(seq, kind) for seq, kind in todo if seq != 1024 or kind not in HEADLINE]
     run = common.Run("train", args, COLUMNS, BUDGET_S)
-    with run.measuring():
-        for seq, kind in todo:
-            if run.out_of_time():
-                break
-            batch = max(1, args.tokens // seq)
-            config = GPT2 | dict(num_layers=layers, context_length=seq)
-
-            def one(kind=kind, batch=batch, seq=seq, config=config):
-                model, loss_fn = build(kind, config)
-                generator = torch.Generator(common.DEVICE).manual_seed(1)
-                ids, targets = torch.randint(
-                    32000, (2, batch, seq), device=common.DEVICE, generator=generator
-                )
-                data = dict(ids=ids, targets=targets)
-                return measure(
-                    model, loss_fn, data, args, compiled=kind.startswith("torch.compile")
-                )
-
-            outcome = run.measure(one, f"{kind} seq={seq}")
-            torch._dynamo.reset()  # drop compiled graphs (and what their guards hold)
-            common.free_memory()
-            if isinstance(outcome, Measured) and outcome.compiled:
-                run.extra.setdefault("graph_breaks", {})[f"{kind} seq={seq}"] = outcome.compiled
-            run.add(
-                row_of(outcome, batch * seq, dict(seq=seq, batch=batch, layers=layers, impl=kind))
-            )
+    bench(run, gpt2_cases(args, todo, layers))
     for column, baseline in (("vs reference", REF_EAGER), ("vs compiled SDPA", SDPA_COMPILED)):
         common.add_ratios(run.rows, column, baseline, ("seq",), "tokens/s", higher_is_better=True)
+    columns = [c for c in COLUMNS if any(row.get(c) is not None for row in run.rows)]
+    title = "Training step, bf16 autocast, AdamW (vs X: tokens/s over X's):"
+    summary = common.table_lines(title, run.rows, columns)
     for label, counted in run.extra.get("graph_breaks", {}).items():
         reasons = [f"{n}x {r.splitlines()[0][:160]}" for r, n in counted["reasons"].items()]
-        breaks = f"{counted['graph_breaks']} ({counted['graphs']} graph(s))"
-        run.note(f"graph breaks of {label}: {breaks}" + "".join(f"; {r}" for r in reasons))
-    columns = [c for c in COLUMNS if any(row.get(c) is not None for row in run.rows)]
-    rows = [{c: row.get(c) for c in columns} for row in run.rows]
-    summary = common.table_lines(
-        "Training step, bf16 autocast, AdamW (vs X: tokens/s over X's):", rows
-    )
-    plot = dict(
-        x="impl",
-        y="tokens/s",
-        series="seq",
-        panel=("layers",),
-        title=f"training step, {run.env['gpu']}",
-    )
-    return run.finish(summary, plot)
+        breaks = f"{counted['graph_breaks']} graph break(s), {counted['graphs']} graph(s)"
+        summary.append(f"- {label}: {breaks}" + "".join(f"; {r}" for r in reasons))
+    return run.finish(summary)
 
 
 # --------------------------------------------------------------------------------------------
@@ -266,7 +258,7 @@ def packed_loss(model, ids, targets, cu_seqlens, max_seqlen):
     return model.loss(ids, targets, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
 
 
-def hf_model(kind: str, config: dict, device):
+def hf_model(kind: str, config: dict, device=common.DEVICE):
     """(model, loss_fn) of a Hugging Face row: the same weights for every row (one seed)."""
     import transformers
 
@@ -289,27 +281,21 @@ def hf_model(kind: str, config: dict, device):
 def hf_main(args) -> int:
     args.steps = args.steps or (3 if args.quick else 10)
     layers = args.layers or (2 if args.quick else 4)
-    config = LLAMA3_LAYERS | dict(num_hidden_layers=layers)
-    lengths = document_lengths()
+    config, lengths = LLAMA3_LAYERS | dict(num_hidden_layers=layers), document_lengths()
     run = common.Run("train_hf", args, HF_COLUMNS, BUDGET_S)
     if common.optional_module("liger_kernel.transformers") is None:
         run.note("Liger-Kernel is not installed: its rows are n/a")
-    with run.measuring():
-        batches = hf_batches(lengths, config["vocab_size"], common.DEVICE)
+    batches = hf_batches(lengths, config["vocab_size"], common.DEVICE)
+
+    def cases():
         for kind, shape in HF_KINDS:
-            if run.out_of_time():
-                break
             batch = batches["packed" if kind == VARLEN else shape]
-            shown = "x".join(map(str, next(iter(batch.values())).shape))
+            size = "x".join(map(str, next(iter(batch.values())).shape))
+            make = lambda kind=kind, batch=batch: (*hf_model(kind, config), batch, False)  # noqa: E731
+            row = dict(layers=layers, impl=kind, batch=size, shape=shape, tokens=sum(lengths))
+            yield row, sum(lengths), make
 
-            def one(kind=kind, batch=batch):
-                model, loss_fn = hf_model(kind, config, common.DEVICE)
-                return measure(model, loss_fn, batch, args, compiled=False)
-
-            outcome = run.measure(one, f"{kind} {shape}")
-            common.free_memory()
-            row = dict(layers=layers, impl=kind, batch=shown, shape=shape, tokens=sum(lengths))
-            run.add(row_of(outcome, sum(lengths), row))
+    bench(run, cases())
     base = [r["tokens/s"] for r in run.rows if r["impl"] == HF and r["shape"] == PADDED]
     for row in run.rows:  # tokens/s over unpatched Hugging Face's on the padded batch
         ours, theirs = common.number(row.get("tokens/s")), common.number(base[0] if base else None)
@@ -318,8 +304,7 @@ def hf_main(args) -> int:
         f"Hugging Face Llama, Llama-3-8B layer sizes, {layers} layers, {HF_DOCS} documents of "
         f"{min(lengths)} to {max(lengths)} tokens (vs HF padded: tokens/s over unpatched HF's):"
     )
-    summary = common.table_lines(title, [{c: r.get(c) for c in HF_COLUMNS} for r in run.rows])
-    return run.finish(summary)
+    return run.finish(common.table_lines(title, run.rows, HF_COLUMNS))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ into rows and files (with a stand-in timer), and without CUDA every script says 
 
 import importlib
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -154,3 +155,45 @@ def test_without_cuda_each_script_says_so_and_exits_0(script, capsys, tmp_path):
     assert module.main(["--quick", "--out", str(tmp_path)]) == 0
     assert "no CUDA device, nothing to measure" in capsys.readouterr().out
     assert not list(tmp_path.iterdir())
+
+
+def test_source_fingerprint_follows_the_sources(tmp_path):
+    (tmp_path / "fastlm").mkdir()
+    (tmp_path / "fastlm" / "a.py").write_text("x = 1\n")
+    (tmp_path / "fastlm" / "notes.txt").write_text("not a source")
+    first = common.source_fingerprint(tmp_path)
+    (tmp_path / "fastlm" / "notes.txt").write_text("changed")
+    assert common.source_fingerprint(tmp_path) == first
+    (tmp_path / "fastlm" / "a.py").write_text("x = 2\n")
+    assert common.source_fingerprint(tmp_path) != first
+
+
+@pytest.mark.skipif(common.HAS_CUDA, reason="the path without CUDA")
+def test_env_without_cuda_writes_env_json_and_exits_3(tmp_path):
+    """gpu_check.sh's setup step: env.json with the versions and the modules that do not
+    import, then exit 3 (no GPU)."""
+    args = ["env", "--out", str(tmp_path), "--require", "json", "no_such_module", "--need-cuda"]
+    script = common.REPO / "benchmarks" / "_common.py"
+    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True)
+    assert result.returncode == 3, result.stderr
+    assert "no CUDA device" in result.stderr
+    env = json.loads((tmp_path / "env.json").read_text())
+    assert env["missing_modules"] == "no_such_module"
+    assert env["gpu"].startswith("none") and env["source"] == common.source_fingerprint()
+    assert {"torch", "triton", "commit", "liger_kernel"} <= set(env)
+
+
+def test_attention_plot_draws_each_panel(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [
+        dict(dtype="bf16", D=128, B=b, N=n, mode="fwd", impl=impl, **{"TFLOP/s": t})
+        for b in (1, 4)
+        for n, t in ((1024, 100.0), (4096, 300.0))
+        for impl in ("fastlm", "sdpa-flash")
+    ] + [
+        dict(dtype="bf16", D=128, B=1, N=65536, mode="fwd", impl="reference", **{"TFLOP/s": "OOM"})
+    ]
+    path = tmp_path / "attention.png"
+    assert attention.plot(rows, path, "test") == f"wrote {path}"
+    assert path.read_bytes().startswith(b"\x89PNG")
+    assert attention.plot(rows[-1:], tmp_path / "none.png", "test") == "no plot: nothing measured"

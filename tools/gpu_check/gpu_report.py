@@ -1,33 +1,20 @@
-"""gpu_check.sh's helper: the environment, the test suite under a deadline, and the packing.
+"""gpu_check.sh's helper: the packing of what the steps measured, and the test suite.
 
-    python benchmarks/gpu/gpu_report.py env --out STAGE [--require MODULE...] [--need-cuda]
-
-writes STAGE/env.json: GPU, driver, torch, triton, CUDA, cuDNN, commit, source fingerprint,
-Liger-Kernel and flash-attn versions, the modules of --require that do not import (exit 3 with
---need-cuda where torch sees no CUDA device).
-
-    python benchmarks/gpu/gpu_report.py publish STAGE OUT
+    python tools/gpu_check/gpu_report.py publish STAGE OUT
 
 writes STAGE/summary.md from what the steps left there so far, then OUT/summary.md and
-OUT/results.tar.gz (the staging folder as one folder <date>-<gpu>, ready to unpack into
-benchmarks/results/), each replaced whole (written beside, then renamed): a call cut short at any
-moment returns every step finished by then. A device machine returns files of at most 16 MiB: a
-log over LOG_CAP_BYTES goes in cut to its first and last lines, another file over it stays out,
-and while the archive is too large the plots, then the logs, then the largest files stay out;
-summary.md says what was cut or left out.
+OUT/results.tar.gz (the staging folder as one folder <date>-<gpu>), each replaced whole, so that
+a call cut short at any moment returns every step finished by then. A file comes back from a
+device machine only up to 16 MiB: a log over LOG_CAP_BYTES goes in cut to its first and last
+lines, another file over it stays out, and while the archive is too large the plots, then the
+logs, then the largest files stay out; summary.md says which.
 
-    python benchmarks/gpu/gpu_report.py fingerprint [REPO]
+    python tools/gpu_check/gpu_report.py pytest SECONDS [PYTEST ARGS...]
 
-prints the source fingerprint env.json records, which ties a run on a machine that got the
-working tree without .git to a commit here.
+runs pytest, which starts no test after SECONDS (a SIGINT cannot stop the suite: the commands
+under test catch Ctrl-C themselves, so one test fails and pytest runs on).
 
-    python benchmarks/gpu/gpu_report.py pytest SECONDS [PYTEST ARGS...]
-
-runs pytest, which starts no new test after SECONDS. A SIGINT cannot stop the suite on time: the
-commands under test catch Ctrl-C themselves, so one test fails and pytest runs on.
-
-Standard library only at import (torch, triton and pytest are imported by the subcommands that
-need them): the packing works even where torch does not import.
+Standard library only (pytest is imported by its subcommand): it runs where torch does not.
 """
 
 from __future__ import annotations
@@ -35,23 +22,16 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import hashlib
-import importlib.metadata
-import importlib.util
 import io
 import json
 import os
-import platform
 import re
-import shutil
 import signal
-import subprocess
 import sys
 import tarfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
 OUTPUT_FILES = ("summary.md", "results.tar.gz")
 LIMIT_BYTES = 16 * 2**20  # what the device machine returns of one file
 LOG_CAP_BYTES = 4 * 2**20  # a longer log goes into the archive cut (head and tail)
@@ -62,68 +42,7 @@ HEADLINE = {  # step (and file) name -> section title
     "kernels_headline": "Memory-bound kernels at 16k x 4096 (cross-entropy 16k x 32000)",
 }
 SWEEPS = ("attention_sweep", "attention_varlen", "kernels_sweep", "train_hf", "train_sweep")
-SOURCES = ("fastlm", "benchmarks", "tests", "pyproject.toml")
 ENV_FIELDS = "gpu driver torch triton cuda cudnn python commit source liger_kernel flash_attn"
-
-
-# --------------------------------------------------------------------------------------------
-# The environment and the source fingerprint
-# --------------------------------------------------------------------------------------------
-
-
-def source_fingerprint(repo: Path) -> str:
-    """12 hex digits of SHA-256 over the path and bytes of every .py, .sh and .toml file of
-    fastlm, its benchmarks and tests (caches and results left out), in sorted order."""
-    digest = hashlib.sha256()
-    files = []
-    for top in (repo / name for name in SOURCES):
-        files += [top] if top.is_file() else top.rglob("*")
-    for f in sorted(files, key=lambda f: f.relative_to(repo).as_posix()):
-        skip = {"__pycache__", "results"} & set(f.parts)
-        if f.is_file() and f.suffix in (".py", ".sh", ".toml") and not skip:
-            digest.update(f.relative_to(repo).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
-    return digest.hexdigest()[:12]
-
-
-def _run(*command: str) -> str:
-    try:
-        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return done.stdout.strip()
-
-
-def environment() -> dict:
-    """What a reader needs to compare numbers: GPU, driver, versions, commit, date. Without .git
-    the commit is FASTLM_COMMIT (or "unknown") and `source` still ties the numbers to one."""
-    import torch
-    import triton
-
-    cuda = torch.cuda.is_available()
-    commit = _run("git", "rev-parse", "--short", "HEAD")
-    smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
-    info = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name() if cuda else "none (CPU)",
-        "driver": (_run(*smi).split() or [None])[0] if cuda and shutil.which(smi[0]) else None,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if cuda else None,
-        "python": platform.python_version(),
-        "commit": commit or os.environ.get("FASTLM_COMMIT") or "unknown",
-        "uncommitted_changes": bool(_run("git", "status", "--porcelain")) if commit else None,
-        "source": source_fingerprint(REPO),
-    }
-    if cuda:
-        props = torch.cuda.get_device_properties(0)
-        info.update(sms=props.multi_processor_count, gpu_memory_gib=props.total_memory / 2**30)
-    for module, distribution in (("liger_kernel", "liger-kernel"), ("flash_attn", "flash-attn")):
-        try:
-            info[module] = importlib.metadata.version(distribution)
-        except importlib.metadata.PackageNotFoundError:
-            info[module] = None
-    return info
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,20 +132,6 @@ def _section(stage: Path, name: str, title: str, steps: dict) -> list[str]:
     return lines + [f"No table (step: {why}).", *tail, ""]
 
 
-def _graph_breaks(stage: Path) -> list[str]:
-    lines = []
-    for name in ("train_headline", "train_sweep"):
-        for label, c in _json(stage / f"{name}.json").get("graph_breaks", {}).items():
-            reasons = "; ".join(
-                f"{n}x {reason.splitlines()[0][:160]}" for reason, n in c["reasons"].items()
-            )
-            lines.append(
-                f"- {label}: {c['graph_breaks']} graph break(s), {c['graphs']} graph(s) "
-                f"(`{name}.json`){': ' + reasons if reasons else ''}"
-            )
-    return lines or ["- not measured (no compiled row in train_headline.json)"]
-
-
 def summarize(stage: Path, archive: str, left_out: list[str]) -> str:
     """summary.md for what the staging folder holds now."""
     env, steps = _json(stage / "env.json"), read_steps(stage)
@@ -251,7 +156,6 @@ def summarize(stage: Path, archive: str, left_out: list[str]) -> str:
     lines += ["", "## Headline", ""]
     for name, title in HEADLINE.items():
         lines += _section(stage, name, title, by_name)
-    lines += ["## Graph breaks (torch.compile's dynamo counters)", "", *_graph_breaks(stage), ""]
     lines += ["## Test suite on CUDA (`tests.log`)", "", *suite_result(stage), "", "## Steps", ""]
     lines += _table(
         ["step", "limit s (planned)", "used s", "status"],
@@ -369,15 +273,9 @@ class StopAfter:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    env = sub.add_parser("env", help="write OUT/env.json")
-    env.add_argument("--out", type=Path, required=True)
-    env.add_argument("--require", nargs="*", default=[], metavar="MODULE")
-    env.add_argument("--need-cuda", action="store_true", help="exit 3 without a CUDA device")
     pub = sub.add_parser("publish", help="write OUT/summary.md and OUT/results.tar.gz from STAGE")
     pub.add_argument("stage", type=Path)
     pub.add_argument("out", type=Path)
-    fp = sub.add_parser("fingerprint", help="print the source fingerprint of a checkout")
-    fp.add_argument("repo", type=Path, nargs="?", default=REPO)
     tests = sub.add_parser("pytest", help="pytest that starts no test after SECONDS")
     tests.add_argument("seconds", type=float)
     tests.add_argument("pytest_args", nargs=argparse.REMAINDER)
@@ -388,20 +286,6 @@ def main(argv: list[str] | None = None) -> int:
         # A process started with SIGINT ignored would not see gpu_check.sh's hard limit otherwise.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         return int(pytest.main(args.pytest_args, plugins=[StopAfter(args.seconds)]))
-    if args.command == "fingerprint":
-        print(source_fingerprint(args.repo))
-        return 0
-    if args.command == "env":
-        info = environment()
-        missing = [m for m in args.require if importlib.util.find_spec(m) is None]
-        info["missing_modules"] = " ".join(missing)
-        print(json.dumps(info, indent=1))
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "env.json").write_text(json.dumps(info, indent=1) + "\n")
-        if args.need_cuda and info["gpu"].startswith("none"):
-            print("no CUDA device: torch.cuda.is_available() is False", file=sys.stderr)
-            return 3
-        return 0
     if not args.stage.is_dir():
         print(f"gpu_report.py: STAGE {args.stage} is not a folder", file=sys.stderr)
         return 2

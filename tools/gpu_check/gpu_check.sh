@@ -2,27 +2,22 @@
 # One call on a bare, offline GPU machine: the measurements that matter most first, then the test
 # suite on CUDA, then wider sweeps while time is left, all returned as two files.
 #
-#   bash benchmarks/gpu/gpu_check.sh OUT        # OUT/summary.md + OUT/results.tar.gz, nothing else
-#   bash benchmarks/gpu/gpu_check.sh --dry-run  # print the plan and its limits; runs nothing
+#   bash tools/gpu_check/gpu_check.sh OUT        # OUT/summary.md + OUT/results.tar.gz, no more
+#   bash tools/gpu_check/gpu_check.sh --dry-run  # the plan and its limits; runs nothing
 #
-# On the device machine: `bash benchmarks/gpu/gpu_check.sh $OUT` with timeout_s 570. Such a machine
-# gives one command at most 10 minutes and returns at most 8 files of at most 16 MiB from $OUT,
-# so every step writes into a staging folder, and after each step gpu_report.py (beside it)
-# rewrites OUT/summary.md and OUT/results.tar.gz (CSV, JSON, PNG and logs of every step so far):
-# a call cut short still returns what was measured.
+# A device machine gives one command 10 minutes (timeout_s 570 here) and returns at most 8 files
+# of at most 16 MiB, so every step writes into a staging folder and after each step gpu_report.py
+# (beside this script) rewrites OUT/summary.md and OUT/results.tar.gz: a call cut short still
+# returns what was measured. Each step of PLAN runs under a hard limit (the limits sum to BUDGET,
+# 540 s): the benchmarks start no new case, and pytest no new test, MARGIN seconds before the
+# step's SIGINT, which comes KILL_AFTER seconds before its limit (the benchmarks then write what
+# they measured), and SIGKILL at the limit. An elastic step (the sweeps) also gets the time the
+# steps before it left unused; a step behind schedule given less than MIN_STEP seconds is skipped.
 #
-# The plan (PLAN below; --dry-run prints it): each step runs under a hard limit in seconds, the
-# limits sum to BUDGET (540 s: 9 minutes, cold compiles and autotuning included). The benchmarks
-# start no new case, and pytest no new test, MARGIN seconds before the step's SIGINT, which comes
-# KILL_AFTER seconds before its limit (the benchmarks then write the tables of what they
-# measured), and SIGKILL at the limit. An elastic step (the sweeps) also gets the time that the
-# steps before it left unused. LIMIT_<step>=SECONDS overrides a step's limit (their sum must stay
-# within BUDGET); a step behind schedule given less than MIN_STEP seconds is skipped.
-#
-# Needs torch and triton, no network. The wheels in $WHEELS (default wheels/ beside it: einx
-# and frozendict, which fastlm needs, and Liger-Kernel, measured beside fastlm) whose
-# distribution is not installed go into a temporary folder on PYTHONPATH; benchmarks/README.md
-# says how to refresh them. Environment: PYTHON (default python3), WHEELS, BUDGET, LIMIT_<step>,
+# Needs torch and triton, no network: the wheels in $WHEELS (default wheels/ beside this script:
+# einx and frozendict, which fastlm needs, and Liger-Kernel) whose distribution is not installed
+# go into a temporary folder on PYTHONPATH (benchmarks/README.md says how to refresh them).
+# Environment: PYTHON (default python3), WHEELS, BUDGET, LIMIT_<step> (their sum within BUDGET),
 # KILL_AFTER, MARGIN, MIN_STEP; FASTLM_COMMIT is recorded where the tree came without .git.
 set -uo pipefail
 
@@ -52,10 +47,10 @@ SELF=$HERE/$(basename "$0")
 ROOT=$(cd "$HERE/../.." && pwd)
 PY=${PYTHON:-python3}
 WHEELS=${WHEELS:-$HERE/wheels}
-REPORT=benchmarks/gpu/gpu_report.py
+REPORT=tools/gpu_check/gpu_report.py
 
 usage() {
-    echo "usage: bash benchmarks/gpu/gpu_check.sh OUT | --dry-run   (benchmarks/README.md)" >&2
+    echo "usage: bash tools/gpu_check/gpu_check.sh OUT | --dry-run   (benchmarks/README.md)" >&2
     exit 2
 }
 
@@ -71,8 +66,8 @@ for limit in "${LIMITS[@]}"; do TOTAL=$((TOTAL + limit)); done
 
 print_plan() {
     echo "gpu_check.sh plan (--dry-run: nothing is run)"
-    echo "call: bash benchmarks/gpu/gpu_check.sh OUT"
-    echo "device machine: bash benchmarks/gpu/gpu_check.sh \$OUT, timeout_s 570"
+    echo "call: bash tools/gpu_check/gpu_check.sh OUT"
+    echo "device machine: bash tools/gpu_check/gpu_check.sh \$OUT, timeout_s 570"
     echo "output: OUT/summary.md and OUT/results.tar.gz, nothing else at OUT's top level"
     echo "budget: ${BUDGET} s; at its limit a step gets SIGINT, then SIGKILL ${KILL_AFTER} s later;"
     echo "an elastic step also gets the time the steps before it left unused"
@@ -105,7 +100,7 @@ step_command() {  # NAME SECONDS: SECONDS is the benchmark's own time limit
             done
         fi
         nvidia-smi >"$STAGE/nvidia-smi.log" 2>&1 || echo "nvidia-smi failed" >&2
-        exec "$PY" "$REPORT" env --out "$STAGE" --require "${REQUIRED[@]}" --need-cuda ;;
+        exec "$PY" benchmarks/_common.py env --out "$STAGE" --require "${REQUIRED[@]}" --need-cuda ;;
     train_headline) exec "$PY" benchmarks/train.py --headline "${bench[@]}" ;;
     attention_headline) exec "$PY" benchmarks/attention.py --headline "${bench[@]}" ;;
     kernels_headline) exec "$PY" benchmarks/kernels.py --headline "${bench[@]}" ;;
