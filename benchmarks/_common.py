@@ -266,8 +266,9 @@ class Run:
             return fn()
         except Exception as exc:  # noqa: BLE001 - every failure is a table cell
             status, message = failure(exc)
-        free_memory()  # outside the except block: the traceback's frames are gone by now
-        if status != OOM:
+        if status == OOM:  # outside the except block: the traceback's frames are gone by now
+            free_memory()
+        else:
             self.failures.setdefault((status, message), []).append(label)
         return status
 

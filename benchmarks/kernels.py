@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from fastlm import kernels as fk
 from fastlm import reference
 
-DTYPE, EPS, THETA, VOCAB, BUDGET_S = torch.bfloat16, 1e-5, 10000.0, 32000, 80
+DTYPE, EPS, THETA, VOCAB, BUDGET_S, COPY_BYTES = torch.bfloat16, 1e-5, 1e4, 32000, 80, 2**30
 EAGER, COMPILED = "reference", "torch.compile(reference)"
 MATERIALISED = "x @ w.T, F.cross_entropy"
 LCE = "linear_cross_entropy"
@@ -139,7 +139,9 @@ def rope_impls(m: int, n: int) -> dict:
         return rope(q, positions), rope(k, positions)
 
     def fastlm_rope(interleaved: bool):
-        return lambda q, k: fk.apply_rope_(*_computed(q, k), cos, sin, positions, interleaved)
+        return lambda q, k: fk.apply_rope_(
+            *_computed(q, k), cos, sin, positions, interleaved=interleaved
+        )
 
     def half_split_math(q, k):
         return tuple(fk.rope_ref(x, cos, sin, positions, interleaved=False) for x in (q, k))
@@ -279,8 +281,8 @@ def time_impl(run: common.Run, op: Op, fn, inputs, row: dict) -> dict:
 
 
 def copy_bandwidth(run: common.Run) -> float:
-    """GB/s of a device-to-device copy of 1 GiB, bytes read plus written (nan if it failed)."""
-    src = torch.randn(2**28, device=common.DEVICE)
+    """GB/s of a device-to-device copy of COPY_BYTES, bytes read plus written (nan if failed)."""
+    src = torch.randn(COPY_BYTES // 4, device=common.DEVICE)
     dst = torch.empty_like(src)
     copy = lambda: common.bench_ms(lambda: dst.copy_(src), run.args)  # noqa: E731
     ms = common.number(run.measure(copy, "copy"))

@@ -105,7 +105,7 @@ def count_graph_breaks(call) -> tuple[object, dict]:
     return result, counted | {"reasons": reasons}
 
 
-def measure(model, loss_fn, batch: dict, args, compiled: bool) -> Measured:
+def measure(model, loss_fn, batch: dict, compiled: bool, args) -> Measured:
     """The step's first loss and seconds, then `--steps` timed after `--warmup-steps`."""
     step = make_step(model, torch.compile(loss_fn) if compiled else loss_fn, batch)
     start = time.perf_counter()
@@ -181,7 +181,8 @@ def gpt2_cases(args, todo, layers: int):
             model, loss_fn = build(kind, GPT2 | dict(num_layers=layers, context_length=seq))
             generator = torch.Generator(common.DEVICE).manual_seed(1)
             size = (2, batch, seq)
-            ids, targets = torch.randint(32000, size, device=common.DEVICE, generator=generator)
+            vocab = GPT2["vocab_size"]
+            ids, targets = torch.randint(vocab, size, device=common.DEVICE, generator=generator)
             return model, loss_fn, dict(ids=ids, targets=targets), kind.startswith("torch.compile")
 
         yield dict(seq=seq, batch=batch, layers=layers, impl=kind), batch * seq, make

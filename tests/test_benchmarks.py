@@ -6,11 +6,14 @@ reference computes), the plans say what gpu_check.sh relies on, the measuring lo
 into rows and files (with a stand-in timer), and without CUDA every script says so and exits 0.
 """
 
+import csv
 import importlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,6 +27,7 @@ common = importlib.import_module("_common")
 attention = importlib.import_module("attention")  # benchmarks/attention.py
 kernels = importlib.import_module("kernels")
 train = importlib.import_module("train")
+pytestmark = pytest.mark.usefixtures("one_thread")  # two threads on two busy cores: far slower
 
 
 @pytest.mark.parametrize("total", [16384, 65536])
@@ -197,3 +201,114 @@ def test_attention_plot_draws_each_panel(tmp_path):
     assert attention.plot(rows, path, "test") == f"wrote {path}"
     assert path.read_bytes().startswith(b"\x89PNG")
     assert attention.plot(rows[-1:], tmp_path / "none.png", "test") == "no plot: nothing measured"
+
+
+class _Event:
+    """torch.cuda.Event on the host clock."""
+
+    def __init__(self, **kwargs):
+        self.time = 0.0
+
+    def record(self):
+        self.time = time.perf_counter()
+
+    def elapsed_time(self, end):
+        return (end.time - self.time) * 1e3
+
+
+@pytest.fixture
+def cuda_stand_ins(monkeypatch, tmp_path):
+    """A script's CUDA path on the CPU: torch.cuda's calls stand in, every timing "takes" 0.7 ms
+    (0.5 from CUDA graphs), torch.compile returns the function (compiling is not under test),
+    PyTorch inside fastlm's ops (the kernels are tests/' business). Yields --out's folder."""
+    monkeypatch.setattr(common, "HAS_CUDA", True)
+    monkeypatch.setattr(common, "bench_ms", lambda fn, args, graph=False, **_: (fn(), 0.7)[1])
+    monkeypatch.setattr(torch, "compile", lambda fn=None, **_: fn or (lambda f: f))
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")
+    stand_ins = dict(
+        synchronize=lambda *_: None,
+        empty_cache=lambda: None,
+        memory_allocated=lambda *_: 0,
+        reset_peak_memory_stats=lambda *_: None,
+        max_memory_allocated=lambda *_: 2**20,
+        Event=_Event,
+        get_device_name=lambda *_: "stand-in GPU",
+        get_device_properties=lambda *_: SimpleNamespace(multi_processor_count=1, total_memory=1),
+    )
+    for name, value in stand_ins.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    yield tmp_path
+
+
+def _rows(out: Path, name: str, column: str = "ms") -> list[dict]:
+    """The rows of out/NAME.csv, checked to hold a number in `column`: no failed measurement
+    but those of a backend that refuses the CPU (SDPA's flash, cuDNN) or is not installed."""
+    with (out / f"{name}.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    excused = (common.UNSUPPORTED, common.NOT_AVAILABLE)
+    failed = [r for r in rows if not _is_number(r[column]) and r[column] not in excused]
+    assert not failed, failed
+    return rows
+
+
+def _is_number(text: str) -> bool:
+    try:
+        return float(text) == float(text)
+    except ValueError:
+        return False
+
+
+def test_kernels_cuda_path_runs(cuda_stand_ins, monkeypatch):
+    for op in kernels.OPS:
+        sizes = {"rope": (64, 256), "cross_entropy": (20, 50), kernels.LCE: (20, 16)}
+        monkeypatch.setattr(op, "sizes", (sizes.get(op.name, (48, 40)),))
+    monkeypatch.setattr(kernels, "VOCAB", 50)
+    monkeypatch.setattr(kernels, "COPY_BYTES", 4096)
+    assert kernels.main(["--quick", "--out", str(cuda_stand_ins)]) == 0
+    rows = _rows(cuda_stand_ins, "kernels")
+    assert {r["op"] for r in rows} == {op.name for op in kernels.OPS}
+    assert all(float(r["rel err"]) < 0.02 for r in rows if r["impl"] != "liger")
+
+
+def test_attention_cuda_path_runs(cuda_stand_ins, monkeypatch):
+    shapes = [attention.Shape("bf16", 16, 2, 32), attention.Shape("fp32", 16, 1, 48)]
+    monkeypatch.setattr(attention, "HIDDEN", 32)
+    monkeypatch.setattr(attention, "plan", lambda args: [(shape, {}) for shape in shapes])
+    assert attention.main(["--quick", "--out", str(cuda_stand_ins)]) == 0
+    rows = _rows(cuda_stand_ins, "attention")
+    fastlm_rows = [r for r in rows if r["impl"] in ("fastlm", attention.ATOMIC)]
+    assert len(fastlm_rows) == 2 * (3 + 2) and all(float(r["rel err"]) < 0.02 for r in fastlm_rows)
+    monkeypatch.setattr(attention, "_flex_attention", lambda: None)  # needs CUDA
+    monkeypatch.setattr(
+        attention, "document_lengths", lambda total: [total // 4, total - total // 4]
+    )
+    sizes = dict(VARLEN_TOTALS=(40, 64), HEADS=2, HEAD_DIM=16, WINDOW=8, WINDOW_SEQ=48)
+    for name, value in sizes.items():
+        monkeypatch.setattr(attention, name, value)
+    assert attention.main(["--varlen", "--quick", "--out", str(cuda_stand_ins)]) == 0
+    rows = _rows(cuda_stand_ins, "attention_varlen")
+    assert {r["case"] for r in rows} == {"varlen causal", "causal window 8"}
+    assert all(float(r["rel err"]) < 0.02 for r in rows)
+
+
+def _agree(losses: list[float]) -> None:
+    """Equal but for bf16 autocast's rounding."""
+    assert max(losses) - min(losses) <= 1e-2 * abs(min(losses)), losses
+
+
+def test_train_cuda_path_runs(cuda_stand_ins, monkeypatch):
+    tiny = dict(vocab_size=256, d_model=32, num_heads=2, d_ff=64)
+    monkeypatch.setattr(train, "GPT2", train.GPT2 | tiny)
+    steps = ["--steps", "1", "--warmup-steps", "1", "--out", str(cuda_stand_ins)]
+    argv = ["--quick", "--seqs", "16", "--tokens", "32", "--layers", "1"]
+    assert train.main([*argv, *steps]) == 0
+    rows = _rows(cuda_stand_ins, "train", "ms/step")
+    assert [r["impl"] for r in rows] == train.KINDS
+    _agree([float(r["first loss"]) for r in rows])  # the same weights and data
+    monkeypatch.setattr(train, "LLAMA3_LAYERS", TINY_LLAMA)
+    monkeypatch.setattr(train, "HF_SHORTEST", 4)
+    monkeypatch.setattr(train, "HF_LONGEST", 16)
+    assert train.main(["--hf", "--quick", *steps]) == 0
+    rows = [r for r in _rows(cuda_stand_ins, "train_hf", "ms/step") if r["impl"] != train.LIGER]
+    assert len(rows) == 5
+    _agree([float(r["first loss"]) for r in rows])
