@@ -50,7 +50,7 @@ def parser(description: str, quick: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     add = p.add_argument
     add("--quick", action="store_true", help=quick)
-    add("--out", type=Path, metavar="DIR", help="write NAME.csv, .json, .png, _summary.md here")
+    add("--out", type=Path, metavar="DIR", help="write NAME.csv, .json, _summary.md (.png) here")
     add("--time-limit", type=float, metavar="S", help="start nothing new after S seconds")
     add("--warmup-ms", type=float, default=25.0, help="do_bench's warm-up per measurement")
     add("--rep-ms", type=float, default=100.0, help="do_bench's timed time per measurement")
@@ -325,7 +325,7 @@ def add_ratios(rows, column: str, baseline: str, key, value: str, higher_is_bett
 
 
 # --------------------------------------------------------------------------------------------
-# Tables and plots
+# Tables
 # --------------------------------------------------------------------------------------------
 
 

@@ -286,15 +286,18 @@ def hf_main(args) -> int:
     run = common.Run("train_hf", args, HF_COLUMNS, BUDGET_S)
     if common.optional_module("liger_kernel.transformers") is None:
         run.note("Liger-Kernel is not installed: its rows are n/a")
-    batches = hf_batches(lengths, config["vocab_size"], common.DEVICE)
+    shapes = {PADDED: f"{len(lengths)}x{max(lengths)}", PADDING_FREE: f"1x{sum(lengths)}"}
 
     def cases():
         for kind, shape in HF_KINDS:
-            batch = batches["packed" if kind == VARLEN else shape]
-            size = "x".join(map(str, next(iter(batch.values())).shape))
-            make = lambda kind=kind, batch=batch: (*hf_model(kind, config), batch, False)  # noqa: E731
-            row = dict(layers=layers, impl=kind, batch=size, shape=shape, tokens=sum(lengths))
-            yield row, sum(lengths), make
+            batch = "packed" if kind == VARLEN else shape
+
+            def make(kind=kind, batch=batch):
+                batches = hf_batches(lengths, config["vocab_size"], common.DEVICE)
+                return (*hf_model(kind, config), batches[batch], False)
+
+            row = dict(layers=layers, impl=kind, batch=shapes[shape], shape=shape)
+            yield row | dict(tokens=sum(lengths)), sum(lengths), make
 
     bench(run, cases())
     base = [r["tokens/s"] for r in run.rows if r["impl"] == HF and r["shape"] == PADDED]
