@@ -2,47 +2,39 @@
 
 Triton compiles for a GPU target on any machine, and its wheel ships `ptxas`. For each kernel
 launch of fastlm at the shapes that matter (bf16, fp16, fp32; head dims 64, 128 and the largest
-attention takes; hidden 4096; causal and not; attention's option variants: a window, the score
-cap, packed sequences) and for each config the launcher or autotuner may
-use, this compiles for sm_90a (H100/H200) and sm_80 (A100) and reads off:
+attention takes; hidden 4096; causal and not; attention's window, score cap and packed
+sequences) and each config the launcher or autotuner may use, this compiles for sm_90a (H100,
+H200) and sm_80 (A100) and reads off: registers per thread, spill stores/loads and the stack
+frame (ptxas -v with Triton's flags); shared memory (Triton's metadata) against the arch's
+per-block limit; tensor cores (`wgmma.mma_async` on sm_90, `mma.sync` on sm_80) and TMA
+(`cp.async.bulk.tensor`); software pipelining (the `cp.async.ca/cg` copies Triton emits for
+loads it prefetches across loop iterations); the widest and narrowest global access on the main
+path (the loads, stores and async copies whose address the PTX data flow computes from a pointer
+argument of the dtype under test, so that an index or an fp32 table does not count in a bf16
+kernel); barriers (`bar.sync` / `barrier.sync`).
 
-- registers per thread, spill stores/loads and the stack frame (ptxas -v, Triton's own flags);
-- shared memory used (Triton's metadata) against the arch's per-block limit;
-- tensor cores (`wgmma.mma_async` on sm_90, `mma.sync` on sm_80), TMA (`cp.async.bulk.tensor`);
-- software pipelining: the `cp.async.ca/cg` copies (global to shared, in flight while the program
-  computes) that Triton emits for loads it prefetches across loop iterations;
-- the widest and narrowest global access on the main path: the PTX loads, stores and async
-  copies whose address is computed (followed back through the PTX data flow) from a pointer
-  argument of the data dtype under test, so that an index or an fp32 table does not count in a
-  bf16 kernel;
-- barriers (`bar.sync` / `barrier.sync` in the PTX).
+A row is flagged when it spills or needs more shared memory than its arch has, and the exit
+status is 1 when any row is flagged (or fails to compile). Only shipped configs are compiled:
+every config a launcher picks, and every config an attention autotuner tries at the row's head
+block and dtype (the configs its pruning keeps; the last is FASTLM_AUTOTUNE=0's, "default").
 
-A row is flagged when it spills or needs more shared memory than its arch has, and the exit status
-is 1 when any shipped row is flagged (or fails to compile). Shipped: every config the launcher
-picks, and every config an attention autotuner tries at the row's head block and dtype
-(`attn_configs.fitting_configs` of `attention.*_CUDA_CONFIGS`, which the autotuners prune to; the
-last of them is the FASTLM_AUTOTUNE=0 config, marked "default"). Only shipped configs are
-compiled.
+Each case calls fastlm's own launcher on meta tensors (shapes, strides, dtypes, no memory) with
+every kernel's `run` replaced by a recorder, so the arguments are exactly what the launcher
+passes on a GPU; they are specialised as a launch does (ints equal to 1 become constants, ints
+and 16-byte aligned pointers divisible by 16 get `tt.divisibility`) and compiled with
+`triton.compile`. Triton's on-disk cache (TRITON_CACHE_DIR) keeps each compiled kernel, and the
+ptxas report beside it, under a key that includes the kernel's source: a rerun with unchanged
+kernels takes seconds.
 
-The launch arguments are not written out here: each case calls fastlm's own launcher on meta
-tensors (shapes, strides and dtypes, no memory) with every kernel's `run` replaced by a recorder,
-so strides, block sizes and warps are exactly what the launcher would pass on a GPU. Recorded
-arguments are specialised as a launch does (ints equal to 1 become constants, ints and 16-byte
-aligned pointers divisible by 16 get `tt.divisibility`), then compiled with `triton.compile`.
-
-Triton's on-disk cache (TRITON_CACHE_DIR, default ~/.triton/cache) keeps every compiled kernel
-under a key that includes the kernel's source; the ptxas report is stored beside it. A second run
-with unchanged kernels reads everything from there in seconds; a changed kernel recompiles.
-
-Each row also carries `ptx_sha256`, a digest of its PTX without the debug line info: a change
-meant to leave the generated code alone (a refactor) proves it with `--same-code-as` the JSON of
-a run before it, which lists every row whose code differs and exits 1 if any does.
+Each row carries `ptx_sha256`, a digest of its PTX without the debug line info: a change meant
+to leave the generated code alone proves it with `--same-code-as` an earlier run's JSON, which
+lists every row whose code differs and exits 1 if any does.
 
     python benchmarks/compile_report.py [--arch sm_90a sm_80] [--json rows.json] [--quick]
     python benchmarks/compile_report.py --op attention --same-code-as before.json
 
-Run it without TRITON_INTERPRET: under the interpreter the autotuners hold one config and the
-launchers choose interpreter tiles. This script refuses to run with TRITON_INTERPRET=1.
+Run it without TRITON_INTERPRET (the interpreter's autotuners hold one config, its launchers
+choose interpreter tiles): with TRITON_INTERPRET=1 it refuses to run.
 """
 
 from __future__ import annotations
@@ -60,12 +52,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import unittest.mock
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     print(
@@ -88,15 +82,43 @@ from triton.runtime.jit import JITFunction, MockTensor  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # The modules (fastlm.kernels re-exports functions under some of the same names).
-attention, cross_entropy, rmsnorm, rope, swiglu = (
+cross_entropy, rmsnorm, rope, swiglu = (
     importlib.import_module(f"fastlm.kernels.{name}")
-    for name in ("attention", "cross_entropy", "rmsnorm", "rope", "swiglu")
+    for name in ("cross_entropy", "rmsnorm", "rope", "swiglu")
 )
-# Attention's configs, launch helpers and the modules of its kernels and launchers.
-attn_configs, attn_launch, attn_fwd, attn_bwd = (
-    importlib.import_module(f"fastlm.kernels.attention.{name}")
-    for name in ("configs", "launch", "forward", "backward")
-)
+
+
+def _attention_internals() -> SimpleNamespace:
+    """What the report calls inside fastlm's attention, in one place: the launchers it runs on
+    meta tensors, the layout helpers, and each autotuned kernel with the configs it tries on
+    CUDA (and the pruning the autotuner applies to them)."""
+    configs, launch, forward, backward = (
+        importlib.import_module(f"fastlm.kernels.attention.{name}")
+        for name in ("configs", "launch", "forward", "backward")
+    )
+    return SimpleNamespace(
+        forward=forward.attention_forward,
+        backward=backward.attention_backward,
+        as_heads=launch.as_heads,
+        varlen=launch.Varlen,
+        max_head_dim=configs.MAX_HEAD_DIM,
+        tma_max_block_d=configs.TMA_MAX_BLOCK_D,
+        fitting_configs=configs.fitting_configs,
+        has_options=configs.has_options,
+        configs={
+            forward._attention_fwd_kernel: configs.FWD_CUDA_CONFIGS,
+            backward._attention_bwd_dkdv_kernel: configs.DKDV_CUDA_CONFIGS,
+            backward._attention_bwd_dq_kernel: configs.DQ_CUDA_CONFIGS,
+            forward._attention_fwd_tma_autotuned: configs.FWD_TMA_CUDA_CONFIGS,
+            backward._attention_bwd_dkdv_dq_kernel: configs.DKDV_DQ_CUDA_CONFIGS,
+        },
+        # Kernels the launcher picks only from a compute capability on (the descriptor forward:
+        # sm_90+); on an older arch they never run, so they are not compiled for it.
+        min_capability={"_attention_fwd_tma_kernel": 90},
+    )
+
+
+ATTENTION = _attention_internals()
 
 #: Targets: compute capability and the largest shared memory one block may use (opt-in limit).
 ARCHS = {"sm_90a": (90, 232448), "sm_80": (80, 166912)}
@@ -124,13 +146,14 @@ class Launch:
 
 
 def _kernel_objects() -> list[JITFunction | Autotuner]:
-    modules = (attn_fwd, attn_bwd, cross_entropy, rmsnorm, rope, swiglu)
+    """Every kernel of fastlm.kernels' modules (helpers imported in several counted once)."""
+    modules = [m for name, m in sys.modules.items() if name.startswith("fastlm.kernels")]
     kernels = {
         id(obj): obj
         for module in modules
         for obj in vars(module).values()
         if isinstance(obj, (JITFunction, Autotuner))
-    }  # helpers are imported in several
+    }
     return list(kernels.values())
 
 
@@ -209,12 +232,8 @@ def rmsnorm_cases(dtypes) -> Iterator[Case]:
             r32, w32 = meta((TOKENS, HIDDEN), torch.float32), meta((HIDDEN,), torch.float32)
             mixed = f"{name}+fp32 N={HIDDEN}"
             yield Case("add+RMSNorm fwd", mixed, partial(forward, x, r32, w32, 1e-5, dtype), fields)
-            yield Case(
-                "add+RMSNorm bwd",
-                mixed,
-                partial(backward, x, r32, r32, w32, rstd, dtype, torch.float32),
-                fields,
-            )
+            mixed_backward = partial(backward, x, r32, r32, w32, rstd, dtype, torch.float32)
+            yield Case("add+RMSNorm bwd", mixed, mixed_backward, fields)
 
 
 def rope_cases(dtypes, head_dims) -> Iterator[Case]:
@@ -228,12 +247,9 @@ def rope_cases(dtypes, head_dims) -> Iterator[Case]:
             positions = meta((SEQ,), torch.int64)
             for interleaved in (True, False):
                 layout = "interleaved" if interleaved else "half-split"
-                yield Case(
-                    f"RoPE {layout}",
-                    f"{name} D={d}",
-                    partial(rope._launch, (q, k), (q, k), cos, sin, positions, interleaved, False),
-                    dict(dtype=name, head_dim=d, layout=layout),
-                )
+                launch = partial(rope._launch, (q, k), (q, k), cos, sin, positions, interleaved)
+                fields = dict(dtype=name, head_dim=d, layout=layout)
+                yield Case(f"RoPE {layout}", f"{name} D={d}", partial(launch, False), fields)
 
 
 def swiglu_cases(dtypes) -> Iterator[Case]:
@@ -241,9 +257,8 @@ def swiglu_cases(dtypes) -> Iterator[Case]:
         gate, up = meta((TOKENS, D_FF), DTYPES[name]), meta((TOKENS, D_FF), DTYPES[name])
         fields, label = dict(dtype=name, d_ff=D_FF), f"{name} N={D_FF}"
         yield Case("SwiGLU fwd", label, partial(swiglu._forward_rows, gate, up, gate), fields)
-        yield Case(
-            "SwiGLU bwd", label, partial(swiglu._backward_rows, gate, gate, up, gate, up), fields
-        )
+        backward = partial(swiglu._backward_rows, gate, gate, up, gate, up)
+        yield Case("SwiGLU bwd", label, backward, fields)
 
 
 def cross_entropy_cases(dtypes) -> Iterator[Case]:
@@ -253,19 +268,11 @@ def cross_entropy_cases(dtypes) -> Iterator[Case]:
         loss, lse = meta((TOKENS // 2,), torch.float32), meta((TOKENS // 2,), torch.float32)
         scale = meta((), torch.float32)
         fields, label = dict(dtype=name, vocab=VOCAB), f"{name} V={VOCAB}"
-        for op, grad in (("cross-entropy fwd+grad", logits), ("cross-entropy fwd", None)):
-            yield Case(
-                op,
-                label,
-                partial(cross_entropy._cross_entropy_rows, logits, targets, -100, loss, lse, grad),
-                fields,
-            )
-        yield Case(
-            "cross-entropy bwd",
-            label,
-            partial(cross_entropy._cross_entropy_grad_rows, logits, targets, -100, lse, scale),
-            fields,
-        )
+        forward = partial(cross_entropy._cross_entropy_rows, logits, targets, -100, loss, lse)
+        yield Case("cross-entropy fwd+grad", label, partial(forward, logits), fields)
+        yield Case("cross-entropy fwd", label, partial(forward, None), fields)
+        backward = partial(cross_entropy._cross_entropy_grad_rows, logits, targets, -100, lse)
+        yield Case("cross-entropy bwd", label, partial(backward, scale), fields)
 
 
 #: The attention options' rows: a window of a quarter of the sequence, Gemma 2's score cap.
@@ -287,11 +294,11 @@ def attention_cases(specs) -> Iterator[Case]:
             options["softcap"] = SOFTCAP
         if option == "varlen":
             qkv = meta((TOKENS, 3, heads, d), dtype)
-            q, k, v = (attn_launch.as_heads(qkv[:, i]) for i in range(3))
-            o = attn_launch.as_heads(meta((TOKENS, heads, d), dtype))
+            q, k, v = (ATTENTION.as_heads(qkv[:, i]) for i in range(3))
+            o = ATTENTION.as_heads(meta((TOKENS, heads, d), dtype))
             lse = meta((1, heads, TOKENS), torch.float32)
             cu = meta((TOKENS // SEQ + 1,), torch.int32)
-            options["varlen"] = attn_launch.Varlen(cu, cu, SEQ, SEQ)
+            options["varlen"] = ATTENTION.varlen(cu, cu, SEQ, SEQ)
         else:
             qkv = meta((TOKENS // SEQ, SEQ, 3, heads, d), dtype)
             q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
@@ -306,45 +313,21 @@ def attention_cases(specs) -> Iterator[Case]:
                 "varlen": " varlen",
             }[option]
         scale = d**-0.5
-        forward = partial(attn_fwd.attention_forward, q, k, v, causal, scale, True, **options)
+        forward = partial(ATTENTION.forward, q, k, v, causal, scale, True, **options)
         yield Case("attention fwd", label, forward, fields)
-        if dtype != torch.float32 and d <= attn_configs.TMA_MAX_BLOCK_D:
-            yield Case(
-                "attention fwd (TMA)", label, partial(_with_tensor_descriptors, forward), fields
-            )
-        for deterministic in (True, False):
-            yield Case(
-                "attention bwd" if deterministic else "attention bwd (atomic dQ)",
-                label,
-                partial(
-                    attn_bwd.attention_backward,
-                    o,
-                    q,
-                    k,
-                    v,
-                    o,
-                    lse,
-                    causal,
-                    scale,
-                    True,
-                    deterministic,
-                    **options,
-                ),
-                fields,
-            )
+        if dtype != torch.float32 and d <= ATTENTION.tma_max_block_d:
+            tma = partial(_with_tensor_descriptors, forward)
+            yield Case("attention fwd (TMA)", label, tma, fields)
+        backward = partial(ATTENTION.backward, o, q, k, v, o, lse, causal, scale, True)
+        yield Case("attention bwd", label, partial(backward, True, **options), fields)
+        atomic = partial(backward, False, **options)
+        yield Case("attention bwd (atomic dQ)", label, atomic, fields)
 
 
 def _with_tensor_descriptors(launcher):
     """Run the launcher with the descriptor forward forced (meta tensors have no device to ask)."""
-    saved = os.environ.get("FASTLM_ATTENTION_TMA")
-    os.environ["FASTLM_ATTENTION_TMA"] = "1"
-    try:
+    with unittest.mock.patch.dict(os.environ, FASTLM_ATTENTION_TMA="1"):
         return launcher()
-    finally:
-        if saved is None:
-            del os.environ["FASTLM_ATTENTION_TMA"]
-        else:
-            os.environ["FASTLM_ATTENTION_TMA"] = saved
 
 
 def cases(quick: bool) -> list[Case]:
@@ -352,12 +335,8 @@ def cases(quick: bool) -> list[Case]:
     option (the CI test's rows)."""
     # Each option's variant of the kernels at the most common head dim, causal (and the window
     # both sides, full).
-    options = [
-        ("bf16", 128, True, "window"),
-        ("bf16", 128, False, "window"),
-        ("bf16", 128, True, "softcap"),
-        ("bf16", 128, True, "varlen"),
-    ]
+    options = [("bf16", 128, True, "window"), ("bf16", 128, False, "window")]
+    options += [("bf16", 128, True, "softcap"), ("bf16", 128, True, "varlen")]
     if quick:
         dtypes, head_dims = ["bf16"], [64, 128]
         attention_specs = [("bf16", 128, True, None), *options]
@@ -368,7 +347,7 @@ def cases(quick: bool) -> list[Case]:
         attention_specs = [
             (name, d, True, None)
             for name in ("bf16", "fp32")
-            for d in (64, 128, attention.MAX_HEAD_DIM)
+            for d in (64, 128, ATTENTION.max_head_dim)
         ] + [("bf16", 128, False, None), ("fp16", 128, True, None), *options]
     return [
         *rmsnorm_cases(dtypes),
@@ -406,13 +385,8 @@ def specialise(fn: JITFunction, args: dict) -> tuple[dict, dict, dict]:
             continue
         if isinstance(value, torch.Tensor):
             value = _Pointer(value)
-        kind, key = native_specialize_impl(
-            BaseBackend,
-            value,
-            param.is_const,
-            not param.do_not_specialize,
-            not param.do_not_specialize_on_alignment,
-        )
+        specialize = not param.do_not_specialize, not param.do_not_specialize_on_alignment
+        kind, key = native_specialize_impl(BaseBackend, value, param.is_const, *specialize)
         signature[param.name] = kind
         if kind == "constexpr":  # an int equal to 1
             constexprs[param.name] = value
@@ -443,27 +417,15 @@ def _blocks(args: dict) -> dict:
     return {k: v for k, v in args.items() if k.startswith("BLOCK_") and k != "BLOCK_D"}
 
 
-def shipped_configs(launch: Launch) -> list[attn_configs.CudaConfig]:
+def shipped_configs(launch: Launch) -> list:
     """The configs an attention autotuner tries for this launch (its head block and dtype); the
     last is the one FASTLM_AUTOTUNE=0 keeps."""
-    lists = {
-        attn_fwd._attention_fwd_kernel: attn_configs.FWD_CUDA_CONFIGS,
-        attn_bwd._attention_bwd_dkdv_kernel: attn_configs.DKDV_CUDA_CONFIGS,
-        attn_bwd._attention_bwd_dq_kernel: attn_configs.DQ_CUDA_CONFIGS,
-        attn_fwd._attention_fwd_tma_autotuned: attn_configs.FWD_TMA_CUDA_CONFIGS,
-        attn_bwd._attention_bwd_dkdv_dq_kernel: attn_configs.DKDV_DQ_CUDA_CONFIGS,
-    }
-    return attn_configs.fitting_configs(
-        lists[launch.kernel],
+    return ATTENTION.fitting_configs(
+        ATTENTION.configs[launch.kernel],
         launch.args["BLOCK_D"],
         launch.args["Q"].element_size(),
-        attn_configs.has_options(launch.args),
+        ATTENTION.has_options(launch.args),
     )
-
-
-#: Kernels whose launcher picks them only from a compute capability on (the descriptor forward:
-#: sm_90+); on an older arch they never run, so they are not compiled for it.
-MIN_CAPABILITY = {"_attention_fwd_tma_kernel": 90}
 
 
 def tasks(all_cases: list[Case], archs: list[str]) -> list[Task]:
@@ -485,26 +447,13 @@ def tasks(all_cases: list[Case], archs: list[str]) -> list[Task]:
                 ]
             else:
                 variants = [(launch.args, launch.options, False)]
-            minimum = MIN_CAPABILITY.get(fn.fn.__name__, 0)
+            minimum = ATTENTION.min_capability.get(fn.fn.__name__, 0)
             for args, options, default in variants:
                 signature, constexprs, attrs = specialise(fn, args)
+                where = (case.op, case.label, case.fields, fn.fn.__module__, fn.fn.__name__)
+                compiled = (signature, constexprs, attrs, options)
                 for arch in (a for a in archs if ARCHS[a][0] >= minimum):
-                    out.append(
-                        Task(
-                            case.op,
-                            case.label,
-                            case.fields,
-                            fn.fn.__module__,
-                            fn.fn.__name__,
-                            _blocks(args),
-                            default,
-                            arch,
-                            signature,
-                            constexprs,
-                            attrs,
-                            options,
-                        )
-                    )
+                    out.append(Task(*where, _blocks(args), default, arch, *compiled))
     return out
 
 
@@ -529,21 +478,9 @@ def _run_ptxas(ptx: str, capability: int) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp, "kernel.ptx")
         source.write_text(ptx)
-        result = subprocess.run(
-            [
-                get_ptxas(capability).path,
-                "-lineinfo",
-                "-v",
-                "--regAllocOptLevel=2",
-                f"--gpu-name={_gpu_name(capability)}",
-                str(source),
-                "-o",
-                str(Path(tmp, "k.cubin")),
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
+        flags = ["-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name={_gpu_name(capability)}"]
+        command = [get_ptxas(capability).path, *flags, str(source), "-o", str(Path(tmp, "k.cubin"))]
+        result = subprocess.run(command, capture_output=True, text=True, check=True)
     return result.stderr
 
 
@@ -735,23 +672,9 @@ def _config(row: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    columns = [
-        "op",
-        "kernel",
-        "case",
-        "config",
-        "arch",
-        "regs",
-        "spill st/ld B",
-        "smem KB / limit",
-        "tensor cores",
-        "TMA",
-        "cp.async",
-        "main ld B",
-        "main st B",
-        "bar.sync",
-        "flags",
-    ]
+    columns = ["op", "kernel", "case", "config", "arch", "regs", "spill st/ld B"]
+    columns += ["smem KB / limit", "tensor cores", "TMA", "cp.async", "main ld B", "main st B"]
+    columns += ["bar.sync", "flags"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
         if "registers" not in row:
@@ -802,15 +725,9 @@ def run(task_list: list[Task], jobs: int) -> list[dict]:
 
 
 def _row_key(row: dict) -> tuple:
-    return (
-        row["op"],
-        row["kernel"],
-        row["case"],
-        json.dumps(row["blocks"], sort_keys=True),
-        row.get("num_warps"),
-        row.get("num_stages"),
-        row["arch"],
-    )
+    blocks = json.dumps(row["blocks"], sort_keys=True)
+    config = (blocks, row.get("num_warps"), row.get("num_stages"))
+    return (row["op"], row["kernel"], row["case"], *config, row["arch"])
 
 
 def code_changes(before: list[dict], after: list[dict]) -> tuple[list[str], list[str]]:
@@ -844,35 +761,18 @@ def report_code_changes(before: list[dict], after: list[dict]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
+    add = parser.add_argument
+    add(
         "--arch", nargs="+", choices=list(ARCHS), default=list(ARCHS), help="targets (default: all)"
     )
-    parser.add_argument("--json", type=Path, metavar="PATH", help="write the rows as JSON here")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="bf16 only; attention at head dim 128, causal, plain and with each option "
-        "(the CI test's rows)",
-    )
-    parser.add_argument(
-        "--op",
-        action="append",
-        metavar="TEXT",
-        help="only ops whose name contains TEXT (repeatable)",
-    )
-    parser.add_argument(
-        "--same-code-as",
-        type=Path,
-        metavar="JSON",
-        help="another run's --json: list the rows whose code (PTX, debug line info aside) differs "
-        "from it; exit 1 if any does (a refactor's check that it changed nothing)",
-    )
-    parser.add_argument(
-        "--jobs",
-        type=int,
-        default=os.cpu_count() or 1,
-        help="compiler processes (default: one per CPU)",
-    )
+    add("--json", type=Path, metavar="PATH", help="write the rows as JSON here")
+    quick = "bf16 only; attention at head dim 128, causal, plain and with each option (the CI's)"
+    add("--quick", action="store_true", help=quick)
+    add("--op", action="append", metavar="TEXT", help="only ops whose name contains TEXT")
+    same = "an earlier run's --json: list the rows whose code differs; exit 1 if any does"
+    add("--same-code-as", type=Path, metavar="JSON", help=same)
+    jobs = "compiler processes (default: one per CPU)"
+    add("--jobs", type=int, default=os.cpu_count() or 1, help=jobs)
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error("--jobs must be at least 1")

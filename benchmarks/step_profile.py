@@ -1,61 +1,39 @@
 """What one training step moves outside the kernels: Triton launches, GEMMs and glue, per layer.
 
-One step is what `python -m fastlm.train` runs on CUDA: fp32 parameters, the loss (through
-`fastlm.train.NextTokenLoss`) under bf16 autocast, then `backward()` outside it. Without CUDA it
-runs on the CPU with `torch.autocast("cpu", dtype=torch.bfloat16)` and the Triton kernels through
-the interpreter (TRITON_INTERPRET=1 is set before triton is imported); with CUDA, on the GPU after
-one unrecorded warm-up step (autotuning launches kernels that are not part of a step). CPU
-autocast casts the same GEMMs (mm, bmm, linear) to bf16 as CUDA's, but runs exp, log, pow, rsqrt
-and sum on bf16 inputs in bf16, where CUDA's casts them to fp32 first: the reference's eager
-attention and loss would show more casts on CUDA; fastlm's layers call none of those ops. The CPU
-also lacks the GEMMs with an fp32 result from bf16 inputs (`mm`/`addmm` with `out_dtype=`) that
-fastlm's weight gradients use on CUDA: the CPU run is lent them
-(`fastlm.testing.mixed_gemms_on_cpu`), so that it records the ops a CUDA step runs.
+One step is what `python -m fastlm.train` runs on CUDA: fp32 parameters, the loss
+(`fastlm.train.NextTokenLoss`) under bf16 autocast, `backward()` outside it. Without CUDA it runs
+on the CPU under CPU autocast, the kernels through the interpreter, lent the GEMMs with an fp32
+result from bf16 inputs that fastlm's weight gradients use on CUDA
+(`fastlm.testing.mixed_gemms_on_cpu`); CPU autocast casts the same GEMMs as CUDA's but runs exp,
+log, pow, rsqrt and sum in bf16 (the reference's eager attention and loss would show more casts
+on CUDA; fastlm's layers call none of them). With CUDA, one unrecorded warm-up step first.
 
-A `TorchDispatchMode` records every aten op of the step, and Triton's launch entry
-(`JITFunction.run`, or `InterpretedFunction.run` under the interpreter) is wrapped with a depth
-counter: each outermost launch counts once, under its kernel's name, and the aten ops inside it
-(the interpreter copying arguments to and from the host) are not recorded.
+A `TorchDispatchMode` records every aten op; Triton's launch entry (`JITFunction.run`, or
+`InterpretedFunction.run`) counts each outermost launch once under its kernel's name, and the
+aten ops inside it (the interpreter's copies) are not recorded. Categories: `triton` launches (no
+bytes: a kernel's traffic is its own business); `gemm` (`GEMM_OPS`); `model`, the embedding and
+its backward; `glue`, every other op that moves bytes (casts, copies, fills, adds, reductions; for
+the reference, all its eager math outside GEMMs); `metadata`, ops that move none (views,
+allocations).
 
-Categories:
-- `triton`: kernel launches (no bytes counted: what a kernel moves is the kernel's business);
-- `gemm`: mm, addmm, bmm, baddbmm, matmul, linear and the other matrix products (`GEMM_OPS`);
-- `model`: the embedding lookup and its backward (`MODEL_OPS`), the model's own work;
-- `glue`: every other aten op that moves bytes: casts (`_to_copy`), copies, zero-fills, adds,
-  reductions, `select_backward`, ... For the reference, whose math is all eager aten ops, this
-  is everything besides GEMMs and the embedding: there "glue" means "outside GEMMs";
-- `metadata`: ops that move no bytes (views, `_unsafe_view`, `detach`, allocations such as
-  `empty`/`empty_strided`): counted, never glue.
+Bytes of an op: every tensor it reads plus every tensor it writes, each by the memory its view
+spans (a stride-0 dimension counts once). Inputs are read, a functional op's outputs written; an
+argument the op mutates is written, and read too unless the op overwrites it without looking
+(`copy_`, `fill_`, `zero_`, `out=`), and counts whole even where the op touches part of it; an
+output that aliases an input, a view and an allocation add nothing.
 
-Bytes of an op: every tensor it reads plus every tensor it writes, each counted by the memory its
-view spans (a slice counts its own elements; an expanded stride-0 dimension counts once):
-- inputs are read; a functional op's outputs are written;
-- an argument the op mutates (`add_`, `mul_`, an `out=` tensor) is written, and also read unless
-  the op overwrites it without looking (`copy_`, `fill_`, `zero_`, `out=`): `copy_` into a slice
-  reads the source and writes the slice; an in-place add reads both operands and writes one;
-  a mutated argument counts whole even where the op touches part of it (`index_put_`), and an
-  indexing op reads its whole source (the reference's RoPE table lookups);
-- outputs that alias an input (the result of an in-place op, a view) add nothing;
-- views and allocations move nothing.
-
-Per layer: the step runs at two depths L1 < L2 and two batch sizes B1 < B2 (tokens N = B x T,
-T fixed), and each (category, op) total is fitted exactly through the four runs as
+Per layer: the step runs at two depths L1 < L2 and two batch sizes B1 < B2 (N = B x T tokens),
+and each (category, op) total is fitted exactly through the four runs as
     bytes(L, N) = fixed_step + token_step * N + L * (fixed_layer + token_layer * N).
-Everything outside the blocks (embedding, final norm, loss) and the first block's difference from
-the others (in fastlm it has no residual delta to add) is the same at both depths, so the depth
-difference is one middle block; the rest is the once-per-step part. Tokens and weights need
-separating because at these small sizes the weight casts (fp32 to bf16 and the gradients back:
-12 bytes per parameter per step) would swamp a per-token figure that at training sizes they barely
-touch. So `token_layer` (activations) is reported in bytes per token x d_model (a [tokens,
-d_model] bf16 tensor read once is 2; the reference's [T x T] attention terms count at this T),
-and `fixed_layer` (weight casts, weight-gradient casts, partial sums) in bytes per parameter of
-the layer (casting an fp32 weight to bf16 is 6). Counts per layer are (count(L2) - count(L1)) /
-(L2 - L1) at B1 (with a note if B2 gives others); "large" glue ops are those moving at least
-`LARGE` bytes per token x d_model or per parameter, so that the small host-side checks (token
-ranges read back for validation) stand apart.
+The depth difference is one middle block (all else is the same at both depths); the rest is the
+once-per-step part. Weights are separated from tokens because at these sizes the weight casts
+(12 bytes per parameter a step) would swamp a per-token figure they barely touch at training
+sizes: `token_layer` is reported in bytes per token x d_model (a bf16 [tokens, d_model] tensor
+read once is 2), `fixed_layer` in bytes per parameter of the layer (an fp32 weight cast to bf16
+is 6). Counts per layer are taken at B1 (a note if B2 gives others); "large" glue ops move at
+least `LARGE` bytes per token x d_model or per parameter (host-side checks stand apart).
 
-    python benchmarks/step_profile.py                      # both models, default sizes
-    python benchmarks/step_profile.py --d-model 128 --json step_profile.json
+    python benchmarks/step_profile.py [--d-model 128] [--json step_profile.json]
 """
 
 from __future__ import annotations
@@ -77,53 +55,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fastlm.testing import call_through, mixed_gemms_on_cpu
 
 GEMM_OPS = frozenset(
-    {
-        "mm",
-        "addmm",
-        "bmm",
-        "baddbmm",
-        "addbmm",
-        "matmul",
-        "linear",
-        "dot",
-        "vdot",
-        "mv",
-        "addmv",
-        "_addmm_activation",
-        "_scaled_mm",
-    }
+    "mm addmm bmm baddbmm addbmm matmul linear dot vdot mv addmv _addmm_activation "
+    "_scaled_mm".split()
 )
 MODEL_OPS = frozenset({"embedding", "embedding_dense_backward", "embedding_backward"})
 # Ops that move no data although their schema does not mark them as views.
 NO_DATA_OPS = frozenset(
-    {
-        "_unsafe_view",
-        "empty",
-        "empty_strided",
-        "empty_like",
-        "new_empty",
-        "new_empty_strided",
-        "lift_fresh",
-        "set_",
-        "resize_",
-        "_reshape_alias",
-    }
+    "_unsafe_view empty empty_strided empty_like new_empty new_empty_strided lift_fresh set_ "
+    "resize_ _reshape_alias".split()
 )
 # In-place ops that write their argument without reading it.
-OVERWRITE_OPS = frozenset(
-    {"copy_", "_foreach_copy_", "fill_", "zero_", "normal_", "uniform_", "random_"}
-)
+OVERWRITE_OPS = frozenset("copy_ _foreach_copy_ fill_ zero_ normal_ uniform_ random_".split())
 CATEGORIES = ("triton", "gemm", "model", "glue", "metadata")
-
-DTYPE_NAMES = {
-    torch.float32: "f32",
-    torch.bfloat16: "bf16",
-    torch.float16: "f16",
-    torch.float64: "f64",
-    torch.int64: "i64",
-    torch.int32: "i32",
-    torch.bool: "bool",
-}
+DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+DTYPE_NAMES |= {torch.float64: "f64", torch.int64: "i64", torch.int32: "i32", torch.bool: "bool"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -377,15 +322,9 @@ def parameter_counts(kind: str, config: dict) -> tuple[int, int]:
     return block, sum(p.numel() for p in model.parameters()) - block
 
 
-def profile_model(
-    kind: str,
-    config: dict,
-    *,
-    layers: tuple[int, int],
-    batch_sizes: tuple[int, int],
-    device: str,
-    warmup_steps: int,
-) -> list[Fit]:
+def profile_model(kind: str, config: dict, layers, batch_sizes, device: str, warmup_steps=0):
+    """profile() of `kind`'s training step (model_step) at depths `layers` and `batch_sizes`."""
+
     def make_step(num_layers: int, batch_size: int):
         return model_step(kind, dict(config, num_layers=num_layers), batch_size, device)
 
@@ -406,18 +345,24 @@ def _number(x: float) -> float | int:
 
 
 LARGE = 0.5  # bytes per token x d_model, or per parameter: below this an op is small glue
+COUNT_COLUMNS = ["Triton launches", "GEMMs", "other model ops", "glue ops", "zero-byte ops"]
+GLUE_COLUMNS = ["large glue ops", "glue B/token/d_model", "glue fixed B/param"]
+SUMMARY_COLUMNS = ["model", "part", *COUNT_COLUMNS[:4], *GLUE_COLUMNS, COUNT_COLUMNS[4]]
+OP_COLUMNS = ["category", "op", "per layer", "B/token/d_model per layer"]
+OP_COLUMNS += ["fixed B/param per layer", "once per step", "B/token/d_model once"]
+OP_COLUMNS += ["fixed B/param once"]
 
 
-def summary_rows(
-    kind: str, fits: Sequence[Fit], d_model: int, params: tuple[int, int]
-) -> list[dict]:
+def summary_rows(kind: str, fits: Sequence[Fit], d_model: int, params: tuple) -> list[dict]:
     """One row per part (a layer, the rest of the step) with counts per category and the glue's
     bytes per token x d_model and fixed bytes per parameter of that part."""
     rows = []
-    for part, count, token, fixed, n_params in (
-        ("per layer", "count_layer", "token_bytes_layer", "fixed_bytes_layer", params[0]),
-        ("once per step", "count_step", "token_bytes_step", "fixed_bytes_step", params[1]),
+    for part, suffix, n_params in (
+        ("per layer", "layer", params[0]),
+        ("once per step", "step", params[1]),
     ):
+        count, token, fixed = f"count_{suffix}", f"token_bytes_{suffix}", f"fixed_bytes_{suffix}"
+        total = lambda fits, field: sum(getattr(f, field) for f in fits)  # noqa: E731
         glue = [f for f in fits if f.category == "glue"]
         large = [
             f
@@ -426,75 +371,34 @@ def summary_rows(
         ]
         row = {"model": kind, "part": part}
         for cat, column in zip(CATEGORIES, COUNT_COLUMNS):
-            row[column] = _number(_total([f for f in fits if f.category == cat], count))
-        row["large glue ops"] = _number(_total(large, count))
-        row["glue B/token/d_model"] = _number(_total(glue, token) / d_model)
-        row["glue fixed B/param"] = _number(_total(glue, fixed) / n_params)
+            row[column] = _number(total([f for f in fits if f.category == cat], count))
+        row["large glue ops"] = _number(total(large, count))
+        row["glue B/token/d_model"] = _number(total(glue, token) / d_model)
+        row["glue fixed B/param"] = _number(total(glue, fixed) / n_params)
         rows.append(row)
     return rows
 
 
-def _total(fits: Sequence[Fit], field: str) -> float:
-    return sum(getattr(f, field) for f in fits)
-
-
-COUNT_COLUMNS = ["Triton launches", "GEMMs", "other model ops", "glue ops", "zero-byte ops"]
-SUMMARY_COLUMNS = [
-    "model",
-    "part",
-    *COUNT_COLUMNS[:4],
-    "large glue ops",
-    "glue B/token/d_model",
-    "glue fixed B/param",
-    COUNT_COLUMNS[4],
-]
-
-
-def op_rows(kind: str, fits: Sequence[Fit], d_model: int, params: tuple[int, int]) -> list[dict]:
+def op_rows(kind: str, fits: Sequence[Fit], d_model: int, params: tuple) -> list[dict]:
     """Every (category, op) with its share of a layer and of the rest of the step."""
-    rows = []
-    for f in fits:
-        rows.append(
-            {
-                "model": kind,
-                "category": f.category,
-                "op": f.name,
-                "per layer": _number(f.count_layer),
-                "B/token/d_model per layer": _number(f.token_bytes_layer / d_model),
-                "fixed B/param per layer": _number(f.fixed_bytes_layer / params[0]),
-                "once per step": _number(f.count_step),
-                "B/token/d_model once": _number(f.token_bytes_step / d_model),
-                "fixed B/param once": _number(f.fixed_bytes_step / params[1]),
-                "per layer at the larger batch": _number(f.count_layer_larger_batch),
-            }
-        )
-    return rows
+    return [
+        {
+            "model": kind,
+            "category": f.category,
+            "op": f.name,
+            "per layer": _number(f.count_layer),
+            "B/token/d_model per layer": _number(f.token_bytes_layer / d_model),
+            "fixed B/param per layer": _number(f.fixed_bytes_layer / params[0]),
+            "once per step": _number(f.count_step),
+            "B/token/d_model once": _number(f.token_bytes_step / d_model),
+            "fixed B/param once": _number(f.fixed_bytes_step / params[1]),
+            "per layer at the larger batch": _number(f.count_layer_larger_batch),
+        }
+        for f in fits
+    ]
 
 
-OP_COLUMNS = [
-    "category",
-    "op",
-    "per layer",
-    "B/token/d_model per layer",
-    "fixed B/param per layer",
-    "once per step",
-    "B/token/d_model once",
-    "fixed B/param once",
-]
-
-
-def _by_weight(row: dict) -> tuple:
-    return (
-        -abs(row["B/token/d_model per layer"]),
-        -abs(row["per layer"]),
-        -abs(row["B/token/d_model once"]),
-        row["op"],
-    )
-
-
-def print_report(
-    config: dict, args: argparse.Namespace, summaries: list[dict], ops: list[dict]
-) -> None:
+def print_report(config: dict, args, summaries: list[dict], ops: list[dict]) -> None:
     shape = ", ".join(f"{k}={v}" for k, v in config.items() if k != "num_layers")
     print(
         f"One training step (loss + backward, fp32 parameters, bf16 autocast) on {common.DEVICE}"
@@ -509,25 +413,32 @@ def print_report(
     )
     for kind in args.models:
         mine = [r for r in ops if r["model"] == kind]
-        launches = [r for r in mine if r["category"] == "triton" and r["per layer"]]
-        if launches:
-            print(
-                f"\n{kind}: Triton launches per layer: "
-                + ", ".join(f"{r['op']} {r['per layer']}" for r in launches)
-            )
-        shown = [
-            r
+        launches = [
+            f"{r['op']} {r['per layer']}"
             for r in mine
-            if r["category"] in ("glue", "model", "gemm") and (r["per layer"] or r["once per step"])
+            if r["category"] == "triton" and r["per layer"]
         ]
-        print(f"\n{kind}: aten ops that move data (counts per layer and once per step)\n")
-        print(common.markdown_table(sorted(shown, key=_by_weight), OP_COLUMNS))
-    uneven = [r for r in ops if r["per layer"] != r["per layer at the larger batch"]]
-    if uneven:
-        print(
-            "\nnote: per-layer counts differ at the larger batch for "
-            + ", ".join(f"{r['model']} {r['op']}" for r in uneven)
+        if launches:
+            print(f"\n{kind}: Triton launches per layer: " + ", ".join(launches))
+        moving = ("glue", "model", "gemm")
+        shown = [
+            r for r in mine if r["category"] in moving and (r["per layer"] or r["once per step"])
+        ]
+        weight = lambda r: (  # noqa: E731
+            -abs(r["B/token/d_model per layer"]),
+            -abs(r["per layer"]),
+            -abs(r["B/token/d_model once"]),
+            r["op"],
         )
+        print(f"\n{kind}: aten ops that move data (counts per layer and once per step)\n")
+        print(common.markdown_table(sorted(shown, key=weight), OP_COLUMNS))
+    uneven = [
+        f"{r['model']} {r['op']}"
+        for r in ops
+        if r["per layer"] != r["per layer at the larger batch"]
+    ]
+    if uneven:
+        print("\nnote: per-layer counts differ at the larger batch for " + ", ".join(uneven))
 
 
 # --------------------------------------------------------------------------------------------
@@ -536,44 +447,19 @@ def print_report(
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--num-heads", type=int, default=2)
-    p.add_argument("--d-ff", type=int, default=352, help="default 2.75 x d_model")
-    p.add_argument("--vocab-size", type=int, default=256)
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (T)")
-    p.add_argument(
-        "--layers",
-        type=int,
-        nargs=2,
-        default=(1, 2),
-        metavar=("L1", "L2"),
-        help="the two depths whose difference is one layer",
-    )
-    p.add_argument(
-        "--batch-sizes",
-        type=int,
-        nargs=2,
-        default=(2, 4),
-        metavar=("B1", "B2"),
-        help="the two batch sizes that separate per-token from fixed bytes",
-    )
-    p.add_argument(
-        "--warmup-steps",
-        type=int,
-        default=None,
-        help="unrecorded steps first (default: 1 on CUDA for autotuning, 0 on CPU)",
-    )
-    p.add_argument(
-        "--json",
-        type=Path,
-        default=None,
-        metavar="PATH",
-        help="write config, environment, summary and per-op rows here",
-    )
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = p.add_argument
+    add("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    add("--d-model", type=int, default=128)
+    add("--num-heads", type=int, default=2)
+    add("--d-ff", type=int, default=352, help="default 2.75 x d_model")
+    add("--vocab-size", type=int, default=256)
+    add("--seq-len", type=int, default=64, help="tokens per sequence (T)")
+    depths, batches = ("L1", "L2"), ("B1", "B2")
+    add("--layers", type=int, nargs=2, default=(1, 2), metavar=depths, help="two depths")
+    add("--batch-sizes", type=int, nargs=2, default=(2, 4), metavar=batches, help="two batches")
+    add("--warmup-steps", type=int, help="unrecorded steps first (default: 1 on CUDA, 0 on CPU)")
+    add("--json", type=Path, metavar="PATH", help="write config, environment and rows here")
     args = p.parse_args(argv)
     for name in ("d_model", "num_heads", "d_ff", "vocab_size", "seq_len"):
         if getattr(args, name) < 1:
@@ -603,40 +489,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         print(f"step_profile.py: error: {error}", file=sys.stderr)
         return 2
-    config = dict(
-        vocab_size=args.vocab_size,
-        context_length=args.seq_len,
-        d_model=args.d_model,
-        num_layers=args.layers[0],
-        num_heads=args.num_heads,
-        d_ff=args.d_ff,
-        rope_theta=10000.0,
-    )
+    config = dict(vocab_size=args.vocab_size, context_length=args.seq_len, d_model=args.d_model)
+    config |= dict(num_layers=args.layers[0], num_heads=args.num_heads, d_ff=args.d_ff)
+    config["rope_theta"] = 10000.0
     summaries, ops = [], []
     for kind in args.models:
-        fits = profile_model(
-            kind,
-            config,
-            layers=tuple(args.layers),
-            batch_sizes=tuple(args.batch_sizes),
-            device=common.DEVICE,
-            warmup_steps=args.warmup_steps,
-        )
+        layers, batches = tuple(args.layers), tuple(args.batch_sizes)
+        fits = profile_model(kind, config, layers, batches, common.DEVICE, args.warmup_steps)
         params = parameter_counts(kind, config)
         summaries += summary_rows(kind, fits, args.d_model, params)
         ops += op_rows(kind, fits, args.d_model, params)
     print_report(config, args, summaries, ops)
     if args.json is not None:
-        record = {
-            "config": {k: v for k, v in config.items() if k != "num_layers"},
-            "layers": list(args.layers),
-            "batch_sizes": list(args.batch_sizes),
-            "warmup_steps": args.warmup_steps,
-            "device": common.DEVICE,
-            "environment": common.environment(),
-            "summary": summaries,
-            "ops": ops,
-        }
+        record = {"config": {k: v for k, v in config.items() if k != "num_layers"}}
+        record |= {"layers": list(args.layers), "batch_sizes": list(args.batch_sizes)}
+        record |= {"warmup_steps": args.warmup_steps, "device": common.DEVICE}
+        record |= {"environment": common.environment(), "summary": summaries, "ops": ops}
         args.json.write_text(json.dumps(record, indent=1) + "\n")
         print(f"\nwrote {args.json}")
     return 0

@@ -1,215 +1,70 @@
-"""One training step of a GPT-2-small-sized model: tokens per second and peak memory.
+"""One training step: tokens per second and peak memory.
 
-Model: vocab 32000, d_model 768, 12 layers, 12 heads, d_ff 2048, RoPE theta 10000, at sequence
-1024 and 2048 with a batch of --tokens / seq sequences. A step is: forward and loss under bf16
-autocast (fp32 parameters), backward, `torch.optim.AdamW(fused=True)` step (the same optimizer for
-every row, so rows differ only in the model), gradients set to None.
+A step is the loss under bf16 autocast (fp32 parameters), backward, a `torch.optim.AdamW(fused=
+True)` step and the gradients set to None: the same optimizer for every row, so rows differ
+only in the model. Columns: ms/step, tokens/s and its ratio to each row's baseline, peak memory
+(torch.cuda.max_memory_allocated over the timed steps: parameters, gradients, optimizer state,
+activations), the first step's loss (every row starts from the same weights and data, so these
+agree: the rows' check of one another) and seconds (compilation and autotuning included), and
+for compiled rows the graph breaks dynamo counted while tracing the first step (their reasons in
+the JSON under `graph_breaks`).
 
-The batch is fixed at 16384 tokens per step (--tokens) rather than grown until memory is full,
-so every row does the same work: the largest batch that fits differs per row, the eager reference
-keeping B x H x N^2 attention scores per layer. 16384 tokens already fill the chip: the narrowest
-matmul of a step (16384 x 768, the attention output projection) is 768 tiles of 128 x 128, almost
-six per SM of an H100 or H200 (132 SMs), and attention has B x H x N / 128 = 1536 query blocks of
-128 rows at either sequence length.
+GPT-2-small rows (default): vocab 32000, d_model 768, 12 layers, 12 heads, d_ff 2048, at sequence
+1024 and 2048 with 16384 tokens a step (--tokens) for every row rather than a batch grown until
+memory is full, so every row does the same work (the eager reference keeps B x H x N^2 scores a
+layer). 16384 tokens fill the chip: the narrowest matmul (16384 x 768) is 768 tiles of 128 x 128,
+almost six per SM of an H100 or H200, and attention has 1536 query blocks of 128 rows. Rows, in
+the order measured: `fastlm.Transformer` compiled and the reference with
+F.scaled_dot_product_attention(is_causal=True) compiled (the headline: `--headline`, seq 1024, 12
+layers); then fastlm eager, the reference (`fastlm.reference.Transformer`, its loss on fp32 logits
+as fastlm.train computes it) eager and compiled. `vs reference`: against the eager reference.
 
-Rows, in the order they are measured (a spent time budget skips the last ones):
-`fastlm.Transformer` (its fused `loss()`, loaded from the reference's state_dict) compiled, and
-the reference with its attention replaced by F.scaled_dot_product_attention(is_causal=True),
-compiled (what users pick today): the headline comparison; then fastlm eager, and the reference
-(`fastlm.reference.Transformer`) eager and compiled. The reference's loss is
-`reference.CrossEntropyLoss` on its logits cast to float32, as fastlm.train computes it.
-Columns: tokens/s and its ratio to the eager reference and to the compiled SDPA reference; peak
-memory (torch.cuda.max_memory_allocated over the timed steps: parameters, gradients, optimizer
-state and activations) and its ratio to the eager reference; the first step's loss (every row
-starts from the same weights and data, so these should agree) and seconds (compilation and
-autotuning included); for compiled rows, the graph breaks torch.compile's dynamo counted while
-tracing the first step (`torch._dynamo.utils.counters["graph_break"]`; the reasons are in the JSON
-under `graph_breaks`).
-
-Hugging Face rows (when transformers is importable; `n/a` otherwise): a `LlamaForCausalLM` holding
-the reference model's weights (`fastlm.hf.to_hf`: vocab 32000, hidden 768, 12 layers, 12 heads,
-intermediate 2048, max positions = seq, its default SDPA attention), its loss `model(input_ids,
-labels=targets).loss` (Hugging Face shifts the labels), eager: unpatched, patched with
-`fastlm.hf.patch`, and patched with Liger-Kernel's `apply_liger_kernel_to_llama` when liger_kernel
-imports. Liger patches transformers' Llama module for every model built after it, so its rows come
-last of all.
-
-`--headline` (what gpu_check.sh measures first): the two headline rows only, fastlm compiled and
-the compiled SDPA reference, at seq 1024 with all 12 layers. `--skip-headline`: the other rows.
-
-Without CUDA: a message, then a tiny model's loss and gradients, fastlm against the float64
-reference, through Triton's interpreter, and one step of the benchmark's step function; exit
-code 1 if fastlm.Transformer disagrees.
+Hugging Face rows (`--hf`, files train_hf.*): a `LlamaForCausalLM` with Llama-3-8B's layer sizes
+(hidden 4096, intermediate 14336, 32 heads, 8 KV heads, vocab 128256, RoPE theta 500000) and a
+few layers (--layers, default 4; --quick 2), on Liger-Kernel's published benchmark shape: a batch
+of 8 sequences of up to 4096 tokens, here 8 documents of mixed lengths (log-uniform, 256 to 4096
+tokens), fed as trainers build batches: padded (right-padded to the longest, `attention_mask`
+with zeros, labels -100 at the pads) and padding-free (one row, `position_ids` restarting at each
+document, and `cu_seq_lens_q/k`, `max_length_q/k` as DataCollatorWithFlattening(
+return_flash_attn_kwargs=True) makes them). Rows: Hugging Face unpatched (SDPA), patched with
+`fastlm.hf.patch`, `fastlm.Transformer` of the same weights (`fastlm.hf.from_hf`) on the packed
+documents (`cu_seqlens`), and last (it patches transformers' Llama classes for every later
+model) Liger-Kernel's `apply_liger_kernel_to_llama`, each batch shape. tokens/s counts the
+documents' tokens, not the padding; `vs HF padded`: against unpatched Hugging Face padded.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
-import _common as common  # first: turns on Triton's interpreter when there is no CUDA
+import _common as common  # first: this checkout's fastlm
 import torch
 import torch.nn.functional as F
 
 import fastlm
 from fastlm import reference
 
-
-@dataclass(frozen=True)
-class Config:
-    vocab_size: int = 32000
-    d_model: int = 768
-    num_layers: int = 12
-    num_heads: int = 12
-    d_ff: int = 2048
-    rope_theta: float = 10000.0
-
-    def kwargs(self, context_length: int) -> dict:
-        return dict(
-            vocab_size=self.vocab_size,
-            context_length=context_length,
-            d_model=self.d_model,
-            num_layers=self.num_layers,
-            num_heads=self.num_heads,
-            d_ff=self.d_ff,
-            rope_theta=self.rope_theta,
-        )
-
-
-QUICK_LAYERS = 4
-QUICK_TIME_LIMIT_S = 85
+GPT2 = dict(vocab_size=32000, d_model=768, num_layers=12, num_heads=12, d_ff=2048)
+BUDGET_S = 85
 REF_EAGER, REF_COMPILED = "reference", "torch.compile(reference)"
-SDPA_COMPILED = "torch.compile(reference + SDPA)"
-FASTLM_EAGER, FASTLM_COMPILED = "fastlm", "torch.compile(fastlm)"
-HF, HF_FASTLM, HF_LIGER = "HF Llama", "HF Llama + fastlm.hf.patch", "HF Llama + Liger"
-# The headline comparison first, so that a spent time budget skips the least needed rows.
-HEADLINE_KINDS = [FASTLM_COMPILED, SDPA_COMPILED]
-HEADLINE_SEQ = 1024
-KINDS = HEADLINE_KINDS + [FASTLM_EAGER, REF_EAGER, REF_COMPILED, HF, HF_FASTLM, HF_LIGER]
-HF_KINDS = (HF, HF_FASTLM, HF_LIGER)
-COMPILED_KINDS = (FASTLM_COMPILED, SDPA_COMPILED, REF_COMPILED)
-COLUMNS = [
-    "seq",
-    "batch",
-    "layers",
-    "impl",
-    "ms/step",
-    "tokens/s",
-    "vs reference",
-    "vs compiled SDPA",
-    "vs HF Llama",
-    "peak GiB",
-    "memory vs reference",
-    "first loss",
-    "first step s",
-    "graph breaks",
-]
-
-
-class SdpaAttention(torch.nn.Module):
-    """Drop-in for reference.ScaledDotProductAttention calling PyTorch's fused attention. The
-    reference model always passes the causal mask, so is_causal=True replaces it."""
-
-    def forward(self, q, k, v, mask=None):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-def reference_loss(
-    model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor
-) -> torch.Tensor:
-    """The reference model's loss, on float32 logits as in fastlm.train."""
-    return reference.CrossEntropyLoss()(model(ids).float(), targets)
-
-
-def hf_llama(config: Config, seq: int, device=None) -> torch.nn.Module:
-    """A Hugging Face LlamaForCausalLM holding the reference model of `config`'s size (the weights
-    every row starts from), by `fastlm.hf.to_hf` (ModuleNotFoundError without transformers: the
-    row shows n/a)."""
-    import fastlm.hf
-
-    model = reference.Transformer(**config.kwargs(seq), device=device or common.DEVICE)
-    return fastlm.hf.to_hf(model).train()
-
-
-def hf_loss(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=ids, labels=targets).loss
-
-
-def build_hf(kind: str, config: Config, seq: int) -> tuple[torch.nn.Module, Callable]:
-    """The Hugging Face rows' model and loss."""
-    model = hf_llama(config, seq)
-    if kind == HF_FASTLM:
-        import fastlm.hf
-
-        fastlm.hf.patch(model)
-    elif kind == HF_LIGER:
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-
-        apply_liger_kernel_to_llama(model=model)
-    return model, hf_loss
-
-
-def build(kind: str, config: Config, seq: int) -> tuple[torch.nn.Module, Callable]:
-    """(model, loss_fn(model, ids, targets)) for a row; every model has the same weights (the
-    Hugging Face rows too: `hf_llama` converts the reference model)."""
-    torch.manual_seed(0)
-    if kind in HF_KINDS:
-        return build_hf(kind, config, seq)
-    ref = reference.Transformer(**config.kwargs(seq), device=common.DEVICE)
-    if kind in (REF_EAGER, REF_COMPILED, SDPA_COMPILED):
-        if kind == SDPA_COMPILED:
-            for block in ref.blocks:
-                block.mult_head_atten.attention = SdpaAttention()
-        return ref, reference_loss
-    model = fastlm.Transformer(**config.kwargs(seq), device=common.DEVICE)
-    model.load_state_dict(ref.state_dict())
-    del ref
-    return model, lambda model, ids, targets: model.loss(ids, targets)
-
-
-def make_step(
-    model: torch.nn.Module,
-    loss_fn: Callable,
-    ids: torch.Tensor,
-    targets: torch.Tensor,
-    autocast: bool,
-) -> Callable[[], torch.Tensor]:
-    """One training step as a function: loss, backward, optimizer step, gradients to None."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=ids.is_cuda)
-    precision = (
-        torch.autocast(ids.device.type, dtype=torch.bfloat16)
-        if autocast
-        else contextlib.nullcontext()
-    )
-
-    def step():
-        with precision:
-            loss = loss_fn(model, ids, targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
-
-
-def count_graph_breaks(call: Callable[[], object]) -> tuple[object, dict]:
-    """call()'s result, and what torch.compile's dynamo counted while it ran: graph breaks (in all
-    and by reason) and the graphs it compiled. A model traced whole gives 0 breaks, 1 graph."""
-    from torch._dynamo.utils import counters
-
-    counters.clear()
-    result = call()
-    reasons = {str(reason): count for reason, count in counters["graph_break"].items()}
-    return result, {
-        "graph_breaks": sum(reasons.values()),
-        "graphs": counters["stats"]["unique_graphs"],
-        "reasons": reasons,
-    }
+SDPA_COMPILED, FASTLM_COMPILED = "torch.compile(reference + SDPA)", "torch.compile(fastlm)"
+HEADLINE = [FASTLM_COMPILED, SDPA_COMPILED]  # first: a spent budget skips the least needed rows
+KINDS = [*HEADLINE, "fastlm", REF_EAGER, REF_COMPILED]
+LLAMA3_LAYERS = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336)
+LLAMA3_LAYERS |= dict(num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0)
+LLAMA3_LAYERS |= dict(rms_norm_eps=1e-5, tie_word_embeddings=False)
+LLAMA3_LAYERS["max_position_embeddings"] = 32768  # fastlm's packed row: every document at once
+HF_DOCS, HF_SHORTEST, HF_LONGEST = 8, 256, 4096
+HF, PATCHED, LIGER, VARLEN = "HF", "HF + fastlm.hf.patch", "HF + Liger", "fastlm.Transformer varlen"
+PADDED, PADDING_FREE = "padded", "padding-free"
+HF_KINDS = [(HF, PADDED), (HF, PADDING_FREE), (PATCHED, PADDED), (PATCHED, PADDING_FREE)]
+HF_KINDS += [(VARLEN, PADDING_FREE), (LIGER, PADDED), (LIGER, PADDING_FREE)]
+COLUMNS = ["seq", "batch", "layers", "impl", "ms/step", "tokens/s", "vs reference"]
+COLUMNS += ["vs compiled SDPA", "peak GiB", "first loss", "first step s", "graph breaks"]
+HF_COLUMNS = ["layers", "impl", "batch", "shape", "tokens", "ms/step", "tokens/s", "vs HF padded"]
+HF_COLUMNS += ["peak GiB", "first loss", "first step s"]
 
 
 @dataclass
@@ -221,319 +76,254 @@ class Measured:
     compiled: dict | None  # count_graph_breaks' counts for a compiled row
 
 
-def measure(kind: str, config: Config, seq: int, batch: int, warmup: int, steps: int) -> Measured:
-    model, loss_fn = build(kind, config, seq)
-    if kind in COMPILED_KINDS:
-        loss_fn = torch.compile(loss_fn)
-    generator = torch.Generator(device=common.DEVICE).manual_seed(1)
-    ids, targets = (
-        torch.randint(config.vocab_size, (batch, seq), device=common.DEVICE, generator=generator)
-        for _ in range(2)
-    )
-    step = make_step(model, loss_fn, ids, targets, autocast=True)
+def make_step(model, loss_fn, batch: dict):
+    """One training step as a function: loss_fn(model, **batch) under bf16 autocast, backward,
+    AdamW step, gradients to None; returns the loss."""
+    device = next(model.parameters()).device
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = loss_fn(model, **batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def count_graph_breaks(call) -> tuple[object, dict]:
+    """call()'s result and what dynamo counted while it ran: graph breaks (in all and by reason)
+    and the graphs it compiled. A model traced whole gives 0 breaks, 1 graph."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    result = call()
+    reasons = {str(reason): count for reason, count in counters["graph_break"].items()}
+    counted = {"graph_breaks": sum(reasons.values()), "graphs": counters["stats"]["unique_graphs"]}
+    return result, counted | {"reasons": reasons}
+
+
+def measure(model, loss_fn, batch: dict, compiled: bool, args) -> Measured:
+    """The step's first loss and seconds, then `--steps` timed after `--warmup-steps`."""
+    step = make_step(model, torch.compile(loss_fn) if compiled else loss_fn, batch)
     start = time.perf_counter()
-    first_loss, compiled = count_graph_breaks(lambda: float(step()))  # float() waits for the GPU
+    first_loss, counted = count_graph_breaks(lambda: float(step()))  # float() waits for the GPU
     first_step_s = time.perf_counter() - start
-    for _ in range(warmup - 1):
+    for _ in range(args.warmup_steps - 1):
         step()
-    times = []
-    peak = common.peak_memory_gib(lambda: times.append(common.time_loop_ms(step, 0, steps)))
-    return Measured(
-        times[0], peak, first_loss, first_step_s, compiled if kind in COMPILED_KINDS else None
-    )
+    torch.cuda.reset_peak_memory_stats()
+    ms = common.time_steps_ms(step, args.steps)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    return Measured(ms, peak, first_loss, first_step_s, counted if compiled else None)
 
 
-def cases(args) -> list[tuple[int, str]]:
-    """(seq, kind) in the order measured: --headline's two rows, or all but them, or all."""
-    if args.headline:
-        return [(HEADLINE_SEQ, kind) for kind in HEADLINE_KINDS]
-    wanted = [(seq, kind) for seq in args.seqs for kind in KINDS if kind != HF_LIGER]
-    wanted += [(seq, HF_LIGER) for seq in args.seqs]  # last: it patches transformers' module
-    if args.skip_headline:
-        wanted = [
-            (seq, kind)
-            for seq, kind in wanted
-            if not (seq == HEADLINE_SEQ and kind in HEADLINE_KINDS)
-        ]
-    return wanted
+def bench(run: common.Run, cases) -> None:
+    """Measure each case (row, tokens a step, make): make() gives (model, loss_fn, batch,
+    compiled?); a row of `row`'s fields and the measurement's cells."""
+    with run.measuring():
+        for row, tokens, make in cases:
+            if run.out_of_time():
+                break
+            label = " ".join(f"{k}={v}" for k, v in row.items())
+            outcome = run.measure(lambda: measure(*make(), run.args), label)  # noqa: B023
+            torch._dynamo.reset()  # drop compiled graphs (and what their guards hold)
+            common.free_memory()
+            if not isinstance(outcome, Measured):
+                run.add(row | {"ms/step": outcome, "peak GiB": outcome})
+                continue
+            if outcome.compiled:
+                run.extra.setdefault("graph_breaks", {})[label] = outcome.compiled
+            m, breaks = outcome, (outcome.compiled or {}).get("graph_breaks")
+            cells = {"ms/step": m.ms, "tokens/s": tokens / (m.ms * 1e-3), "peak GiB": m.peak_gib}
+            cells |= {"first loss": m.first_loss, "first step s": m.first_step_s}
+            run.add(row | cells | {"graph breaks": breaks})
 
 
-def bench(run: common.Run, config: Config, todo: list[tuple[int, str]], tokens: int) -> None:
+# --------------------------------------------------------------------------------------------
+# GPT-2-small: fastlm against the reference
+# --------------------------------------------------------------------------------------------
+
+
+class SdpaAttention(torch.nn.Module):
+    """reference.ScaledDotProductAttention by PyTorch's fused attention (the reference model
+    always passes the causal mask, so is_causal=True replaces it)."""
+
+    def forward(self, q, k, v, mask=None):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def reference_loss(model, ids, targets):
+    """The reference model's loss, on float32 logits as in fastlm.train."""
+    return reference.CrossEntropyLoss()(model(ids).float(), targets)
+
+
+def build(kind: str, config: dict):
+    """(model, loss_fn(model, ids, targets)) of a row; every row has the same weights."""
+    torch.manual_seed(0)
+    ref = reference.Transformer(**config, rope_theta=10000.0, device=common.DEVICE)
+    if kind == SDPA_COMPILED:
+        for block in ref.blocks:
+            block.mult_head_atten.attention = SdpaAttention()
+    if kind in (REF_EAGER, REF_COMPILED, SDPA_COMPILED):
+        return ref, reference_loss
+    model = fastlm.Transformer(**config, rope_theta=10000.0, device=common.DEVICE)
+    model.load_state_dict(ref.state_dict())
+    return model, lambda model, ids, targets: model.loss(ids, targets)
+
+
+def gpt2_cases(args, todo, layers: int):
     for seq, kind in todo:
-        if run.out_of_time():
-            break
-        batch = max(1, tokens // seq)
-        outcome = run.measure(
-            lambda kind=kind, seq=seq, batch=batch: measure(
-                kind, config, seq, batch, run.args.warmup_steps, run.args.steps
-            ),
-            f"{kind} seq={seq}",
-        )
-        torch._dynamo.reset()  # drop compiled graphs (and what their guards hold)
-        common.free_memory()
-        value = outcome.value
-        if value is not None and value.compiled is not None:
-            run.extra.setdefault("graph_breaks", {})[f"{kind} seq={seq}"] = value.compiled
-        run.add(
-            {
-                "seq": seq,
-                "batch": batch,
-                "layers": config.num_layers,
-                "impl": kind,
-                "ms/step": value.ms if value else outcome.status,
-                "tokens/s": batch * seq / (value.ms * 1e-3) if value else None,
-                "peak GiB": value.peak_gib if value else outcome.status,
-                "first loss": value.first_loss if value else None,
-                "first step s": value.first_step_s if value else None,
-                "graph breaks": value.compiled["graph_breaks"]
-                if value and value.compiled
-                else None,
-            }
-        )
+        batch = max(1, args.tokens // seq)
+
+        def make(kind=kind, seq=seq, batch=batch):
+            model, loss_fn = build(kind, GPT2 | dict(num_layers=layers, context_length=seq))
+            generator = torch.Generator(common.DEVICE).manual_seed(1)
+            size = (2, batch, seq)
+            vocab = GPT2["vocab_size"]
+            ids, targets = torch.randint(vocab, size, device=common.DEVICE, generator=generator)
+            return model, loss_fn, dict(ids=ids, targets=targets), kind.startswith("torch.compile")
+
+        yield dict(seq=seq, batch=batch, layers=layers, impl=kind), batch * seq, make
 
 
-def add_comparisons(rows: list[dict]) -> None:
-    """Throughput against the eager and the compiled SDPA reference, memory against the eager
-    reference, at the same sequence length; each the row's value / the baseline's."""
-    for column, baseline, value in (
-        ("vs reference", REF_EAGER, "tokens/s"),
-        ("vs compiled SDPA", SDPA_COMPILED, "tokens/s"),
-        ("vs HF Llama", HF, "tokens/s"),
-        ("memory vs reference", REF_EAGER, "peak GiB"),
-    ):
-        common.add_ratios(rows, column, baseline, key=("seq",), value=value, higher_is_better=True)
-
-
-SUMMARY_COLUMNS = [
-    "seq",
-    "batch",
-    "layers",
-    "impl",
-    "tokens/s",
-    "ms/step",
-    "vs compiled SDPA",
-    "vs reference",
-    "vs HF Llama",
-    "peak GiB",
-    "first step s",
-    "graph breaks",
-]
-
-
-def summary_lines(rows: list[dict]) -> list[str]:
-    """Every row as a markdown table (there are few), without columns that are empty."""
-    if not rows:
-        return ["training step: no rows (see the notes)"]
-    columns = [c for c in SUMMARY_COLUMNS if any(row.get(c) is not None for row in rows)]
-    return [
-        "Training step, bf16 autocast, AdamW (tokens/s; vs X = tokens/s over X's):",
-        "",
-        common.markdown_table(rows, columns),
-    ]
-
-
-def graph_break_notes(graph_breaks: dict[str, dict]) -> list[str]:
-    """One note per compiled row: its graph breaks and their reasons (first line of each)."""
-    notes = []
-    for label, counted in graph_breaks.items():
-        reasons = "; ".join(
-            f"{count}x {reason.splitlines()[0][:160]}"
-            for reason, count in counted["reasons"].items()
-        )
-        notes.append(
-            f"graph breaks of {label}: {counted['graph_breaks']} "
-            f"({counted['graphs']} graph(s) compiled){': ' + reasons if reasons else ''}"
-        )
-    return notes
+def gpt2_main(args) -> int:
+    quick = args.quick and not args.headline  # the headline is the whole 12-layer model
+    seqs = args.seqs or ([1024] if quick else [1024, 2048])
+    args.steps = args.steps or (3 if quick else 10)
+    layers = args.layers or (4 if quick else GPT2["num_layers"])
+    todo = [(1024, kind) for kind in HEADLINE] if args.headline else []
+    todo = todo or [(seq, kind) for seq in seqs for kind in KINDS]
+    if args.skip_headline:
+        todo = [(seq, kind) for seq, kind in todo if seq != 1024 or kind not in HEADLINE]
+    run = common.Run("train", args, COLUMNS, BUDGET_S)
+    bench(run, gpt2_cases(args, todo, layers))
+    for column, baseline in (("vs reference", REF_EAGER), ("vs compiled SDPA", SDPA_COMPILED)):
+        common.add_ratios(run.rows, column, baseline, ("seq",), "tokens/s", higher_is_better=True)
+    columns = [c for c in COLUMNS if any(row.get(c) is not None for row in run.rows)]
+    title = "Training step, bf16 autocast, AdamW (vs X: tokens/s over X's):"
+    summary = common.table_lines(title, run.rows, columns)
+    for label, counted in run.extra.get("graph_breaks", {}).items():
+        reasons = [f"{n}x {r.splitlines()[0][:160]}" for r, n in counted["reasons"].items()]
+        breaks = f"{counted['graph_breaks']} graph break(s), {counted['graphs']} graph(s)"
+        summary.append(f"- {label}: {breaks}" + "".join(f"; {r}" for r in reasons))
+    return run.finish(summary)
 
 
 # --------------------------------------------------------------------------------------------
-# Without CUDA: the interpreter check
+# Hugging Face Llama: padded and padding-free batches
 # --------------------------------------------------------------------------------------------
 
 
-TINY = Config(vocab_size=97, d_model=32, num_layers=2, num_heads=2, d_ff=64)
-TINY_SEQ = 12
+def document_lengths(count: int = HF_DOCS, seed: int = 0) -> list[int]:
+    """`count` lengths, log-uniform from HF_SHORTEST to HF_LONGEST tokens, the same every run."""
+    generator = torch.Generator().manual_seed(seed)
+    ratio = torch.log2(torch.tensor(HF_LONGEST / HF_SHORTEST))
+    exponents = torch.rand(count, generator=generator) * ratio
+    return [int(HF_SHORTEST * 2**e) for e in exponents.tolist()]
 
 
-def interpreter_check() -> int:
-    from fastlm.testing import TOLERANCE
+def hf_batches(lengths: list[int], vocab_size: int, device) -> dict[str, dict]:
+    """The same documents as trainers batch them: {"padded": model kwargs, "padding-free":
+    model kwargs, "packed": fastlm.Transformer.loss kwargs}. Every form counts the same
+    predictions: each document's next tokens, nothing across documents or from padding."""
+    from transformers import DataCollatorWithFlattening
+
+    generator = torch.Generator().manual_seed(1)
+    docs = [torch.randint(vocab_size, (n,), generator=generator) for n in lengths]
+    longest = max(lengths)
+    ids = torch.zeros(len(docs), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, doc in enumerate(docs):
+        ids[row, : len(doc)], mask[row, : len(doc)] = doc, 1
+    labels = ids.masked_fill(mask == 0, -100)
+    padded = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    flat = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    padding_free = flat([{"input_ids": doc.tolist()} for doc in docs])
+    # fastlm's loss takes unshifted targets: each token's next one, -100 at a document's end
+    # (the flattened labels hold -100 at each document's start).
+    targets = torch.cat((padding_free["labels"][:, 1:], torch.full((1, 1), -100)), dim=1)
+    cu = padding_free["cu_seq_lens_q"]
+    packed = dict(ids=padding_free["input_ids"], targets=targets, cu_seqlens=cu, max_seqlen=longest)
+    batches = {PADDED: padded, PADDING_FREE: padding_free, "packed": packed}
+    move = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    return {name: {k: move(v) for k, v in batch.items()} for name, batch in batches.items()}
+
+
+def hf_loss(model, **batch):
+    return model(**batch, use_cache=False).loss
+
+
+def packed_loss(model, ids, targets, cu_seqlens, max_seqlen):
+    return model.loss(ids, targets, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+
+
+def hf_model(kind: str, config: dict, device=common.DEVICE):
+    """(model, loss_fn) of a Hugging Face row: the same weights for every row (one seed)."""
+    import transformers
+
+    import fastlm.hf
 
     torch.manual_seed(0)
-    ids, targets = (torch.randint(TINY.vocab_size, (2, TINY_SEQ)) for _ in range(2))
-    ref = reference.Transformer(**TINY.kwargs(TINY_SEQ))
-    rows = []
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).train()
+    if kind == PATCHED:
+        fastlm.hf.patch(model)
+    elif kind == LIGER:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
 
-    def reference_step():
-        step = make_step(ref, reference_loss, ids, targets, autocast=False)
-        loss = float(step())
-        status = "ok" if torch.isfinite(torch.tensor(loss)) else "FAIL (loss not finite)"
-        return [("reference training step (benchmark's step function)", status, None, None)]
-
-    def fastlm_against_reference():
-        model = fastlm.Transformer(**TINY.kwargs(TINY_SEQ))
-        model.load_state_dict(ref.state_dict())
-        ref64 = reference.Transformer(**TINY.kwargs(TINY_SEQ), dtype=torch.float64)
-        ref64.load_state_dict({k: v.double() for k, v in ref.state_dict().items()})
-        loss = model.loss(ids, targets)
-        loss64 = reference.CrossEntropyLoss()(ref64(ids), targets)
-        loss.backward()
-        loss64.backward()
-        grads64 = dict(ref64.named_parameters())
-        worst = max(
-            (
-                (common.relative_error(p.grad, grads64[name].grad), name)
-                for name, p in model.named_parameters()
-            ),
-            key=lambda pair: pair[0],
-        )
-        bound = TOLERANCE[torch.float32]
-        pairs = [
-            ("fastlm.Transformer loss", common.relative_error(loss, loss64)),
-            (f"fastlm.Transformer grads (worst: {worst[1]})", worst[0]),
-        ]
-        rows = [(name, "ok" if err <= bound else "FAIL", err, bound) for name, err in pairs]
-        step = make_step(model, lambda m, i, t: m.loss(i, t), ids, targets, autocast=False)
-        finite = bool(torch.isfinite(step()))
-        rows.append(
-            ("fastlm training step", "ok" if finite else "FAIL (loss not finite)", None, None)
-        )
-        return rows
-
-    def graph_breaks():
-        """The GPU rows' graph-break count, here with PyTorch inside the kernels' ops (fake
-        tensors cannot enter the interpreter) and aot_eager: the model should trace whole."""
-        model = fastlm.Transformer(**TINY.kwargs(TINY_SEQ))
-        compiled = torch.compile(lambda i, t: model.loss(i, t), backend="aot_eager")
-        with _environ(FASTLM_BACKEND="torch"):
-            _, counted = count_graph_breaks(lambda: compiled(ids, targets).backward())
-        reasons = "; ".join(counted["reasons"])[:160]
-        status = (
-            "ok"
-            if counted["graph_breaks"] == 0
-            else (f"FAIL ({counted['graph_breaks']} graph breaks: {reasons})")
-        )
-        return [
-            (
-                f"torch.compile(fastlm) graph breaks: {counted['graph_breaks']}, "
-                f"graphs: {counted['graphs']}",
-                status,
-                None,
-                None,
-            )
-        ]
-
-    def hf_patched_against_unpatched():
-        """The Hugging Face rows' step function on a tiny Llama: patched as unpatched (two
-        steps, so that the gradients are compared too)."""
-        import copy
-
-        import fastlm.hf
-
-        tiny = hf_llama(TINY, TINY_SEQ, device="cpu")
-        with torch.no_grad():  # off Hugging Face's small init, so that the logits differ a lot
-            for p in tiny.parameters():
-                p.add_(torch.randn_like(p) * 0.1)
-        patched = fastlm.hf.patch(copy.deepcopy(tiny))
-        losses = []
-        for m in (tiny, patched):  # the second step's loss: the gradients of the first count too
-            step = make_step(m, hf_loss, ids, targets, autocast=False)
-            step()
-            losses.append(float(step()))
-        err = abs(losses[1] - losses[0]) / abs(losses[0])
-        bound = TOLERANCE[torch.float32]
-        name = "HF Llama + fastlm.hf.patch: loss after a step"
-        return [(name, "ok" if err <= bound else "FAIL", err, bound)]
-
-    # Gradients first (the reference step below changes the weights).
-    rows += common.try_check("fastlm.Transformer", fastlm_against_reference)
-    if common.optional_module("transformers") is not None:
-        rows += common.try_check("HF Llama + fastlm.hf.patch", hf_patched_against_unpatched)
-    rows += common.try_check("reference step", reference_step)
-    rows += common.try_check("torch.compile(fastlm) graph breaks", graph_breaks)
-    return common.report_checks(rows)
+        apply_liger_kernel_to_llama(model=model)
+    elif kind == VARLEN:
+        return fastlm.hf.from_hf(model).train(), packed_loss
+    return model, hf_loss
 
 
-@contextlib.contextmanager
-def _environ(**values: str):
-    """Environment variables set inside the with-block, restored after it."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+def hf_main(args) -> int:
+    args.steps = args.steps or (3 if args.quick else 10)
+    layers = args.layers or (2 if args.quick else 4)
+    config, lengths = LLAMA3_LAYERS | dict(num_hidden_layers=layers), document_lengths()
+    run = common.Run("train_hf", args, HF_COLUMNS, BUDGET_S)
+    if common.optional_module("liger_kernel.transformers") is None:
+        run.note("Liger-Kernel is not installed: its rows are n/a")
+    shapes = {PADDED: f"{len(lengths)}x{max(lengths)}", PADDING_FREE: f"1x{sum(lengths)}"}
 
+    def cases():
+        for kind, shape in HF_KINDS:
+            batch = "packed" if kind == VARLEN else shape
 
-# --------------------------------------------------------------------------------------------
-# Main
-# --------------------------------------------------------------------------------------------
+            def make(kind=kind, batch=batch):
+                batches = hf_batches(lengths, config["vocab_size"], common.DEVICE)
+                return (*hf_model(kind, config), batches[batch], False)
+
+            row = dict(layers=layers, impl=kind, batch=shapes[shape], shape=shape)
+            yield row | dict(tokens=sum(lengths)), sum(lengths), make
+
+    bench(run, cases())
+    base = [r["tokens/s"] for r in run.rows if r["impl"] == HF and r["shape"] == PADDED]
+    for row in run.rows:  # tokens/s over unpatched Hugging Face's on the padded batch
+        ours, theirs = common.number(row.get("tokens/s")), common.number(base[0] if base else None)
+        row["vs HF padded"] = ours / theirs if ours and theirs else None
+    title = (
+        f"Hugging Face Llama, Llama-3-8B layer sizes, {layers} layers, {HF_DOCS} documents of "
+        f"{min(lengths)} to {max(lengths)} tokens (vs HF padded: tokens/s over unpatched HF's):"
+    )
+    return run.finish(common.table_lines(title, run.rows, HF_COLUMNS))
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = common.parser(
-        __doc__.split("\n\n")[0],
-        quick_help=(
-            f"{QUICK_LAYERS} layers, seq 1024 only, 3 timed steps, within a {QUICK_TIME_LIMIT_S} s "
-            "time budget"
-        ),
-    )
-    p.add_argument(
-        "--seqs",
-        type=int,
-        nargs="+",
-        default=None,
-        help="sequence lengths (default 1024 2048; --quick: 1024)",
-    )
-    p.add_argument(
-        "--tokens",
-        type=int,
-        default=16384,
-        help="tokens per step, batch x seq (default 16384, the same for every row; "
-        "train.py's docstring says why)",
-    )
-    p.add_argument(
-        "--layers",
-        type=int,
-        default=None,
-        help=f"transformer blocks (default 12; --quick: {QUICK_LAYERS})",
-    )
-    p.add_argument("--steps", type=int, default=None, help="timed steps (default 10; --quick: 3)")
-    p.add_argument(
-        "--warmup-steps", type=int, default=3, help="untimed steps first (the first one compiles)"
-    )
+    p = common.parser(__doc__.split("\n\n")[0], "fewer layers, seq 1024 only, 3 timed steps")
+    p.add_argument("--hf", action="store_true", help="the Hugging Face Llama rows instead")
+    p.add_argument("--seqs", type=int, nargs="+", help="sequence lengths (default 1024 2048)")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens a step, batch x seq")
+    p.add_argument("--layers", type=int, help="blocks (default 12, --hf 4; --quick 4, --hf 2)")
+    p.add_argument("--steps", type=int, help="timed steps (default 10; --quick 3)")
+    p.add_argument("--warmup-steps", type=int, default=3, help="untimed steps, compiling first")
     args = p.parse_args(argv)
-    if not common.HAS_CUDA:
-        common.no_cuda_notice("benchmarks/train.py")
-        return interpreter_check()
-
-    quick = args.quick and not args.headline  # the headline is the full 12-layer model
-    args.seqs = args.seqs or ([1024] if quick else [1024, 2048])
-    args.steps = args.steps or (3 if quick else 10)
-    layers = args.layers or (QUICK_LAYERS if quick else Config.num_layers)
-    config = Config(num_layers=layers)
+    if common.no_cuda("benchmarks/train.py"):
+        return 0
     common.raise_compile_limits()
-    run = common.Run("train", args, QUICK_TIME_LIMIT_S, COLUMNS)
-    run.header()
-    with run.interruptible():
-        bench(run, config, cases(args), args.tokens)
-    add_comparisons(run.rows)
-    for text in graph_break_notes(run.extra.get("graph_breaks", {})):
-        run.note(text)
-    return run.finish(
-        summary=summary_lines(run.rows),
-        plot={
-            "x": "impl",
-            "y": "tokens/s",
-            "series": "seq",
-            "panel": ("layers",),
-            "title": f"training step, {run.env['gpu']}",
-        },
-    )
+    return hf_main(args) if args.hf else gpt2_main(args)
 
 
 if __name__ == "__main__":

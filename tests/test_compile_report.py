@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -170,34 +171,38 @@ def test_descriptor_forward_moves_tiles_by_tma(report):
     assert not without, "no TMA in:\n" + "\n".join(without)
 
 
-def test_autotuners_try_the_configs_the_report_compiles(monkeypatch):
-    """The report compiles `fitting_configs`; on CUDA the autotuners prune to the same configs
-    (to the last of them under FASTLM_AUTOTUNE=0), for every head block and element size, plain
-    and with each option variant compiled in (which some configs do not take)."""
+def _attention_internals() -> SimpleNamespace:
+    """What these tests reach inside fastlm's attention, in one place: the module whose
+    `interpreting` the autotuners' pruning asks, the config helpers, and each autotuner with its
+    CUDA configs and the largest 16-bit and fp32 head blocks it serves (the launchers route
+    larger ones, and fp32 descriptors, to the pointer forward / the deterministic backward)."""
     configs, forward, backward = (
         importlib.import_module(f"fastlm.kernels.attention.{name}")
         for name in ("configs", "forward", "backward")
     )
-    monkeypatch.setattr(configs, "interpreting", lambda: False)  # prune as on CUDA
-    every_head_dim = (configs.MAX_HEAD_DIM, configs.MAX_HEAD_DIM)
-    # (autotuner, its CUDA list, the largest 16-bit and fp32 head blocks it serves: the launchers
-    # route larger ones, and fp32 descriptors, to the pointer forward / deterministic backward)
-    autotuned = (
-        (forward._attention_fwd_kernel, configs.FWD_CUDA_CONFIGS, every_head_dim),
-        (backward._attention_bwd_dkdv_kernel, configs.DKDV_CUDA_CONFIGS, every_head_dim),
-        (backward._attention_bwd_dq_kernel, configs.DQ_CUDA_CONFIGS, every_head_dim),
-        (
-            forward._attention_fwd_tma_autotuned,
-            configs.FWD_TMA_CUDA_CONFIGS,
-            (configs.TMA_MAX_BLOCK_D, 0),
-        ),
-        (
-            backward._attention_bwd_dkdv_dq_kernel,
-            configs.DKDV_DQ_CUDA_CONFIGS,
-            (configs.ATOMIC_MAX_BLOCK_D, configs.ATOMIC_MAX_BLOCK_D),
-        ),
+    every, tma = (configs.MAX_HEAD_DIM,) * 2, (configs.TMA_MAX_BLOCK_D, 0)
+    atomic = (configs.ATOMIC_MAX_BLOCK_D,) * 2
+    return SimpleNamespace(
+        prune_module=configs,
+        fitting_configs=configs.fitting_configs,
+        option_flags=configs.OPTION_FLAGS,
+        autotuned=[
+            (forward._attention_fwd_kernel, configs.FWD_CUDA_CONFIGS, every),
+            (backward._attention_bwd_dkdv_kernel, configs.DKDV_CUDA_CONFIGS, every),
+            (backward._attention_bwd_dq_kernel, configs.DQ_CUDA_CONFIGS, every),
+            (forward._attention_fwd_tma_autotuned, configs.FWD_TMA_CUDA_CONFIGS, tma),
+            (backward._attention_bwd_dkdv_dq_kernel, configs.DKDV_DQ_CUDA_CONFIGS, atomic),
+        ],
     )
-    for kernel, cuda, served in autotuned:
+
+
+def test_autotuners_try_the_configs_the_report_compiles(monkeypatch):
+    """The report compiles `fitting_configs`; on CUDA the autotuners prune to the same configs
+    (to the last of them under FASTLM_AUTOTUNE=0), for every head block and element size, plain
+    and with each option variant compiled in (which some configs do not take)."""
+    attention = _attention_internals()
+    monkeypatch.setattr(attention.prune_module, "interpreting", lambda: False)  # as on CUDA
+    for kernel, cuda, served in attention.autotuned:
         every = [
             triton.Config(dict(c.blocks), num_warps=c.num_warps, num_stages=c.num_stages)
             for c in cuda
@@ -209,12 +214,12 @@ def test_autotuners_try_the_configs_the_report_compiles(monkeypatch):
                 (d, flag)
                 for d in (16, 32, 64, 128, 256)
                 if d <= largest
-                for flag in (None, *configs.OPTION_FLAGS)
+                for flag in (None, *attention.option_flags)
             ):
                 options = {flag: True} if flag else {}
                 expected = [
                     (c.blocks, c.num_warps, c.num_stages)
-                    for c in configs.fitting_configs(
+                    for c in attention.fitting_configs(
                         cuda, block_d, q.element_size(), options=bool(flag)
                     )
                 ]

@@ -2,27 +2,22 @@
 # One call on a bare, offline GPU machine: the measurements that matter most first, then the test
 # suite on CUDA, then wider sweeps while time is left, all returned as two files.
 #
-#   bash benchmarks/gpu_check.sh OUT          # OUT/summary.md + OUT/results.tar.gz, nothing else
-#   bash benchmarks/gpu_check.sh --dry-run    # print the plan and its limits; runs nothing
+#   bash tools/gpu_check/gpu_check.sh OUT        # OUT/summary.md + OUT/results.tar.gz, no more
+#   bash tools/gpu_check/gpu_check.sh --dry-run  # the plan and its limits; runs nothing
 #
-# On the device machine: `bash benchmarks/gpu_check.sh $OUT` with timeout_s 570. Such a machine
-# gives one command at most 10 minutes and returns at most 8 files of at most 16 MiB from $OUT,
-# so every step writes into a staging folder, and after each step benchmarks/gpu_report.py
-# rewrites OUT/summary.md and OUT/results.tar.gz (CSV, JSON, PNG and logs of every step so far):
-# a call cut short still returns what was measured.
+# A device machine gives one command 10 minutes (timeout_s 570 here) and returns at most 8 files
+# of at most 16 MiB, so every step writes into a staging folder and after each step gpu_report.py
+# (beside this script) rewrites OUT/summary.md and OUT/results.tar.gz: a call cut short still
+# returns what was measured. Each step of PLAN runs under a hard limit (the limits sum to BUDGET,
+# 540 s): the benchmarks start no new case, and pytest no new test, MARGIN seconds before the
+# step's SIGINT, which comes KILL_AFTER seconds before its limit (the benchmarks then write what
+# they measured), and SIGKILL at the limit. An elastic step (the sweeps) also gets the time the
+# steps before it left unused; a step behind schedule given less than MIN_STEP seconds is skipped.
 #
-# The plan (PLAN below; --dry-run prints it): each step runs under a hard limit in seconds, the
-# limits sum to BUDGET (540 s: 9 minutes, cold compiles and autotuning included). The benchmarks
-# start no new case, and pytest no new test, MARGIN seconds before the step's SIGINT, which comes
-# KILL_AFTER seconds before its limit (the benchmarks then write the tables of what they
-# measured), and SIGKILL at the limit. An elastic step (the sweeps) also gets the time that the
-# steps before it left unused. LIMIT_<step>=SECONDS overrides a step's limit (their sum must stay
-# within BUDGET); a step behind schedule given less than MIN_STEP seconds is skipped.
-#
-# Needs torch and triton, no network. The wheels in $WHEELS (default benchmarks/wheels/: einx
-# and frozendict, which fastlm needs, and Liger-Kernel, measured beside fastlm) whose
-# distribution is not installed go into a temporary folder on PYTHONPATH; benchmarks/README.md
-# says how to refresh them. Environment: PYTHON (default python3), WHEELS, BUDGET, LIMIT_<step>,
+# Needs torch and triton, no network: the wheels in $WHEELS (default wheels/ beside this script:
+# einx and frozendict, which fastlm needs, and Liger-Kernel) whose distribution is not installed
+# go into a temporary folder on PYTHONPATH (benchmarks/README.md says how to refresh them).
+# Environment: PYTHON (default python3), WHEELS, BUDGET, LIMIT_<step> (their sum within BUDGET),
 # KILL_AFTER, MARGIN, MIN_STEP; FASTLM_COMMIT is recorded where the tree came without .git.
 set -uo pipefail
 
@@ -33,11 +28,12 @@ train_headline      140    fixed    GPT-2-small step: fastlm compiled vs referen
 attention_headline  75     fixed    causal bf16 D128 N 4k,16k fwd, fwd+bwd: fastlm (both bwd schedules), SDPA flash/cuDNN
 kernels_headline    100    fixed    norms, RoPE, SwiGLU 16k x 4096, CE 16k x 32000; + CUDA graphs
 tests               75     fixed    pytest tests/ on CUDA (FASTLM_AUTOTUNE=0)
-compile_report      20     fixed    compile_report.py --quick --arch sm_90a, if the file exists
-attention_sweep     30     elastic  attention.py --quick --skip-headline: N 1k, 64k, bwd, others
+compile_report      20     fixed    compile_report.py --quick --arch sm_90a: the CI test rows
+attention_sweep     25     elastic  attention.py --quick --skip-headline: N 1k, 64k, bwd, others
 attention_varlen    20     elastic  attention.py --varlen --quick: packed docs 16k/32k, window 4k
-kernels_sweep       25     elastic  kernels.py --quick --skip-headline: fused linear cross-entropy
-train_sweep         25     elastic  train.py --skip-headline --seqs 1024: eager, reference compiled
+kernels_sweep       20     elastic  kernels.py --quick --skip-headline: fused linear cross-entropy
+train_hf            20     elastic  train.py --hf --quick: HF Llama, Llama-3-8B layers, padded/padding-free
+train_sweep         15     elastic  train.py --skip-headline --seqs 1024: eager, reference compiled
 pack                10     fixed    summary.md + results.tar.gz after every step; this is the last
 '
 BUDGET=${BUDGET:-540}
@@ -46,13 +42,15 @@ MARGIN=${MARGIN:-10}         # no new case or test starts this long before the S
 MIN_STEP=${MIN_STEP:-25}     # a step behind schedule given less than this is not started
 REQUIRED=(einx frozendict numpy safetensors tqdm matplotlib pytest hypothesis)  # module names
 
-SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+HERE=$(cd "$(dirname "$0")" && pwd)
+SELF=$HERE/$(basename "$0")
+ROOT=$(cd "$HERE/../.." && pwd)
 PY=${PYTHON:-python3}
-WHEELS=${WHEELS:-$ROOT/benchmarks/wheels}
+WHEELS=${WHEELS:-$HERE/wheels}
+REPORT=tools/gpu_check/gpu_report.py
 
 usage() {
-    echo "usage: bash benchmarks/gpu_check.sh OUT | --dry-run   (benchmarks/README.md)" >&2
+    echo "usage: bash tools/gpu_check/gpu_check.sh OUT | --dry-run   (benchmarks/README.md)" >&2
     exit 2
 }
 
@@ -68,8 +66,8 @@ for limit in "${LIMITS[@]}"; do TOTAL=$((TOTAL + limit)); done
 
 print_plan() {
     echo "gpu_check.sh plan (--dry-run: nothing is run)"
-    echo "call: bash benchmarks/gpu_check.sh OUT"
-    echo "device machine: bash benchmarks/gpu_check.sh \$OUT, timeout_s 570"
+    echo "call: bash tools/gpu_check/gpu_check.sh OUT"
+    echo "device machine: bash tools/gpu_check/gpu_check.sh \$OUT, timeout_s 570"
     echo "output: OUT/summary.md and OUT/results.tar.gz, nothing else at OUT's top level"
     echo "budget: ${BUDGET} s; at its limit a step gets SIGINT, then SIGKILL ${KILL_AFTER} s later;"
     echo "an elastic step also gets the time the steps before it left unused"
@@ -81,8 +79,6 @@ print_plan() {
     done
     echo
     echo "total of limits: ${TOTAL} s (budget ${BUDGET} s)"
-    [ -f "$ROOT/benchmarks/compile_report.py" ] && echo "compile_report.py: present" \
-        || echo "compile_report.py: absent (its step will be skipped)"
 }
 
 # --- One step's command (run as `gpu_check.sh --step NAME SECONDS` under timeout) --------------
@@ -104,7 +100,7 @@ step_command() {  # NAME SECONDS: SECONDS is the benchmark's own time limit
             done
         fi
         nvidia-smi >"$STAGE/nvidia-smi.log" 2>&1 || echo "nvidia-smi failed" >&2
-        exec "$PY" benchmarks/_common.py --out "$STAGE" --require "${REQUIRED[@]}" --need-cuda ;;
+        exec "$PY" benchmarks/_common.py env --out "$STAGE" --require "${REQUIRED[@]}" --need-cuda ;;
     train_headline) exec "$PY" benchmarks/train.py --headline "${bench[@]}" ;;
     attention_headline) exec "$PY" benchmarks/attention.py --headline "${bench[@]}" ;;
     kernels_headline) exec "$PY" benchmarks/kernels.py --headline "${bench[@]}" ;;
@@ -112,7 +108,7 @@ step_command() {  # NAME SECONDS: SECONDS is the benchmark's own time limit
         # No new test after SECONDS (gpu_report.py says why SIGINT cannot stop the suite); -v
         # prints each test's result as it ends, so a log cut at the hard limit shows what ran.
         export FASTLM_AUTOTUNE=0
-        exec "$PY" benchmarks/gpu_report.py pytest "$soft" tests/ -v --tb=short -rfE \
+        exec "$PY" "$REPORT" pytest "$soft" tests/ -v --tb=short -rfE \
             -p no:cacheprovider --continue-on-collection-errors --durations=15 \
             --junitxml="$STAGE/tests.xml" ;;
     compile_report)
@@ -120,6 +116,7 @@ step_command() {  # NAME SECONDS: SECONDS is the benchmark's own time limit
     attention_sweep) exec "$PY" benchmarks/attention.py --quick --skip-headline "${bench[@]}" ;;
     attention_varlen) exec "$PY" benchmarks/attention.py --varlen --quick "${bench[@]}" ;;
     kernels_sweep) exec "$PY" benchmarks/kernels.py --quick --skip-headline "${bench[@]}" ;;
+    train_hf) exec "$PY" benchmarks/train.py --hf --quick "${bench[@]}" ;;
     train_sweep) exec "$PY" benchmarks/train.py --skip-headline --seqs 1024 "${bench[@]}" ;;
     *) echo "gpu_check.sh: no step $name" >&2; exit 2 ;;
     esac
@@ -177,7 +174,7 @@ cd "$ROOT" || exit 2
 START=$SECONDS
 
 publish() {  # summary.md and results.tar.gz into OUT; plain tar if gpu_report.py fails
-    timeout 30 "$PY" benchmarks/gpu_report.py publish "$STAGE" "$OUT" && return
+    timeout 30 "$PY" "$REPORT" publish "$STAGE" "$OUT" && return
     echo "gpu_check.sh: gpu_report.py failed; packing with tar" >&2
     tar -czf "$OUT/results.tar.gz.partial" -C "$WORK" stage \
         && mv -f "$OUT/results.tar.gz.partial" "$OUT/results.tar.gz"
@@ -202,10 +199,6 @@ for i in "${!NAMES[@]}"; do
         limit=$left
     else
         limit=$((planned < left ? planned : left))
-    fi
-    if [ "$name" = compile_report ] && [ ! -f benchmarks/compile_report.py ]; then
-        record "$name" "$planned" 0 0 - "benchmarks/compile_report.py is not in this tree"
-        continue
     fi
     if [ "$limit" -lt "$((planned < MIN_STEP ? planned : MIN_STEP))" ]; then
         record "$name" "$planned" "$limit" 0 - "only ${limit} s left"
