@@ -1,8 +1,8 @@
 """fastlm: Triton fused kernels for training decoder-only language models faster.
 
 - `fastlm.reference`: the plain PyTorch math every kernel is checked against.
-- `fastlm.kernels`: the ops (RMSNorm, residual-add + RMSNorm, RoPE, SwiGLU, flash attention,
-  cross-entropy), Triton kernels with their backward, registered as `torch.ops.fastlm.*`.
+- `fastlm.kernels`: the ops (RMSNorm, residual-add + RMSNorm, RoPE, SwiGLU, GeGLU, flash
+  attention, cross-entropy), Triton kernels with their backward, registered as `torch.ops.fastlm.*`.
 - `fastlm.modules`: nn.Module drop-ins for the reference's (RmsNorm, RoPE, SwiGlu,
   CrossEntropyLoss).
 - `fastlm.Transformer` and its parts: drop-ins for the reference's modules, built on the kernels.
@@ -25,6 +25,7 @@ from fastlm.kernels import (
     cross_entropy,
     flash_attention,
     flash_attention_varlen,
+    geglu,
     linear_cross_entropy,
     rms_norm,
     rope_attention,
@@ -59,6 +60,7 @@ __all__ = [
     "apply_rope_",
     "swiglu",
     "swiglu_packed",
+    "geglu",
     "flash_attention",
     "flash_attention_varlen",
     "rope_attention",
