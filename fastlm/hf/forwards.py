@@ -281,6 +281,12 @@ class PatchedForward:
     def __call__(self, *args, **kwargs):
         return PARTS[self.part](self.module, *args, **kwargs)
 
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # The module's own forward's: trainers read it (which dataset columns to keep, whether
+        # the model takes num_items_in_batch).
+        return inspect.signature(type(self.module).forward.__get__(self.module))
+
     def __reduce__(self):
         return (_load_forward, (self.module, self.part))
 

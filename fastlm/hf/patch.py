@@ -101,8 +101,12 @@ def _patch_loss(model, family, patched, skipped) -> None:
         )
     elif forward is not None and not is_patched_forward(forward):
         # TRL's SFTTrainer wraps the forward with its own fused LM head when it is built.
+        # Named by its code, not by __qualname__, which functools.wraps copies from the model's.
         owner = getattr(forward, "__func__", forward)
-        name = f"{getattr(owner, '__module__', '?')}.{getattr(owner, '__qualname__', owner)}"
+        code = getattr(owner, "__code__", None)
+        name = repr(owner)
+        if code is not None:
+            name = f"{owner.__globals__.get('__name__', '?')}.{code.co_qualname}"
         skipped.append(
             f"cross_entropy (the model's forward is already replaced, by {name}: a trainer "
             "built before patch? Patch the model before building the trainer; its own loss "
