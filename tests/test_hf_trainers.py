@@ -16,6 +16,8 @@ transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
+from test_hf import _model as hf_model  # noqa: E402
+
 import fastlm.hf  # noqa: E402
 from fastlm.hf import attention as hf_attention  # noqa: E402
 from fastlm.testing import assert_close  # noqa: E402
@@ -47,26 +49,9 @@ def _texts(count=8):
 
 
 def _model():
-    config = transformers.Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        use_sliding_window=True,
-        sliding_window=5,
-        max_window_layers=1,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-    )
-    model = transformers.Qwen2ForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return model
+    """Qwen2 with a sliding-window layer and a full one (tests/test_hf.py's tiny configuration),
+    and the tokenizer's pad and eos ids."""
+    return hf_model("qwen2", sliding_window=5, pad_token_id=0, eos_token_id=1, bos_token_id=None)
 
 
 class _Calls:
