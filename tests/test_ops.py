@@ -155,6 +155,39 @@ def _op_cases(device):
             ops.linear_cross_entropy,
             (_randn(6, 16, **g), _randn(300, 16, **g), targets, -100, 4, True, True),
         ),
+        # soft cap 3, label smoothing 0.1, z-loss 0.01
+        "cross_entropy_options": (
+            ops.cross_entropy_options,
+            (_randn(6, 300, **g), targets, -100, 3.0, 0.1, 0.01),
+        ),
+        "cross_entropy_options_backward": (
+            ops.cross_entropy_options_backward,
+            (
+                _randn(6, 300, **n),
+                targets,
+                -100,
+                torch.stack((torch.rand(6, **n) + 2, torch.rand(6, **n) + 5), 1),
+                torch.rand(6, **n),
+                3.0,
+                0.1,
+                0.01,
+            ),
+        ),
+        "linear_cross_entropy_options": (
+            ops.linear_cross_entropy_options,
+            (
+                _randn(6, 16, **g),
+                _randn(300, 16, **g),
+                targets,
+                -100,
+                4,
+                3.0,
+                0.1,
+                0.01,
+                True,
+                True,
+            ),
+        ),
     }
 
 
@@ -181,6 +214,9 @@ OP_NAMES = [
     "cross_entropy_backward",
     "cross_entropy_",
     "linear_cross_entropy",
+    "cross_entropy_options",
+    "cross_entropy_options_backward",
+    "linear_cross_entropy_options",
 ]
 
 

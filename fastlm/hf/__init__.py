@@ -27,8 +27,9 @@ the kernels (`fastlm.hf.forwards`):
 - cross_entropy: with labels, the loss by fused linear cross-entropy on the final hidden states
   (`linear_cross_entropy`: the [tokens x vocab] logits never exist), with Hugging Face's label
   shift, ignore_index -100, `shift_labels` and `num_items_in_batch` (the sum over the batch
-  divided by it, as transformers does for gradient accumulation); MoE families add the router's
-  auxiliary loss as their own forward does. In training mode such a call returns `logits=None`
+  divided by it, as transformers does for gradient accumulation), Gemma 2's and Gemma 3's final
+  logit soft cap (`softcap`); MoE families add the router's auxiliary loss as their own forward
+  does. In training mode such a call returns `logits=None`
   (that is the memory saved); in eval mode the logits are computed as well. A batch whose labels
   are all -100 has loss 0, where PyTorch's mean gives NaN.
 
@@ -39,7 +40,7 @@ loaded back with `from_pretrained` is a plain transformers model: call `patch` o
 Gradient checkpointing composes (the decoder layers recompute through the patched forwards).
 Under `torch.compile` the kernels are opaque custom ops (`torch.ops.fastlm.*`). A part that cannot
 be patched for this model (another activation, a head dim the attention kernel does not take, an
-lm_head with a bias, a final logit soft cap) is left as it is, with a warning that says why.
+lm_head with a bias) is left as it is, with a warning that says why.
 
 `from_hf` and `to_hf` (`fastlm.hf.convert`) convert weights between Llama, Mistral and Qwen2 models
 and `fastlm.Transformer`.

@@ -219,7 +219,9 @@ def causal_lm_forward(
         if shift_labels is None:  # position t predicts label t + 1; the last predicts nothing
             shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
         shift_labels = shift_labels.to(hidden.device)
-        loss = linear_cross_entropy(hidden, self.lm_head.weight, shift_labels, IGNORE_INDEX)
+        loss = linear_cross_entropy(
+            hidden, self.lm_head.weight, shift_labels, IGNORE_INDEX, softcap=cap or 0.0
+        )
         num_items_in_batch = kwargs.get("num_items_in_batch")
         if num_items_in_batch is not None:  # transformers' sum / num_items_in_batch
             counted = (shift_labels != IGNORE_INDEX).sum().clamp_min(1)

@@ -94,11 +94,6 @@ def _patch_loss(model, family, patched, skipped) -> None:
         skipped.append("cross_entropy (lm_head has a bias)")
     elif loss_type not in (None, "ForCausalLM"):
         skipped.append(f"cross_entropy (loss_type is {loss_type!r}, not ForCausalLM)")
-    elif getattr(config, "final_logit_softcapping", None):
-        skipped.append(
-            f"cross_entropy (final_logit_softcapping {config.final_logit_softcapping}: "
-            "linear_cross_entropy has no soft cap)"
-        )
     elif forward is not None and not is_patched_forward(forward):
         # TRL's SFTTrainer wraps the forward with its own fused LM head when it is built.
         # Named by its code, not by __qualname__, which functools.wraps copies from the model's.

@@ -20,6 +20,7 @@ from fastlm.kernels.cross_entropy import (
     linear_cross_entropy,
     linear_cross_entropy_ref,
 )
+from fastlm.kernels.cross_entropy_options import cross_entropy_options_ref
 from fastlm.kernels.geglu import geglu, geglu_ref
 from fastlm.kernels.rmsnorm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 from fastlm.kernels.rope import apply_rope_, rope_ref, rope_tables
@@ -43,6 +44,7 @@ __all__ = [
     "attention_varlen_ref",
     "rope_attention_ref",
     "cross_entropy_ref",
+    "cross_entropy_options_ref",
     "geglu_ref",
     "linear_cross_entropy_ref",
     "rms_norm_ref",
