@@ -11,9 +11,10 @@
 - `python -m fastlm.train`, `python -m fastlm.generate`: the commands (`fastlm.generate` is the
   command's module, not a function).
 - `fastlm.backend`: which of kernels and PyTorch runs (FASTLM_BACKEND).
-- `fastlm.hf`: Hugging Face Llama, Mistral and Qwen2 models patched onto the kernels (`patch`), and
-  weights converted to and from `fastlm.Transformer` (`from_hf`, `to_hf`); needs transformers
-  (`pip install fastlm[hf]`), imported only when one of them is called.
+- `fastlm.hf`: Hugging Face models (Llama, Mistral, Qwen2/3, Gemma 1-3, Phi-3, Mixtral, Qwen3-MoE)
+  patched onto the kernels (`patch`), and weights converted to and from `fastlm.Transformer`
+  (`from_hf`, `to_hf`); needs transformers (`pip install fastlm[hf]`), imported only when one of
+  them is called.
 """
 
 from fastlm import hf, reference

@@ -8,6 +8,8 @@ a CPU. tests/test_hf.py runs the same batch shapes through the kernels with the 
 """
 
 import copy
+import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -248,3 +250,22 @@ def test_peft_lora_on_a_patched_model():
             trained += 1
             assert_close(p.grad, theirs[name].grad, torch.float32, f"grad of {name}")
     assert trained == 2 * 2 * 4  # A and B of 4 modules in 2 layers
+
+
+def test_the_readme_example_runs(tmp_path, monkeypatch):
+    """README's "Fine-tuning with Hugging Face and TRL" example as written, with a tiny Qwen3
+    and a local tokenizer where it downloads them, and use_cpu (its bf16 is a GPU's): the model
+    is patched and trained on."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("### Fine-tuning with Hugging Face and TRL", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    tiny = hf_model("qwen3", pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    models, tokenizers = transformers.AutoModelForCausalLM, transformers.AutoTokenizer
+    monkeypatch.setattr(models, "from_pretrained", lambda *args, **kwargs: tiny)
+    monkeypatch.setattr(tokenizers, "from_pretrained", lambda *args, **kwargs: _tokenizer())
+    monkeypatch.setattr(trl, "SFTConfig", functools.partial(trl.SFTConfig, use_cpu=True))
+    monkeypatch.chdir(tmp_path)
+    names = {}
+    exec(code, names)
+    assert names["model"] is tiny and "attention" in tiny.fastlm_patched
+    assert names["trainer"].state.global_step > 0

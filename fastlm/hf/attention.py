@@ -9,8 +9,9 @@ The mask function builds no [B, 1, T, T] mask. It returns
 - `PACKED` when transformers found several documents in one row (`position_ids` that restart;
   transformers looks for them only when no `attention_mask` and no cache is given);
 - a 4-D mask only for what the kernels do not run: a static cache (keys past the queries'
-  positions not written yet) or a model's own extra mask functions (`or_mask_function`,
-  `and_mask_function`, e.g. Gemma 3's bidirectional sliding window).
+  positions not written yet), a model's own extra mask functions (`or_mask_function`,
+  `and_mask_function`, e.g. Gemma 3's bidirectional sliding window), bidirectional attention
+  (`config.is_causal=False`).
 
 The attention function then runs, in this order:
 - `cu_seq_lens_q/k` and `max_length_q/k` passed by the caller (`DataCollatorWithFlattening`,
@@ -18,7 +19,8 @@ The attention function then runs, in this order:
 - a 2-D padding mask: `flash_attention_varlen` over the flattened (B * T) tokens with three
   segments per row (leading padding, the real tokens, trailing padding), found on the device: no
   host synchronisation, the launch sized by the padded length, no copy of q, k or v when they
-  are views of a projection. The real tokens of a row must be contiguous (left or right padding,
+  are views of a projection (in training; a KV cache's keys and values are copied into that
+  layout at each decoding step). The real tokens of a row must be contiguous (left or right padding,
   as tokenizers and collators pad; checked on the device, an error otherwise). Padding rows get
   output 0, as transformers' flash-attention path gives;
 - `PACKED`: the documents from `position_ids` (a new one wherever the position does not
@@ -111,8 +113,11 @@ def fastlm_mask(
     # the queries end; a static cache's keys run on to its full length (and its offset is a
     # tensor, which is not read here: no host synchronisation).
     aligned = not torch.is_tensor(q_offset) and kv_offset + kv_length == q_offset + q_length
-    if use_vmap or not aligned:
-        _warn_once("a model's own mask functions" if use_vmap else "a static cache")
+    bidirectional = "allow_is_bidirectional_skip" in kwargs  # create_bidirectional_mask's call
+    if use_vmap or not aligned or bidirectional:
+        reason = "a model's own mask functions" if use_vmap else "a static cache"
+        _warn_once("bidirectional attention" if bidirectional else reason)
+        kwargs["allow_is_bidirectional_skip"] = False  # a mask, never None (taken as causal)
         return sdpa_mask(
             batch_size=batch_size,
             q_length=q_length,
@@ -310,15 +315,18 @@ def fastlm_attention(
 # --------------------------------------------------------------------------------------------
 
 
-def dense_mask(attention_mask, query, key, sliding_window, position_ids) -> torch.Tensor:
+def dense_mask(
+    attention_mask, query, key, sliding_window, position_ids, causal: bool = True
+) -> torch.Tensor:
     """The (B, 1, Tq, Tk) bool mask Hugging Face's eager attention applies for what fastlm_mask
-    returned: causal (aligned to the end of the keys), the window, padding, packed documents."""
+    returned: causal (aligned to the end of the keys) with the window, or every key where not
+    causal; padding; packed documents."""
     B, _, Tq, _ = query.shape
     Tk = key.shape[2]
     rows = torch.arange(Tq, device=query.device)[:, None] + (Tk - Tq)
     cols = torch.arange(Tk, device=query.device)
-    visible = cols <= rows
-    if sliding_window:
+    visible = cols <= rows if causal else torch.ones(Tq, Tk, dtype=torch.bool, device=cols.device)
+    if sliding_window and causal:
         visible &= cols > rows - sliding_window
     visible = visible.expand(B, 1, Tq, Tk)
     if torch.is_tensor(attention_mask):
@@ -340,7 +348,9 @@ def _fallback(
 
     mask = attention_mask
     if not (torch.is_tensor(mask) and mask.dim() == 4):
-        mask = dense_mask(mask, query, key, sliding_window, kwargs.get("position_ids"))
+        causal = kwargs.get("is_causal") is not False and getattr(module, "is_causal", True)
+        position_ids = kwargs.get("position_ids")
+        mask = dense_mask(mask, query, key, sliding_window, position_ids, causal)
     if not softcap:
         return sdpa_attention_forward(
             module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs
