@@ -1,8 +1,8 @@
 """fastlm: Triton fused kernels for training decoder-only language models faster.
 
 - `fastlm.reference`: the plain PyTorch math every kernel is checked against.
-- `fastlm.kernels`: the ops (RMSNorm, residual-add + RMSNorm, RoPE, SwiGLU, flash attention,
-  cross-entropy), Triton kernels with their backward, registered as `torch.ops.fastlm.*`.
+- `fastlm.kernels`: the ops (RMSNorm, residual-add + RMSNorm, RoPE, SwiGLU, GeGLU, flash
+  attention, cross-entropy), Triton kernels with their backward, registered as `torch.ops.fastlm.*`.
 - `fastlm.modules`: nn.Module drop-ins for the reference's (RmsNorm, RoPE, SwiGlu,
   CrossEntropyLoss).
 - `fastlm.Transformer` and its parts: drop-ins for the reference's modules, built on the kernels.
@@ -12,9 +12,10 @@
   command's module, not a function).
 - `fastlm.backend`: which of kernels and PyTorch runs (FASTLM_BACKEND).
 - `fastlm.distributed`: context parallelism, one sequence over the ranks of a process group.
-- `fastlm.hf`: Hugging Face Llama, Mistral and Qwen2 models patched onto the kernels (`patch`), and
-  weights converted to and from `fastlm.Transformer` (`from_hf`, `to_hf`); needs transformers
-  (`pip install fastlm[hf]`), imported only when one of them is called.
+- `fastlm.hf`: Hugging Face models (Llama, Mistral, Qwen2/3, Gemma 1-3, Phi-3, Mixtral, Qwen3-MoE)
+  patched onto the kernels (`patch`), and weights converted to and from `fastlm.Transformer`
+  (`from_hf`, `to_hf`); needs transformers (`pip install fastlm[hf]`), imported only when one of
+  them is called.
 """
 
 from fastlm import hf, reference
@@ -26,6 +27,7 @@ from fastlm.kernels import (
     cross_entropy,
     flash_attention,
     flash_attention_varlen,
+    geglu,
     linear_cross_entropy,
     rms_norm,
     rope_attention,
@@ -60,6 +62,7 @@ __all__ = [
     "apply_rope_",
     "swiglu",
     "swiglu_packed",
+    "geglu",
     "flash_attention",
     "flash_attention_varlen",
     "rope_attention",

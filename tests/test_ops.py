@@ -62,6 +62,7 @@ def _op_cases(device):
                 torch.float32,
             ),
         ),
+        "rms_norm_offset": (ops.rms_norm, (x, weight, 1e-5, torch.float32, 1.0)),
         "swiglu": (ops.swiglu, (_randn(4, 40, **g), _randn(4, 40, **g))),
         "swiglu_backward": (ops.swiglu_backward, tuple(_randn(4, 40, **n) for _ in range(3))),
         "swiglu_packed": (ops.swiglu_packed, (_randn(4, 80, **g),)),
@@ -69,6 +70,9 @@ def _op_cases(device):
             ops.swiglu_packed_backward,
             (_randn(4, 40, **n), _randn(4, 80, **n)),
         ),
+        "geglu": (ops.geglu, (_randn(4, 40, **g), _randn(4, 40, **g), "tanh")),
+        "geglu_exact": (ops.geglu, (_randn(4, 40, **g), _randn(4, 40, **g), "none")),
+        "geglu_backward": (ops.geglu_backward, (*(_randn(4, 40, **n) for _ in range(3)), "tanh")),
         "flash_attention": (ops.flash_attention, (q, k, v, True, 0.25, 9, 0, 3.0, False, False)),
         "flash_attention_backward": (
             ops.flash_attention_backward,
@@ -151,17 +155,54 @@ def _op_cases(device):
             ops.linear_cross_entropy,
             (_randn(6, 16, **g), _randn(300, 16, **g), targets, -100, 4, True, True),
         ),
+        # soft cap 3, label smoothing 0.1, z-loss 0.01
+        "cross_entropy_options": (
+            ops.cross_entropy_options,
+            (_randn(6, 300, **g), targets, -100, 3.0, 0.1, 0.01),
+        ),
+        "cross_entropy_options_backward": (
+            ops.cross_entropy_options_backward,
+            (
+                _randn(6, 300, **n),
+                targets,
+                -100,
+                torch.stack((torch.rand(6, **n) + 2, torch.rand(6, **n) + 5), 1),
+                torch.rand(6, **n),
+                3.0,
+                0.1,
+                0.01,
+            ),
+        ),
+        "linear_cross_entropy_options": (
+            ops.linear_cross_entropy_options,
+            (
+                _randn(6, 16, **g),
+                _randn(300, 16, **g),
+                targets,
+                -100,
+                4,
+                3.0,
+                0.1,
+                0.01,
+                True,
+                True,
+            ),
+        ),
     }
 
 
 OP_NAMES = [
     "rms_norm",
+    "rms_norm_offset",
     "add_rms_norm",
     "rms_norm_backward",
     "swiglu",
     "swiglu_backward",
     "swiglu_packed",
     "swiglu_packed_backward",
+    "geglu",
+    "geglu_exact",
+    "geglu_backward",
     "flash_attention",
     "flash_attention_backward",
     "flash_attention_backward_",
@@ -173,6 +214,9 @@ OP_NAMES = [
     "cross_entropy_backward",
     "cross_entropy_",
     "linear_cross_entropy",
+    "cross_entropy_options",
+    "cross_entropy_options_backward",
+    "linear_cross_entropy_options",
 ]
 
 
@@ -180,7 +224,10 @@ def test_every_registered_op_is_checked(device):
     from torch._library.custom_ops import OPDEFS
 
     registered = {name.split("::")[1] for name in OPDEFS if name.startswith("fastlm::")}
-    assert registered == set(OP_NAMES) == set(_op_cases(device))
+    # An option of an op with its own kernel specialisation gets a case of its own, named
+    # <op>_<option>.
+    options = {"rms_norm_offset", "geglu_exact"}
+    assert registered == set(OP_NAMES) - options and set(OP_NAMES) == set(_op_cases(device))
 
 
 @pytest.mark.parametrize("name", OP_NAMES)

@@ -312,3 +312,52 @@ def test_second_derivatives_raise(fused, device):
     (dx,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="second derivatives"):
         dx.sum().backward()
+
+
+def gemma_norm64(x, weight, eps):
+    """Gemma's RMSNorm in float64: x_hat * (1 + w), the weight stored as a deviation from one."""
+    x64 = x.double()
+    return x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.double())
+
+
+@pytest.mark.parametrize(
+    "dtype, weight_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float16),
+    ],
+)
+@pytest.mark.parametrize("shape", [(37, 130), (2, 3, 77), (1, 1000)])
+def test_offset_is_gemmas_norm(shape, dtype, weight_dtype, device):
+    """offset=1: x_hat * (1 + w) in fp32, rounded once to x's dtype; dweight unchanged in form.
+    Weights near zero, as Gemma's are stored, so that a dropped offset cannot pass."""
+    x = leaf(torch.randn(shape, dtype=dtype, device=device))
+    weight = leaf((0.1 * torch.randn(shape[-1], device=device)).to(weight_dtype))
+    y = rms_norm(x, weight, 1e-6, offset=1.0)
+    assert y.dtype == dtype and y.shape == x.shape
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x64, w64 = leaf(x.detach().double()), leaf(weight.detach().double())
+    y64 = gemma_norm64(x64, w64, 1e-6)
+    y64.backward(dy.double())
+    assert_close(y, y64, dtype, "y")
+    assert_close(x.grad, x64.grad, dtype, "dx")
+    assert_close(weight.grad, w64.grad, weight_dtype, "dweight")
+    assert_close(rms_norm_ref(x, weight, 1e-6, offset=1.0), y64, dtype, "rms_norm_ref")
+
+
+def test_offset_on_strided_rows(device):
+    wide = leaf(torch.randn(9, 5, 140, device=device))
+    x = wide[:, :, 3:133]  # rows with a leading stride of 140
+    weight = leaf(0.1 * torch.randn(130, device=device))
+    y = rms_norm(x, weight, 1e-5, offset=1.0, out_dtype=torch.bfloat16)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    x64, w64 = leaf(x.detach().double()), leaf(weight.detach().double())
+    gemma_norm64(x64, w64, 1e-5).sum().backward()
+    assert_close(wide.grad[:, :, 3:133], x64.grad, torch.bfloat16, "dx")
+    assert torch.all(wide.grad[:, :, :3] == 0)
+    with pytest.raises(TypeError, match="offset must be a float"):
+        rms_norm(x, weight, offset="1")

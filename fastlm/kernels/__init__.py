@@ -20,6 +20,8 @@ from fastlm.kernels.cross_entropy import (
     linear_cross_entropy,
     linear_cross_entropy_ref,
 )
+from fastlm.kernels.cross_entropy_options import cross_entropy_options_ref
+from fastlm.kernels.geglu import geglu, geglu_ref
 from fastlm.kernels.rmsnorm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 from fastlm.kernels.rope import apply_rope_, rope_ref, rope_tables
 from fastlm.kernels.swiglu import swiglu, swiglu_packed, swiglu_packed_ref, swiglu_ref
@@ -30,6 +32,7 @@ __all__ = [
     "cross_entropy",
     "flash_attention",
     "flash_attention_varlen",
+    "geglu",
     "linear_cross_entropy",
     "rms_norm",
     "rope_attention",
@@ -41,6 +44,8 @@ __all__ = [
     "attention_varlen_ref",
     "rope_attention_ref",
     "cross_entropy_ref",
+    "cross_entropy_options_ref",
+    "geglu_ref",
     "linear_cross_entropy_ref",
     "rms_norm_ref",
     "rope_ref",

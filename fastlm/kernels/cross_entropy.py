@@ -606,7 +606,12 @@ def cross_entropy(
     ignore_index: int = -100,
     *,
     inplace_backward: bool = False,
-) -> torch.Tensor:
+    softcap: float = 0.0,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    return_accuracy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy of logits (..., V) against targets (...), skipping ignore_index.
 
     F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index) except
@@ -614,6 +619,13 @@ def cross_entropy(
     and strided; the loss is fp32. Targets are int64 (or int32) with logits' leading shape, in
     [0, V) or equal to ignore_index: CPU targets are checked on the host (ValueError); on a GPU a
     bad target trips a device-side assert (checking on the host would need a sync).
+
+    Options (`fastlm.kernels.cross_entropy_options`, their own kernels; inplace_backward does
+    not apply to them): `softcap` c > 0 caps the logits at c * tanh(x / c) first (Gemma 2's
+    final logits); `reduction` "mean", "sum" or "none" (each row's loss, logits' leading
+    shape, 0 where ignored); `label_smoothing` eps in [0, 1] (PyTorch's); `z_loss` w adds
+    w * lse^2 per counted row; `return_accuracy=True` returns (loss, accuracy), the fraction of
+    counted rows whose largest logit is the target.
 
     The forward saves the log-sum-exp of each row; the backward computes the gradient from the
     logits and the lse into a new tensor. With `inplace_backward=True` the forward writes the
@@ -635,6 +647,14 @@ def cross_entropy(
     _check_targets(targets, logits.shape[:-1], logits.device, "logits")
     check_ignore_index(ignore_index)
     _check_target_values(targets, logits.shape[-1], ignore_index)
+    options = (softcap, reduction, label_smoothing, z_loss, return_accuracy)
+    if options != (0.0, "mean", 0.0, 0.0, False):
+        from fastlm.kernels import cross_entropy_options
+
+        cross_entropy_options.check_options(*options)
+        return cross_entropy_options.cross_entropy_with_options(
+            logits, targets, ignore_index, *options
+        )
     if not use_triton(logits):
         return cross_entropy_ref(logits, targets, ignore_index)
     # Decided here: inside the ops grad mode is always off.
@@ -666,7 +686,13 @@ def linear_cross_entropy(
     targets: torch.Tensor,
     ignore_index: int = -100,
     chunk_size: int | None = None,
-) -> torch.Tensor:
+    *,
+    softcap: float = 0.0,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    return_accuracy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """cross_entropy(x @ weight.T, targets, ignore_index) without the (tokens, V) logits.
 
     x (..., C) (the final norm's output), weight (V, C) (nn.Linear's / out_linear.w's [out, in]
@@ -685,13 +711,20 @@ def linear_cross_entropy(
     dtype and the weight's gradient is accumulated and returned in fp32, never rounded to x's
     dtype and cast back. Under autocast x is cast to the autocast dtype (no copy when the final
     norm wrote it so) and weight is taken as it is, as a linear layer under autocast would.
+
+    softcap, reduction, label_smoothing, z_loss, return_accuracy: as in `cross_entropy`, on the
+    logits x @ weight.T. "mean" and "sum" make each chunk's gradients in the forward as above;
+    "none" recomputes each chunk's logits in the backward (one chunk's alive at a time).
     """
     check_float("x", x)
     check_float("weight", weight)
+    options = (softcap, reduction, label_smoothing, z_loss, return_accuracy)
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
         with torch.autocast(x.device.type, enabled=False):
-            return linear_cross_entropy(x.to(dtype), weight, targets, ignore_index, chunk_size)
+            return linear_cross_entropy(
+                x.to(dtype), weight, targets, ignore_index, chunk_size, **_option_names(options)
+            )
     if weight.dtype != torch.float32:
         check_match("weight", weight, "x", x)
     elif weight.device != x.device:
@@ -710,12 +743,24 @@ def linear_cross_entropy(
     ):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     _check_target_values(targets, weight.shape[0], ignore_index)
-    if not use_triton(x):
-        return linear_cross_entropy_ref(x, weight, targets, ignore_index)
     if chunk_size is None:
         chunk_size = default_chunk_size(targets.numel(), weight.shape[0], x.dtype)
+    if options != (0.0, "mean", 0.0, 0.0, False):
+        from fastlm.kernels import cross_entropy_options
+
+        cross_entropy_options.check_options(*options)
+        return cross_entropy_options.linear_cross_entropy_with_options(
+            x, weight, targets, ignore_index, chunk_size, *options
+        )
+    if not use_triton(x):
+        return linear_cross_entropy_ref(x, weight, targets, ignore_index)
     grad_enabled = torch.is_grad_enabled()
     need_dx, need_dweight = x.requires_grad and grad_enabled, weight.requires_grad and grad_enabled
     return _linear_cross_entropy_op(
         x, weight, targets, ignore_index, chunk_size, need_dx, need_dweight
     )[0]
+
+
+def _option_names(options: tuple) -> dict:
+    names = ("softcap", "reduction", "label_smoothing", "z_loss", "return_accuracy")
+    return dict(zip(names, options))

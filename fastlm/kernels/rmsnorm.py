@@ -4,12 +4,16 @@ Forward, per row x of length N (math in fp32, output in x's dtype, as `reference
 
     rstd  = 1 / sqrt(mean(x^2) + eps)
     x_hat = x * rstd
-    y     = x_hat * g
+    y     = x_hat * (g + offset)
 
-Backward, given dy (per row) and with g_dy = g * dy:
+Backward, given dy (per row) and with g_dy = (g + offset) * dy:
 
     dx = rstd * (g_dy - x_hat * mean(g_dy * x_hat))
     dg = sum over rows of dy * x_hat
+
+`offset` is 0 for LLaMA-style norms and 1 for Gemma's, whose weight is stored as a deviation from
+one (`x_hat * (1 + w)`, computed in fp32 and rounded once to x's dtype: Gemma's casting order).
+It is a compile-time constant of the kernels, so the plain norm's code does not change.
 
 `add_rms_norm(x, residual, g)` first forms the residual stream s = x + residual (rounded to the
 dtype PyTorch's `x + residual` promotes to) and returns (rms_norm(s), s). Its backward takes the
@@ -61,13 +65,18 @@ MAX_HIDDEN = 65536
 
 
 def rms_norm_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, out_dtype: torch.dtype | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-5,
+    out_dtype: torch.dtype | None = None,
+    offset: float = 0.0,
 ) -> torch.Tensor:
-    """RMSNorm in PyTorch: fp32 inside (fp64 for fp64 input), the result in out_dtype (default:
-    x's dtype)."""
+    """RMSNorm in PyTorch: fp32 inside (fp64 for fp64 input), scaled by weight + offset, the
+    result in out_dtype (default: x's dtype)."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     xc = x.to(compute)
-    y = xc * torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + eps) * weight
+    scale = weight.to(compute) + offset if offset else weight
+    y = xc * torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + eps) * scale
     return y.to(out_dtype or x.dtype)
 
 
@@ -107,6 +116,7 @@ def _rms_norm_fwd(
     BF16_BY_HAND: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    OFFSET: tl.constexpr = 0.0,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -126,6 +136,8 @@ def _rms_norm_fwd(
     # Masked columns load as 0, so they add nothing to the sum of squares.
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)  # (BLOCK_M,)
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+    if OFFSET != 0.0:
+        w += OFFSET
     # Same order as the reference: (x * rstd) * g, all in fp32.
     y = (x * rstd[:, None]) * w[None, :]
     y = round_to(y, Y.dtype.element_ty, BF16_BY_HAND)
@@ -155,12 +167,15 @@ def _rms_norm_bwd(
     BF16_BY_HAND: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    OFFSET: tl.constexpr = 0.0,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if OFFSET != 0.0:  # masked columns get it too, but their dy and x_hat are 0
+        w += OFFSET
     dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
     num_tiles = tl.cdiv(M, BLOCK_M)
@@ -242,10 +257,13 @@ def _rms_norm_forward(
     eps: float,
     out_dtype: torch.dtype,
     shape: tuple[int, ...] | None = None,
+    *,
+    offset: float = 0.0,
 ):
     """Launch the forward on (rows, N) views. Returns (y in out_dtype, summed in the promoted
     dtype of x and residual or None, rstd), allocated in `shape` (rows' by default; rstd in
-    shape[:-1]), so that an op returns them as tensors of their own, not views."""
+    shape[:-1]), so that an op returns them as tensors of their own, not views. The weight
+    scales by weight + offset."""
     weight = weight.contiguous()  # the kernels read it with a unit stride
     M, N = x.shape
     shape = shape or (M, N)
@@ -282,6 +300,7 @@ def _rms_norm_forward(
         BF16_BY_HAND=interpreting(),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        OFFSET=float(offset),
         num_warps=num_warps,
     )
     return y_out, summed_out, rstd_out
@@ -296,10 +315,12 @@ def _rms_norm_backward(
     dx_dtype: torch.dtype,
     dx2_dtype: torch.dtype | None = None,
     shape: tuple[int, ...] | None = None,
+    *,
+    offset: float = 0.0,
 ):
     """Launch the backward on (rows, N) views. Returns (dx, dx2 or None, dweight): dx (already
     holding d_summed) in dx_dtype and, if dx2_dtype is given, the same gradient in that dtype,
-    allocated in `shape` (rows' by default)."""
+    allocated in `shape` (rows' by default); the forward scaled by weight + offset."""
     M, N = x.shape
     weight = weight.contiguous()
     shape = shape or (M, N)
@@ -335,6 +356,7 @@ def _rms_norm_backward(
         BF16_BY_HAND=interpreting(),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        OFFSET=float(offset),
         num_warps=num_warps,
     )
     return dx_out, dx2_out, dw_partial.sum(0).to(weight.dtype)
@@ -347,15 +369,16 @@ def _rms_norm_backward(
 
 @torch.library.custom_op("fastlm::rms_norm", mutates_args=())
 def _rms_norm_op(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype, offset: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, rstd): y of x's shape in out_dtype, rstd (x.shape[:-1]) fp32 for the backward."""
-    y, _, rstd = _rms_norm_forward(as_rows(x), None, weight, eps, out_dtype, x.shape)
+    rows = as_rows(x)
+    y, _, rstd = _rms_norm_forward(rows, None, weight, eps, out_dtype, x.shape, offset=offset)
     return y, rstd
 
 
 @_rms_norm_op.register_fake
-def _(x, weight, eps, out_dtype):
+def _(x, weight, eps, out_dtype, offset=0.0):
     return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
@@ -390,6 +413,7 @@ def _rms_norm_backward_op(
     rstd: torch.Tensor,
     dx_dtype: torch.dtype,
     dx2_dtype: torch.dtype | None,
+    offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx in dx_dtype, the same in dx2_dtype or an empty tensor, dweight); dx already holds
     d_summed, the residual stream's own gradient, if given."""
@@ -403,18 +427,20 @@ def _rms_norm_backward_op(
         dx_dtype,
         dx2_dtype,
         x.shape,
+        offset=offset,
     )
     return dx, dx2 if dx2 is not None else x.new_empty(0), dweight
 
 
 @_rms_norm_backward_op.register_fake
-def _(dy, d_summed, x, weight, rstd, dx_dtype, dx2_dtype):
+def _(dy, d_summed, x, weight, rstd, dx_dtype, dx2_dtype, offset=0.0):
     dx2 = x.new_empty(x.shape if dx2_dtype is not None else 0, dtype=dx2_dtype or x.dtype)
     return x.new_empty(x.shape, dtype=dx_dtype), dx2, weight.new_empty(weight.shape)
 
 
 def _rms_norm_setup(ctx, inputs, output):
-    x, weight, _, _ = inputs
+    x, weight, _, _, offset = inputs
+    ctx.offset = offset
     ctx.save_for_backward(x, weight, output[1])
     ctx.set_materialize_grads(False)  # rstd has no gradient: no zero tensor for it
     ctx.mark_non_differentiable(output[1])
@@ -422,8 +448,8 @@ def _rms_norm_setup(ctx, inputs, output):
 
 def _rms_norm_grad(ctx, dy, _):
     x, weight, rstd = ctx.saved_tensors
-    dx, _, dweight = _rms_norm_backward_op(dy, None, x, weight, rstd, x.dtype, None)
-    return dx, dweight, None, None
+    dx, _, dweight = _rms_norm_backward_op(dy, None, x, weight, rstd, x.dtype, None, ctx.offset)
+    return dx, dweight, None, None, None
 
 
 def _add_rms_norm_setup(ctx, inputs, output):
@@ -517,19 +543,30 @@ def rms_norm(
     eps: float = 1e-5,
     *,
     out_dtype: torch.dtype | None = None,
+    offset: float = 0.0,
 ) -> torch.Tensor:
-    """RMSNorm of x over its last dim, scaled by `weight`, as `reference.RmsNorm`.
+    """RMSNorm of x over its last dim, scaled by `weight + offset`, as `reference.RmsNorm`.
 
-    x: (..., N) float32/float16/bfloat16, any leading shape; rows may be strided (a slice of a wider
-    tensor) as long as the last dim is contiguous, otherwise x is copied once.
-    weight: (N,), of x's dtype or float32. Returns a tensor of x's shape in `out_dtype` (default:
-    x's dtype), rounded once from fp32: `rms_norm(x, w).to(bf16)` in one pass.
+    Args:
+        x: (..., N) float32/float16/bfloat16, any leading shape; rows may be strided (a slice of
+            a wider tensor) as long as the last dim is contiguous, otherwise x is copied once.
+        weight: (N,), of x's dtype or float32.
+        eps: added to the mean square before the reciprocal square root.
+        out_dtype: the result's dtype (default: x's), rounded once from fp32:
+            `rms_norm(x, w).to(bf16)` in one pass.
+        offset: added to the weight in fp32 inside the kernel: 1.0 is Gemma's RMSNorm
+            (`x_hat * (1 + w)` in fp32, then one rounding). The weight's gradient is unchanged.
+
+    Returns:
+        A tensor of x's shape in out_dtype.
     """
     _check_args(x, weight)
     out_dtype = _out_dtype(out_dtype, x.dtype)
+    if not isinstance(offset, (int, float)) or isinstance(offset, bool):
+        raise TypeError(f"offset must be a float, got {type(offset).__name__}")
     if not _kernels_take(x):
-        return rms_norm_ref(x, weight, eps, out_dtype)
-    return _rms_norm_op(x, weight, float(eps), out_dtype)[0]
+        return rms_norm_ref(x, weight, eps, out_dtype, float(offset))
+    return _rms_norm_op(x, weight, float(eps), out_dtype, float(offset))[0]
 
 
 def add_rms_norm(

@@ -12,6 +12,10 @@ Two forms share the same two kernels (they take row strides, so halves of one bu
 pointers with a stride): `swiglu(gate, up)`, and `swiglu_packed(gate_up)` for a fused W1|W3
 projection whose output holds gate in its first half and up in its second, and whose gradient is
 written as one [..., 2 * d_ff] tensor.
+
+The kernels are those of any gated linear unit act(gate) * up: the ACTIVATION constant picks the
+activation (SILU here; GELU_TANH and GELU for `fastlm.kernels.geglu`, whose math is there), and
+SILU's code is the same as without the choice.
 """
 
 from __future__ import annotations
@@ -53,6 +57,28 @@ def swiglu_packed_ref(gate_up: torch.Tensor) -> torch.Tensor:
 # Kernels
 # --------------------------------------------------------------------------------------------
 
+#: The ACTIVATION constant of the kernels.
+SILU, GELU_TANH, GELU = 0, 1, 2
+
+
+@triton.jit
+def _gelu_and_slope(g, TANH: tl.constexpr):
+    """(gelu(g), gelu'(g)) in fp32 (see `fastlm.kernels.geglu`). Constants: 2 sqrt(2 / pi),
+    sqrt(2 / pi), 1 / sqrt(2), 1 / sqrt(2 pi)."""
+    if TANH:
+        # 0.5 * (1 + tanh(u)) = sigmoid(2u), and 1 - tanh(u)^2 = 4 sigmoid(2u) sigmoid(-2u): no
+        # 1 + t cancelling where tanh(u) is near -1. 2u is kept within +-80, where sigmoid is 0
+        # or 1 to fp32 already, so that its exp never overflows.
+        two_u = 1.5957691216057308 * (g + 0.044715 * g * g * g)
+        s = tl.sigmoid(tl.minimum(tl.maximum(two_u, -80.0), 80.0))
+        gelu = g * s
+        slope = s + 2.0 * g * s * (1.0 - s) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)
+    else:
+        cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
+        gelu = g * cdf
+        slope = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
+    return gelu, slope
+
 
 @triton.jit
 def _swiglu_fwd_kernel(
@@ -67,6 +93,7 @@ def _swiglu_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BF16_BY_HAND: tl.constexpr,
+    ACTIVATION: tl.constexpr = 0,
 ):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -74,7 +101,10 @@ def _swiglu_fwd_kernel(
     gate = tl.load(G + rows[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0)
     up = tl.load(U + rows[:, None] * stride_um + cols[None, :], mask=mask, other=0.0)
     gate, up = gate.to(tl.float32), up.to(tl.float32)
-    y = gate * tl.sigmoid(gate) * up
+    if ACTIVATION == 0:
+        y = gate * tl.sigmoid(gate) * up
+    else:
+        y = _gelu_and_slope(gate, ACTIVATION == 1)[0] * up
     tl.store(
         Y + rows[:, None] * stride_ym + cols[None, :],
         round_to(y, Y.dtype.element_ty, BF16_BY_HAND),
@@ -99,6 +129,7 @@ def _swiglu_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BF16_BY_HAND: tl.constexpr,
+    ACTIVATION: tl.constexpr = 0,
 ):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -107,9 +138,14 @@ def _swiglu_bwd_kernel(
     gate = tl.load(G + rows[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0)
     up = tl.load(U + rows[:, None] * stride_um + cols[None, :], mask=mask, other=0.0)
     dy, gate, up = dy.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
-    sig = tl.sigmoid(gate)
-    d_gate = dy * up * sig * (1.0 + gate * (1.0 - sig))
-    d_up = dy * gate * sig
+    if ACTIVATION == 0:
+        sig = tl.sigmoid(gate)
+        d_gate = dy * up * sig * (1.0 + gate * (1.0 - sig))
+        d_up = dy * gate * sig
+    else:
+        gelu, slope = _gelu_and_slope(gate, ACTIVATION == 1)
+        d_gate = dy * up * slope
+        d_up = dy * gelu
     tl.store(
         DG + rows[:, None] * stride_dgm + cols[None, :],
         round_to(d_gate, DG.dtype.element_ty, BF16_BY_HAND),
@@ -139,7 +175,9 @@ def _launch_config(M: int, N: int) -> tuple[tuple[int, int], dict]:
     return grid, {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": 1 if interpreting() else 4}
 
 
-def _forward_rows(gate: torch.Tensor, up: torch.Tensor, y: torch.Tensor) -> None:
+def _forward_rows(
+    gate: torch.Tensor, up: torch.Tensor, y: torch.Tensor, activation: int = SILU
+) -> None:
     M, N = gate.shape
     if gate.numel() == 0:
         return
@@ -154,12 +192,18 @@ def _forward_rows(gate: torch.Tensor, up: torch.Tensor, y: torch.Tensor) -> None
         M,
         N,
         BF16_BY_HAND=interpreter_bf16(y.dtype),
+        ACTIVATION=activation,
         **config,
     )
 
 
 def _backward_rows(
-    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d_gate: torch.Tensor, d_up: torch.Tensor
+    dy: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    d_gate: torch.Tensor,
+    d_up: torch.Tensor,
+    activation: int = SILU,
 ) -> None:
     M, N = gate.shape
     if gate.numel() == 0:
@@ -179,6 +223,7 @@ def _backward_rows(
         M,
         N,
         BF16_BY_HAND=interpreter_bf16(d_gate.dtype),
+        ACTIVATION=activation,
         **config,
     )
 
@@ -188,11 +233,33 @@ def _backward_rows(
 # --------------------------------------------------------------------------------------------
 
 
+def gated_forward(gate: torch.Tensor, up: torch.Tensor, activation: int = SILU) -> torch.Tensor:
+    """act(gate) * up into a new tensor of gate's shape (the ops' body)."""
+    y = empty(gate.shape, device=gate.device, dtype=gate.dtype)
+    _forward_rows(as_rows(gate), as_rows(up), y.view(-1, y.shape[-1]), activation)
+    return y
+
+
+def gated_backward(
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: int = SILU
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d gate, d up) into new tensors of the inputs' shapes (the backward ops' body)."""
+    d_gate = empty(gate.shape, device=gate.device, dtype=gate.dtype)
+    d_up = empty(up.shape, device=up.device, dtype=up.dtype)
+    _backward_rows(
+        as_rows(dy),
+        as_rows(gate),
+        as_rows(up),
+        d_gate.view(-1, d_gate.shape[-1]),
+        d_up.view(-1, d_up.shape[-1]),
+        activation,
+    )
+    return d_gate, d_up
+
+
 @torch.library.custom_op("fastlm::swiglu", mutates_args=())
 def _swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    y = empty(gate.shape, device=gate.device, dtype=gate.dtype)
-    _forward_rows(as_rows(gate), as_rows(up), y.view(-1, y.shape[-1]))
-    return y
+    return gated_forward(gate, up)
 
 
 @_swiglu_op.register_fake
@@ -204,16 +271,7 @@ def _(gate, up):
 def _swiglu_backward_op(
     dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    d_gate = empty(gate.shape, device=gate.device, dtype=gate.dtype)
-    d_up = empty(up.shape, device=up.device, dtype=up.dtype)
-    _backward_rows(
-        as_rows(dy),
-        as_rows(gate),
-        as_rows(up),
-        d_gate.view(-1, d_gate.shape[-1]),
-        d_up.view(-1, d_up.shape[-1]),
-    )
-    return d_gate, d_up
+    return gated_backward(dy, gate, up)
 
 
 @_swiglu_backward_op.register_fake

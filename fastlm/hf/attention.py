@@ -1,0 +1,375 @@
+"""fastlm's attention inside transformers: an attention function and a mask function, both
+registered as "fastlm" (`AttentionInterface`, `AttentionMaskInterface`), for every batch shape
+trainers build.
+
+The mask function builds no [B, 1, T, T] mask. It returns
+- None for plain causal attention (the keys are the queries' own tokens and those before them);
+- the 2-D (B, keys) padding mask, sliced as the keys are (a sliding-window cache keeps only the
+  last keys), when the caller passed an `attention_mask`;
+- `PACKED` when transformers found several documents in one row (`position_ids` that restart;
+  transformers looks for them only when no `attention_mask` and no cache is given);
+- a 4-D mask only for what the kernels do not run: a static cache (keys past the queries'
+  positions not written yet), a model's own extra mask functions (`or_mask_function`,
+  `and_mask_function`, e.g. Gemma 3's bidirectional sliding window), bidirectional attention
+  (`config.is_causal=False`).
+
+The attention function then runs, in this order:
+- `cu_seq_lens_q/k` and `max_length_q/k` passed by the caller (`DataCollatorWithFlattening`,
+  TRL's padding-free batches): `flash_attention_varlen` on them, over the flattened batch;
+- a 2-D padding mask: `flash_attention_varlen` over the flattened (B * T) tokens with three
+  segments per row (leading padding, the real tokens, trailing padding), found on the device: no
+  host synchronisation, the launch sized by the padded length, no copy of q, k or v when they
+  are views of a projection (in training; a KV cache's keys and values are copied into that
+  layout at each decoding step). The real tokens of a row must be contiguous (left or right padding,
+  as tokenizers and collators pad; checked on the device, an error otherwise). Padding rows get
+  output 0, as transformers' flash-attention path gives;
+- `PACKED`: the documents from `position_ids` (a new one wherever the position does not
+  follow the previous by one, in any row), read once per forward (one host synchronisation for
+  their count and longest length, shared by all layers), then `flash_attention_varlen`. Under
+  torch.compile transformers reports every batch without a mask as packed, and position_ids
+  cannot be read: such a batch runs `flash_attention`, with a device-side check that no row
+  restarts (packed documents under compile need `cu_seq_lens_q/k`);
+- otherwise `flash_attention` (causal, aligned to the end of the keys: a KV cache's decode).
+
+Every path applies the layer's `sliding_window` W as Hugging Face's eager attention does (query i
+sees key j iff i - W < j <= i, counted within each document or row) through `window_size=(W - 1,
+0)`, the layer's `softcap` and `scaling`. What the kernels do not run goes to transformers' SDPA
+function (or the family's eager attention where the scores are soft-capped), with a dense mask
+built for it, and warns once naming why: attention dropout in training, a 4-D mask (the caller's,
+a static cache's, a model's own mask functions), bidirectional attention, attention sinks, a
+dtype the kernels do not take.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+
+import torch
+
+from fastlm.hf.families import modeling_module
+from fastlm.kernels import flash_attention, flash_attention_varlen
+from fastlm.kernels._common import FLOAT_DTYPES
+
+#: The name fastlm's attention and mask functions are registered under in transformers.
+ATTENTION = "fastlm"
+
+
+class _Packed:
+    """The mask function's answer when transformers found packed documents in position_ids."""
+
+    def __repr__(self) -> str:
+        return "fastlm.hf.attention.PACKED"
+
+    def __reduce__(self):
+        return "PACKED"  # one instance, also after pickling
+
+
+PACKED = _Packed()
+
+_warned: set[str] = set()
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(
+            f"fastlm.hf: attention with {reason} runs transformers' SDPA (or the model's eager "
+            "attention), not fastlm's kernels",
+            stacklevel=3,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# The mask function
+# --------------------------------------------------------------------------------------------
+
+
+def fastlm_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int | torch.Tensor = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    allow_is_causal_skip: bool = True,
+    use_vmap: bool = False,
+    **kwargs,
+):
+    """transformers' mask interface for fastlm's attention (see the module docstring).
+
+    Args:
+        batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+        allow_is_causal_skip, use_vmap: as transformers' `sdpa_mask` takes them; the rest of
+            `kwargs` is handed to `sdpa_mask` when a 4-D mask is needed.
+
+    Returns:
+        None, a (batch, kv_length) bool padding mask, `PACKED`, or a 4-D bool mask.
+    """
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    # The keys are the queries' own tokens and the ones before them exactly when they end where
+    # the queries end; a static cache's keys run on to its full length (and its offset is a
+    # tensor, which is not read here: no host synchronisation).
+    aligned = not torch.is_tensor(q_offset) and kv_offset + kv_length == q_offset + q_length
+    bidirectional = "allow_is_bidirectional_skip" in kwargs  # create_bidirectional_mask's call
+    if use_vmap or not aligned or bidirectional:
+        reason = "a model's own mask functions" if use_vmap else "a static cache"
+        _warn_once("bidirectional attention" if bidirectional else reason)
+        kwargs["allow_is_bidirectional_skip"] = False  # a mask, never None (taken as causal)
+        return sdpa_mask(
+            batch_size=batch_size,
+            q_length=q_length,
+            kv_length=kv_length,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            mask_function=mask_function or causal_mask_function,
+            attention_mask=attention_mask,
+            allow_is_causal_skip=False,
+            use_vmap=use_vmap,
+            **kwargs,
+        )
+    if attention_mask is not None:
+        # The 2-D mask covers every token seen (cache included); keep the ones the keys are.
+        mask = attention_mask.to(torch.bool)
+        if mask.shape[-1] < kv_offset + kv_length:
+            mask = torch.nn.functional.pad(mask, (0, kv_offset + kv_length - mask.shape[-1]))
+        return mask[:, kv_offset : kv_offset + kv_length]
+    if not allow_is_causal_skip:  # transformers found several documents in a row
+        return PACKED
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Sequence bounds for flash_attention_varlen, found on the device
+# --------------------------------------------------------------------------------------------
+
+
+def padding_segments(mask: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens (3 B + 1,) int32 over the flattened (B * N) tokens of a (B, N) bool padding
+    mask: for each row its leading padding, its real tokens and its trailing padding. No host
+    synchronisation: a row whose real tokens are not contiguous fails a device-side assertion."""
+    B, N = mask.shape
+    ones = mask.to(torch.int32)
+    count = ones.sum(1)
+    lead = (ones.cumsum(1) == 0).sum(1)
+    trail = (ones.flip(1).cumsum(1) == 0).sum(1)
+    contiguous = (count == 0) | (lead + count + trail == N)
+    torch._assert_async(
+        contiguous.all(),
+        "fastlm.hf: attention_mask must have each row's ones contiguous (left or right "
+        "padding), as tokenizers and collators pad; use attn_implementation='sdpa' for another",
+    )
+    base = torch.arange(B, device=mask.device) * N
+    bounds = torch.stack((base, base + lead, base + lead + count), dim=1).flatten()
+    return torch.cat((bounds, bounds.new_full((1,), B * N))).to(torch.int32)
+
+
+_last_documents: list = [None]  # (weakref to position_ids, its version, shape, result)
+
+
+def position_documents(position_ids: torch.Tensor, batch: int, length: int):
+    """(cu_seqlens int32 on the device, longest length) of the documents in position_ids (a new
+    one at each row's start and wherever a position does not follow the one before by one), over
+    the flattened (batch * length) tokens. One host synchronisation; the answer is kept for the
+    same position_ids tensor, so that the layers of one forward share it."""
+    cached = _last_documents[0]
+    key = (position_ids._version, batch, length)
+    if cached is not None and cached[0]() is position_ids and cached[1] == key:
+        return cached[2]
+    positions = position_ids.expand(batch, length)
+    starts = torch.ones(batch, length, dtype=torch.bool, device=positions.device)
+    starts[:, 1:] = positions[:, 1:] - positions[:, :-1] != 1
+    first = starts.flatten().nonzero().flatten().cpu()
+    bounds = torch.cat((first, first.new_full((1,), batch * length)))
+    result = bounds.to(device=positions.device, dtype=torch.int32), int(bounds.diff().max())
+    _last_documents[0] = (weakref.ref(position_ids), key, result)
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# The attention function
+# --------------------------------------------------------------------------------------------
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """(B, H, T, D) -> (B * T, H, D), a view when the tensor is a projection's output."""
+    B, H, T, D = t.shape
+    return t.transpose(1, 2).reshape(B * T, H, D)
+
+
+def _varlen(query, key, value, cu_q, cu_k, max_q, max_k, options) -> torch.Tensor:
+    B, _, Tq, _ = query.shape
+    out = flash_attention_varlen(
+        _flat(query), _flat(key), _flat(value), cu_q, cu_k, max_q, max_k, causal=True, **options
+    )
+    return out.view(B, Tq, *out.shape[1:])
+
+
+def _autocast(query, key, value):
+    """q, k, v in autocast's dtype where it is on, as SDPA would take them (a q/k norm with an
+    fp32 weight gives fp32 q and k beside a bf16 v)."""
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        return tuple(t.to(dtype) for t in (query, key, value))
+    return query, key, value
+
+
+def _fallback_reason(module, query, key, attention_mask, dropout, kwargs) -> str | None:
+    if dropout:
+        return "attention dropout in training"
+    if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
+        return "bidirectional attention"
+    if torch.is_tensor(attention_mask) and attention_mask.dim() == 4:
+        return "a 4-D attention mask"
+    if kwargs.get("s_aux") is not None:
+        return "attention sinks (s_aux)"
+    if query.dtype not in FLOAT_DTYPES:
+        return f"{query.dtype} inputs"
+    if query.shape[2] > key.shape[2]:
+        return "more queries than keys"
+    return None
+
+
+def fastlm_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+):
+    """transformers' attention-function interface on fastlm's flash attention kernels.
+
+    Args:
+        module: the calling attention module.
+        query: (B, Hq, Tq, D); key, value: (B, Hkv, Tk, D) (grouped-query heads read as they are).
+        attention_mask: what `fastlm_mask` returned (or a caller's 4-D mask).
+        dropout: attention dropout (runs SDPA: the kernels have none).
+        scaling: the softmax scale (default D ** -0.5).
+        sliding_window: this layer's window W (query i sees keys i - W < j <= i), or None.
+        softcap: this layer's score cap c (scores c * tanh(s / c)), or None.
+        kwargs: `position_ids`, `cu_seq_lens_q/k`, `max_length_q/k` and what else the model
+            passes.
+
+    Returns:
+        (output (B, Tq, Hq, D), None): no attention weights.
+    """
+    query, key, value = _autocast(query, key, value)
+    reason = _fallback_reason(module, query, key, attention_mask, dropout, kwargs)
+    if reason is not None:
+        _warn_once(reason)
+        return _fallback(
+            module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
+            **kwargs,
+        )  # fmt: skip
+    window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
+    options = dict(softmax_scale=scaling, window_size=window, softcap=float(softcap or 0.0))
+    B, _, Tq, _ = query.shape
+    Tk = key.shape[2]
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    given = all(x is not None for x in (cu_q, cu_k, max_q, max_k))
+    if given and (attention_mask is None or attention_mask is PACKED):
+        if Tq != Tk:
+            raise ValueError(
+                f"cu_seq_lens_q/k describe packed documents, but the attention has {Tq} queries "
+                f"and {Tk} keys (a cache is in use): pass use_cache=False with them"
+            )
+        cu_q, cu_k = (cu.to(torch.int32).contiguous() for cu in (cu_q, cu_k))
+        out = _varlen(query, key, value, cu_q, cu_k, int(max_q), int(max_k), options)
+    elif torch.is_tensor(attention_mask):  # (B, Tk) padding
+        cu_k = padding_segments(attention_mask)
+        keep = attention_mask[:, Tk - Tq :]  # the queries are the last Tq keys
+        cu_q = cu_k if Tq == Tk else padding_segments(keep)
+        out = _varlen(query, key, value, cu_q, cu_k, Tq, Tk, options)
+        out = out * keep[:, :, None, None].to(out.dtype)  # padding rows: 0
+    elif attention_mask is PACKED and kwargs.get("position_ids") is not None and Tq == Tk:
+        if torch.compiler.is_compiling():
+            # Compiling, transformers reports every row as packed: whether position_ids restart
+            # cannot be read without a host synchronisation. A row that does restart fails.
+            positions = kwargs["position_ids"]
+            torch._assert_async(
+                (positions[:, 1:] - positions[:, :-1] == 1).all(),
+                "fastlm.hf: under torch.compile, packed documents need cu_seq_lens_q/k and "
+                "max_length_q/k (DataCollatorWithFlattening(return_flash_attn_kwargs=True)); "
+                "position_ids that restart cannot be read while compiling",
+            )
+            out = flash_attention(query, key, value, causal=True, **options).transpose(1, 2)
+        else:
+            cu, longest = position_documents(kwargs["position_ids"], B, Tq)
+            out = _varlen(query, key, value, cu, cu, longest, longest, options)
+    else:
+        out = flash_attention(query, key, value, causal=True, **options).transpose(1, 2)
+    return out, None
+
+
+# --------------------------------------------------------------------------------------------
+# What the kernels do not run
+# --------------------------------------------------------------------------------------------
+
+
+def dense_mask(
+    attention_mask, query, key, sliding_window, position_ids, causal: bool = True
+) -> torch.Tensor:
+    """The (B, 1, Tq, Tk) bool mask Hugging Face's eager attention applies for what fastlm_mask
+    returned: causal (aligned to the end of the keys) with the window, or every key where not
+    causal; padding; packed documents."""
+    B, _, Tq, _ = query.shape
+    Tk = key.shape[2]
+    rows = torch.arange(Tq, device=query.device)[:, None] + (Tk - Tq)
+    cols = torch.arange(Tk, device=query.device)
+    visible = cols <= rows if causal else torch.ones(Tq, Tk, dtype=torch.bool, device=cols.device)
+    if sliding_window and causal:
+        visible &= cols > rows - sliding_window
+    visible = visible.expand(B, 1, Tq, Tk)
+    if torch.is_tensor(attention_mask):
+        visible = visible & attention_mask[:, None, None, :].to(torch.bool)
+    elif attention_mask is PACKED and position_ids is not None:
+        positions = position_ids.expand(B, Tq)
+        steps = torch.ones_like(positions, dtype=torch.bool)
+        steps[:, 1:] = positions[:, 1:] - positions[:, :-1] != 1
+        document = steps.cumsum(1)
+        visible = visible & (document[:, None, :, None] == document[:, None, None, :])
+    return visible
+
+
+def _fallback(
+    module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, **kwargs
+):
+    """transformers' SDPA function, or the family's eager attention for soft-capped scores."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    mask = attention_mask
+    if not (torch.is_tensor(mask) and mask.dim() == 4):
+        causal = kwargs.get("is_causal") is not False and getattr(module, "is_causal", True)
+        position_ids = kwargs.get("position_ids")
+        mask = dense_mask(mask, query, key, sliding_window, position_ids, causal)
+    if not softcap:
+        return sdpa_attention_forward(
+            module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if mask.dtype == torch.bool:  # eager attention adds the mask to the scores
+        mask = torch.zeros_like(mask, dtype=query.dtype).masked_fill(
+            ~mask, torch.finfo(query.dtype).min
+        )
+    eager = modeling_module(module).eager_attention_forward
+    return eager(
+        module, query, key, value, mask, dropout=dropout, scaling=scaling, softcap=softcap,
+        **kwargs,
+    )  # fmt: skip
+
+
+def register() -> None:
+    """Register `fastlm_attention` and `fastlm_mask` as "fastlm" in transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION, fastlm_attention)
+    AttentionMaskInterface.register(ATTENTION, fastlm_mask)

@@ -1,0 +1,271 @@
+"""fastlm.hf under the trainers people fine-tune with: TRL's SFTTrainer (padded and padding-free
+batches), transformers' Trainer with gradient accumulation, and PEFT LoRA, each on a patched tiny
+model against the unpatched one.
+
+These run on the PyTorch backend (FASTLM_BACKEND=torch): the same routing (`fastlm.hf`'s
+forwards and attention down to `flash_attention_varlen`) with each op's reference math, fast on
+a CPU. tests/test_hf.py runs the same batch shapes through the kernels with the op calls counted.
+"""
+
+import copy
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from test_hf import _model as hf_model  # noqa: E402
+
+import fastlm.hf  # noqa: E402
+from fastlm.hf import attention as hf_attention  # noqa: E402
+from fastlm.testing import assert_close  # noqa: E402
+
+VOCAB = 61
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(autouse=True)
+def pytorch_backend(monkeypatch):
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")
+
+
+def _tokenizer():
+    """A word-level tokenizer built here: "w0" ... "w57", with pad and eos."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 3)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
+def _texts(count=8):
+    lengths = torch.randint(3, 14, (count,)).tolist()
+    return [" ".join(f"w{i}" for i in torch.randint(0, VOCAB - 3, (n,)).tolist()) for n in lengths]
+
+
+def _model():
+    """Qwen2 with a sliding-window layer and a full one (tests/test_hf.py's tiny configuration),
+    and the tokenizer's pad and eos ids."""
+    return hf_model("qwen2", sliding_window=5, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+
+
+class _Calls:
+    """Counts calls of fastlm.hf's attention kernels and of PyTorch's SDPA."""
+
+    def __init__(self, monkeypatch):
+        self.counts = {"varlen": 0, "sdpa": 0}
+        varlen, sdpa = (
+            hf_attention.flash_attention_varlen,
+            torch.nn.functional.scaled_dot_product_attention,
+        )
+        monkeypatch.setattr(
+            hf_attention, "flash_attention_varlen", self._counting("varlen", varlen)
+        )
+        monkeypatch.setattr(
+            torch.nn.functional, "scaled_dot_product_attention", self._counting("sdpa", sdpa)
+        )
+
+    def _counting(self, name, function):
+        def counted(*args, **kwargs):
+            self.counts[name] += 1
+            return function(*args, **kwargs)
+
+        return counted
+
+
+def _sft(model, data, tokenizer, **options):
+    config = trl.SFTConfig(
+        output_dir="unused",
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        learning_rate=1e-3,
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        save_strategy="no",
+        dataloader_num_workers=0,
+        seed=0,
+        **{"max_steps": 2, **options},
+    )
+    return trl.SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(max_length=32), dict(packing=True, max_length=32)],
+    ids=["padded", "packing-padding-free"],
+)
+def test_sft_trainer_logs_what_it_logs_unpatched(options, tmp_path, monkeypatch):
+    """SFTTrainer on a patched model (patched before the trainer is built) for two steps, with
+    TRL's gradient checkpointing: the same metrics logged (loss, grad norm, entropy, token
+    accuracy, token counts) as for the unpatched model, equal within fp32 rounding, and the
+    attention ran fastlm's varlen path (padded rows, or TRL's one packed row with cu_seq_lens),
+    never SDPA."""
+    monkeypatch.chdir(tmp_path)
+    tokenizer = _tokenizer()
+    data = datasets.Dataset.from_dict({"text": _texts()})
+    model = _model()
+    unpatched = copy.deepcopy(model)
+    logs = {}
+    calls = _Calls(monkeypatch)
+    for name, m in (("patched", fastlm.hf.patch(model)), ("unpatched", unpatched)):
+        trainer = _sft(m, data, tokenizer, **options)
+        assert trainer.args.gradient_checkpointing
+        before = dict(calls.counts)
+        trainer.train()
+        logs[name] = [row for row in trainer.state.log_history if "loss" in row]
+        ran = {key: calls.counts[key] - before[key] for key in before}
+        if name == "patched":
+            assert ran["varlen"] > 0 and ran["sdpa"] == 0, ran
+    assert len(logs["patched"]) == len(logs["unpatched"]) == 2
+    for ours, theirs in zip(logs["patched"], logs["unpatched"]):
+        assert ours.keys() == theirs.keys()
+        assert {"loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens"} <= ours.keys()
+        for key, value in theirs.items():
+            assert ours[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (key, ours, theirs)
+
+
+def test_a_trainer_built_before_patch_keeps_its_loss_head(tmp_path, monkeypatch):
+    """SFTTrainer wraps the model's forward with its fused LM head when it is built; patching
+    afterwards leaves that wrapper (with a warning saying to patch first) and patches the rest,
+    so training still runs and matches."""
+    monkeypatch.chdir(tmp_path)
+    tokenizer = _tokenizer()
+    data = datasets.Dataset.from_dict({"text": _texts(4)})
+    trainer = _sft(_model(), data, tokenizer, max_length=32, max_steps=1)
+    with pytest.warns(UserWarning, match="forward is already replaced, by trl.*Patch the model"):
+        fastlm.hf.patch(trainer.model)
+    assert trainer.model.fastlm_patched == ("rms_norm", "swiglu", "rope", "attention")
+    trainer.train()
+    assert torch.isfinite(torch.tensor(trainer.state.log_history[0]["loss"]))
+
+
+def _batches(rows, per_batch, tokenizer):
+    """Micro-batches of `per_batch` rows as a collator pads them (each to its own longest row),
+    labels -100 on padding."""
+    collate = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    return [collate(rows[i : i + per_batch]) for i in range(0, len(rows), per_batch)]
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    """Micro-batches padded to different lengths, each loss over num_items_in_batch (all
+    micro-batches' counted tokens, as transformers' Trainer passes it): the summed gradients
+    are the one big batch's, on the patched model as on the unpatched one."""
+    tokenizer = _tokenizer()
+    rows = [{"input_ids": torch.randint(3, VOCAB, (n,)).tolist()} for n in (5, 12, 3, 9, 7, 11)]
+    micro = _batches(rows, 2, tokenizer)
+    (whole,) = _batches(rows, len(rows), tokenizer)
+    items = torch.tensor(sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro))
+    model = _model()
+    unpatched = copy.deepcopy(model)
+    fastlm.hf.patch(model)
+    grads = {}
+    for name, m in (("patched", model), ("unpatched", unpatched)):
+        for batch in micro:
+            m(**batch, num_items_in_batch=items, use_cache=False).loss.backward()
+        accumulated = {n: p.grad.clone() for n, p in m.named_parameters()}
+        m.zero_grad()
+        m(**whole, use_cache=False).loss.backward()
+        for n, p in m.named_parameters():
+            assert_close(accumulated[n], p.grad, torch.float32, f"{name}: accumulated grad of {n}")
+        grads[name] = accumulated
+    for n, grad in grads["unpatched"].items():
+        assert_close(grads["patched"][n], grad, torch.float32, f"patched vs unpatched grad of {n}")
+
+
+def test_trainer_gradient_accumulation_takes_the_same_step(tmp_path):
+    """transformers' Trainer on the patched model: two micro-batches of 2 with gradient
+    accumulation take the very step one batch of 4 takes (plain SGD, so that a wrongly scaled
+    loss would show)."""
+    tokenizer = _tokenizer()
+    rows = [{"input_ids": ids} for ids in tokenizer(_texts(4))["input_ids"]]
+    data = datasets.Dataset.from_list(rows)
+    collate = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    start = _model()
+    trained = {}
+    for accumulate, per_device in ((2, 2), (1, 4)):
+        model = fastlm.hf.patch(copy.deepcopy(start))
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path),
+            max_steps=1,
+            per_device_train_batch_size=per_device,
+            gradient_accumulation_steps=accumulate,
+            learning_rate=0.5,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            report_to="none",
+            use_cpu=True,
+            save_strategy="no",
+            dataloader_num_workers=0,
+            seed=0,
+        )
+        transformers.Trainer(
+            model=model, args=args, train_dataset=data, data_collator=collate
+        ).train()
+        trained[accumulate] = dict(model.named_parameters())
+    moved = 0.0
+    for name, p in trained[1].items():
+        assert_close(trained[2][name], p, torch.float32, f"{name} after the step")
+        moved = max(moved, float((p - dict(start.named_parameters())[name]).abs().max()))
+    assert moved > 1e-3  # the step did move the weights
+
+
+def test_peft_lora_on_a_patched_model():
+    """LoRA adapters (attention and MLP projections) on a patched model: gradients reach only
+    the adapters, equal to the unpatched model's with the same adapters."""
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
+    base = _model()
+    models = {}
+    for name in ("patched", "unpatched"):
+        model = copy.deepcopy(base)
+        if name == "patched":
+            fastlm.hf.patch(model)
+        models[name] = peft.get_peft_model(model, lora)
+    torch.manual_seed(3)
+    with torch.no_grad():  # nonzero adapters (B starts at zero), the same in both
+        for p in models["unpatched"].parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.1)
+    models["patched"].load_state_dict(models["unpatched"].state_dict())
+    assert models["patched"].get_base_model().fastlm_patched[-1] == "cross_entropy"
+    ids = torch.randint(0, VOCAB, (2, 11))
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    for model in models.values():
+        model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
+    theirs = dict(models["unpatched"].named_parameters())
+    trained = 0
+    for name, p in models["patched"].named_parameters():
+        assert (p.grad is not None) == ("lora_" in name) == p.requires_grad, name
+        if p.grad is not None:
+            trained += 1
+            assert_close(p.grad, theirs[name].grad, torch.float32, f"grad of {name}")
+    assert trained == 2 * 2 * 4  # A and B of 4 modules in 2 layers
+
+
+def test_the_readme_example_runs(tmp_path, monkeypatch):
+    """README's "Fine-tuning with Hugging Face and TRL" example as written, with a tiny Qwen3
+    and a local tokenizer where it downloads them, and use_cpu (its bf16 is a GPU's): the model
+    is patched and trained on."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("### Fine-tuning with Hugging Face and TRL", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    tiny = hf_model("qwen3", pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    models, tokenizers = transformers.AutoModelForCausalLM, transformers.AutoTokenizer
+    monkeypatch.setattr(models, "from_pretrained", lambda *args, **kwargs: tiny)
+    monkeypatch.setattr(tokenizers, "from_pretrained", lambda *args, **kwargs: _tokenizer())
+    monkeypatch.setattr(trl, "SFTConfig", functools.partial(trl.SFTConfig, use_cpu=True))
+    monkeypatch.chdir(tmp_path)
+    names = {}
+    exec(code, names)
+    assert names["model"] is tiny and "attention" in tiny.fastlm_patched
+    assert names["trainer"].state.global_step > 0
