@@ -398,9 +398,8 @@ def _cross_entropy_backward_op(
     scale: torch.Tensor,
 ) -> torch.Tensor:
     """dlogits = (softmax - onehot) * scale for counted rows, 0 for ignored ones; logits' shape."""
-    dlogits = _cross_entropy_grad_rows(
-        as_rows(logits), targets.reshape(-1).contiguous(), ignore_index, lse, scale
-    )
+    flat_targets, flat_lse = targets.reshape(-1).contiguous(), lse.reshape(-1).contiguous()
+    dlogits = _cross_entropy_grad_rows(as_rows(logits), flat_targets, ignore_index, flat_lse, scale)
     return dlogits.view(logits.shape)
 
 
@@ -409,13 +408,29 @@ def _(logits, targets, ignore_index, lse, scale):
     return logits.new_empty(logits.shape)
 
 
+def _unit_stride_rows(logits: torch.Tensor) -> torch.Tensor | None:
+    """logits as (rows, V) in their own memory with a unit last-dim stride, or None where their
+    layout has no such view."""
+    if logits.stride(-1) != 1:
+        return None
+    try:
+        return logits.view(-1, logits.shape[-1])
+    except RuntimeError:  # rows not one stride apart
+        return None
+
+
 @torch.library.custom_op("fastlm::cross_entropy_", mutates_args=("logits",))
 def _cross_entropy_inplace_op(
     logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, n_valid), with softmax - onehot written over logits (unit last-dim stride)."""
-    rows = logits.view(-1, logits.shape[-1])
-    loss, n_valid, _ = _mean_loss(rows, targets.reshape(-1).contiguous(), ignore_index, rows)
+    """(loss, n_valid), with softmax - onehot written over logits. The kernel writes rows with a
+    unit last-dim stride one stride apart; logits in another layout get the gradient through a
+    contiguous copy."""
+    rows = _unit_stride_rows(logits)
+    work = rows if rows is not None else logits.contiguous().view(-1, logits.shape[-1])
+    loss, n_valid, _ = _mean_loss(work, targets.reshape(-1).contiguous(), ignore_index, work)
+    if rows is None:
+        logits.copy_(work.view(logits.shape))
     return loss, n_valid
 
 
@@ -641,14 +656,10 @@ def cross_entropy(
     need_grad = logits.requires_grad and torch.is_grad_enabled()
     if need_grad and inplace_backward:
         _overwritable(logits)
-        # Written in place only where each element is plainly its own (unknown: a copy takes it).
-        if logits.stride(-1) == 1 and torch._debug_has_internal_overlap(logits) == 0:
-            try:
-                logits.view(-1, logits.shape[-1])
-            except RuntimeError:  # rows not one stride apart: the kernel writes a copy instead
-                pass
-            else:
-                return _CrossEntropyInPlace.apply(logits, targets, ignore_index)[0]
+        # Written in place only where each element is plainly its own and the kernel can write
+        # the rows where they are; otherwise the default path (its gradient a new tensor).
+        if torch._debug_has_internal_overlap(logits) == 0 and _unit_stride_rows(logits) is not None:
+            return _CrossEntropyInPlace.apply(logits, targets, ignore_index)[0]
     return _cross_entropy_op(logits, targets, ignore_index)[0]
 
 
