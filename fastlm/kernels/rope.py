@@ -449,6 +449,39 @@ def _q_and_k(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Ten
 # --------------------------------------------------------------------------------------------
 
 
+def rope_frequencies(theta: float, d_k: int, device=None) -> torch.Tensor:
+    """theta^(-2i / d_k) for each pair i, (d_k // 2,) float32, as `fastlm.reference.RoPE` and
+    `rope_tables` compute them.
+
+    Args:
+        theta: the base.
+        d_k: the head dim (even).
+        device: where to compute them.
+
+    Returns:
+        The angle of each pair per position.
+    """
+    if d_k % 2:
+        raise ValueError(f"d_k must be even, got {d_k}")
+    return 1.0 / theta ** (torch.arange(0, d_k, 2, device=device, dtype=torch.float32) / d_k)
+
+
+def rope_angles_finite(theta: float, d_k: int, max_seq_len: int) -> bool:
+    """Whether every angle of `rope_tables(theta, d_k, max_seq_len)` is finite in float32 (a
+    tiny theta overflows the frequencies, or the last position times the largest of them),
+    without building the tables.
+
+    Args:
+        theta, d_k, max_seq_len: as `rope_tables` takes them.
+
+    Returns:
+        True when the tables are finite.
+    """
+    inv_freq = rope_frequencies(theta, d_k)
+    last = torch.tensor(max_seq_len - 1, dtype=torch.float32)
+    return bool(torch.isfinite(inv_freq).all() and torch.isfinite(last * inv_freq).all())
+
+
 def rope_tables(
     theta: float, d_k: int, max_seq_len: int, device=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -456,11 +489,9 @@ def rope_tables(
 
     Computed exactly as `fastlm.reference.RoPE` computes its tables (one column per pair).
     """
-    if d_k % 2:
-        raise ValueError(f"d_k must be even, got {d_k}")
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
-    inv_freq = 1.0 / theta ** (torch.arange(0, d_k, 2, device=device, dtype=torch.float32) / d_k)
+    inv_freq = rope_frequencies(theta, d_k, device)
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)  # (L, d_k / 2)
     return angles.cos(), angles.sin()
