@@ -4,7 +4,8 @@
 (the two take the same ones and read each other's checkpoints); `build_model` makes either from
 it. `PRESETS` are the sizes `python -m fastlm.train --preset` knows, each with the training
 defaults that suit it. The commands (fastlm.train, fastlm.generate) share what else they check
-here: `ConfigError` (one line on stderr, exit status 2) and `pick_device`.
+here: `ConfigError` (one line on stderr, exit status 2), `pick_device`, `check_integers` and
+`torch_seed`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ import torch
 from torch import nn
 
 from fastlm import reference
+from fastlm.kernels.rope import rope_angles_finite
 from fastlm.model import Transformer, check_heads, kernels_run_on
+
+#: The largest float32, the dtype of the weights, the kernels' math and the RoPE tables.
+FLOAT32_MAX = torch.finfo(torch.float32).max
+#: The largest integer torch takes for a size, an index or a seed's signed form.
+INT64_MAX = 2**63 - 1
 
 
 class ConfigError(ValueError):
@@ -93,6 +100,33 @@ class ModelConfig:
                 f"{name('num_heads')} {self.num_heads} must be a multiple of "
                 f"{name('num_kv_heads')} {self.num_kv_heads}"
             )
+        # Both models compute in float32: an epsilon it rounds to inf normalises every row to 0.
+        if self.norm_eps > FLOAT32_MAX:
+            raise ValueError(
+                f"{name('norm_eps')} must be at most {FLOAT32_MAX:.2g} (float32's largest), got "
+                f"{self.norm_eps}"
+            )
+        head_dim = self.d_model // self.num_heads
+        if not rope_angles_finite(self.rope_theta, head_dim, self.context_length):
+            raise ValueError(
+                f"{name('rope_theta')} {self.rope_theta} gives RoPE angles that are not finite "
+                f"in float32 (theta^(-2i/{head_dim}) times positions up to "
+                f"{self.context_length - 1}): use a larger one (10000 is the usual)"
+            )
+
+    def num_parameters(self) -> int:
+        """The parameter count of either model of this configuration (a tied output projection
+        counted once), computed without building one.
+
+        Returns:
+            The number of parameters.
+        """
+        d, head_dim = self.d_model, self.d_model // self.num_heads
+        kv_heads = self.num_kv_heads or self.num_heads
+        attention = d * (self.num_heads + 2 * kv_heads) * head_dim + d * d
+        block = attention + 3 * d * self.d_ff + 2 * d  # + SwiGLU's three matrices, two norms
+        embeddings = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return embeddings + self.num_layers * block + d
 
 
 MODEL_FIELDS = tuple(field.name for field in dataclasses.fields(ModelConfig))
@@ -185,6 +219,37 @@ def build_model(
     config.check(model, device)
     cls = Transformer if model == "fastlm" else reference.Transformer
     return cls(**config.as_dict(), device=device)
+
+
+def check_integers(args: Mapping, exempt: tuple[str, ...] = ()) -> None:
+    """ConfigError for a command's integer argument past 64 bits (torch's sizes and indices),
+    other than those `exempt`.
+
+    Args:
+        args: the parsed arguments by name.
+        exempt: names that take any integer.
+    """
+    for key, value in args.items():
+        if isinstance(value, int) and not isinstance(value, bool) and key not in exempt:
+            if not -INT64_MAX - 1 <= value <= INT64_MAX:
+                bound = "at most 2**63 - 1" if value > 0 else "at least -2**63"
+                raise ConfigError(
+                    f"--{key.replace('_', '-')} must be {bound} (torch's integers have 64 "
+                    f"bits), got {value}"
+                )
+
+
+def torch_seed(seed: int) -> int:
+    """Any integer as a seed torch's generators take: modulo 2**64 (which is how they read a
+    negative one), so seeds that differ by a multiple of 2**64 give the same draws.
+
+    Args:
+        seed: any integer.
+
+    Returns:
+        The seed in [0, 2**64).
+    """
+    return seed % 2**64
 
 
 def pick_device(name: str | None, local_rank: int = 0) -> torch.device:

@@ -41,14 +41,29 @@ class DataError(ValueError):
 # --------------------------------------------------------------------------------------------
 
 
+def _not_utf8(text: str, error: UnicodeEncodeError) -> str:
+    """What in `text` has no UTF-8 form: a byte a surrogate escape stands for (how Python hands
+    over the bytes of a command-line argument or file name that are not UTF-8), or a lone
+    surrogate."""
+    code = ord(text[error.start])
+    if 0xDC80 <= code <= 0xDCFF:
+        return f"byte 0x{code - 0xDC00:02x}, which is not UTF-8"
+    return f"U+{code:04X}, a lone surrogate that no bytes encode"
+
+
 class ByteTokenizer:
-    """UTF-8 bytes as token ids: vocabulary 256, no download, every text encodes."""
+    """UTF-8 bytes as token ids: vocabulary 256, no download, every text encodes, and so does
+    a byte that is not UTF-8 standing in a text as its surrogate escape (os.fsdecode's form)."""
 
     name = "bytes"
     vocab_size = 256
 
     def encode(self, text: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
+        try:
+            data = text.encode("utf-8", errors="surrogateescape")
+        except UnicodeEncodeError as error:
+            raise DataError(f"the text holds {_not_utf8(text, error)}") from None
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
     def decode(self, ids: list[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
@@ -77,6 +92,13 @@ class HFTokenizer:
         self.vocab_size = self._tokenizer.get_vocab_size()
 
     def encode(self, text: str) -> torch.Tensor:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise DataError(
+                f"the text holds {_not_utf8(text, error)}: a tokenizer.json tokenizer takes text "
+                "only (the byte tokenizer, a model trained without --tokenizer, takes any bytes)"
+            ) from None
         return torch.tensor(self._tokenizer.encode(text).ids, dtype=torch.int32)
 
     def decode(self, ids: list[int]) -> str:

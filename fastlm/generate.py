@@ -5,7 +5,10 @@
 The text streams to stdout as it is sampled (the prompt first); a multibyte character whose bytes
 arrive over several steps is printed once whole. Sampling is `fastlm.sample`'s: temperature
 (0 is greedy), top-k, top-p, a KV cache when the model has one; only token ids the tokenizer can
-decode are drawn. Runs on CPU by default.
+decode are drawn. Runs on CPU by default. `--seed` takes any integer (torch's generator takes it
+modulo 2**64). A prompt byte that is not UTF-8 (a shell passes it on as is) is a byte token like
+any other with the byte tokenizer, shown as U+FFFD as a sampled one would be; a tokenizer.json
+tokenizer takes text only and refuses it.
 Exit status: 0, or 2 with one line on stderr for a bad checkpoint or argument.
 
 This module is the command; `fastlm.sample` is the function to call from Python.
@@ -21,8 +24,16 @@ import torch
 
 from fastlm import checkpoint, sampling
 from fastlm.checkpoint import CheckpointError
-from fastlm.config import MODELS, ConfigError, ModelConfig, build_model, pick_device
-from fastlm.data import DataError, load_tokenizer
+from fastlm.config import (
+    MODELS,
+    ConfigError,
+    ModelConfig,
+    build_model,
+    check_integers,
+    pick_device,
+    torch_seed,
+)
+from fastlm.data import ByteTokenizer, DataError, load_tokenizer
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -62,6 +73,7 @@ def check_args(args: argparse.Namespace) -> torch.device:
         sampling.check_sampling(args.temperature, args.top_k, args.top_p)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    check_integers(vars(args), exempt=("seed", "top_k"))  # a top-k past the vocabulary is all
     return pick_device(args.device)
 
 
@@ -98,14 +110,24 @@ def load_model(folder, model_name: str, device: torch.device | str):
 def stream(args: argparse.Namespace) -> int:
     device = check_args(args)
     model, tokenizer = load_model(args.checkpoint, args.model, device)
-    prompt_ids = tokenizer.encode(args.prompt).long().to(device)
+    try:
+        prompt_ids = tokenizer.encode(args.prompt).long().to(device)
+    except DataError as error:
+        raise ConfigError(f"--prompt: {error}") from None
     if prompt_ids.numel() == 0:
         raise ConfigError("--prompt encodes to no tokens")
     if int(prompt_ids.max()) >= model.vocab_size:
         raise CheckpointError("the prompt has token ids outside the checkpoint's vocabulary")
-    generator = torch.Generator(device).manual_seed(args.seed)
+    generator = torch.Generator(device).manual_seed(torch_seed(args.seed))
     decoder = tokenizer.stream_decoder()
-    sys.stdout.write(args.prompt)
+    if isinstance(tokenizer, ByteTokenizer):
+        # The prompt's bytes go through the decoder the continuation goes through: a byte that
+        # is not UTF-8 shows as U+FFFD, as a sampled one would, and a character the prompt
+        # leaves unfinished is printed once the continuation finishes it.
+        echo = "".join(decoder.push(token) for token in prompt_ids.tolist())
+    else:
+        echo = args.prompt
+    sys.stdout.write(echo)
     sys.stdout.flush()
     started, count = time.perf_counter(), 0
     # A model may have a larger vocabulary than its tokenizer (--vocab-size): never draw an id

@@ -9,8 +9,10 @@ bar and notes go to stderr; stdout gets one JSON line (the run's summary) at the
     torchrun --nproc_per_node=8 -m fastlm.train --preset gpt2-medium [--fsdp]
     torchrun --nproc_per_node=8 -m fastlm.train --context-parallel 4   # 2 data x 4 context
 
-Exit status: 0 done, 2 bad input (one line on stderr, no checkpoint touched), 130 interrupted
-(Ctrl-C: the last finished step was checkpointed first; `--resume` continues it exactly).
+Exit status: 0 done, 2 bad input (one line on stderr, no checkpoint touched), 3 diverged (a loss
+or a weight became NaN or infinite: the run stopped there and saved nothing from then on, so
+`--out` keeps its last good checkpoint), 130 interrupted (Ctrl-C: the last finished step was
+checkpointed first; `--resume` continues it exactly).
 
 Losses of a resumed run are those of the uninterrupted run: the weights, the optimizer state and
 the step are restored, and each step's batches depend only on (seed, rank, step), not on a
@@ -40,13 +42,16 @@ from tqdm import tqdm
 from fastlm import checkpoint, reference
 from fastlm.checkpoint import CheckpointError
 from fastlm.config import (
+    FLOAT32_MAX,
     MODEL_FIELDS,
     OPTION_DEFAULTS,
     PRESETS,
     ConfigError,
     ModelConfig,
     build_model,
+    check_integers,
     pick_device,
+    torch_seed,
     with_defaults,
 )
 from fastlm.data import (
@@ -299,6 +304,22 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--weight-decay must be non-negative, got {args.weight_decay}")
     if not all(0 <= beta < 1 for beta in args.betas):
         raise ConfigError(f"--betas must both lie in [0, 1), got {args.betas[0]} {args.betas[1]}")
+    # The schedule's largest rate; the bias correction makes the first step the largest.
+    largest = "min_lr" if args.min_lr > args.lr else "lr"
+    peak = getattr(args, largest)
+    step_scale = peak / (1 - args.betas[0])
+    if step_scale > FLOAT32_MAX:  # AdamW hands it to the update as a float32: a RuntimeError
+        raise ConfigError(
+            f"{flag(largest)} {peak} is too large: AdamW's first step scales it by "
+            f"1 / (1 - beta1) to {step_scale:.3g}, past float32's largest number "
+            f"({FLOAT32_MAX:.3g}), the weights' dtype"
+        )
+    if peak * args.weight_decay > 1:
+        raise ConfigError(
+            f"--weight-decay {args.weight_decay} times the largest learning rate ({peak}) is "
+            f"{peak * args.weight_decay:.3g}: AdamW multiplies the weights by 1 - lr x weight "
+            "decay each step, which must not be negative"
+        )
     if not 0 <= args.warmup < args.steps:
         raise ConfigError(f"--warmup must lie in [0, --steps={args.steps}), got {args.warmup}")
     if args.grad_clip < 0:
@@ -311,6 +332,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--peak-tflops must be positive, got {args.peak_tflops}")
     if args.resume and args.overwrite:
         raise ConfigError("--resume and --overwrite exclude each other")
+    check_integers(vars(args), exempt=("seed",))  # any seed: torch_seed reduces it
     check_context_parallel(args)
 
 
@@ -336,8 +358,9 @@ def check_context_parallel(args: argparse.Namespace) -> None:
             raise ConfigError(f"--context-parallel {reason}")
 
 
-def model_config(args: argparse.Namespace, tokenizer, device: torch.device) -> ModelConfig:
-    """The model's configuration, checked for `--model` on `device`."""
+def model_config(args: argparse.Namespace, tokenizer, run: Run) -> ModelConfig:
+    """The model's configuration, checked for `--model` on this run's device, and for the
+    memory training it takes."""
     vocab_size = tokenizer.vocab_size if args.vocab_size is None else args.vocab_size
     if vocab_size < tokenizer.vocab_size:
         raise ConfigError(
@@ -346,11 +369,58 @@ def model_config(args: argparse.Namespace, tokenizer, device: torch.device) -> M
         )
     fields = {key: getattr(args, key) for key in MODEL_FIELDS if key != "vocab_size"}
     config = ModelConfig(vocab_size=vocab_size, **fields)
+    check_memory(args, config, run)
+    device = run.device
     try:
         config.check(args.model, device, name=flag)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     return config
+
+
+def memory_bytes(device: torch.device) -> int | None:
+    """The memory of a CUDA device, or the host's physical memory for the CPU (None where the
+    system does not say)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
+        return None
+
+
+def check_memory(args: argparse.Namespace, config: ModelConfig, run: Run) -> None:
+    """ConfigError when training surely runs out of memory, so that sizes that would fail at
+    their first allocation (or never finish building) fail before anything runs. Counts only
+    what training cannot do without: the fp32 weights, gradients and AdamW's two moments (16
+    bytes a parameter, split over the ranks under FSDP), each block's input kept for the
+    backward (a micro-batch's activations, bf16 under CUDA's autocast), and the held-out
+    windows' int64 token ids (on the host)."""
+    parameters = config.num_parameters()
+    state = 16 * parameters // (run.world_size if args.fsdp else 1)
+    tokens = args.batch_size * args.context_length
+    activation_bytes = 2 if run.device.type == "cuda" else 4
+    activations = tokens * config.d_model * config.num_layers * activation_bytes
+    windows = args.batch_size * args.eval_batches
+    held_out = windows * (args.context_length + 1) * 8
+    model = (
+        f"{parameters:,} parameters at 16 bytes (fp32 weights, gradients and AdamW's two "
+        f"moments) and activations of {tokens:,} tokens x {config.num_layers:,} layers x "
+        f"{config.d_model:,}"
+    )
+    windows_text = f"{windows:,} held-out windows of {args.context_length + 1:,} int64 tokens"
+    cpu = torch.device("cpu")
+    if run.device.type == "cuda":
+        needs = {run.device: (state + activations, model), cpu: (held_out, windows_text)}
+    else:
+        needs = {cpu: (state + activations + held_out, f"{model}; {windows_text}")}
+    for device, (need, what) in needs.items():
+        available = memory_bytes(device)
+        if available is not None and need > available:
+            raise ConfigError(
+                f"training needs at least {need / 2**30:,.1f} GiB on {device} ({what}), more "
+                f"than the {available / 2**30:,.1f} GiB it has: choose smaller sizes"
+            )
 
 
 # Settings that shape the loss curve: a resumed run that changes one continues another curve.
@@ -696,7 +766,7 @@ class Trainer:
     ):
         self.args, self.run, self.split, self.out = args, run, split, out
         self.config = {**config.as_dict(), "tokenizer": tokenizer_name}  # what a checkpoint keeps
-        torch.manual_seed(args.seed)  # the same initial weights on every rank
+        torch.manual_seed(torch_seed(args.seed))  # the same initial weights on every rank
         self.model = build_model(config, args.model, run.device)
         if run.context_group is not None:
             self.model.set_context_parallel(run.context_group)
@@ -782,14 +852,29 @@ class Trainer:
         return loss, stopping > 0
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean loss on the fixed held-out batches (all ranks), recorded in the history."""
+    def held_out_loss(self) -> float:
+        """Mean loss on the fixed held-out batches (all ranks)."""
         self.loss_fn.eval()
         total = sum(self.loss(*batch).float() for batch in self.validation)
         self.loss_fn.train()
-        loss = self.run.mean(total / len(self.validation)).item()
+        return self.run.mean(total / len(self.validation)).item()
+
+    def evaluate(self) -> float:
+        """held_out_loss, recorded in the history."""
+        loss = self.held_out_loss()
         self.val_losses.append([self.step, loss])
         return loss
+
+    def fit_to_save(self, held_out: float | None) -> bool:
+        """Whether the weights may be written (every rank agrees): all finite, and their
+        held-out loss (`held_out`, this step's evaluation, or computed now and not recorded)
+        finite too. A finite but diverged model (weights so large that the next loss
+        overflows) fails the second test."""
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+        finite = torch.stack([torch.isfinite(p).all() for p in local]).all()
+        if self.run.mean(finite.float()).item() < 1:
+            return False
+        return math.isfinite(self.held_out_loss() if held_out is None else held_out)
 
     def save(self) -> str | None:
         """Checkpoint and loss curve (rank 0 writes; under FSDP every rank gathers); a note
@@ -846,7 +931,7 @@ def prepare(
     """Check the configuration and the checkpoint folder before reading any data, then build
     the trainer (restored from the checkpoint with --resume)."""
     tokenizer = load_tokenizer(args.tokenizer)
-    config = model_config(args, tokenizer, run.device)
+    config = model_config(args, tokenizer, run)
     stored = {**config.as_dict(), "tokenizer": tokenizer.name}
     agree(run, lambda: claim_out(args, out, stored, stack) if run.is_main else None)
     saved = None
@@ -918,7 +1003,8 @@ def run_training(args: argparse.Namespace, run: Run, out: Path, stack: contextli
         return work_per_token * tokens_per_second / (peak * run.world_size) if peak else None
 
     throughput = Throughput(tokens_per_step)
-    interrupted, plot_note, diverged = False, None, False
+    interrupted, plot_note, diverged = False, None, None  # diverged: what went non-finite
+    saved_step = trainer.step if args.resume else None  # what --out holds of this run
     # A bar only on a terminal: in a log file each redraw would be a line of its own. The
     # line printed at each evaluation says the same.
     progress = tqdm(
@@ -936,25 +1022,39 @@ def run_training(args: argparse.Namespace, run: Run, out: Path, stack: contextli
             loss, interrupted = trainer.train_step(stop)
             throughput.add(time.perf_counter() - started)
             step = trainer.step
-            if not math.isfinite(loss) and not diverged:
-                diverged = True
-                say(
-                    f"note: the training loss is {loss} at step {step}: the run diverged "
-                    "(a lower --lr, or --grad-clip, may help)"
-                )
+            if not math.isfinite(loss):
+                diverged = f"the training loss is {loss} at step {step}"
             postfix = {"loss": f"{loss:.3f}", "tok/s": f"{throughput.tokens_per_second:,.0f}"}
             if peak:
                 postfix["mfu"] = f"{mfu(throughput.tokens_per_second):.1%}"
             progress.set_postfix(postfix, refresh=False)
             progress.update()
-            if step % args.eval_every == 0 or step == args.steps:
+            held_out = None
+            if not diverged and (step % args.eval_every == 0 or step == args.steps):
+                held_out = trainer.evaluate()
                 say(
                     f"step {step}/{args.steps}: training loss {loss:.4f}, held-out loss "
-                    f"{trainer.evaluate():.4f}, {throughput.tokens_per_second:,.0f} tokens/s"
+                    f"{held_out:.4f}, {throughput.tokens_per_second:,.0f} tokens/s"
                 )
+                if not math.isfinite(held_out):
+                    diverged = f"the held-out loss is {held_out} at step {step}"
             periodic_save = args.save_every and step % args.save_every == 0
-            if interrupted or step == args.steps or periodic_save:
-                plot_note = trainer.save()
+            if not diverged and (interrupted or step == args.steps or periodic_save):
+                if trainer.fit_to_save(held_out):
+                    plot_note, saved_step = trainer.save(), step
+                else:
+                    diverged = f"the weights of step {step} are not finite or give no finite loss"
+            if diverged:
+                kept = (
+                    f"{args.out} keeps the checkpoint of step {saved_step}"
+                    if saved_step is not None
+                    else f"nothing was written to {args.out}"
+                )
+                say(
+                    f"fastlm.train: {diverged}: the run diverged and stops, saving nothing "
+                    f"more ({kept}); a lower --lr, or --grad-clip, may help"
+                )
+                break
             if interrupted:
                 say(
                     f"interrupted: checkpoint of step {step} saved in {args.out}; "
@@ -966,6 +1066,7 @@ def run_training(args: argparse.Namespace, run: Run, out: Path, stack: contextli
         say(f"note: {plot_note}")
     if not trainer.val_losses:  # interrupted before the first evaluation, or nothing to train
         trainer.evaluate()
+    written = saved_step is not None
 
     if run.is_main:
         curve = out / LOSS_CURVE
@@ -975,8 +1076,8 @@ def run_training(args: argparse.Namespace, run: Run, out: Path, stack: contextli
             "val_loss": trainer.val_losses[-1][1],
             "tokens_per_second": round(throughput.tokens_per_second, 1),
             "peak_memory_bytes": peak_memory_bytes(run.device),
-            "checkpoint": str(args.out),
-            "loss_curve": str(Path(args.out) / LOSS_CURVE) if curve.is_file() else None,
+            "checkpoint": str(args.out) if written else None,
+            "loss_curve": str(Path(args.out) / LOSS_CURVE) if written and curve.is_file() else None,
             "mfu": mfu(throughput.tokens_per_second),
             "steps": trainer.step,
             "targets": trainer.targets_seen,
@@ -988,6 +1089,7 @@ def run_training(args: argparse.Namespace, run: Run, out: Path, stack: contextli
             "device": run.device.type,
             "world_size": run.world_size,
             "interrupted": interrupted,
+            "diverged": diverged is not None,
         }
         summary = {
             key: finite_or_none(value) if isinstance(value, float) else value
@@ -998,6 +1100,8 @@ def run_training(args: argparse.Namespace, run: Run, out: Path, stack: contextli
         # Leave together: a rank that tears down its gloo connections while rank 0 is still
         # writing the checkpoint can abort ("terminate called without an active exception").
         dist.barrier()
+    if diverged:
+        return 3
     return 130 if interrupted else 0
 
 

@@ -3,6 +3,7 @@ accept; and the package's public names for sampling and the commands."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -46,6 +47,7 @@ def test_presets_build_both_models(name):
     assert isinstance(models["reference"], fastlm.reference.Transformer)
     for model in models.values():
         assert sum(p.numel() for p in model.parameters()) == PRESET_PARAMETERS[name]
+    assert config.num_parameters() == PRESET_PARAMETERS[name]  # counted without a model
     assert models["fastlm"].state_dict().keys() == models["reference"].state_dict().keys()
 
 
@@ -85,6 +87,11 @@ def test_checkpoints_from_before_the_options_have_their_defaults():
         (dict(rope_theta=0.0), "rope_theta must be a positive number, got 0.0"),
         (dict(rope_theta=float("nan")), "rope_theta must be a positive number, got nan"),
         (dict(norm_eps=0.0), "norm_eps must be a positive number, got 0.0"),
+        # float32 (the kernels' and the reference's math) cannot hold these.
+        (dict(norm_eps=1e300), "norm_eps must be at most 3.4e+38 (float32's largest), got 1e+300"),
+        (dict(rope_theta=1e-300), "rope_theta 1e-300 gives RoPE angles that are not finite"),
+        # Frequencies up to 3e37, finite; at position 127 the angle is not.
+        (dict(rope_theta=1e-40), "rope_theta 1e-40 gives RoPE angles that are not finite"),
         (dict(num_kv_heads=0), "num_kv_heads must be a positive integer, got 0"),
         (dict(num_kv_heads=3), "num_heads 4 must be a multiple of num_kv_heads 3"),
         (dict(rope_interleaved=1), "rope_interleaved must be true or false, got 1"),
@@ -99,7 +106,7 @@ def test_checkpoints_from_before_the_options_have_their_defaults():
 def test_bad_config_names_the_field(change, message):
     config = ModelConfig(**{**preset_config("tiny").as_dict(), **change})
     for kind in MODELS:
-        with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        with pytest.raises(ValueError, match=re.escape(message)):
             build_model(config, kind, device="meta")
 
 

@@ -179,6 +179,96 @@ def test_gradient_in_the_forward_on_both_row_paths(device, dtype, path):
     assert_close(leaf.grad, ref_grad, dtype, "dlogits")
 
 
+def extreme_rows(kind, vocab, dtype, device):
+    """(logits (3, vocab) of `dtype`, targets (3,)) at the ends of the dtype's range, where every
+    loss is still finite in fp32 (a mean of losses near finfo(float32).max would overflow)."""
+    info = torch.finfo(dtype)
+    top, bottom = info.max, info.min
+    targets = torch.randint(0, vocab, (3,), device=device)
+    if kind == "all finfo.min":
+        logits = torch.full((3, vocab), bottom, device=device)
+    elif kind == "all finfo.max":
+        logits = torch.full((3, vocab), top, device=device)
+    elif kind == "finfo.max and finfo.min":  # targets on a top entry: loss log(number of tops)
+        tops = torch.rand(3, vocab, device=device) < 0.5
+        tops[torch.arange(3), targets] = True
+        logits = torch.where(tops, top, bottom)
+    elif kind == "+-finfo.max/8":  # targets anywhere: a loss near finfo.max/4 or near log V
+        logits = torch.where(torch.rand(3, vocab, device=device) < 0.5, top / 8, bottom / 8)
+    elif kind == "-inf and finfo.min":  # the finite entries carry the softmax
+        logits = torch.where(torch.rand(3, vocab, device=device) < 0.5, bottom, float("-inf"))
+        logits[torch.arange(3), targets] = bottom
+    else:  # "one huge logit": the target is it (loss 0), or not (loss about finfo.max / 4)
+        logits = 2 * torch.randn(3, vocab, device=device)
+        logits[:, 7] = top / 4
+        targets[0] = 7
+    return logits.to(dtype), targets
+
+
+EXTREMES = [
+    "all finfo.min",
+    "all finfo.max",
+    "finfo.max and finfo.min",
+    "+-finfo.max/8",
+    "-inf and finfo.min",
+    "one huge logit",
+]
+
+
+# NumPy (the interpreter) warns where finfo.min - finfo.max overflows to -inf (whose exp is 0).
+@pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("path", ["default", "inplace_backward", "no_grad", "torch"])
+@pytest.mark.parametrize("row", ["row_on_chip", "streamed"])
+def test_cross_entropy_at_the_ends_of_the_range(device, monkeypatch, dtype, path, row):
+    """Logits at finfo.min or finfo.max (all equal: loss log V, gradient 1/V - onehot), mixed
+    with each other or with -inf, or one huge logit among small ones: the loss and gradient of
+    PyTorch's F.cross_entropy in float64, on every path that computes them (the kernel's forward
+    and backward, the gradient written in the forward, the forward alone, the PyTorch backend)."""
+    if path == "torch":
+        monkeypatch.setenv("FASTLM_BACKEND", "torch")
+    limit = MAX_BLOCK_V_INTERPRETER if interpreting() else MAX_ROW_ON_CHIP
+    vocab = 300 if row == "row_on_chip" else limit + 37
+    for kind in EXTREMES:
+        logits, targets = extreme_rows(kind, vocab, dtype, device)
+        logits64 = logits.double().requires_grad_()
+        expected = F.cross_entropy(logits64, targets)
+        expected.backward()
+        leaf = logits.clone().requires_grad_()
+        if path == "no_grad":
+            with torch.no_grad():
+                loss = cross_entropy(leaf, targets)
+        else:
+            # A non-leaf, so that inplace_backward may write over it.
+            loss = cross_entropy(leaf * 1, targets, inplace_backward=path == "inplace_backward")
+            loss.backward()
+            assert_close(leaf.grad, logits64.grad, dtype, f"dlogits, {kind}")
+        assert_close(loss, expected, dtype, f"loss, {kind}")
+
+
+@pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_cross_entropy_at_the_ends_of_the_range(device, backend, dtype):
+    """x @ weight.T at about finfo.min in every entry of a row, at about finfo.max, and at both:
+    F.cross_entropy's loss and gradients in float64."""
+    vocab, root = 300, 0.99 * torch.finfo(dtype).max ** 0.5
+    weight = torch.zeros(vocab, 2, device=device)
+    weight[:, 0] = -root
+    weight[:, 1] = torch.where(torch.rand(vocab, device=device) < 0.5, root, -root)
+    x = torch.tensor([[root, 0.0], [-root, 0.0], [0.0, root]], device=device)
+    targets = torch.randint(0, vocab, (3,), device=device)
+    targets[2] = int(weight[:, 1].argmax())  # a top entry: loss log(number of tops)
+    x, weight = x.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_()
+    x64, weight64 = (t.detach().double().requires_grad_() for t in (x, weight))
+    expected = F.cross_entropy(x64 @ weight64.T, targets)
+    expected.backward()
+    loss = linear_cross_entropy(x, weight, targets, chunk_size=2)
+    loss.backward()
+    assert_close(loss, expected, dtype, "loss")
+    assert_close(x.grad, x64.grad, dtype, "dx")
+    assert_close(weight.grad, weight64.grad, dtype, "dweight")
+
+
 @pytest.mark.parametrize("layout", ["column_stride", "row_slice", "transposed"])
 def test_cross_entropy_strided_logits(device, backend, layout):
     vocab, dtype = 300, torch.float32

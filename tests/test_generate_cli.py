@@ -11,7 +11,7 @@ import torch
 import fastlm
 import fastlm.generate as generate_cli
 import fastlm.train as train_cli
-from fastlm.data import ByteTokenizer
+from fastlm.data import ByteTokenizer, DataError, load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -131,6 +131,14 @@ def test_byte_stream_never_splits_a_character():
         (["--checkpoint", "{ckpt}", "--device", "foo"], "--device must be cpu, cuda or cuda:N"),
         (["--checkpoint", "{ckpt}", "--device", "meta"], "--device must be cpu, cuda or cuda:N"),
         (["--checkpoint", "{ckpt}", "--device", "cuda:99"], "cuda:99 does not exist"),
+        (
+            ["--checkpoint", "{ckpt}", "--max-new-tokens", str(2**63)],
+            "--max-new-tokens must be at most 2**63 - 1",
+        ),
+        (
+            ["--checkpoint", "{ckpt}", "--prompt", "a\ud800"],
+            "--prompt: the text holds U+D800, a lone surrogate",
+        ),
     ],
 )
 def test_bad_input_is_one_line(argv, message, trained, tmp_path, capsys):
@@ -174,6 +182,47 @@ def test_cli_streams_and_errors_without_traceback(trained):
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip() == "fastlm.generate: error: top_k must be an integer >= 1, got 0"
+    # A prompt byte that is not UTF-8, as a shell passes it: the byte tokenizer takes the byte.
+    raw = [os.fsencode(a) for a in command]
+    result = subprocess.run(
+        [*raw, b"--prompt", b"ab\xff"], capture_output=True, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    assert result.stdout.startswith("ab\ufffd".encode()) and b"8 tokens" in result.stderr
+
+
+def test_prompt_bytes_that_are_not_utf8(trained, capsys):
+    """Python hands a command-line byte that is not UTF-8 over as a lone surrogate (the
+    surrogateescape handler): the byte tokenizer encodes it as that byte, the model continues
+    from it, and the echo shows it as U+FFFD, as a sampled one would be."""
+    assert ByteTokenizer().encode("ab\udcff").tolist() == [97, 98, 255]
+    args = ["--checkpoint", trained, "--model", "reference", "--temperature", "0"]
+    status, text, err = generate(capsys, *args, "--prompt", "ab\udcff", "--max-new-tokens", "5")
+    assert status == 0, err
+    assert text.startswith("ab\ufffd") and len(text) > 4
+    # A character the prompt leaves unfinished waits for the continuation; with none, U+FFFD.
+    status, text, err = generate(capsys, *args, "--prompt", "caf\udcc3", "--max-new-tokens", "0")
+    assert status == 0 and text == "caf\ufffd\n", err
+
+
+def test_tokenizer_file_refuses_prompt_bytes_that_are_not_utf8(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    hf = load_tokenizer(tmp_path / "tokenizer.json")
+    with pytest.raises(DataError, match="byte 0xff, which is not UTF-8: a tokenizer.json"):
+        hf.encode("ab\udcff")
+
+
+def test_any_integer_seed(trained, capsys):
+    """torch's generators take a seed modulo 2**64: seeds that differ by 2**64 sample alike."""
+    args = ["--checkpoint", trained, "--prompt", "abc", "--model", "reference"]
+    texts = []
+    for seed in (2**70 + 5, 5, -(2**64) + 5):
+        status, text, err = generate(capsys, *args, "--max-new-tokens", "12", "--seed", seed)
+        assert status == 0, err
+        texts.append(text)
+    assert texts[0] == texts[1] == texts[2]
 
 
 def test_fastlm_model_generates_like_the_reference(trained, capsys):

@@ -146,7 +146,7 @@ def _op_cases(device):
                 _randn(6, 300, **n),
                 targets,
                 -100,
-                torch.rand(6, **n) + 6,
+                torch.rand(6, 2, **n) + 3,  # each row's max and log-sum-exp below it
                 torch.tensor(0.25, device=device),
             ),
         ),
@@ -341,3 +341,49 @@ def test_model_compiles_whole_under_autocast(device, gemms):
     for name, p in compiled.named_parameters():
         assert p.grad.dtype == torch.float32, name
         assert_close(p.grad, eager_params[name].grad, torch.bfloat16, f"compiled grad of {name}")
+
+
+def _strided_copies(t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """t's values in other memory layouts: rows padded (a slice of wider rows), a last dim with
+    stride 2, and column-major (the last two dims transposed in memory)."""
+    if t.dim() == 0:
+        return {}
+    wide = torch.empty(*t.shape[:-1], 2 * t.shape[-1] + 3, dtype=t.dtype, device=t.device)
+    padded = wide[..., 1 : t.shape[-1] + 1]
+    every_other = torch.empty(*t.shape, 2, dtype=t.dtype, device=t.device)[..., 1]
+    copies = {"padded rows": padded, "last stride 2": every_other}
+    if t.dim() >= 2:
+        copies["column-major"] = torch.empty_like(t.transpose(-1, -2)).transpose(-1, -2)
+    for copy in copies.values():
+        copy.copy_(t)
+    return copies
+
+
+def _op_results(op, args) -> list[torch.Tensor]:
+    """The op's tensor outputs, then its tensor arguments (which show what a mutating op wrote)."""
+    out = op(*args)
+    out = out if isinstance(out, tuple) else (out,)
+    return [t for t in (*out, *args) if isinstance(t, torch.Tensor)]
+
+
+# The attention ops have their own strided-input tests (tests/test_attention*.py).
+ROW_OPS = [name for name in OP_NAMES if "attention" not in name]
+
+
+@pytest.mark.parametrize("name", ROW_OPS)
+def test_ops_read_every_input_through_its_strides(device, name):
+    """Each torch.ops.fastlm op, called directly, gives the same results for any memory layout of
+    any tensor argument (weights, tables, saved statistics, targets, positions, ...)."""
+    op, args = _op_cases(device)[name]
+    args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    fresh = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    expected = _op_results(op, fresh)
+    for i, arg in enumerate(args):
+        if not isinstance(arg, torch.Tensor):
+            continue
+        for layout, strided in _strided_copies(arg).items():
+            inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+            inputs[i] = strided
+            for j, (got, want) in enumerate(zip(_op_results(op, inputs), expected)):
+                tolerance = want.dtype if want.is_floating_point() else torch.float64
+                assert_close(got, want, tolerance, f"{name}: result {j}, argument {i} {layout}")

@@ -389,3 +389,26 @@ def test_strided_tables(device, compiled):
     rotated = rotate(q.clone(), k.clone(), wide_cos, wide_sin, positions)
     for out, ref, name in zip(rotated, expected, "qk"):
         assert_close(out, ref, torch.float32, f"{name} with strided tables")
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_ops_read_tables_through_their_strides(device, in_place):
+    """torch.ops.fastlm.rope and .rope_ called directly with Hugging Face's tables: cos and sin
+    are (T, D), the two halves equal, and `cos[:, :D/2]` (row stride D) is a valid table."""
+    D, max_seq_len = 16, 32
+    cos, sin = rope_tables(THETA, D, max_seq_len, device)
+    hf_cos, hf_sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    cos_view, sin_view = hf_cos[:, : D // 2], hf_sin[:, : D // 2]
+    assert cos_view.stride() == (D, 1)
+    positions = torch.randint(0, max_seq_len, (2, 11), device=device)
+    q, k = torch.randn(2, 3, 11, D, device=device), torch.randn(2, 1, 11, D, device=device)
+    expected = [reference_rope(t, positions, max_seq_len, interleaved=False) for t in (q, k)]
+    if in_place:
+        torch.ops.fastlm.rope_(q, k, cos_view, sin_view, positions, False, False)
+        rotated = (q, k)
+    else:
+        rotated = [
+            torch.ops.fastlm.rope(t, cos_view, sin_view, positions, False, False) for t in (q, k)
+        ]
+    for out, ref, name in zip(rotated, expected, "qk"):
+        assert_close(out, ref, torch.float32, f"{name} rotated by torch.ops.fastlm.rope")

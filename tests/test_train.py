@@ -331,6 +331,29 @@ def good_checkpoint(corpus, tmp_path, capsys) -> Path:
             ["--d-model", "30", "--num-heads", "2", "--overwrite"],
             "--d-model 30 / --num-heads 2 gives heads of 15 dims, but RoPE rotates pairs",
         ),
+        # Finite, but beyond what the optimizer or the model's float32 tables can hold.
+        ("lr 1e300", ["--lr", "1e300", "--overwrite"], "--lr 1e+300 is too large"),
+        ("min-lr 1e300", ["--min-lr", "1e300", "--overwrite"], "--min-lr 1e+300 is too large"),
+        (
+            "weight decay 1e300",
+            ["--weight-decay", "1e300", "--overwrite"],
+            "--weight-decay 1e+300 times the largest learning rate",
+        ),
+        (
+            "rope theta 1e-300",
+            ["--rope-theta", "1e-300", "--overwrite"],
+            "--rope-theta 1e-300 gives RoPE angles that are not finite",
+        ),
+        ("norm eps 1e300", ["--norm-eps", "1e300", "--overwrite"], "--norm-eps must be at most"),
+        # Integers past 64 bits, and sizes no memory here holds.
+        ("steps 2**70", ["--steps", str(2**70), "--overwrite"], "--steps must be at most 2**63"),
+        ("grad accum 10**20", ["--grad-accum", "1" + "0" * 20, "--overwrite"], "--grad-accum"),
+        ("batch size 10**20", ["--batch-size", "1" + "0" * 20, "--overwrite"], "--batch-size"),
+        ("batch size 10**15", ["--batch-size", "1" + "0" * 15, "--overwrite"], "needs at least"),
+        ("d-ff 10**11", ["--d-ff", "1" + "0" * 11, "--overwrite"], "needs at least"),
+        ("layers 10**18", ["--num-layers", "1" + "0" * 18, "--overwrite"], "needs at least"),
+        ("vocab 10**12", ["--vocab-size", "1" + "0" * 12, "--overwrite"], "needs at least"),
+        ("eval batches 10**15", ["--eval-batches", "1" + "0" * 15, "--overwrite"], "needs at"),
     ],
 )
 def test_bad_input_is_one_line_and_keeps_checkpoint(
@@ -448,31 +471,54 @@ def test_head_dim_the_kernels_cannot_run(corpus, tmp_path, capsys, monkeypatch):
     assert status == 0 and summary["steps"] == 2, err
 
 
-def test_diverged_run_has_a_json_summary(corpus, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "resume, save_every, cause, step",
+    [
+        # The first update leaves the weights finite, but no loss of them is: the save that
+        # step asks for is refused.
+        (False, 1, "the weights of step 1 are not finite or give no finite loss", 1),
+        # No save before the end: the training loss of step 2 is the first that is not finite.
+        (False, 0, "the training loss is nan at step 2", 2),
+        # Resumed from step 2: the held-out loss of step 4 is NaN, before the save of step 4.
+        (True, 2, "the held-out loss is nan at step 4", 4),
+    ],
+)
+def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(
+    resume, save_every, cause, step, corpus, tmp_path, capsys, good_checkpoint
+):
+    """A learning rate that the checks let through but that blows the weights up. The run stops
+    at the first loss or weight that is not finite, says so, exits with status 3 and writes
+    nothing from then on: a resumed checkpoint stays as it was, a fresh run leaves none. The
+    summary is strict JSON."""
+    out = good_checkpoint if resume else tmp_path / "fresh"
+    before = file_hashes(good_checkpoint)
+    args = ["--lr", "1e30", "--weight-decay", "0", "--grad-clip", "0", "--save-every", save_every]
     status = train_cli.main(
-        [
-            str(a)
-            for a in [
-                "--data",
-                corpus,
-                *TOY,
-                "--steps",
-                "4",
-                "--lr",
-                "1e30",
-                "--grad-clip",
-                "0",
-                "--out",
-                tmp_path / "run",
-            ]
-        ]
+        [str(a) for a in ["--data", corpus, *TOY, "--steps", "6", *args, "--out", out]]
+        + (["--resume"] if resume else [])
     )
-    out, err = capsys.readouterr()
-    summary = strict_json(out.strip().splitlines()[-1])
-    assert status == 0
-    assert "the training loss is nan at step" in err and "diverged" in err, err
-    assert summary["final_loss"] is None and summary["val_loss"] is None
-    assert summary["initial_loss"] > 0 and summary["steps"] == 4
+    stdout, err = capsys.readouterr()
+    summary = strict_json(stdout.strip().splitlines()[-1])
+    assert status == 3, err
+    assert summary["diverged"] is True and summary["val_loss"] is None, summary
+    assert f"fastlm.train: {cause}: the run diverged and stops, saving nothing more" in err, err
+    assert summary["steps"] == step
+    if resume:
+        assert f"{out} keeps the checkpoint of step 2" in err, err
+        assert summary["checkpoint"] == str(out)
+    else:
+        assert f"nothing was written to {out}" in err, err
+        assert summary["checkpoint"] is None and summary["loss_curve"] is None
+        assert not out.exists() and not Path(f"{out}.lock").exists()
+    assert file_hashes(good_checkpoint) == before
+
+
+def test_any_integer_seed(corpus, tmp_path, capsys):
+    """Seeds past torch's 64 bits (either sign): torch's generators take them modulo 2**64."""
+    for seed in (2**70, -(2**70)):
+        args = ["--data", corpus, *TOY, "--steps", "2", "--seed", seed]
+        status, summary, err = run_main([*args, "--out", tmp_path / str(seed)], capsys)
+        assert status == 0 and summary["steps"] == 2, err
 
 
 def test_resume_notes(corpus, tmp_path, capsys):

@@ -1,10 +1,14 @@
 """Cross-entropy with its gradient computed in the forward, and fused linear + cross-entropy.
 
-For a row of logits x (V entries) and its target t:
+For a row of logits x (V entries) and its target t, with m = max_j x_j and
+s = sum_j exp(x_j - m) (online over vocabulary blocks, fp32):
 
-    lse  = log sum_j exp(x_j)                        (online over vocabulary blocks, fp32)
-    loss = lse - x_t
-    dloss/dx_j = softmax(x)_j - [j == t]  =  exp(x_j - lse) - [j == t]
+    loss = (m - x_t) + log s                          (= log sum_j exp(x_j) - x_t)
+    dloss/dx_j = softmax(x)_j - [j == t]  =  exp((x_j - m) - log s) - [j == t]
+
+Never through lse = m + log s itself: where |m| dwarfs log s (every logit at finfo.min or
+finfo.max) lse rounds to m, and lse - x_t would give a loss of 0 and exp(x_j - lse) a softmax of 1
+instead of log V and 1/V. m and log s are what a row's log-softmax needs, exactly as PyTorch's.
 
 and the mean over the n_valid rows whose target is not `ignore_index` (PyTorch's
 F.cross_entropy with reduction='mean'). Where every target is ignored the mean is 0, not
@@ -13,12 +17,12 @@ Logits may be -inf (a masked vocabulary); a counted row whose logits are all -in
 and gives NaN, as in PyTorch.
 
 The forward kernel reads a row once, keeping a running max m and a running sum s of exp(x - m)
-(rescaled by exp(m_old - m_new) as m grows, so logits of any magnitude stay finite; while m is
-still -inf, after leading blocks of -inf logits, the exponents are taken relative to 0 instead,
-as exp(-inf - (-inf)) is NaN), and picks x_t; it saves lse (fp32, one per row). The backward
-kernel reads the row again and writes (softmax - onehot) * grad_output / n_valid, computed in
-fp32 and rounded once, into a new tensor. Three passes over (N, V) in all, and a graph that can
-be backpropagated through as often as autograd allows.
+(rescaled by exp(m_old - m_new) as m grows, so logits of any magnitude stay finite; while m is still
+-inf, after leading blocks of -inf logits, the exponents are taken relative to 0 instead, as
+exp(-inf - (-inf)) is NaN), and picks x_t; it saves (m, log s) (fp32, a pair per row). The backward
+kernel reads the row again and writes (softmax - onehot) * grad_output / n_valid, computed in fp32
+and rounded once, into a new tensor. Three passes over (N, V) in all, and a graph that can be
+backpropagated through as often as autograd allows.
 
 `inplace_backward=True` trades that for memory: the forward writes the unscaled softmax - onehot
 over the logits themselves, and the backward scales it in place, so
@@ -95,8 +99,11 @@ def cross_entropy_ref(
     flat_targets = targets.reshape(-1)
     counted = flat_targets != ignore_index
     x = torch.where(counted[:, None], x, 0.0)
-    target_logit = x.gather(-1, torch.where(counted, flat_targets, 0)[:, None]).squeeze(-1)
-    row_loss = torch.where(counted, torch.logsumexp(x, dim=-1) - target_logit, 0.0)
+    # log_softmax is (x - max) - log sum exp(x - max): logsumexp(x) - x_t would round the
+    # log-sum to nothing where every logit is near finfo.min or finfo.max.
+    log_probs = torch.log_softmax(x, dim=-1)
+    target_log_prob = log_probs.gather(-1, torch.where(counted, flat_targets, 0)[:, None])
+    row_loss = torch.where(counted, -target_log_prob.squeeze(-1), 0.0)
     return row_loss.sum() / counted.sum().clamp_min(1)
 
 
@@ -134,9 +141,19 @@ def _online_lse_step(x, running_max, running_sum):
 
 
 @triton.jit
-def _store_grad(dlogits_row, x, cols, mask, lse, target, counted):
+def _softmax(x, row_max, log_sum):
+    """exp(x - lse) without forming lse = row_max + log_sum, which rounds to row_max where the
+    logits are huge. In base 2, so that the scale and the shift are one FMA an element (with
+    tl.exp's own multiply by log2(e) after the two subtractions, the forward that keeps a row in
+    registers spills on sm_80)."""
+    log2_e = 1.4426950408889634
+    return tl.exp2((x - row_max) * log2_e - log_sum * log2_e)
+
+
+@triton.jit
+def _store_grad(dlogits_row, x, cols, mask, row_max, log_sum, target, counted):
     """softmax - onehot of a block (0 for an ignored row), in DLogits' dtype."""
-    grad = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
+    grad = _softmax(x, row_max, log_sum) - tl.where(cols == target, 1.0, 0.0)
     grad = tl.where(counted, grad, 0.0)
     tl.store(dlogits_row + cols, grad.to(dlogits_row.dtype.element_ty), mask=mask)
 
@@ -146,7 +163,7 @@ def _cross_entropy_fwd_kernel(
     Logits,
     Targets,
     Loss,
-    LSE,
+    Stats,
     DLogits,
     stride_lm,
     stride_dm,
@@ -156,10 +173,10 @@ def _cross_entropy_fwd_kernel(
     WRITE_GRAD: tl.constexpr,
     ROW_ON_CHIP: tl.constexpr,
 ):
-    """One program per row: Loss[row] and LSE[row] (fp32) and, under WRITE_GRAD,
-    DLogits[row] = softmax - onehot (unscaled). ROW_ON_CHIP: one block holds the whole row,
-    loaded once and kept in registers for the gradient; else the row streams through blocks, a
-    second time for the gradient."""
+    """One program per row: Loss[row] and Stats[row] = (max, log sum) (fp32) and, under
+    WRITE_GRAD, DLogits[row] = softmax - onehot (unscaled). ROW_ON_CHIP: one block holds the
+    whole row, loaded once and kept in registers for the gradient; else the row streams through
+    blocks, a second time for the gradient."""
     row = tl.program_id(0).to(tl.int64)
     logits_row = Logits + row * stride_lm
     dlogits_row = DLogits + row * stride_dm
@@ -178,26 +195,29 @@ def _cross_entropy_fwd_kernel(
         for start in range(0, n_cols, BLOCK_V):
             x, _, _ = _load_block(logits_row, start, n_cols, BLOCK_V)
             running_max, running_sum = _online_lse_step(x, running_max, running_sum)
-    lse = running_max + tl.log(running_sum)
+    log_sum = tl.log(running_sum)
 
-    loss = tl.where(in_vocab, lse - target_logit, float("nan"))
+    loss = tl.where(in_vocab, (running_max - target_logit) + log_sum, float("nan"))
     tl.store(Loss + row, tl.where(counted, loss, 0.0))
-    tl.store(LSE + row, lse)
+    tl.store(Stats + 2 * row, running_max)
+    tl.store(Stats + 2 * row + 1, log_sum)
 
     if WRITE_GRAD:
         if ROW_ON_CHIP:
-            _store_grad(dlogits_row, x_row, cols_row, mask_row, lse, target, counted)
+            _store_grad(
+                dlogits_row, x_row, cols_row, mask_row, running_max, log_sum, target, counted
+            )
         else:
             for start in range(0, n_cols, BLOCK_V):
                 x, cols, mask = _load_block(logits_row, start, n_cols, BLOCK_V)
-                _store_grad(dlogits_row, x, cols, mask, lse, target, counted)
+                _store_grad(dlogits_row, x, cols, mask, running_max, log_sum, target, counted)
 
 
 @triton.jit
 def _cross_entropy_bwd_kernel(
     Logits,
     Targets,
-    LSE,
+    Stats,
     Scale,
     DLogits,
     stride_lm,
@@ -212,9 +232,9 @@ def _cross_entropy_bwd_kernel(
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = cols < n_cols
     target = tl.load(Targets + row).to(tl.int64)
-    lse = tl.load(LSE + row)
+    row_max, log_sum = tl.load(Stats + 2 * row), tl.load(Stats + 2 * row + 1)
     x = tl.load(Logits + row * stride_lm + cols, mask=mask, other=float("-inf")).to(tl.float32)
-    grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * tl.load(Scale)
+    grad = (_softmax(x, row_max, log_sum) - tl.where(cols == target, 1.0, 0.0)) * tl.load(Scale)
     # An ignored row may have no softmax at all (all logits -inf): select 0, never multiply NaN.
     grad = tl.where(target != ignore_index, grad, 0.0)
     tl.store(DLogits + row * stride_dm + cols, grad.to(DLogits.dtype.element_ty), mask=mask)
@@ -247,11 +267,12 @@ def _cross_entropy_rows(
     targets: torch.Tensor,
     ignore_index: int,
     row_loss: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     dlogits: torch.Tensor | None,
 ) -> None:
-    """Per-row losses and lse of rows (N, V) (unit column stride) into row_loss and lse (N,)
-    fp32, and softmax - onehot into dlogits (N, V) unless it is None; dlogits may be rows."""
+    """Per-row losses of rows (N, V) (unit column stride) into row_loss (N,) fp32 and their
+    (max, log sum of exp(x - max)) into stats (N, 2) fp32 (contiguous), and softmax - onehot into
+    dlogits (N, V) unless it is None; dlogits may be rows."""
     n_rows, n_cols = rows.shape
     if n_rows == 0:
         return
@@ -264,7 +285,7 @@ def _cross_entropy_rows(
         rows,
         targets,
         row_loss,
-        lse,
+        stats,
         grad_out,
         rows.stride(0),
         grad_out.stride(0),
@@ -281,10 +302,11 @@ def _cross_entropy_grad_rows(
     rows: torch.Tensor,
     targets: torch.Tensor,
     ignore_index: int,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     scale: torch.Tensor,
 ) -> torch.Tensor:
-    """(softmax - onehot) * scale of rows (N, V) as a new tensor of rows' dtype."""
+    """(softmax - onehot) * scale of rows (N, V) as a new tensor of rows' dtype, from the
+    forward's stats (N, 2) (contiguous)."""
     dlogits = empty(rows.shape, device=rows.device, dtype=rows.dtype)
     n_rows, n_cols = rows.shape
     if n_rows == 0:
@@ -293,7 +315,7 @@ def _cross_entropy_grad_rows(
     _cross_entropy_bwd_kernel[(n_rows, triton.cdiv(n_cols, block_v))](
         rows,
         targets,
-        lse,
+        stats,
         scale,
         dlogits,
         rows.stride(0),
@@ -315,13 +337,13 @@ def _count_valid(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
 def _mean_loss(
     rows: torch.Tensor, flat_targets: torch.Tensor, ignore_index: int, dlogits: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The mean loss of rows (N, V), n_valid and lse (N,); softmax - onehot into dlogits unless
-    it is None."""
+    """The mean loss of rows (N, V), n_valid and the rows' stats (N, 2) (see
+    _cross_entropy_rows); softmax - onehot into dlogits unless it is None."""
     row_loss = empty((rows.shape[0],), device=rows.device, dtype=torch.float32)
-    lse = empty((rows.shape[0],), device=rows.device, dtype=torch.float32)
-    _cross_entropy_rows(rows, flat_targets, ignore_index, row_loss, lse, dlogits)
+    stats = empty((rows.shape[0], 2), device=rows.device, dtype=torch.float32)
+    _cross_entropy_rows(rows, flat_targets, ignore_index, row_loss, stats, dlogits)
     n_valid = _count_valid(flat_targets, ignore_index)
-    return row_loss.sum() / n_valid, n_valid, lse
+    return row_loss.sum() / n_valid, n_valid, stats
 
 
 def _linear_cross_entropy_chunks(
@@ -338,7 +360,7 @@ def _linear_cross_entropy_chunks(
     weight_x = weight.to(x.dtype)  # the weight as the GEMMs read it (no copy when it is already)
 
     row_loss = empty((n_rows,), device=x.device, dtype=torch.float32)
-    lse = empty((n_rows,), device=x.device, dtype=torch.float32)
+    stats = empty((n_rows, 2), device=x.device, dtype=torch.float32)
     dx = empty((n_rows, n_features), device=x.device, dtype=x.dtype) if need_dx else None
     # fp32 across chunks, so that a half-precision chunk's share is never rounded on its own.
     dweight = (
@@ -353,7 +375,7 @@ def _linear_cross_entropy_chunks(
             flat_targets[start:end],
             ignore_index,
             row_loss[start:end],
-            lse[start:end],
+            stats[start:end],
             logits if write_grad else None,
         )
         if need_dx:
@@ -375,7 +397,7 @@ def _linear_cross_entropy_chunks(
 def _cross_entropy_op(
     logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mean loss, n_valid, lse (N,) fp32)."""
+    """(mean loss, n_valid, stats (N, 2) fp32: each row's max and log sum of exp(x - max))."""
     return _mean_loss(as_rows(logits), targets.reshape(-1).contiguous(), ignore_index, None)
 
 
@@ -385,7 +407,7 @@ def _(logits, targets, ignore_index):
     return (
         logits.new_empty((), dtype=torch.float32),
         targets.new_empty((), dtype=torch.int64),
-        logits.new_empty(rows, dtype=torch.float32),
+        logits.new_empty((rows, 2), dtype=torch.float32),
     )
 
 
@@ -394,28 +416,44 @@ def _cross_entropy_backward_op(
     logits: torch.Tensor,
     targets: torch.Tensor,
     ignore_index: int,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     scale: torch.Tensor,
 ) -> torch.Tensor:
-    """dlogits = (softmax - onehot) * scale for counted rows, 0 for ignored ones; logits' shape."""
-    dlogits = _cross_entropy_grad_rows(
-        as_rows(logits), targets.reshape(-1).contiguous(), ignore_index, lse, scale
-    )
+    """dlogits = (softmax - onehot) * scale for counted rows, 0 for ignored ones; logits' shape.
+    stats: the forward's (N, 2)."""
+    flat_targets, stats = targets.reshape(-1).contiguous(), stats.contiguous()
+    dlogits = _cross_entropy_grad_rows(as_rows(logits), flat_targets, ignore_index, stats, scale)
     return dlogits.view(logits.shape)
 
 
 @_cross_entropy_backward_op.register_fake
-def _(logits, targets, ignore_index, lse, scale):
+def _(logits, targets, ignore_index, stats, scale):
     return logits.new_empty(logits.shape)
+
+
+def _unit_stride_rows(logits: torch.Tensor) -> torch.Tensor | None:
+    """logits as (rows, V) in their own memory with a unit last-dim stride, or None where their
+    layout has no such view."""
+    if logits.stride(-1) != 1:
+        return None
+    try:
+        return logits.view(-1, logits.shape[-1])
+    except RuntimeError:  # rows not one stride apart
+        return None
 
 
 @torch.library.custom_op("fastlm::cross_entropy_", mutates_args=("logits",))
 def _cross_entropy_inplace_op(
     logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, n_valid), with softmax - onehot written over logits (unit last-dim stride)."""
-    rows = logits.view(-1, logits.shape[-1])
-    loss, n_valid, _ = _mean_loss(rows, targets.reshape(-1).contiguous(), ignore_index, rows)
+    """(loss, n_valid), with softmax - onehot written over logits. The kernel writes rows with a
+    unit last-dim stride one stride apart; logits in another layout get the gradient through a
+    contiguous copy."""
+    rows = _unit_stride_rows(logits)
+    work = rows if rows is not None else logits.contiguous().view(-1, logits.shape[-1])
+    loss, n_valid, _ = _mean_loss(work, targets.reshape(-1).contiguous(), ignore_index, work)
+    if rows is None:
+        logits.copy_(work.view(logits.shape))
     return loss, n_valid
 
 
@@ -462,17 +500,17 @@ def _grad_scale(grad_output: torch.Tensor, n_valid: torch.Tensor) -> torch.Tenso
 
 def _cross_entropy_setup(ctx, inputs, output):
     logits, targets, ignore_index = inputs
-    _, n_valid, lse = output
+    _, n_valid, stats = output
     ctx.set_materialize_grads(False)  # no zero tensors for the outputs without a gradient
-    ctx.mark_non_differentiable(n_valid, lse)
-    ctx.save_for_backward(logits, targets, lse, n_valid)
+    ctx.mark_non_differentiable(n_valid, stats)
+    ctx.save_for_backward(logits, targets, stats, n_valid)
     ctx.ignore_index = ignore_index
 
 
 def _cross_entropy_grad(ctx, grad_loss, *_):
-    logits, targets, lse, n_valid = ctx.saved_tensors
+    logits, targets, stats, n_valid = ctx.saved_tensors
     scale = _grad_scale(grad_loss, n_valid)
-    return (_cross_entropy_backward_op(logits, targets, ctx.ignore_index, lse, scale), None, None)
+    return (_cross_entropy_backward_op(logits, targets, ctx.ignore_index, stats, scale), None, None)
 
 
 def _linear_cross_entropy_setup(ctx, inputs, output):
@@ -627,17 +665,17 @@ def cross_entropy(
     w * lse^2 per counted row; `return_accuracy=True` returns (loss, accuracy), the fraction of
     counted rows whose largest logit is the target.
 
-    The forward saves the log-sum-exp of each row; the backward computes the gradient from the
-    logits and the lse into a new tensor. With `inplace_backward=True` the forward writes the
-    gradient into `logits` itself instead, and the backward scales it there, saving that tensor:
-    when a gradient is needed and logits' rows are one stride apart with a unit last-dim stride,
-    logits are overwritten and must not be used afterwards, and the graph supports one backward (a
-    second, after retain_graph=True, raises RuntimeError); otherwise it is the default path. The
-    PyTorch backend ignores inplace_backward. A leaf that requires grad (or a view of one) and
-    logits whose elements overlap are refused; any other autograd node that saved `logits` raises
-    at its backward, as after any in-place op. Without a gradient (torch.no_grad, inference_mode,
-    or logits that do not require grad) logits are never written. Second derivatives are not
-    supported (an error, not a silent zero).
+    The forward saves each row's max and log-sum-exp relative to it; the backward computes the
+    gradient from the logits and those into a new tensor. With `inplace_backward=True` the forward
+    writes the gradient into `logits` itself instead, and the backward scales it there, saving that
+    tensor: when a gradient is needed and logits' rows are one stride apart with a unit last-dim
+    stride, logits are overwritten and must not be used afterwards, and the graph supports one
+    backward (a second, after retain_graph=True, raises RuntimeError); otherwise it is the default
+    path. The PyTorch backend ignores inplace_backward. A leaf that requires grad (or a view of one)
+    and logits whose elements overlap are refused; any other autograd node that saved `logits`
+    raises at its backward, as after any in-place op. Without a gradient (torch.no_grad,
+    inference_mode, or logits that do not require grad) logits are never written. Second derivatives
+    are not supported (an error, not a silent zero).
     """
     check_float("logits", logits)
     if logits.ndim == 0 or logits.shape[-1] == 0:
@@ -661,14 +699,10 @@ def cross_entropy(
     need_grad = logits.requires_grad and torch.is_grad_enabled()
     if need_grad and inplace_backward:
         _overwritable(logits)
-        # Written in place only where each element is plainly its own (unknown: a copy takes it).
-        if logits.stride(-1) == 1 and torch._debug_has_internal_overlap(logits) == 0:
-            try:
-                logits.view(-1, logits.shape[-1])
-            except RuntimeError:  # rows not one stride apart: the kernel writes a copy instead
-                pass
-            else:
-                return _CrossEntropyInPlace.apply(logits, targets, ignore_index)[0]
+        # Written in place only where each element is plainly its own and the kernel can write
+        # the rows where they are; otherwise the default path (its gradient a new tensor).
+        if torch._debug_has_internal_overlap(logits) == 0 and _unit_stride_rows(logits) is not None:
+            return _CrossEntropyInPlace.apply(logits, targets, ignore_index)[0]
     return _cross_entropy_op(logits, targets, ignore_index)[0]
 
 

@@ -423,7 +423,7 @@ def _rms_norm_backward_op(
         d_summed_rows,
         as_rows(x),
         weight,
-        rstd.reshape(-1),
+        rstd.reshape(-1).contiguous(),  # the kernel reads one float per row, unit stride
         dx_dtype,
         dx2_dtype,
         x.shape,

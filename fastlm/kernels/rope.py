@@ -158,6 +158,8 @@ def _rope_kernel(
     stride_kot,
     stride_pb,
     stride_pt,
+    stride_cos,
+    stride_sin,
     T,
     HQ,
     HK,
@@ -172,7 +174,8 @@ def _rope_kernel(
 ):
     """One program per (batch, block of BLOCK_T tokens): all heads of q and of k there.
 
-    Every tensor's head dim has a unit stride (the launcher sees to it)."""
+    Every tensor's last dim has a unit stride (the launcher sees to it); rows may be strided, the
+    tables' too (Hugging Face's (T, D) tables sliced to (T, D/2) have a row stride of D)."""
     pid = tl.program_id(0)
     n_token_blocks = tl.cdiv(T, BLOCK_T)
     b = (pid // n_token_blocks).to(tl.int64)
@@ -185,10 +188,11 @@ def _rope_kernel(
     position = tl.minimum(tl.maximum(position, 0), MAX_SEQ_LEN - 1)
 
     pair = tl.arange(0, BLOCK_HALF)
-    table = position[:, None] * HALF + pair[None, :]  # (BLOCK_T, BLOCK_HALF)
-    table_mask = token_mask[:, None] & (pair < HALF)[None, :]
-    cos = tl.load(COS + table, mask=table_mask, other=0.0).to(tl.float32)
-    sin = tl.load(SIN + table, mask=table_mask, other=0.0).to(tl.float32)
+    table_mask = token_mask[:, None] & (pair < HALF)[None, :]  # (BLOCK_T, BLOCK_HALF)
+    cos_rows = COS + position[:, None] * stride_cos + pair[None, :]
+    sin_rows = SIN + position[:, None] * stride_sin + pair[None, :]
+    cos = tl.load(cos_rows, mask=table_mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_rows, mask=table_mask, other=0.0).to(tl.float32)
     if INVERSE:
         sin = -sin
 
@@ -246,7 +250,9 @@ def _launch(
 ) -> None:
     """Rotate xs[i] into outs[i] (the same tensor for in place), all in one launch."""
     # The kernel needs a unit stride along the head dim, which views of a QKV projection have. A
-    # tensor without one (a rare transposed layout) is rotated in a contiguous copy instead.
+    # tensor without one (a rare transposed layout) is rotated in a contiguous copy instead; the
+    # tables likewise (they are small), while their rows may lie any stride apart.
+    cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
     sources = tuple(x if x.stride(-1) == 1 else x.contiguous() for x in xs)
     targets = tuple(
         out if out.stride(-1) == 1 else source if out is x else torch.empty_like(source)
@@ -285,6 +291,8 @@ def _launch(
         *k_out.stride()[:3],
         stride_pb,
         positions.stride(-1),
+        cos.stride(0),
+        sin.stride(0),
         T,
         HQ,
         n_k_heads,
@@ -441,6 +449,39 @@ def _q_and_k(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Ten
 # --------------------------------------------------------------------------------------------
 
 
+def rope_frequencies(theta: float, d_k: int, device=None) -> torch.Tensor:
+    """theta^(-2i / d_k) for each pair i, (d_k // 2,) float32, as `fastlm.reference.RoPE` and
+    `rope_tables` compute them.
+
+    Args:
+        theta: the base.
+        d_k: the head dim (even).
+        device: where to compute them.
+
+    Returns:
+        The angle of each pair per position.
+    """
+    if d_k % 2:
+        raise ValueError(f"d_k must be even, got {d_k}")
+    return 1.0 / theta ** (torch.arange(0, d_k, 2, device=device, dtype=torch.float32) / d_k)
+
+
+def rope_angles_finite(theta: float, d_k: int, max_seq_len: int) -> bool:
+    """Whether every angle of `rope_tables(theta, d_k, max_seq_len)` is finite in float32 (a
+    tiny theta overflows the frequencies, or the last position times the largest of them),
+    without building the tables.
+
+    Args:
+        theta, d_k, max_seq_len: as `rope_tables` takes them.
+
+    Returns:
+        True when the tables are finite.
+    """
+    inv_freq = rope_frequencies(theta, d_k)
+    last = torch.tensor(max_seq_len - 1, dtype=torch.float32)
+    return bool(torch.isfinite(inv_freq).all() and torch.isfinite(last * inv_freq).all())
+
+
 def rope_tables(
     theta: float, d_k: int, max_seq_len: int, device=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -448,11 +489,9 @@ def rope_tables(
 
     Computed exactly as `fastlm.reference.RoPE` computes its tables (one column per pair).
     """
-    if d_k % 2:
-        raise ValueError(f"d_k must be even, got {d_k}")
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
-    inv_freq = 1.0 / theta ** (torch.arange(0, d_k, 2, device=device, dtype=torch.float32) / d_k)
+    inv_freq = rope_frequencies(theta, d_k, device)
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)  # (L, d_k / 2)
     return angles.cos(), angles.sin()
@@ -581,8 +620,6 @@ def rotate_in_place(
         for t in rotated:
             t.copy_(rope_ref(t, cos, sin, positions, interleaved))
         return rotated
-    # Tables are small: a copy, if ever needed, is cheap; the kernel indexes dense (L, D/2) rows.
-    cos, sin = cos.contiguous(), sin.contiguous()
     if torch.compiler.is_compiling():
         # Dynamo models neither `_base` nor a Function that dirties tensors it does not return:
         # compiled code calls the functional op and writes its result back in place, where
