@@ -12,6 +12,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest -n N runs N worker processes: one torch thread each, or they oversubscribe the cores.
+    torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 

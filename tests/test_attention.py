@@ -5,6 +5,8 @@ and both forward paths; strides, determinism, masked rows, extreme scores, memor
 Packed sequences are in test_attention_varlen.py, rope_attention in test_rope_attention.py.
 """
 
+from __future__ import annotations
+
 import math
 
 import pytest

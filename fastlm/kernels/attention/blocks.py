@@ -2,6 +2,8 @@
 packed-sequence bounds, which keys a query sees, and the ranges of key (or query) blocks a block
 of queries (or keys) visits, split into masked and unmasked phases."""
 
+from __future__ import annotations
+
 from fastlm.kernels._common import tl, triton
 
 
