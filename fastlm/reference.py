@@ -100,7 +100,7 @@ class RoPE(nn.Module):
     """Rotary position embedding: pair i of a head vector at position p is rotated by the angle
     p * theta^(-2i / d_k).
 
-    The pairs are interleaved, (x[2i], x[2i+1]), by default (the seed's layout); with
+    The pairs are interleaved, (x[2i], x[2i+1]), by default (the original RoPE paper's); with
     `interleaved=False` they are half-split, (x[i], x[i + d_k/2]), the layout of GPT-NeoX and of
     Hugging Face's Llama checkpoints.
     """

@@ -144,7 +144,7 @@ def test_gemms_per_layer_match_the_block(kind, monkeypatch):
     launches = sum(n for (cat, _), n in per_layer.items() if cat == "triton")
     assert (launches > 0) == (kind == "fastlm")
     assert all(f.count_layer == f.count_layer_larger_batch for f in fits)
-    if kind == "fastlm":  # issue 11's bounds for a layer's forward + backward
+    if kind == "fastlm":  # a fused step's bounds for a layer's forward + backward
         glue = [f for f in fits if f.category == "glue"]
         assert launches <= 12
         assert sum(f.count_layer for f in glue) <= 4

@@ -6,7 +6,7 @@ Pair i of a head vector x at position p is rotated by the angle a = p * theta^(-
     y2 = x2 cos(a) + x1 sin(a)
 
 Two layouts say which elements form pair i:
-- interleaved (the seed's and `fastlm.reference.RoPE`'s): (x[2i], x[2i + 1]);
+- interleaved (`fastlm.reference.RoPE`'s default): (x[2i], x[2i + 1]);
 - half-split (GPT-NeoX, Hugging Face): (x[i], x[i + d/2]).
 
 The rotation is orthogonal, so the backward is the same rotation by -a applied to the gradient.
