@@ -10,14 +10,15 @@
   `fastlm.build_model`: a model's configuration and the model built from it.
 - `python -m fastlm.train`, `python -m fastlm.generate`: the commands (`fastlm.generate` is the
   command's module, not a function).
-- `fastlm.backend`: which of kernels and PyTorch runs (FASTLM_BACKEND).
+- `fastlm.backend`: which of kernels and PyTorch runs (FASTLM_BACKEND): the module, with
+  `selected()` and `use_triton` (also `fastlm.use_triton`).
 - `fastlm.hf`: Hugging Face Llama, Mistral and Qwen2 models patched onto the kernels (`patch`), and
   weights converted to and from `fastlm.Transformer` (`from_hf`, `to_hf`); needs transformers
   (`pip install fastlm[hf]`), imported only when one of them is called.
 """
 
 from fastlm import hf, reference
-from fastlm.backend import backend, use_triton
+from fastlm.backend import use_triton
 from fastlm.config import ModelConfig, build_model
 from fastlm.kernels import (
     add_rms_norm,
@@ -40,7 +41,6 @@ __version__ = "0.1.0"
 __all__ = [
     "reference",
     "hf",
-    "backend",
     "use_triton",
     "sample",
     "ModelConfig",
