@@ -10,7 +10,8 @@
   `fastlm.build_model`: a model's configuration and the model built from it.
 - `python -m fastlm.train`, `python -m fastlm.generate`: the commands (`fastlm.generate` is the
   command's module, not a function).
-- `fastlm.backend`: which of kernels and PyTorch runs (FASTLM_BACKEND).
+- `fastlm.backend`: which of kernels and PyTorch runs (FASTLM_BACKEND): the module, with
+  `selected()` and `use_triton` (also `fastlm.use_triton`).
 - `fastlm.distributed`: context parallelism, one sequence over the ranks of a process group.
 - `fastlm.hf`: Hugging Face models (Llama, Mistral, Qwen2/3, Gemma 1-3, Phi-3, Mixtral, Qwen3-MoE)
   patched onto the kernels (`patch`), and weights converted to and from `fastlm.Transformer`
@@ -19,7 +20,7 @@
 """
 
 from fastlm import hf, reference
-from fastlm.backend import backend, use_triton
+from fastlm.backend import use_triton
 from fastlm.config import ModelConfig, build_model
 from fastlm.kernels import (
     add_rms_norm,
@@ -43,7 +44,6 @@ __version__ = "0.1.0"
 __all__ = [
     "reference",
     "hf",
-    "backend",
     "use_triton",
     "sample",
     "ModelConfig",

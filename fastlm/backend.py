@@ -8,7 +8,8 @@
   that says what to do.
 - `torch`: never the kernels.
 
-Each op's public function asks `use_triton` once and nothing else.
+Each op's public function asks `use_triton` once and nothing else; `selected()` says what
+FASTLM_BACKEND asks for. (`fastlm.backend` is this module: no function of the package has its name.)
 """
 
 from __future__ import annotations
@@ -20,8 +21,12 @@ import torch
 CHOICES = ("auto", "triton", "torch")
 
 
-def backend() -> str:
-    """The backend asked for by FASTLM_BACKEND (default `auto`)."""
+def selected() -> str:
+    """The backend FASTLM_BACKEND asks for.
+
+    Returns:
+        `auto` (the default), `triton` or `torch`; ValueError for anything else.
+    """
     choice = os.environ.get("FASTLM_BACKEND", "auto").strip().lower() or "auto"
     if choice not in CHOICES:
         raise ValueError(f"FASTLM_BACKEND must be one of {CHOICES}, got {choice!r}")
@@ -35,7 +40,7 @@ def interpreting() -> bool:
 
 def use_triton(x: torch.Tensor) -> bool:
     """Whether the Triton kernels should process tensor `x` (and the tensors that go with it)."""
-    choice = backend()
+    choice = selected()
     if choice == "torch":
         return False
     from fastlm.kernels._common import HAVE_TRITON  # the one module that imports triton

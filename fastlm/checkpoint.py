@@ -105,9 +105,35 @@ def locked(folder: str | os.PathLike) -> Iterator[None]:
     """Hold `folder.lock` (an exclusive lock) while training into `folder`, so that a second
     training on the same folder is refused (CheckpointError) rather than the two replacing each
     other's checkpoints. The lock lies beside the folder, which every save replaces. Taking it
-    also creates the folder's parents and shows, before any training, that they are writable."""
+    also creates the folder's parents and shows, before any training, that they are writable;
+    releasing it removes those it created that stayed empty (a run that failed or saved
+    nothing leaves nothing behind)."""
     folder = Path(folder)
     path = _sibling(folder, ".lock")
+    created = []  # the parents this call makes, deepest first
+    parent = path.parent.absolute()
+    while not parent.exists() and parent != parent.parent:
+        created.append(parent)
+        parent = parent.parent
+    try:
+        descriptor = _take_lock(folder, path)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            os.close(descriptor)
+    finally:
+        for made in created:
+            try:
+                made.rmdir()
+            except OSError:  # it holds the checkpoint now (or anything else): keep it
+                break
+
+
+def _take_lock(folder: Path, path: Path) -> int:
+    """The descriptor of the lock file `path` (created with its parents), locked for this
+    process; CheckpointError where another holds it or the place cannot be written."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         while True:
@@ -138,12 +164,7 @@ def locked(folder: str | os.PathLike) -> Iterator[None]:
             f"cannot write to {folder.absolute().parent} ({error.strerror}), "
             f"where {folder} would be saved"
         ) from None
-    try:
-        yield
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        os.close(descriptor)
+    return descriptor
 
 
 @contextlib.contextmanager

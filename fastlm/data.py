@@ -247,6 +247,20 @@ class TokenSplit:
     val_starts: torch.Tensor | None = None
 
 
+def check_split_options(
+    val_fraction: float, pack_documents: bool, document_separator: str | None
+) -> None:
+    """DataError for `load_split` options that do not go together, before any file is read.
+
+    Args:
+        val_fraction, pack_documents, document_separator: as `load_split` takes them.
+    """
+    if document_separator is not None and (not pack_documents or not document_separator):
+        raise DataError("--document-separator needs --pack-documents and a non-empty TEXT")
+    if not 0 < val_fraction < 1:
+        raise DataError(f"--val-fraction must lie in (0, 1), got {val_fraction}")
+
+
 def load_split(
     data: str | os.PathLike | None,
     tokenizer: Tokenizer,
@@ -265,10 +279,7 @@ def load_split(
     document (file) of the shard on its own and record where each begins; document_separator:
     a document also ends after each occurrence of this text (which stays its last token).
     """
-    if document_separator is not None and (not pack_documents or not document_separator):
-        raise DataError("--document-separator needs --pack-documents and a non-empty TEXT")
-    if not 0 < val_fraction < 1:
-        raise DataError(f"--val-fraction must lie in (0, 1), got {val_fraction}")
+    check_split_options(val_fraction, pack_documents, document_separator)
     corpus = read_text(corpus_files(data))
     for path, count in corpus.replaced.items():
         if warn is not None:

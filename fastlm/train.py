@@ -58,6 +58,7 @@ from fastlm.data import (
     IGNORE_INDEX,
     DataError,
     TokenSplit,
+    check_split_options,
     eval_batches,
     load_split,
     load_tokenizer,
@@ -332,6 +333,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--peak-tflops must be positive, got {args.peak_tflops}")
     if args.resume and args.overwrite:
         raise ConfigError("--resume and --overwrite exclude each other")
+    check_split_options(args.val_fraction, args.pack_documents, args.document_separator)
     check_integers(vars(args), exempt=("seed",))  # any seed: torch_seed reduces it
     check_context_parallel(args)
 

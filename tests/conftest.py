@@ -1,14 +1,26 @@
-"""Test set-up: Triton's interpreter on machines without CUDA, fresh seeds, poisoned outputs.
+"""Test set-up: Triton's interpreter on machines without CUDA, fresh seeds, poisoned outputs,
+and a test run that writes nothing into the repository.
 
 TRITON_INTERPRET must be set before triton is first imported, so this runs before fastlm is.
 `import torch` does not import triton, which lets us ask torch whether CUDA exists first.
+
+Tests write under their tmp paths only. The tools that would write into the working directory
+are pointed elsewhere: Hypothesis keeps its example database and caches in `.hypothesis/`
+(here: no database, and a temporary folder for the rest), pytest-benchmark makes `.benchmarks/`
+at start-up (here: a temporary folder). A run that leaves new files in the repository anyway
+fails, naming them.
 """
 
 import contextlib
 import os
 import random
+import shutil
+import tempfile
+from pathlib import Path
 
 import torch
+from hypothesis import configuration as hypothesis_configuration
+from hypothesis import settings
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -17,6 +29,19 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+#: Written by Python and pytest themselves, not by the tests: never counted.
+RUN_CACHES = {"__pycache__", ".pytest_cache"}
+#: The repository's own metadata and a developer's tools, which other processes may touch.
+NOT_OURS = {".git", ".venv", ".ruff_cache"}
+REPOSITORY_FILES = pytest.StashKey[set]()
+
+# This process's scratch folder for the tools' files, removed at the end of the session.
+SCRATCH = Path(tempfile.mkdtemp(prefix="fastlm-tests-"))
+hypothesis_configuration.set_hypothesis_home_dir(SCRATCH / "hypothesis")
+settings.register_profile("fastlm", database=None)
+settings.load_profile("fastlm")
 
 import fastlm.kernels._common as kernel_common  # noqa: E402
 from fastlm.kernels.linear import has_mixed_gemm  # noqa: E402
@@ -89,3 +114,48 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    # pytest-benchmark opens its storage (and makes the folder) in its own pytest_configure: a
+    # storage left at its default goes to the scratch folder instead of ./.benchmarks.
+    if config.getoption("benchmark_storage", None) == "file://./.benchmarks":
+        config.option.benchmark_storage = f"file://{SCRATCH / 'benchmarks'}"
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(SCRATCH, ignore_errors=True)
+
+
+def repository_files() -> set[str]:
+    """Every file and folder in the repository, relative to it, caches and metadata aside."""
+    found = set()
+    for folder, subfolders, files in os.walk(REPO):
+        top = Path(folder) == REPO
+        subfolders[:] = [
+            name for name in subfolders if name not in RUN_CACHES and not (top and name in NOT_OURS)
+        ]
+        relative = Path(folder).relative_to(REPO)
+        found.update(str(relative / name) for name in (*subfolders, *files))
+    return found
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # the controller of a pytest-xdist run
+        session.config.stash[REPOSITORY_FILES] = repository_files()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run if it left files in the repository: tests write under their tmp paths."""
+    before = session.config.stash.get(REPOSITORY_FILES, None)
+    if before is None:
+        return
+    added = sorted(repository_files() - before)
+    if added:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = f"the test run wrote into the repository {REPO}: {', '.join(added)}"
+        if reporter is not None:
+            reporter.ensure_newline()
+            reporter.write_line(message, red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,6 +1,7 @@
 """fastlm.config: model configurations, presets, building either model, the devices the commands
 accept; and the package's public names for sampling and the commands."""
 
+import inspect
 import json
 import os
 import re
@@ -180,3 +181,18 @@ def test_sampling_has_one_public_name_and_generate_is_the_command():
     )
     assert names["generate"] == "module"  # a plain module: no class swapped in
     assert "fastlm.generate" in names["modules"] and "fastlm.train" not in names["modules"]
+
+
+def test_backend_names_the_module_only(monkeypatch):
+    """`fastlm.backend` is the module of the backend rule, also after `import fastlm` (no
+    function of that name on the package hides it); `selected()` says what FASTLM_BACKEND asks
+    for."""
+    import fastlm.backend as backend
+
+    assert inspect.ismodule(backend) and fastlm.backend is backend
+    assert backend.use_triton is fastlm.use_triton
+    for choice in ("auto", "triton", "torch"):
+        monkeypatch.setenv("FASTLM_BACKEND", choice)
+        assert backend.selected() == choice
+    monkeypatch.delenv("FASTLM_BACKEND")
+    assert backend.selected() == "auto"

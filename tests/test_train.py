@@ -410,6 +410,8 @@ def test_without_matplotlib_a_note_replaces_the_png(corpus, tmp_path, capsys, mo
 
 
 def test_cli_error_has_no_traceback(tmp_path):
+    """A data path that does not exist, found once --out is locked: one line, and nothing left
+    behind, not even the folders the lock made for --out."""
     result = subprocess.run(
         [
             sys.executable,
@@ -418,7 +420,7 @@ def test_cli_error_has_no_traceback(tmp_path):
             "--data",
             str(tmp_path / "no"),
             "--out",
-            str(tmp_path / "out"),
+            str(tmp_path / "new" / "out"),
         ],
         capture_output=True,
         text=True,
@@ -429,7 +431,7 @@ def test_cli_error_has_no_traceback(tmp_path):
     assert result.stderr.strip().splitlines() == [
         f"fastlm.train: error: --data: no such file or folder: {tmp_path / 'no'}"
     ]
-    assert not (tmp_path / "out").exists()
+    assert os.listdir(tmp_path) == []
 
 
 def strict_json(line: str) -> dict:
@@ -846,5 +848,8 @@ def test_document_separator_ends_documents(tmp_path, corpus, capsys):
     assert split.train_starts.tolist() == [0, first_end, first_end + len(docs[1]) + len("<|sep|>")]
     with pytest.raises(DataError, match="needs --pack-documents"):
         load_split(path, ByteTokenizer(), 8, 0.1, document_separator="<|sep|>")
-    status, _, err = run_main(["--data", corpus, *TOY, "--document-separator", "x"], capsys)
+    out = tmp_path / "new" / "out"
+    args = ["--data", corpus, *TOY, "--document-separator", "x", "--out", out]
+    status, _, err = run_main(args, capsys)
     assert status == 2 and "--document-separator needs --pack-documents" in err
+    assert not out.parent.exists()  # refused before --out's folder is locked
