@@ -82,9 +82,9 @@ from triton.runtime.jit import JITFunction, MockTensor  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # The modules (fastlm.kernels re-exports functions under some of the same names).
-cross_entropy, rmsnorm, rope, swiglu = (
+cross_entropy, cross_entropy_options, rmsnorm, rope, swiglu = (
     importlib.import_module(f"fastlm.kernels.{name}")
-    for name in ("cross_entropy", "rmsnorm", "rope", "swiglu")
+    for name in ("cross_entropy", "cross_entropy_options", "rmsnorm", "rope", "swiglu")
 )
 
 
@@ -253,26 +253,40 @@ def rope_cases(dtypes, head_dims) -> Iterator[Case]:
 
 
 def swiglu_cases(dtypes) -> Iterator[Case]:
+    """The gated units' kernels: SwiGLU, and GeGLU (tanh and exact GELU) as their ACTIVATION."""
+    units = {"SwiGLU": swiglu.SILU, "GeGLU tanh": swiglu.GELU_TANH, "GeGLU": swiglu.GELU}
     for name in dtypes:
         gate, up = meta((TOKENS, D_FF), DTYPES[name]), meta((TOKENS, D_FF), DTYPES[name])
         fields, label = dict(dtype=name, d_ff=D_FF), f"{name} N={D_FF}"
-        yield Case("SwiGLU fwd", label, partial(swiglu._forward_rows, gate, up, gate), fields)
-        backward = partial(swiglu._backward_rows, gate, gate, up, gate, up)
-        yield Case("SwiGLU bwd", label, backward, fields)
+        for unit, activation in units.items():
+            forward = partial(swiglu._forward_rows, gate, up, gate, activation)
+            yield Case(f"{unit} fwd", label, forward, fields)
+            backward = partial(swiglu._backward_rows, gate, gate, up, gate, up, activation)
+            yield Case(f"{unit} bwd", label, backward, fields)
 
 
 def cross_entropy_cases(dtypes) -> Iterator[Case]:
     for name in dtypes:
         logits = meta((TOKENS // 2, VOCAB), DTYPES[name])
         targets = meta((TOKENS // 2,), torch.int64)
-        loss, lse = meta((TOKENS // 2,), torch.float32), meta((TOKENS // 2,), torch.float32)
+        loss, stats = meta((TOKENS // 2,), torch.float32), meta((TOKENS // 2, 2), torch.float32)
         scale = meta((), torch.float32)
         fields, label = dict(dtype=name, vocab=VOCAB), f"{name} V={VOCAB}"
-        forward = partial(cross_entropy._cross_entropy_rows, logits, targets, -100, loss, lse)
+        forward = partial(cross_entropy._cross_entropy_rows, logits, targets, -100, loss, stats)
         yield Case("cross-entropy fwd+grad", label, partial(forward, logits), fields)
         yield Case("cross-entropy fwd", label, partial(forward, None), fields)
-        backward = partial(cross_entropy._cross_entropy_grad_rows, logits, targets, -100, lse)
+        backward = partial(cross_entropy._cross_entropy_grad_rows, logits, targets, -100, stats)
         yield Case("cross-entropy bwd", label, partial(backward, scale), fields)
+        # The options' kernels (cap, label smoothing, z-loss), as Gemma 2's fine-tuning runs them.
+        options = (30.0, 0.1, 1e-4)
+        rows = partial(cross_entropy_options._rows_forward, logits, targets, -100, options)
+        yield Case("cross-entropy options fwd+grad", label, partial(rows, logits), fields)
+        yield Case("cross-entropy options fwd", label, rows, fields)
+        scales = meta((TOKENS // 2,), torch.float32)
+        backward = partial(
+            cross_entropy_options._rows_backward, logits, targets, -100, stats, scales, options
+        )
+        yield Case("cross-entropy options bwd", label, backward, fields)
 
 
 #: The attention options' rows: a window of a quarter of the sequence, Gemma 2's score cap.

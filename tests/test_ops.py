@@ -366,11 +366,7 @@ def _op_results(op, args) -> list[torch.Tensor]:
     return [t for t in (*out, *args) if isinstance(t, torch.Tensor)]
 
 
-# The attention ops have their own strided-input tests (tests/test_attention*.py).
-ROW_OPS = [name for name in OP_NAMES if "attention" not in name]
-
-
-@pytest.mark.parametrize("name", ROW_OPS)
+@pytest.mark.parametrize("name", OP_NAMES)
 def test_ops_read_every_input_through_its_strides(device, name):
     """Each torch.ops.fastlm op, called directly, gives the same results for any memory layout of
     any tensor argument (weights, tables, saved statistics, targets, positions, ...)."""

@@ -27,28 +27,9 @@ from fastlm.kernels.rope import apply_rope_, rope_ref, rope_tables
 from fastlm.kernels.swiglu import swiglu, swiglu_packed, swiglu_packed_ref, swiglu_ref
 
 __all__ = [
-    "add_rms_norm",
-    "apply_rope_",
-    "cross_entropy",
-    "flash_attention",
-    "flash_attention_varlen",
-    "geglu",
-    "linear_cross_entropy",
-    "rms_norm",
-    "rope_attention",
-    "rope_tables",
-    "swiglu",
-    "swiglu_packed",
-    "add_rms_norm_ref",
-    "attention_ref",
-    "attention_varlen_ref",
-    "rope_attention_ref",
-    "cross_entropy_ref",
-    "cross_entropy_options_ref",
-    "geglu_ref",
-    "linear_cross_entropy_ref",
-    "rms_norm_ref",
-    "rope_ref",
-    "swiglu_packed_ref",
-    "swiglu_ref",
+    "add_rms_norm", "apply_rope_", "cross_entropy", "flash_attention", "flash_attention_varlen",
+    "geglu", "linear_cross_entropy", "rms_norm", "rope_attention", "rope_tables", "swiglu",
+    "swiglu_packed", "add_rms_norm_ref", "attention_ref", "attention_varlen_ref",
+    "rope_attention_ref", "cross_entropy_ref", "cross_entropy_options_ref", "geglu_ref",
+    "linear_cross_entropy_ref", "rms_norm_ref", "rope_ref", "swiglu_packed_ref", "swiglu_ref"
 ]

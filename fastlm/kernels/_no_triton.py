@@ -43,6 +43,7 @@ def autotune(configs, key, **options):
 
 
 class Config:
+
     def __init__(self, kwargs, num_warps=4, num_stages=3, **options):
         self.kwargs, self.num_warps, self.num_stages = kwargs, num_warps, num_stages
 

@@ -82,7 +82,6 @@ MAX_ROW_ON_CHIP = 65536
 #: matmuls (2048 x 768 x 32000) stay large enough to run near a GPU's peak.
 CHUNK_LOGITS_BYTES = 128 * 2**20
 
-
 # --------------------------------------------------------------------------------------------
 # Reference math (the PyTorch backend, and what the tests and benchmarks compare with)
 # --------------------------------------------------------------------------------------------
@@ -160,18 +159,10 @@ def _store_grad(dlogits_row, x, cols, mask, row_max, log_sum, target, counted):
 
 @triton.jit
 def _cross_entropy_fwd_kernel(
-    Logits,
-    Targets,
-    Loss,
-    Stats,
-    DLogits,
-    stride_lm,
-    stride_dm,
-    n_cols,
-    ignore_index,
-    BLOCK_V: tl.constexpr,
-    WRITE_GRAD: tl.constexpr,
-    ROW_ON_CHIP: tl.constexpr,
+    Logits, Targets, Loss, Stats, DLogits,  #
+    stride_lm, stride_dm,  #
+    n_cols, ignore_index,  #
+    BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr, ROW_ON_CHIP: tl.constexpr
 ):
     """One program per row: Loss[row] and Stats[row] = (max, log sum) (fp32) and, under
     WRITE_GRAD, DLogits[row] = softmax - onehot (unscaled). ROW_ON_CHIP: one block holds the
@@ -215,16 +206,10 @@ def _cross_entropy_fwd_kernel(
 
 @triton.jit
 def _cross_entropy_bwd_kernel(
-    Logits,
-    Targets,
-    Stats,
-    Scale,
-    DLogits,
-    stride_lm,
-    stride_dm,
-    n_cols,
-    ignore_index,
-    BLOCK_V: tl.constexpr,
+    Logits, Targets, Stats, Scale, DLogits,  #
+    stride_lm, stride_dm,  #
+    n_cols, ignore_index,  #
+    BLOCK_V: tl.constexpr
 ):
     """One program per (row, block of BLOCK_V columns): DLogits = (softmax - onehot) * Scale,
     Scale = grad_output / n_valid (one fp32 on the device); 0 for an ignored row."""
@@ -263,12 +248,8 @@ def _row_on_chip(n_cols: int) -> tuple[int, int] | None:
 
 
 def _cross_entropy_rows(
-    rows: torch.Tensor,
-    targets: torch.Tensor,
-    ignore_index: int,
-    row_loss: torch.Tensor,
-    stats: torch.Tensor,
-    dlogits: torch.Tensor | None,
+    rows: torch.Tensor, targets: torch.Tensor, ignore_index: int, row_loss: torch.Tensor,
+    stats: torch.Tensor, dlogits: torch.Tensor | None
 ) -> None:
     """Per-row losses of rows (N, V) (unit column stride) into row_loss (N,) fp32 and their
     (max, log sum of exp(x - max)) into stats (N, 2) fp32 (contiguous), and softmax - onehot into
@@ -281,29 +262,16 @@ def _cross_entropy_rows(
     on_chip = _row_on_chip(n_cols) if write_grad else None
     block_v, num_warps = on_chip or _block_v(n_cols)
     grad_out = dlogits if write_grad else rows  # never written when WRITE_GRAD is off
-    _cross_entropy_fwd_kernel[(n_rows,)](
-        rows,
-        targets,
-        row_loss,
-        stats,
-        grad_out,
-        rows.stride(0),
-        grad_out.stride(0),
-        n_cols,
-        ignore_index,
-        BLOCK_V=block_v,
-        WRITE_GRAD=write_grad,
-        ROW_ON_CHIP=on_chip is not None,
-        num_warps=num_warps,
+    _cross_entropy_fwd_kernel[(n_rows, )](
+        rows, targets, row_loss, stats, grad_out, rows.stride(0), grad_out.stride(0), n_cols,
+        ignore_index, BLOCK_V=block_v, WRITE_GRAD=write_grad, ROW_ON_CHIP=on_chip is not None,
+        num_warps=num_warps
     )
 
 
 def _cross_entropy_grad_rows(
-    rows: torch.Tensor,
-    targets: torch.Tensor,
-    ignore_index: int,
-    stats: torch.Tensor,
-    scale: torch.Tensor,
+    rows: torch.Tensor, targets: torch.Tensor, ignore_index: int, stats: torch.Tensor,
+    scale: torch.Tensor
 ) -> torch.Tensor:
     """(softmax - onehot) * scale of rows (N, V) as a new tensor of rows' dtype, from the
     forward's stats (N, 2) (contiguous)."""
@@ -313,17 +281,8 @@ def _cross_entropy_grad_rows(
         return dlogits
     block_v, num_warps = _block_v(n_cols)
     _cross_entropy_bwd_kernel[(n_rows, triton.cdiv(n_cols, block_v))](
-        rows,
-        targets,
-        stats,
-        scale,
-        dlogits,
-        rows.stride(0),
-        dlogits.stride(0),
-        n_cols,
-        ignore_index,
-        BLOCK_V=block_v,
-        num_warps=num_warps,
+        rows, targets, stats, scale, dlogits, rows.stride(0), dlogits.stride(0), n_cols,
+        ignore_index, BLOCK_V=block_v, num_warps=num_warps
     )
     return dlogits
 
@@ -339,7 +298,7 @@ def _mean_loss(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The mean loss of rows (N, V), n_valid and the rows' stats (N, 2) (see
     _cross_entropy_rows); softmax - onehot into dlogits unless it is None."""
-    row_loss = empty((rows.shape[0],), device=rows.device, dtype=torch.float32)
+    row_loss = empty((rows.shape[0], ), device=rows.device, dtype=torch.float32)
     stats = empty((rows.shape[0], 2), device=rows.device, dtype=torch.float32)
     _cross_entropy_rows(rows, flat_targets, ignore_index, row_loss, stats, dlogits)
     n_valid = _count_valid(flat_targets, ignore_index)
@@ -359,7 +318,7 @@ def _linear_cross_entropy_chunks(
     write_grad = need_dx or need_dweight
     weight_x = weight.to(x.dtype)  # the weight as the GEMMs read it (no copy when it is already)
 
-    row_loss = empty((n_rows,), device=x.device, dtype=torch.float32)
+    row_loss = empty((n_rows, ), device=x.device, dtype=torch.float32)
     stats = empty((n_rows, 2), device=x.device, dtype=torch.float32)
     dx = empty((n_rows, n_features), device=x.device, dtype=x.dtype) if need_dx else None
     # fp32 across chunks, so that a half-precision chunk's share is never rounded on its own.
@@ -371,12 +330,8 @@ def _linear_cross_entropy_chunks(
         x_chunk = rows[start:end]
         logits = x_chunk @ weight_x.T  # (chunk, V), the only logits alive
         _cross_entropy_rows(
-            logits,
-            flat_targets[start:end],
-            ignore_index,
-            row_loss[start:end],
-            stats[start:end],
-            logits if write_grad else None,
+            logits, flat_targets[start:end], ignore_index, row_loss[start:end], stats[start:end],
+            logits if write_grad else None
         )
         if need_dx:
             torch.mm(logits, weight_x, out=dx[start:end])
@@ -394,9 +349,8 @@ def _linear_cross_entropy_chunks(
 
 
 @torch.library.custom_op("fastlm::cross_entropy", mutates_args=())
-def _cross_entropy_op(
-    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _cross_entropy_op(logits: torch.Tensor, targets: torch.Tensor,
+                      ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mean loss, n_valid, stats (N, 2) fp32: each row's max and log sum of exp(x - max))."""
     return _mean_loss(as_rows(logits), targets.reshape(-1).contiguous(), ignore_index, None)
 
@@ -405,19 +359,15 @@ def _cross_entropy_op(
 def _(logits, targets, ignore_index):
     rows = logits.shape[:-1].numel()
     return (
-        logits.new_empty((), dtype=torch.float32),
-        targets.new_empty((), dtype=torch.int64),
-        logits.new_empty((rows, 2), dtype=torch.float32),
+        logits.new_empty((), dtype=torch.float32), targets.new_empty((), dtype=torch.int64),
+        logits.new_empty((rows, 2), dtype=torch.float32)
     )
 
 
 @torch.library.custom_op("fastlm::cross_entropy_backward", mutates_args=())
 def _cross_entropy_backward_op(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    ignore_index: int,
-    stats: torch.Tensor,
-    scale: torch.Tensor,
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, stats: torch.Tensor,
+    scale: torch.Tensor
 ) -> torch.Tensor:
     """dlogits = (softmax - onehot) * scale for counted rows, 0 for ignored ones; logits' shape.
     stats: the forward's (N, 2)."""
@@ -442,10 +392,9 @@ def _unit_stride_rows(logits: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-@torch.library.custom_op("fastlm::cross_entropy_", mutates_args=("logits",))
-def _cross_entropy_inplace_op(
-    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+@torch.library.custom_op("fastlm::cross_entropy_", mutates_args=("logits", ))
+def _cross_entropy_inplace_op(logits: torch.Tensor, targets: torch.Tensor,
+                              ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, n_valid), with softmax - onehot written over logits. The kernel writes rows with a
     unit last-dim stride one stride apart; logits in another layout get the gradient through a
     contiguous copy."""
@@ -464,13 +413,8 @@ def _(logits, targets, ignore_index):
 
 @torch.library.custom_op("fastlm::linear_cross_entropy", mutates_args=())
 def _linear_cross_entropy_op(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    ignore_index: int,
-    chunk_size: int,
-    need_dx: bool,
-    need_dweight: bool,
+    x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+    chunk_size: int, need_dx: bool, need_dweight: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, n_valid, unscaled dx of x's shape or empty, unscaled fp32 dweight or empty): a
     gradient not asked for is an empty tensor (custom ops return tensors, not None)."""
@@ -487,10 +431,7 @@ def _(x, weight, targets, ignore_index, chunk_size, need_dx, need_dweight):
     dx = x.new_empty(x.shape if need_dx else 0)
     dweight = weight.new_empty(weight.shape if need_dweight else 0, dtype=torch.float32)
     return (
-        x.new_empty((), dtype=torch.float32),
-        targets.new_empty((), dtype=torch.int64),
-        dx,
-        dweight,
+        x.new_empty((), dtype=torch.float32), targets.new_empty((), dtype=torch.int64), dx, dweight
     )
 
 
@@ -542,9 +483,8 @@ torch.library.register_autograd(
     "fastlm::cross_entropy", _cross_entropy_grad, setup_context=_cross_entropy_setup
 )
 torch.library.register_autograd(
-    "fastlm::linear_cross_entropy",
-    _linear_cross_entropy_grad,
-    setup_context=_linear_cross_entropy_setup,
+    "fastlm::linear_cross_entropy", _linear_cross_entropy_grad,
+    setup_context=_linear_cross_entropy_setup
 )
 refuse_double_backward("fastlm::cross_entropy_backward", "cross_entropy")
 
@@ -639,16 +579,9 @@ def _overwritable(logits: torch.Tensor) -> None:
 
 
 def cross_entropy(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    ignore_index: int = -100,
-    *,
-    inplace_backward: bool = False,
-    softcap: float = 0.0,
-    reduction: str = "mean",
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
-    return_accuracy: bool = False,
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, *,
+    inplace_backward: bool = False, softcap: float = 0.0, reduction: str = "mean",
+    label_smoothing: float = 0.0, z_loss: float = 0.0, return_accuracy: bool = False
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy of logits (..., V) against targets (...), skipping ignore_index.
 
@@ -715,17 +648,9 @@ def default_chunk_size(n_tokens: int, vocab_size: int, dtype: torch.dtype) -> in
 
 
 def linear_cross_entropy(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    ignore_index: int = -100,
-    chunk_size: int | None = None,
-    *,
-    softcap: float = 0.0,
-    reduction: str = "mean",
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
-    return_accuracy: bool = False,
+    x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+    chunk_size: int | None = None, *, softcap: float = 0.0, reduction: str = "mean",
+    label_smoothing: float = 0.0, z_loss: float = 0.0, return_accuracy: bool = False
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """cross_entropy(x @ weight.T, targets, ignore_index) without the (tokens, V) logits.
 

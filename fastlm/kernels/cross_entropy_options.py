@@ -46,13 +46,8 @@ REDUCTIONS = ("mean", "sum", "none")
 
 
 def cross_entropy_options_ref(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    ignore_index: int = -100,
-    *,
-    softcap: float = 0.0,
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, *, softcap: float = 0.0,
+    label_smoothing: float = 0.0, z_loss: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(row losses (N,), correct (N,) bool) of logits (..., V) in PyTorch, fp32 inside (fp64 for
     fp64); an ignored row's logits never enter the math (loss 0, no NaN gradient)."""
@@ -94,8 +89,10 @@ def _capped_block(logits_row, start, n_cols, softcap, BLOCK_V: tl.constexpr, SOF
 
 
 @triton.jit
-def _row_grad(z, cols, target, counted, row_max, log_sum, n_cols, softcap, smoothing, z_weight,
-              SOFTCAP: tl.constexpr):  # fmt: skip
+def _row_grad(
+    z, cols, target, counted, row_max, log_sum, n_cols, softcap, smoothing, z_weight,  #
+    SOFTCAP: tl.constexpr
+):
     """dloss/dx of a block (fp32, 0 for an ignored row); see the module docstring."""
     p = tl.exp((z - row_max) - log_sum)
     lse = row_max + log_sum
@@ -109,22 +106,10 @@ def _row_grad(z, cols, target, counted, row_max, log_sum, n_cols, softcap, smoot
 
 @triton.jit
 def _options_fwd_kernel(
-    Logits,
-    Targets,
-    Loss,
-    Stats,
-    Correct,
-    DLogits,
-    stride_lm,
-    stride_dm,
-    n_cols,
-    ignore_index,
-    softcap,
-    smoothing,
-    z_weight,
-    BLOCK_V: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    WRITE_GRAD: tl.constexpr,
+    Logits, Targets, Loss, Stats, Correct, DLogits,  #
+    stride_lm, stride_dm,  #
+    n_cols, ignore_index, softcap, smoothing, z_weight,  #
+    BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_GRAD: tl.constexpr
 ):
     """One program per row: Loss[row], Stats[row] = (max, log sum) of z, Correct[row] and, under
     WRITE_GRAD, DLogits[row] = the unscaled gradient."""
@@ -171,37 +156,32 @@ def _options_fwd_kernel(
         dlogits_row = DLogits + row * stride_dm
         for start in range(0, n_cols, BLOCK_V):
             z, cols, mask = _capped_block(logits_row, start, n_cols, softcap, BLOCK_V, SOFTCAP)
-            grad = _row_grad(z, cols, target, counted, row_max, log_sum, n_cols, softcap,
-                             smoothing, z_weight, SOFTCAP)  # fmt: skip
+            grad = _row_grad(
+                z, cols, target, counted, row_max, log_sum, n_cols, softcap, smoothing, z_weight,
+                SOFTCAP
+            )
             tl.store(dlogits_row + cols, grad.to(DLogits.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _options_bwd_kernel(
-    Logits,
-    Targets,
-    Stats,
-    Scale,
-    DLogits,
-    stride_lm,
-    stride_dm,
-    n_cols,
-    ignore_index,
-    softcap,
-    smoothing,
-    z_weight,
-    BLOCK_V: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    Logits, Targets, Stats, Scale, DLogits,  #
+    stride_lm, stride_dm,  #
+    n_cols, ignore_index, softcap, smoothing, z_weight,  #
+    BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr
 ):
     """One program per (row, block of columns): DLogits = the gradient times Scale[row]."""
     row = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * BLOCK_V
     target = tl.load(Targets + row).to(tl.int64)
     row_max, log_sum = tl.load(Stats + 2 * row), tl.load(Stats + 2 * row + 1)
-    z, cols, mask = _capped_block(Logits + row * stride_lm, start, n_cols, softcap, BLOCK_V,
-                                  SOFTCAP)  # fmt: skip
-    grad = _row_grad(z, cols, target, target != ignore_index, row_max, log_sum, n_cols, softcap,
-                     smoothing, z_weight, SOFTCAP)  # fmt: skip
+    z, cols, mask = _capped_block(
+        Logits + row * stride_lm, start, n_cols, softcap, BLOCK_V, SOFTCAP
+    )
+    grad = _row_grad(
+        z, cols, target, target != ignore_index, row_max, log_sum, n_cols, softcap, smoothing,
+        z_weight, SOFTCAP
+    )
     grad *= tl.load(Scale + row)
     tl.store(DLogits + row * stride_dm + cols, grad.to(DLogits.dtype.element_ty), mask=mask)
 
@@ -220,18 +200,32 @@ def _rows_forward(rows, targets, ignore_index, options, dlogits=None):
     """(row losses, stats (N, 2), correct (N,) fp32 1 or 0) of rows (N, V); the unscaled gradient
     into dlogits (N, V) (may be rows) unless it is None."""
     n_rows, n_cols = rows.shape
-    loss = empty((n_rows,), device=rows.device, dtype=torch.float32)
+    loss = empty((n_rows, ), device=rows.device, dtype=torch.float32)
     stats = empty((n_rows, 2), device=rows.device, dtype=torch.float32)
-    correct = empty((n_rows,), device=rows.device, dtype=torch.float32)
+    correct = empty((n_rows, ), device=rows.device, dtype=torch.float32)
     if n_rows:
         block_v, num_warps = _block_v(n_cols)
         grad_out = dlogits if dlogits is not None else rows  # never written without WRITE_GRAD
-        _options_fwd_kernel[(n_rows,)](
+        _options_fwd_kernel[(n_rows, )](
             rows, targets, loss, stats, correct, grad_out, rows.stride(0), grad_out.stride(0),
             n_cols, ignore_index, *_option_args(*options), BLOCK_V=block_v,
-            SOFTCAP=bool(options[0]), WRITE_GRAD=dlogits is not None, num_warps=num_warps,
-        )  # fmt: skip
+            SOFTCAP=bool(options[0]), WRITE_GRAD=dlogits is not None, num_warps=num_warps
+        )
     return loss, stats, correct
+
+
+def _rows_backward(rows, targets, ignore_index, stats, scale, options):
+    """dlogits (N, V) of rows (N, V): each row's gradient times scale[row]."""
+    dlogits = empty(rows.shape, device=rows.device, dtype=rows.dtype)
+    n_rows, n_cols = rows.shape
+    if n_rows:
+        block_v, num_warps = _block_v(n_cols)
+        _options_bwd_kernel[(n_rows, triton.cdiv(n_cols, block_v))](
+            rows, targets.reshape(-1).contiguous(), stats.contiguous(), scale.contiguous(), dlogits,
+            rows.stride(0), dlogits.stride(0), n_cols, ignore_index, *_option_args(*options),
+            BLOCK_V=block_v, SOFTCAP=bool(options[0]), num_warps=num_warps
+        )
+    return dlogits
 
 
 # --------------------------------------------------------------------------------------------
@@ -241,12 +235,8 @@ def _rows_forward(rows, targets, ignore_index, options, dlogits=None):
 
 @torch.library.custom_op("fastlm::cross_entropy_options", mutates_args=())
 def _cross_entropy_options_op(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    ignore_index: int,
-    softcap: float,
-    label_smoothing: float,
-    z_loss: float,
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, softcap: float,
+    label_smoothing: float, z_loss: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row losses (N,) fp32, stats (N, 2) fp32, correct (N,) fp32 1 or 0)."""
     options = (softcap, label_smoothing, z_loss)
@@ -257,35 +247,21 @@ def _cross_entropy_options_op(
 def _(logits, targets, ignore_index, softcap, label_smoothing, z_loss):
     rows = logits.shape[:-1].numel()
     return (
-        logits.new_empty(rows, dtype=torch.float32),
-        logits.new_empty((rows, 2), dtype=torch.float32),
-        logits.new_empty(rows, dtype=torch.float32),
+        logits.new_empty(rows,
+                         dtype=torch.float32), logits.new_empty((rows, 2), dtype=torch.float32),
+        logits.new_empty(rows, dtype=torch.float32)
     )
 
 
 @torch.library.custom_op("fastlm::cross_entropy_options_backward", mutates_args=())
 def _cross_entropy_options_backward_op(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    ignore_index: int,
-    stats: torch.Tensor,
-    scale: torch.Tensor,
-    softcap: float,
-    label_smoothing: float,
-    z_loss: float,
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, stats: torch.Tensor,
+    scale: torch.Tensor, softcap: float, label_smoothing: float, z_loss: float
 ) -> torch.Tensor:
     """dlogits of logits' shape: each row's gradient times scale[row]."""
     rows = as_rows(logits)
-    dlogits = empty(rows.shape, device=rows.device, dtype=rows.dtype)
-    n_rows, n_cols = rows.shape
-    if n_rows:
-        block_v, num_warps = _block_v(n_cols)
-        _options_bwd_kernel[(n_rows, triton.cdiv(n_cols, block_v))](
-            rows, targets.reshape(-1).contiguous(), stats.contiguous(), scale.contiguous(),
-            dlogits, rows.stride(0), dlogits.stride(0), n_cols, ignore_index,
-            *_option_args(softcap, label_smoothing, z_loss), BLOCK_V=block_v,
-            SOFTCAP=bool(softcap), num_warps=num_warps,
-        )  # fmt: skip
+    options = (softcap, label_smoothing, z_loss)
+    dlogits = _rows_backward(rows, targets, ignore_index, stats, scale, options)
     return dlogits.view(logits.shape)
 
 
@@ -312,25 +288,17 @@ def _cross_entropy_options_grad(ctx, grad_rows, *_):
 
 
 torch.library.register_autograd(
-    "fastlm::cross_entropy_options",
-    _cross_entropy_options_grad,
-    setup_context=_cross_entropy_options_setup,
+    "fastlm::cross_entropy_options", _cross_entropy_options_grad,
+    setup_context=_cross_entropy_options_setup
 )
 refuse_double_backward("fastlm::cross_entropy_options_backward", "cross_entropy")
 
 
 @torch.library.custom_op("fastlm::linear_cross_entropy_options", mutates_args=())
 def _linear_cross_entropy_options_op(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    ignore_index: int,
-    chunk_size: int,
-    softcap: float,
-    label_smoothing: float,
-    z_loss: float,
-    need_dx: bool,
-    need_dweight: bool,
+    x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+    chunk_size: int, softcap: float, label_smoothing: float, z_loss: float, need_dx: bool,
+    need_dweight: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(summed loss, correct (N,) fp32 1 or 0, unscaled dx or empty, unscaled fp32 dweight or
     empty): x (..., C) @ weight^T chunk by chunk, as linear_cross_entropy's plain op."""
@@ -343,16 +311,16 @@ def _linear_cross_entropy_options_op(
     dx = empty(rows.shape, device=x.device, dtype=x.dtype) if need_dx else x.new_empty(0)
     dweight = torch.zeros(weight.shape, device=x.device, dtype=torch.float32)
     for start in range(0, rows.shape[0], chunk_size):
-        chunk = rows[start : start + chunk_size]
+        chunk = rows[start:start + chunk_size]
         logits = chunk @ weight_x.T  # (chunk, V), the only logits alive
         loss, _, correct = _rows_forward(
-            logits, flat_targets[start : start + chunk_size], ignore_index, options,
-            logits if write_grad else None,
-        )  # fmt: skip
+            logits, flat_targets[start:start + chunk_size], ignore_index, options,
+            logits if write_grad else None
+        )
         losses.append(loss)
         corrects.append(correct)
         if need_dx:
-            torch.mm(logits, weight_x, out=dx[start : start + chunk_size])
+            torch.mm(logits, weight_x, out=dx[start:start + chunk_size])
         if need_dweight:
             add_product(dweight, logits.T, chunk)
     loss = torch.cat(losses).sum() if losses else rows.new_zeros((), dtype=torch.float32)
@@ -362,13 +330,14 @@ def _linear_cross_entropy_options_op(
 
 
 @_linear_cross_entropy_options_op.register_fake
-def _(x, weight, targets, ignore_index, chunk_size, softcap, label_smoothing, z_loss, need_dx,
-      need_dweight):  # fmt: skip
+def _(
+    x, weight, targets, ignore_index, chunk_size, softcap, label_smoothing, z_loss, need_dx,
+    need_dweight
+):
     return (
-        x.new_empty((), dtype=torch.float32),
-        x.new_empty(targets.numel(), dtype=torch.float32),
+        x.new_empty((), dtype=torch.float32), x.new_empty(targets.numel(), dtype=torch.float32),
         x.new_empty(x.shape if need_dx else 0),
-        weight.new_empty(weight.shape if need_dweight else 0, dtype=torch.float32),
+        weight.new_empty(weight.shape if need_dweight else 0, dtype=torch.float32)
     )
 
 
@@ -393,15 +362,13 @@ def _linear_options_grad(ctx, grad_loss, *_):
     scale = grad_loss.float()
     grad_x = dx * scale if need_dx else None
     grad_weight = (dweight * scale).to(ctx.weight_dtype) if need_dweight else None
-    return grad_x, grad_weight, *(None,) * 8
+    return grad_x, grad_weight, *(None, ) * 8
 
 
 torch.library.register_autograd(
-    "fastlm::linear_cross_entropy_options",
-    _linear_options_grad,
-    setup_context=_linear_options_setup,
+    "fastlm::linear_cross_entropy_options", _linear_options_grad,
+    setup_context=_linear_options_setup
 )
-
 
 # --------------------------------------------------------------------------------------------
 # The functions cross_entropy and linear_cross_entropy hand their options to
@@ -410,8 +377,9 @@ torch.library.register_autograd(
 
 def check_options(softcap, reduction, label_smoothing, z_loss, return_accuracy) -> None:
     """ValueError/TypeError naming the option that is out of range."""
-    for name, value in (("softcap", softcap), ("label_smoothing", label_smoothing),
-                        ("z_loss", z_loss)):  # fmt: skip
+    for name, value in (
+        ("softcap", softcap), ("label_smoothing", label_smoothing), ("z_loss", z_loss)
+    ):
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise TypeError(f"{name} must be a float, got {type(value).__name__}")
         if not value >= 0:
@@ -452,8 +420,8 @@ def cross_entropy_with_options(
 
 def linear_cross_entropy_with_options(
     x, weight, targets, ignore_index, chunk_size, softcap, reduction, label_smoothing, z_loss,
-    return_accuracy,
-):  # fmt: skip
+    return_accuracy
+):
     """linear_cross_entropy with its options (arguments checked by linear_cross_entropy; the
     weight in x's dtype or fp32, autocast already applied)."""
     options = (float(softcap), float(label_smoothing), float(z_loss))
@@ -461,8 +429,8 @@ def linear_cross_entropy_with_options(
         logits = x @ weight.to(x.dtype).T
         rows, correct = cross_entropy_options_ref(
             logits, targets, ignore_index, softcap=softcap, label_smoothing=label_smoothing,
-            z_loss=z_loss,
-        )  # fmt: skip
+            z_loss=z_loss
+        )
         return _finish(rows, correct, targets, ignore_index, reduction, return_accuracy)
     if reduction == "none":
         rows, correct = _checkpointed_rows(x, weight, targets, ignore_index, chunk_size, options)
@@ -494,8 +462,8 @@ def _checkpointed_rows(x, weight, targets, ignore_index, chunk_size, options):
         end = start + chunk_size
         loss, correct = checkpoint(
             _chunk_rows, rows[start:end], weight, flat_targets[start:end], ignore_index, options,
-            use_reentrant=False,
-        )  # fmt: skip
+            use_reentrant=False
+        )
         losses.append(loss)
         corrects.append(correct)
     return torch.cat(losses), torch.cat(corrects)

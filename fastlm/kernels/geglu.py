@@ -58,9 +58,8 @@ def _(gate, up, approximate):
 
 
 @torch.library.custom_op("fastlm::geglu_backward", mutates_args=())
-def _geglu_backward_op(
-    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, approximate: str
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _geglu_backward_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                       approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
     return gated_backward(dy, gate, up, _ACTIVATION[approximate])
 
 
@@ -82,7 +81,6 @@ def _geglu_grad(ctx, dy):
 
 torch.library.register_autograd("fastlm::geglu", _geglu_grad, setup_context=_geglu_setup)
 refuse_double_backward("fastlm::geglu_backward", "geglu")
-
 
 # --------------------------------------------------------------------------------------------
 # Public function

@@ -82,9 +82,8 @@ def autocast_dtype(*weights: torch.Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(device)
 
 
-def cast_weights(
-    groups: Sequence[Sequence[torch.Tensor]], dtype: torch.dtype
-) -> list[torch.Tensor]:
+def cast_weights(groups: Sequence[Sequence[torch.Tensor]],
+                 dtype: torch.dtype) -> list[torch.Tensor]:
     """Each group's weights (2-D, one column count per group) in `dtype`, stacked by rows: one
     (sum of rows, cols) tensor per group, all in one buffer filled by one multi-tensor copy.
 
@@ -134,10 +133,8 @@ class _HalfLinear(torch.autograd.Function):
         dy_rows = dy.reshape(-1, dy.shape[-1])  # (N, sum of rows)
         x_rows = x_half.reshape(-1, x_half.shape[-1])  # (N, C)
         dweights = [
-            product(dy_piece.T, x_rows, dtype) if needed else None
-            for dy_piece, dtype, needed in zip(
-                dy_rows.split(ctx.rows, dim=1), ctx.weight_dtypes, ctx.needs_input_grad[2:]
-            )
+            product(dy_piece.T, x_rows, dtype) if needed else None for dy_piece, dtype, needed in
+            zip(dy_rows.split(ctx.rows, dim=1), ctx.weight_dtypes, ctx.needs_input_grad[2:])
         ]
         return dx, None, *dweights
 

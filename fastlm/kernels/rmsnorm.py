@@ -65,11 +65,8 @@ MAX_HIDDEN = 65536
 
 
 def rms_norm_ref(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float = 1e-5,
-    out_dtype: torch.dtype | None = None,
-    offset: float = 0.0,
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, out_dtype: torch.dtype | None = None,
+    offset: float = 0.0
 ) -> torch.Tensor:
     """RMSNorm in PyTorch: fp32 inside (fp64 for fp64 input), scaled by weight + offset, the
     result in out_dtype (default: x's dtype)."""
@@ -81,11 +78,8 @@ def rms_norm_ref(
 
 
 def add_rms_norm_ref(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float = 1e-5,
-    out_dtype: torch.dtype | None = None,
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
+    out_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm_ref(x + residual), x + residual) in PyTorch."""
     summed = x + residual
@@ -99,24 +93,12 @@ def add_rms_norm_ref(
 
 @triton.jit
 def _rms_norm_fwd(
-    X,
-    R,
-    S,
-    Y,
-    W,
-    Rstd,
-    stride_xm,
-    stride_rm,
-    stride_sm,
-    stride_ym,
-    M,
-    N,
-    eps,
-    HAS_RESIDUAL: tl.constexpr,
-    BF16_BY_HAND: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    OFFSET: tl.constexpr = 0.0,
+    X, R, S, Y, W, Rstd,  #
+    stride_xm, stride_rm, stride_sm, stride_ym,  #
+    M, N,  #
+    eps,  #
+    HAS_RESIDUAL: tl.constexpr, BF16_BY_HAND: tl.constexpr, BLOCK_M: tl.constexpr,  #
+    BLOCK_N: tl.constexpr, OFFSET: tl.constexpr = 0.0
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -147,27 +129,12 @@ def _rms_norm_fwd(
 
 @triton.jit
 def _rms_norm_bwd(
-    DY,
-    DS,
-    X,
-    W,
-    Rstd,
-    DX,
-    DX2,
-    DW_partial,
-    stride_dym,
-    stride_dsm,
-    stride_xm,
-    stride_dxm,
-    stride_dx2m,
-    M,
-    N,
-    HAS_DRESIDUAL: tl.constexpr,
-    TWO_OUTPUTS: tl.constexpr,
-    BF16_BY_HAND: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    OFFSET: tl.constexpr = 0.0,
+    DY, DS, X, W, Rstd, DX, DX2, DW_partial,  #
+    stride_dym, stride_dsm, stride_xm, stride_dxm,  #
+    stride_dx2m,  #
+    M, N,  #
+    HAS_DRESIDUAL: tl.constexpr, TWO_OUTPUTS: tl.constexpr, BF16_BY_HAND: tl.constexpr,  #
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OFFSET: tl.constexpr = 0.0
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -203,14 +170,12 @@ def _rms_norm_bwd(
             dx += ds.to(tl.float32)
         tl.store(
             DX + row_start * stride_dxm + cols[None, :],
-            round_to(dx, DX.dtype.element_ty, BF16_BY_HAND),
-            mask=mask,
+            round_to(dx, DX.dtype.element_ty, BF16_BY_HAND), mask=mask
         )
         if TWO_OUTPUTS:  # the same gradient in a second dtype (a bf16 delta beside an fp32 stream)
             tl.store(
                 DX2 + row_start * stride_dx2m + cols[None, :],
-                round_to(dx, DX2.dtype.element_ty, BF16_BY_HAND),
-                mask=mask,
+                round_to(dx, DX2.dtype.element_ty, BF16_BY_HAND), mask=mask
             )
         dw_acc += dy * x_hat
 
@@ -251,14 +216,8 @@ def _backward_programs(x: torch.Tensor, num_tiles: int, num_warps: int) -> int:
 
 
 def _rms_norm_forward(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    out_dtype: torch.dtype,
-    shape: tuple[int, ...] | None = None,
-    *,
-    offset: float = 0.0,
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+    out_dtype: torch.dtype, shape: tuple[int, ...] | None = None, *, offset: float = 0.0
 ):
     """Launch the forward on (rows, N) views. Returns (y in out_dtype, summed in the promoted
     dtype of x and residual or None, rstd), allocated in `shape` (rows' by default; rstd in
@@ -270,8 +229,7 @@ def _rms_norm_forward(
     y_out = empty(shape, device=x.device, dtype=out_dtype)
     summed_out = (
         empty(shape, device=x.device, dtype=torch.promote_types(x.dtype, residual.dtype))
-        if residual is not None
-        else None
+        if residual is not None else None
     )
     rstd_out = empty(shape[:-1], device=x.device, dtype=torch.float32)
     y, rstd = y_out.view(M, N), rstd_out.view(M)
@@ -282,41 +240,18 @@ def _rms_norm_forward(
     # Unused pointer arguments get y, which the kernel never reads through them.
     r = residual if residual is not None else y
     s = summed if summed is not None else y
-    _rms_norm_fwd[(triton.cdiv(M, block_m),)](
-        x,
-        r,
-        s,
-        y,
-        weight,
-        rstd,
-        x.stride(0),
-        r.stride(0),
-        s.stride(0),
-        y.stride(0),
-        M,
-        N,
-        eps,
-        HAS_RESIDUAL=residual is not None,
-        BF16_BY_HAND=interpreting(),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        OFFSET=float(offset),
-        num_warps=num_warps,
+    _rms_norm_fwd[(triton.cdiv(M, block_m), )](
+        x, r, s, y, weight, rstd, x.stride(0), r.stride(0), s.stride(0), y.stride(0), M, N, eps,
+        HAS_RESIDUAL=residual is not None, BF16_BY_HAND=interpreting(), BLOCK_M=block_m,
+        BLOCK_N=block_n, OFFSET=float(offset), num_warps=num_warps
     )
     return y_out, summed_out, rstd_out
 
 
 def _rms_norm_backward(
-    dy: torch.Tensor,
-    d_summed: torch.Tensor | None,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    rstd: torch.Tensor,
-    dx_dtype: torch.dtype,
-    dx2_dtype: torch.dtype | None = None,
-    shape: tuple[int, ...] | None = None,
-    *,
-    offset: float = 0.0,
+    dy: torch.Tensor, d_summed: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor,
+    rstd: torch.Tensor, dx_dtype: torch.dtype, dx2_dtype: torch.dtype | None = None,
+    shape: tuple[int, ...] | None = None, *, offset: float = 0.0
 ):
     """Launch the backward on (rows, N) views. Returns (dx, dx2 or None, dweight): dx (already
     holding d_summed) in dx_dtype and, if dx2_dtype is given, the same gradient in that dtype,
@@ -335,29 +270,11 @@ def _rms_norm_backward(
     dw_partial = empty((num_programs, N), device=x.device, dtype=torch.float32)
     ds = d_summed if d_summed is not None else dy
     second = dx2 if dx2 is not None else dx  # never written through without TWO_OUTPUTS
-    _rms_norm_bwd[(num_programs,)](
-        dy,
-        ds,
-        x,
-        weight,
-        rstd,
-        dx,
-        second,
-        dw_partial,
-        dy.stride(0),
-        ds.stride(0),
-        x.stride(0),
-        dx.stride(0),
-        second.stride(0),
-        M,
-        N,
-        HAS_DRESIDUAL=d_summed is not None,
-        TWO_OUTPUTS=dx2 is not None,
-        BF16_BY_HAND=interpreting(),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        OFFSET=float(offset),
-        num_warps=num_warps,
+    _rms_norm_bwd[(num_programs, )](
+        dy, ds, x, weight, rstd, dx, second, dw_partial, dy.stride(0), ds.stride(0), x.stride(0),
+        dx.stride(0), second.stride(0), M, N, HAS_DRESIDUAL=d_summed is not None, TWO_OUTPUTS=dx2
+        is not None, BF16_BY_HAND=interpreting(), BLOCK_M=block_m, BLOCK_N=block_n,
+        OFFSET=float(offset), num_warps=num_warps
     )
     return dx_out, dx2_out, dw_partial.sum(0).to(weight.dtype)
 
@@ -384,11 +301,8 @@ def _(x, weight, eps, out_dtype, offset=0.0):
 
 @torch.library.custom_op("fastlm::add_rms_norm", mutates_args=())
 def _add_rms_norm_op(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    out_dtype: torch.dtype,
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    out_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(normed in out_dtype, summed in x's and residual's promoted dtype, rstd)."""
     return _rms_norm_forward(as_rows(x), as_rows(residual), weight, eps, out_dtype, x.shape)
@@ -398,36 +312,23 @@ def _add_rms_norm_op(
 def _(x, residual, weight, eps, out_dtype):
     summed_dtype = torch.promote_types(x.dtype, residual.dtype)
     return (
-        x.new_empty(x.shape, dtype=out_dtype),
-        x.new_empty(x.shape, dtype=summed_dtype),
-        x.new_empty(x.shape[:-1], dtype=torch.float32),
+        x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape, dtype=summed_dtype),
+        x.new_empty(x.shape[:-1], dtype=torch.float32)
     )
 
 
 @torch.library.custom_op("fastlm::rms_norm_backward", mutates_args=())
 def _rms_norm_backward_op(
-    dy: torch.Tensor,
-    d_summed: torch.Tensor | None,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    rstd: torch.Tensor,
-    dx_dtype: torch.dtype,
-    dx2_dtype: torch.dtype | None,
-    offset: float = 0.0,
+    dy: torch.Tensor, d_summed: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor,
+    rstd: torch.Tensor, dx_dtype: torch.dtype, dx2_dtype: torch.dtype | None, offset: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx in dx_dtype, the same in dx2_dtype or an empty tensor, dweight); dx already holds
     d_summed, the residual stream's own gradient, if given."""
     d_summed_rows = as_rows(d_summed) if d_summed is not None else None
     dx, dx2, dweight = _rms_norm_backward(
-        as_rows(dy),
-        d_summed_rows,
-        as_rows(x),
-        weight,
+        as_rows(dy), d_summed_rows, as_rows(x), weight,
         rstd.reshape(-1).contiguous(),  # the kernel reads one float per row, unit stride
-        dx_dtype,
-        dx2_dtype,
-        x.shape,
-        offset=offset,
+        dx_dtype, dx2_dtype, x.shape, offset=offset
     )
     return dx, dx2 if dx2 is not None else x.new_empty(0), dweight
 
@@ -483,7 +384,6 @@ torch.library.register_autograd(
 )
 refuse_double_backward("fastlm::rms_norm_backward", "rms_norm")
 
-
 # --------------------------------------------------------------------------------------------
 # Public functions
 # --------------------------------------------------------------------------------------------
@@ -496,7 +396,7 @@ def _check_args(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(
             f"x must have a non-empty last dim to normalise, got shape {tuple(x.shape)}"
         )
-    if weight.shape != (x.shape[-1],):
+    if weight.shape != (x.shape[-1], ):
         raise ValueError(
             f"weight must have shape ({x.shape[-1]},) to match x's last dim, "
             f"got {tuple(weight.shape)}"
@@ -538,12 +438,8 @@ def _kernels_take(x: torch.Tensor) -> bool:
 
 
 def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float = 1e-5,
-    *,
-    out_dtype: torch.dtype | None = None,
-    offset: float = 0.0,
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *,
+    out_dtype: torch.dtype | None = None, offset: float = 0.0
 ) -> torch.Tensor:
     """RMSNorm of x over its last dim, scaled by `weight + offset`, as `reference.RmsNorm`.
 
@@ -570,12 +466,8 @@ def rms_norm(
 
 
 def add_rms_norm(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float = 1e-5,
-    *,
-    out_dtype: torch.dtype | None = None,
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *,
+    out_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual, weight), x + residual) in one pass: a block's residual add fused
     with the next norm.

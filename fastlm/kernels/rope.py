@@ -56,12 +56,8 @@ def _positions_4d(positions: torch.Tensor) -> torch.Tensor:
 
 
 def rope_ref(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    positions: torch.Tensor,
-    interleaved: bool = True,
-    inverse: bool = False,
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+    interleaved: bool = True, inverse: bool = False
 ) -> torch.Tensor:
     """x (T, D), (B, T, D) or (B, H, T, D) rotated as a new tensor of x's dtype (fp32 inside,
     fp64 for fp64); `inverse` rotates by -angle (the backward)."""
@@ -85,22 +81,12 @@ def rope_ref(
 
 @triton.jit
 def _rotate_heads(
-    X,
-    Y,
-    x_tokens,
-    y_tokens,
-    stride_xh,
-    stride_yh,
-    n_heads,
-    token_mask,
-    cos,
-    sin,
-    HALF: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-    BF16_BY_HAND: tl.constexpr,
+    X, Y,  #
+    x_tokens, y_tokens,  #
+    stride_xh, stride_yh,  #
+    n_heads, token_mask, cos, sin,  #
+    HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr,  #
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BF16_BY_HAND: tl.constexpr
 ):
     """Rotate every head of a block of tokens from X into Y (which may be X).
 
@@ -137,40 +123,14 @@ def _rotate_heads(
 
 @triton.jit
 def _rope_kernel(
-    Q,
-    K,
-    QOut,
-    KOut,
-    COS,
-    SIN,
-    POS,
-    stride_qb,
-    stride_qh,
-    stride_qt,
-    stride_qob,
-    stride_qoh,
-    stride_qot,
-    stride_kb,
-    stride_kh,
-    stride_kt,
-    stride_kob,
-    stride_koh,
-    stride_kot,
-    stride_pb,
-    stride_pt,
-    stride_cos,
-    stride_sin,
-    T,
-    HQ,
-    HK,
-    MAX_SEQ_LEN,
-    HALF: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    INVERSE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BF16_BY_HAND: tl.constexpr,
+    Q, K, QOut, KOut, COS, SIN, POS,  #
+    stride_qb, stride_qh, stride_qt, stride_qob, stride_qoh, stride_qot,  #
+    stride_kb, stride_kh, stride_kt, stride_kob, stride_koh, stride_kot,  #
+    stride_pb, stride_pt, stride_cos, stride_sin,  #
+    T, HQ, HK, MAX_SEQ_LEN,  #
+    HALF: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,  #
+    BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,  #
+    BF16_BY_HAND: tl.constexpr
 ):
     """One program per (batch, block of BLOCK_T tokens): all heads of q and of k there.
 
@@ -197,40 +157,14 @@ def _rope_kernel(
         sin = -sin
 
     _rotate_heads(
-        Q,
-        QOut,
-        b * stride_qb + t * stride_qt,
-        b * stride_qob + t * stride_qot,
-        stride_qh,
-        stride_qoh,
-        HQ,
-        token_mask,
-        cos,
-        sin,
-        HALF,
-        INTERLEAVED,
-        BLOCK_T,
-        BLOCK_H,
-        BLOCK_HALF,
-        BF16_BY_HAND,
+        Q, QOut, b * stride_qb + t * stride_qt, b * stride_qob + t * stride_qot, stride_qh,
+        stride_qoh, HQ, token_mask, cos, sin, HALF, INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_HALF,
+        BF16_BY_HAND
     )
     _rotate_heads(
-        K,
-        KOut,
-        b * stride_kb + t * stride_kt,
-        b * stride_kob + t * stride_kot,
-        stride_kh,
-        stride_koh,
-        HK,
-        token_mask,
-        cos,
-        sin,
-        HALF,
-        INTERLEAVED,
-        BLOCK_T,
-        BLOCK_H,
-        BLOCK_HALF,
-        BF16_BY_HAND,
+        K, KOut, b * stride_kb + t * stride_kt, b * stride_kob + t * stride_kot, stride_kh,
+        stride_koh, HK, token_mask, cos, sin, HALF, INTERLEAVED, BLOCK_T, BLOCK_H, BLOCK_HALF,
+        BF16_BY_HAND
     )
 
 
@@ -240,13 +174,8 @@ def _rope_kernel(
 
 
 def _launch(
-    xs: tuple[torch.Tensor, ...],
-    outs: tuple[torch.Tensor, ...],
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    positions: torch.Tensor,
-    interleaved: bool,
-    inverse: bool,
+    xs: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...], cos: torch.Tensor,
+    sin: torch.Tensor, positions: torch.Tensor, interleaved: bool, inverse: bool
 ) -> None:
     """Rotate xs[i] into outs[i] (the same tensor for in place), all in one launch."""
     # The kernel needs a unit stride along the head dim, which views of a QKV projection have. A
@@ -277,34 +206,12 @@ def _launch(
         block_h = max(1, min(triton.next_power_of_2(max_heads), 4096 // (2 * block_half)))
         block_t = max(1, min(triton.next_power_of_2(T), 4096 // (block_h * 2 * block_half)))
         num_warps = max(1, min(8, block_t * block_h * 2 * block_half // 512))
-    _rope_kernel[(B * triton.cdiv(T, block_t),)](
-        q,
-        k,
-        q_out,
-        k_out,
-        cos,
-        sin,
-        positions,
-        *q.stride()[:3],
-        *q_out.stride()[:3],
-        *k.stride()[:3],
-        *k_out.stride()[:3],
-        stride_pb,
-        positions.stride(-1),
-        cos.stride(0),
-        sin.stride(0),
-        T,
-        HQ,
-        n_k_heads,
-        cos.shape[0],
-        HALF=half,
-        INTERLEAVED=interleaved,
-        INVERSE=inverse,
-        BLOCK_T=block_t,
-        BLOCK_HALF=block_half,
-        BLOCK_H=block_h,
-        BF16_BY_HAND=interpreter_bf16(q_out.dtype),
-        num_warps=num_warps,
+    _rope_kernel[(B * triton.cdiv(T, block_t), )](
+        q, k, q_out, k_out, cos, sin, positions, *q.stride()[:3], *q_out.stride()[:3],
+        *k.stride()[:3], *k_out.stride()[:3], stride_pb, positions.stride(-1), cos.stride(0),
+        sin.stride(0), T, HQ, n_k_heads, cos.shape[0], HALF=half, INTERLEAVED=interleaved,
+        INVERSE=inverse, BLOCK_T=block_t, BLOCK_HALF=block_half, BLOCK_H=block_h,
+        BF16_BY_HAND=interpreter_bf16(q_out.dtype), num_warps=num_warps
     )
     for out, target in zip(outs, targets):
         if target is not out:
@@ -318,16 +225,11 @@ def _launch(
 
 @torch.library.custom_op("fastlm::rope_", mutates_args=("q", "k"))
 def _rope_inplace_op(
-    q: torch.Tensor,
-    k: torch.Tensor | None,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    positions: torch.Tensor,
-    interleaved: bool,
-    inverse: bool,
+    q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+    positions: torch.Tensor, interleaved: bool, inverse: bool
 ) -> None:
     """Rotate q and k (if given) in their own storage, in one launch."""
-    xs = (q,) if k is None else (q, k)
+    xs = (q, ) if k is None else (q, k)
     if q.numel():
         _launch(xs, xs, cos, sin, positions, interleaved, inverse)
 
@@ -339,17 +241,13 @@ def _(q, k, cos, sin, positions, interleaved, inverse):
 
 @torch.library.custom_op("fastlm::rope", mutates_args=())
 def _rope_op(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    positions: torch.Tensor,
-    interleaved: bool,
-    inverse: bool,
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+    interleaved: bool, inverse: bool
 ) -> torch.Tensor:
     """x rotated into a new contiguous tensor."""
     out = empty_like(x)
     if x.numel():
-        _launch((x,), (out,), cos, sin, positions, interleaved, inverse)
+        _launch((x, ), (out, ), cos, sin, positions, interleaved, inverse)
     return out
 
 
@@ -399,11 +297,9 @@ class _RoPEFunction(torch.autograd.Function):
         # For each rotated tensor: which root it lies in, whether it is that root, its geometry.
         ctx.regions = [
             (
-                next(i for i, r in enumerate(roots) if r is _root(t)),
-                t._base is None,
-                t.shape,
-                t.stride(),
-                t.storage_offset(),
+                next(i
+                     for i, r in enumerate(roots)
+                     if r is _root(t)), t._base is None, t.shape, t.stride(), t.storage_offset()
             )
             for t in rotated
         ]
@@ -463,7 +359,7 @@ def rope_frequencies(theta: float, d_k: int, device=None) -> torch.Tensor:
     """
     if d_k % 2:
         raise ValueError(f"d_k must be even, got {d_k}")
-    return 1.0 / theta ** (torch.arange(0, d_k, 2, device=device, dtype=torch.float32) / d_k)
+    return 1.0 / theta**(torch.arange(0, d_k, 2, device=device, dtype=torch.float32) / d_k)
 
 
 def rope_angles_finite(theta: float, d_k: int, max_seq_len: int) -> bool:
@@ -482,9 +378,8 @@ def rope_angles_finite(theta: float, d_k: int, max_seq_len: int) -> bool:
     return bool(torch.isfinite(inv_freq).all() and torch.isfinite(last * inv_freq).all())
 
 
-def rope_tables(
-    theta: float, d_k: int, max_seq_len: int, device=None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(theta: float, d_k: int, max_seq_len: int,
+                device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position * theta^(-2i / d_k), each (max_seq_len, d_k // 2) float32.
 
     Computed exactly as `fastlm.reference.RoPE` computes its tables (one column per pair).
@@ -498,12 +393,8 @@ def rope_tables(
 
 
 def check_positions(
-    token_positions: object,
-    batch: int,
-    seq: int,
-    max_seq_len: int,
-    device: torch.device,
-    check_values: bool = True,
+    token_positions: object, batch: int, seq: int, max_seq_len: int, device: torch.device,
+    check_values: bool = True
 ) -> torch.Tensor:
     """Validated positions for `batch` sequences of `seq` tokens on `device`, returned there; see
     apply_rope_ for how CUDA values are checked. Without check_values only their type, shape and
@@ -515,7 +406,7 @@ def check_positions(
     if token_positions.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"token_positions must be int32 or int64, got {token_positions.dtype}")
     shape = tuple(token_positions.shape)
-    if not (shape == (seq,) or (len(shape) == 2 and shape[1] == seq and shape[0] in (1, batch))):
+    if not (shape == (seq, ) or (len(shape) == 2 and shape[1] == seq and shape[0] in (1, batch))):
         raise ValueError(
             f"token_positions must have shape ({seq},) or ({batch}, {seq}), got {shape}"
         )
@@ -526,9 +417,8 @@ def check_positions(
         )
     message = f"token_positions must lie in [0, {max_seq_len})"
     if check_values and on_host and not torch.compiler.is_compiling():
-        if token_positions.numel() and (
-            token_positions.min() < 0 or token_positions.max() >= max_seq_len
-        ):
+        if token_positions.numel(
+        ) and (token_positions.min() < 0 or token_positions.max() >= max_seq_len):
             raise ValueError(
                 f"{message}, got values in [{int(token_positions.min())}, "
                 f"{int(token_positions.max())}]"
@@ -566,13 +456,8 @@ def check_rotatable(name: str, t: object) -> None:
 
 
 def check_rope_args(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    token_positions: object,
-    *,
-    name: str = "q",
-    check_values: bool = True,
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, token_positions: object, *,
+    name: str = "q", check_values: bool = True
 ) -> torch.Tensor:
     """The tables against x (named `name` in errors), and the positions (see _check_positions);
     returns the positions on x's device."""
@@ -592,11 +477,8 @@ def check_rope_args(
 
 
 def rotate_in_place(
-    tensors: dict[str, torch.Tensor],
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    token_positions: torch.Tensor,
-    interleaved: bool,
+    tensors: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+    token_positions: torch.Tensor, interleaved: bool
 ) -> tuple[torch.Tensor, ...]:
     """Check everything on the host, then rotate the tensors (one or two, by the names their
     errors use) in place together; the backend rule is decided here."""
@@ -636,13 +518,8 @@ def rotate_in_place(
 
 
 def apply_rope_(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    token_positions: torch.Tensor,
-    *,
-    interleaved: bool = True,
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    token_positions: torch.Tensor, *, interleaved: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k in place, in one launch, and return them (the same tensor objects).
 

@@ -82,18 +82,11 @@ def _gelu_and_slope(g, TANH: tl.constexpr):
 
 @triton.jit
 def _swiglu_fwd_kernel(
-    G,
-    U,
-    Y,
-    stride_gm,
-    stride_um,
-    stride_ym,
-    M,
-    N,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BF16_BY_HAND: tl.constexpr,
-    ACTIVATION: tl.constexpr = 0,
+    G, U, Y,  #
+    stride_gm, stride_um, stride_ym,  #
+    M, N,  #
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BF16_BY_HAND: tl.constexpr,  #
+    ACTIVATION: tl.constexpr = 0
 ):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -107,29 +100,18 @@ def _swiglu_fwd_kernel(
         y = _gelu_and_slope(gate, ACTIVATION == 1)[0] * up
     tl.store(
         Y + rows[:, None] * stride_ym + cols[None, :],
-        round_to(y, Y.dtype.element_ty, BF16_BY_HAND),
-        mask=mask,
+        round_to(y, Y.dtype.element_ty, BF16_BY_HAND), mask=mask
     )
 
 
 @triton.jit
 def _swiglu_bwd_kernel(
-    DY,
-    G,
-    U,
-    DG,
-    DU,
-    stride_dym,
-    stride_gm,
-    stride_um,
-    stride_dgm,
-    stride_dum,
-    M,
-    N,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BF16_BY_HAND: tl.constexpr,
-    ACTIVATION: tl.constexpr = 0,
+    DY, G, U, DG, DU,  #
+    stride_dym, stride_gm, stride_um, stride_dgm,  #
+    stride_dum,  #
+    M, N,  #
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BF16_BY_HAND: tl.constexpr,  #
+    ACTIVATION: tl.constexpr = 0
 ):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -148,13 +130,11 @@ def _swiglu_bwd_kernel(
         d_up = dy * gelu
     tl.store(
         DG + rows[:, None] * stride_dgm + cols[None, :],
-        round_to(d_gate, DG.dtype.element_ty, BF16_BY_HAND),
-        mask=mask,
+        round_to(d_gate, DG.dtype.element_ty, BF16_BY_HAND), mask=mask
     )
     tl.store(
         DU + rows[:, None] * stride_dum + cols[None, :],
-        round_to(d_up, DU.dtype.element_ty, BF16_BY_HAND),
-        mask=mask,
+        round_to(d_up, DU.dtype.element_ty, BF16_BY_HAND), mask=mask
     )
 
 
@@ -183,48 +163,23 @@ def _forward_rows(
         return
     grid, config = _launch_config(M, N)
     _swiglu_fwd_kernel[grid](
-        gate,
-        up,
-        y,
-        gate.stride(0),
-        up.stride(0),
-        y.stride(0),
-        M,
-        N,
-        BF16_BY_HAND=interpreter_bf16(y.dtype),
-        ACTIVATION=activation,
-        **config,
+        gate, up, y, gate.stride(0), up.stride(0), y.stride(0), M, N,
+        BF16_BY_HAND=interpreter_bf16(y.dtype), ACTIVATION=activation, **config
     )
 
 
 def _backward_rows(
-    dy: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    d_gate: torch.Tensor,
-    d_up: torch.Tensor,
-    activation: int = SILU,
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d_gate: torch.Tensor,
+    d_up: torch.Tensor, activation: int = SILU
 ) -> None:
     M, N = gate.shape
     if gate.numel() == 0:
         return
     grid, config = _launch_config(M, N)
     _swiglu_bwd_kernel[grid](
-        dy,
-        gate,
-        up,
-        d_gate,
-        d_up,
-        dy.stride(0),
-        gate.stride(0),
-        up.stride(0),
-        d_gate.stride(0),
-        d_up.stride(0),
-        M,
-        N,
-        BF16_BY_HAND=interpreter_bf16(d_gate.dtype),
-        ACTIVATION=activation,
-        **config,
+        dy, gate, up, d_gate, d_up, dy.stride(0), gate.stride(0), up.stride(0), d_gate.stride(0),
+        d_up.stride(0), M, N, BF16_BY_HAND=interpreter_bf16(d_gate.dtype), ACTIVATION=activation,
+        **config
     )
 
 
@@ -240,19 +195,14 @@ def gated_forward(gate: torch.Tensor, up: torch.Tensor, activation: int = SILU) 
     return y
 
 
-def gated_backward(
-    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: int = SILU
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gated_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                   activation: int = SILU) -> tuple[torch.Tensor, torch.Tensor]:
     """(d gate, d up) into new tensors of the inputs' shapes (the backward ops' body)."""
     d_gate = empty(gate.shape, device=gate.device, dtype=gate.dtype)
     d_up = empty(up.shape, device=up.device, dtype=up.dtype)
     _backward_rows(
-        as_rows(dy),
-        as_rows(gate),
-        as_rows(up),
-        d_gate.view(-1, d_gate.shape[-1]),
-        d_up.view(-1, d_up.shape[-1]),
-        activation,
+        as_rows(dy), as_rows(gate), as_rows(up), d_gate.view(-1, d_gate.shape[-1]),
+        d_up.view(-1, d_up.shape[-1]), activation
     )
     return d_gate, d_up
 
@@ -268,9 +218,8 @@ def _(gate, up):
 
 
 @torch.library.custom_op("fastlm::swiglu_backward", mutates_args=())
-def _swiglu_backward_op(
-    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _swiglu_backward_op(dy: torch.Tensor, gate: torch.Tensor,
+                        up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return gated_backward(dy, gate, up)
 
 
@@ -327,7 +276,6 @@ torch.library.register_autograd(
 )
 refuse_double_backward("fastlm::swiglu_backward", "swiglu")
 refuse_double_backward("fastlm::swiglu_packed_backward", "swiglu_packed")
-
 
 # --------------------------------------------------------------------------------------------
 # Public functions

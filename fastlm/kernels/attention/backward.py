@@ -344,6 +344,7 @@ def attention_backward(
     B, Hq, Nq, D = q.shape
     Hkv = k.shape[1]
     group = Hq // Hkv
+    lse = lse.contiguous()  # the kernels index the row statistics densely; the forward's are
     cu_q, cu_k, sequences, n_q, n_k = sequence_args(q, k, varlen)
     flags = kernel_flags(q, causal, allow_tf32)
     delta = empty((B, Hq, Nq), device=q.device, dtype=torch.float32)
