@@ -34,7 +34,11 @@ import torch
 import torch.nn.functional as F
 
 from fastlm import reference
-from fastlm.kernels.attention import attention_varlen_ref, flash_attention, flash_attention_varlen
+from fastlm.kernels.attention import (
+    flash_attention,
+    flash_attention_varlen,
+    flash_attention_varlen_ref,
+)
 
 HIDDEN, FILL_TOKENS, BUDGET_S = 2048, 16384, 160  # heads x head dim; B x N of a filled GPU
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -324,8 +328,8 @@ def varlen_implementations(packed: Packed) -> dict:
 
 
 def varlen_reference(packed: Packed):
-    """Attention of each document on its own (`attention_varlen_ref`)."""
-    return lambda q, k, v: attention_varlen_ref(q, k, v, packed.cu_seqlens, packed.cu_seqlens)
+    """Attention of each document on its own (`flash_attention_varlen_ref`)."""
+    return lambda q, k, v: flash_attention_varlen_ref(q, k, v, packed.cu_seqlens, packed.cu_seqlens)
 
 
 def window_implementations() -> dict:

@@ -37,6 +37,9 @@ import torch.nn.functional as F
 
 from fastlm import kernels as fk
 from fastlm import reference
+from fastlm.kernels.rmsnorm import add_rms_norm_ref, rms_norm_ref
+from fastlm.kernels.rope import rope_ref
+from fastlm.kernels.swiglu import swiglu_ref
 
 DTYPE, EPS, THETA, VOCAB, BUDGET_S, COPY_BYTES = torch.bfloat16, 1e-5, 1e4, 32000, 80, 2**30
 EAGER, COMPILED = "reference", "torch.compile(reference)"
@@ -97,7 +100,7 @@ def _liger_norm(f):
 
 
 def rms_norm_impls(m: int, n: int) -> dict:
-    math_ = lambda x, w: fk.rms_norm_ref(x, w, EPS)  # noqa: E731
+    math_ = lambda x, w: rms_norm_ref(x, w, EPS)  # noqa: E731
     impls = {
         "fastlm": lambda x, w: fk.rms_norm(x, w, EPS),
         EAGER: math_,
@@ -112,7 +115,7 @@ def add_rms_norm_impls(m: int, n: int) -> dict:
         summed = x + r
         return F.rms_norm(summed, (n,), w, EPS), summed
 
-    math_ = lambda x, r, w: fk.add_rms_norm_ref(x, r, w, EPS)  # noqa: E731
+    math_ = lambda x, r, w: add_rms_norm_ref(x, r, w, EPS)  # noqa: E731
     impls = {"fastlm": lambda x, r, w: fk.add_rms_norm(x, r, w, EPS), EAGER: math_}
     impls |= {COMPILED: _compiled(math_), "x + r, F.rms_norm": builtin}
     return _with_liger(impls, "fused_add_rms_norm", "LigerFusedAddRMSNormFunction", _liger_norm)
@@ -144,7 +147,7 @@ def rope_impls(m: int, n: int) -> dict:
         )
 
     def half_split_math(q, k):
-        return tuple(fk.rope_ref(x, cos, sin, positions, interleaved=False) for x in (q, k))
+        return tuple(rope_ref(x, cos, sin, positions, interleaved=False) for x in (q, k))
 
     impls = {"fastlm": fastlm_rope(True), "fastlm half-split": fastlm_rope(False)}
     impls |= {EAGER: reference_rope, COMPILED: _compiled(reference_rope)}
@@ -158,7 +161,7 @@ def rope_impls(m: int, n: int) -> dict:
 
 
 def swiglu_impls(m: int, n: int) -> dict:
-    impls = {"fastlm": fk.swiglu, EAGER: fk.swiglu_ref, COMPILED: _compiled(fk.swiglu_ref)}
+    impls = {"fastlm": fk.swiglu, EAGER: swiglu_ref, COMPILED: _compiled(swiglu_ref)}
     impls["F.silu(g) * u"] = lambda gate, up: F.silu(gate) * up
     return _with_liger(impls, "swiglu", "LigerSiLUMulFunction", lambda f: f.apply)
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from fastlm.backend import use_triton
 from fastlm.kernels._common import empty, empty_like
-from fastlm.kernels.attention import attention_ref, flash_attention
+from fastlm.kernels.attention import flash_attention, flash_attention_ref
 from fastlm.kernels.attention.launch import check_kernel_head_dim
 from fastlm.kernels.attention.ops import (
     check_inputs,
@@ -342,8 +342,8 @@ class _Kernels:
 
 
 class _Torch:
-    """The same through `attention_ref` (FASTLM_BACKEND=torch, or no kernels here); the backward
-    recomputes the chunk's attention and differentiates it."""
+    """The same through `flash_attention_ref` (FASTLM_BACKEND=torch, or no kernels here); the
+    backward recomputes the chunk's attention and differentiates it."""
 
     def __init__(self, options):
         causal, scale, left, right, softcap, *_ = options
@@ -351,7 +351,7 @@ class _Torch:
         self.kwargs = dict(window_size=(left, right), softcap=softcap)
 
     def _attend(self, q, k, v):
-        return attention_ref(q, k, v, self.causal, self.scale, **self.kwargs, return_lse=True)
+        return flash_attention_ref(q, k, v, self.causal, self.scale, **self.kwargs, return_lse=True)
 
     def forward(self, q, k, v):
         return self._attend(q, k, v)

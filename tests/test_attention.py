@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from fastlm import flash_attention
 from fastlm.kernels._common import tl, triton
-from fastlm.kernels.attention import attention_ref
+from fastlm.kernels.attention import flash_attention_ref
 from fastlm.kernels.attention.backward import attention_backward
 from fastlm.kernels.attention.blocks import tanh
 from fastlm.kernels.attention.forward import _use_tensor_descriptors, attention_forward
@@ -486,18 +486,18 @@ def test_bad_input_is_named(overrides, error, message):
     ],
 )
 def test_torch_backend_same_math(device, monkeypatch, Nq, Nk, causal, window, softcap):
-    """FASTLM_BACKEND=torch: attention_ref, through SDPA for plain attention and explicit scores
-    for a window, a cap or the log-sum-exp."""
+    """FASTLM_BACKEND=torch: flash_attention_ref, through SDPA for plain attention and explicit
+    scores for a window, a cap or the log-sum-exp."""
     monkeypatch.setenv("FASTLM_BACKEND", "torch")
     q, k, v = make_heads(2, 4, 2, Nq, Nk, 12, torch.float32, device)
     run_dense(q, k, v, causal, window, softcap, scale=0.2)
 
 
 def test_torch_backend_sdpa_path_equals_explicit_scores(device):
-    """attention_ref's SDPA path (plain attention) equals its explicit path (taken for lse)."""
+    """flash_attention_ref's SDPA path (plain attention) equals its explicit one (taken for lse)."""
     q, k, v = (torch.randn(1, 2, 20, 8, device=device, dtype=torch.float64) for _ in range(3))
-    o, lse = attention_ref(q, k, v, True, return_lse=True)
-    assert_close(o, attention_ref(q, k, v, True), torch.float64, "o")
+    o, lse = flash_attention_ref(q, k, v, True, return_lse=True)
+    assert_close(o, flash_attention_ref(q, k, v, True), torch.float64, "o")
     ref_o, ref_lse = reference(q, k, v, visible(20, 20, True), 8**-0.5)
     assert_close(lse, ref_lse, torch.float64, "lse")
 

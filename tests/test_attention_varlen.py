@@ -189,7 +189,7 @@ def test_bad_varlen_input_is_named(overrides, error, message):
     "causal,window,softcap", [(True, (5, 0), 0.0), (False, (3, 7), 2.0), (True, NO_WINDOW, 3.0)]
 )
 def test_torch_backend_matches_reference(device, monkeypatch, causal, window, softcap):
-    """FASTLM_BACKEND=torch: attention_varlen_ref, one sequence at a time."""
+    """FASTLM_BACKEND=torch: flash_attention_varlen_ref, one sequence at a time."""
     monkeypatch.setenv("FASTLM_BACKEND", "torch")
     run_varlen(
         [1, 30, 9, 0], [5, 30, 9, 3], 4, 2, 12, causal, window, softcap, torch.float32, device

@@ -7,7 +7,7 @@ import torch
 from attention_harness import GlueRecorder
 
 from fastlm import flash_attention
-from fastlm.kernels.attention import attention_ref, rope_attention, rope_attention_ref
+from fastlm.kernels.attention import flash_attention_ref, rope_attention, rope_attention_ref
 from fastlm.kernels.attention.qkv import split_heads
 from fastlm.kernels.rope import apply_rope_, rope_ref, rope_tables
 from fastlm.testing import assert_close
@@ -71,7 +71,7 @@ def test_rope_attention_qkv_read_after_the_call(device, monkeypatch, backend):
     q64, k64 = (rope_ref(t, cos.double(), sin.double(), positions) for t in (q64, k64))
     rotated = [t.transpose(1, 2).reshape(2, 21, -1) for t in (q64, k64)]  # (B, T, H * D)
     qkv64 = torch.cat([*rotated, leaf64[..., 64:]], dim=-1)
-    (attention_ref(q64, k64, v64).sum() + (qkv64 * weight.double()).sum()).backward()
+    (flash_attention_ref(q64, k64, v64).sum() + (qkv64 * weight.double()).sum()).backward()
     assert_close(qkv, qkv64, torch.float32, "qkv after the call: q and k rotated in place")
     assert_close(leaf.grad, leaf64.grad, torch.float32, "dqkv with qkv read again")
 

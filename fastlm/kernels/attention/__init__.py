@@ -60,8 +60,8 @@ Precision: fp16/bf16 dots accumulate in fp32. fp32 inputs use TF32 dots on a GPU
 
 The files, in reading order:
 
-- `reference.py`: the math in PyTorch (`attention_ref`, `attention_varlen_ref`): the PyTorch
-  backend and what the tests compare with;
+- `reference.py`: the math in PyTorch (`flash_attention_ref`, `flash_attention_varlen_ref`):
+  the PyTorch backend and what the tests compare with;
 - `configs.py`: the autotuning configs of each kernel, importable without compiling anything;
 - `blocks.py`: the Triton helpers every pass shares (tiles, grid, sequence bounds, visibility,
   the key and query ranges with their masked and unmasked phases);
@@ -76,9 +76,9 @@ The files, in reading order:
 from fastlm.kernels.attention.configs import MAX_HEAD_DIM
 from fastlm.kernels.attention.ops import flash_attention, flash_attention_varlen
 from fastlm.kernels.attention.qkv import rope_attention, rope_attention_ref, split_heads
-from fastlm.kernels.attention.reference import attention_ref, attention_varlen_ref
+from fastlm.kernels.attention.reference import flash_attention_ref, flash_attention_varlen_ref
 
 __all__ = [
-    "MAX_HEAD_DIM", "attention_ref", "attention_varlen_ref", "flash_attention",
+    "MAX_HEAD_DIM", "flash_attention_ref", "flash_attention_varlen_ref", "flash_attention",
     "flash_attention_varlen", "rope_attention", "rope_attention_ref", "split_heads"
 ]

@@ -21,7 +21,7 @@ from fastlm.kernels.attention.launch import (
     check_kernel_head_dim,
     empty_heads_like,
 )
-from fastlm.kernels.attention.reference import attention_ref, attention_varlen_ref
+from fastlm.kernels.attention.reference import flash_attention_ref, flash_attention_varlen_ref
 
 
 @torch.library.custom_op("fastlm::flash_attention", mutates_args=())
@@ -294,7 +294,7 @@ def flash_attention(
     window, softcap = check_options(causal, window_size, softcap, return_lse)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if not use_triton(q) or q.numel() == 0:
-        return attention_ref(
+        return flash_attention_ref(
             q, k, v, causal, scale, window_size=window, softcap=softcap, return_lse=return_lse
         )
     check_kernel_head_dim(q.shape[-1])
@@ -341,7 +341,7 @@ def flash_attention_varlen(
         )
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if not use_triton(q) or q.numel() == 0 or k.shape[0] == 0:
-        return attention_varlen_ref(
+        return flash_attention_varlen_ref(
             q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_size=window, softcap=softcap,
             return_lse=return_lse
         )

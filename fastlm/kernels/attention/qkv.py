@@ -30,7 +30,7 @@ from fastlm.kernels.attention.ops import (
     flash_attention_varlen,
     flash_attention_varlen_op,
 )
-from fastlm.kernels.attention.reference import attention_ref
+from fastlm.kernels.attention.reference import flash_attention_ref
 from fastlm.kernels.rope import check_rope_args, check_rotatable, rope_ref
 
 
@@ -144,7 +144,7 @@ def rope_attention_ref(
     q, k, v = split_heads(qkv, num_heads, num_kv_heads or num_heads)
     q = rope_ref(q, cos, sin, positions, interleaved)
     k = rope_ref(k, cos, sin, positions, interleaved)
-    return attention_ref(q, k, v, causal, softmax_scale)
+    return flash_attention_ref(q, k, v, causal, softmax_scale)
 
 
 def rope_attention(
@@ -208,7 +208,7 @@ def rope_attention(
                 causal, scale
             )
             return as_heads(o)
-        return attention_ref(q, k, v, causal, scale)
+        return flash_attention_ref(q, k, v, causal, scale)
     check_kernel_head_dim(q.shape[-1])
     positions = check_rope_args(q, cos, sin, token_positions, check_values=check_positions)
     if qkv.numel() == 0:

@@ -29,7 +29,7 @@ def _visible_keys(
     return visible
 
 
-def attention_ref(
+def flash_attention_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
     softmax_scale: float | None = None, *, window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0, return_lse: bool = False
@@ -67,17 +67,17 @@ def attention_ref(
     return o, (torch.log(total) + shift).squeeze(-1)
 
 
-def attention_varlen_ref(
+def flash_attention_varlen_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor, causal: bool = True, softmax_scale: float | None = None, *,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, return_lse: bool = False
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """flash_attention_varlen's math in PyTorch: `attention_ref` of each sequence on its own (the
-    sequence bounds are read on the host). o (total_q, Hq, D); lse (Hq, total_q)."""
+    """flash_attention_varlen's math in PyTorch: `flash_attention_ref` of each sequence on its
+    own (the sequence bounds are read on the host). o (total_q, Hq, D); lse (Hq, total_q)."""
     outs, lses = [], []
     bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for q0, q1, k0, k1 in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:]):
-        o, lse = attention_ref(
+        o, lse = flash_attention_ref(
             *(t[None].transpose(1, 2) for t in (q[q0:q1], k[k0:k1], v[k0:k1])), causal,
             softmax_scale, window_size=window_size, softcap=softcap, return_lse=True
         )
