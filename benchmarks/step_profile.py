@@ -1,8 +1,8 @@
 """What one training step moves outside the kernels: Triton launches, GEMMs and glue, per layer.
 
-One step is what `python -m fastlm.train` runs on CUDA: fp32 parameters, the loss
-(`fastlm.train.NextTokenLoss`) under bf16 autocast, `backward()` outside it. Without CUDA it runs
-on the CPU under CPU autocast, the kernels through the interpreter, lent the GEMMs with an fp32
+One step is what `fastlm-train` runs on CUDA: fp32 parameters, the loss
+(`fastlm.cli.train.NextTokenLoss`) under bf16 autocast, `backward()` outside it. Without CUDA it
+runs on the CPU under CPU autocast, the kernels through the interpreter, lent the GEMMs with an fp32
 result from bf16 inputs that fastlm's weight gradients use on CUDA
 (`fastlm.testing.mixed_gemms_on_cpu`); CPU autocast casts the same GEMMs as CUDA's but runs exp,
 log, pow, rsqrt and sum in bf16 (the reference's eager attention and loss would show more casts
@@ -295,10 +295,10 @@ def build_model(kind: str, config: dict, device: str) -> nn.Module:
 def model_step(
     kind: str, config: dict, batch_size: int, device: str, seed: int = 0
 ) -> Callable[[], None]:
-    """One loss + backward of a fresh fp32 model as fastlm.train runs it on CUDA: the loss under
+    """One loss + backward of a fresh fp32 model as fastlm.cli.train runs it on CUDA: the loss under
     bf16 autocast (fastlm: fused linear cross-entropy; reference: float32 logits through the
     reference cross-entropy), backward outside it, gradients None before each call."""
-    from fastlm.train import NextTokenLoss
+    from fastlm.cli.train import NextTokenLoss
 
     torch.manual_seed(seed)
     loss_fn = NextTokenLoss(build_model(kind, config, device))

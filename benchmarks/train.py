@@ -17,7 +17,7 @@ almost six per SM of an H100 or H200, and attention has 1536 query blocks of 128
 the order measured: `fastlm.Transformer` compiled and the reference with
 F.scaled_dot_product_attention(is_causal=True) compiled (the headline: `--headline`, seq 1024, 12
 layers); then fastlm eager, the reference (`fastlm.reference.Transformer`, its loss on fp32 logits
-as fastlm.train computes it) eager and compiled. `vs reference`: against the eager reference.
+as fastlm.cli.train computes it) eager and compiled. `vs reference`: against the eager reference.
 
 Hugging Face rows (`--hf`, files train_hf.*): a `LlamaForCausalLM` with Llama-3-8B's layer sizes
 (hidden 4096, intermediate 14336, 32 heads, 8 KV heads, vocab 128256, RoPE theta 500000) and a
@@ -155,7 +155,7 @@ class SdpaAttention(torch.nn.Module):
 
 
 def reference_loss(model, ids, targets):
-    """The reference model's loss, on float32 logits as in fastlm.train."""
+    """The reference model's loss, on float32 logits as in fastlm.cli.train."""
     return reference.CrossEntropyLoss()(model(ids).float(), targets)
 
 

@@ -8,8 +8,8 @@
 - `fastlm.Transformer` and its parts: drop-ins for the reference's modules, built on the kernels.
 - `fastlm.sample`: sampling (temperature, top-k, top-p) with a KV cache; `fastlm.ModelConfig`,
   `fastlm.build_model`: a model's configuration and the model built from it.
-- `python -m fastlm.train`, `python -m fastlm.generate`: the commands (`fastlm.generate` is the
-  command's module, not a function).
+- `fastlm.cli`: the commands, `fastlm-train` and `fastlm-generate` (also `python -m
+  fastlm.cli.train`, `python -m fastlm.cli.generate`).
 - `fastlm.backend`: which of kernels and PyTorch runs (FASTLM_BACKEND): the module, with
   `selected()` and `use_triton` (also `fastlm.use_triton`).
 - `fastlm.distributed`: context parallelism, one sequence over the ranks of a process group.
@@ -69,14 +69,3 @@ __all__ = [
     "cross_entropy",
     "linear_cross_entropy",
 ]
-
-
-def __getattr__(name: str):
-    # Only reached while `fastlm.generate` (the command's module) is not imported yet.
-    if name == "generate":
-        raise AttributeError(
-            "fastlm.generate is the command-line module (python -m "
-            "fastlm.generate); to sample from Python, call "
-            "fastlm.sample(model, prompt_ids, max_new_tokens, ...)"
-        )
-    raise AttributeError(f"module 'fastlm' has no attribute {name!r}")

@@ -3,7 +3,7 @@
     DIR/model.safetensors   weights; its metadata holds the model configuration and the step
     DIR/state.pt            optimizer state, step, loss history (torch.save, loaded weights_only)
     DIR/tokenizer.json      a copy of the Hugging Face tokenizer, when one was used
-    DIR/loss.png            the loss curve (written by fastlm.train)
+    DIR/loss.png            the loss curve (written by fastlm.cli.train)
     DIR/checkpoint.json     the step and the SHA-256 of each tensor file, checked when loading
 
 The folder is the unit that is replaced, so a crash (a SIGKILL included) at any point leaves a
@@ -301,7 +301,7 @@ def _metadata(folder: Path) -> dict[str, str]:
     except Exception as error:  # safetensors raises its own error types for damaged files
         raise CheckpointError(f"cannot read {folder / WEIGHTS}: {error}") from None
     if "config" not in metadata or "step" not in metadata:
-        raise CheckpointError(f"{folder / WEIGHTS} was not written by fastlm.train (no config)")
+        raise CheckpointError(f"{folder / WEIGHTS} was not written by fastlm-train (no config)")
     return metadata
 
 
@@ -340,7 +340,7 @@ def _verified(folder: Path, name: str) -> Path:
     except FileNotFoundError:
         raise CheckpointError(
             f"{folder} has no {MANIFEST} (the checksums of its files): it is "
-            "incomplete, or was written by an older fastlm.train"
+            "incomplete, or was written by an older fastlm.cli.train"
         ) from None
     except (ValueError, KeyError, TypeError):
         raise CheckpointError(

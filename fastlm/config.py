@@ -2,8 +2,8 @@
 
 `ModelConfig` holds the constructor's fields of `fastlm.Transformer` and `reference.Transformer`
 (the two take the same ones and read each other's checkpoints); `build_model` makes either from
-it. `PRESETS` are the sizes `python -m fastlm.train --preset` knows, each with the training
-defaults that suit it. The commands (fastlm.train, fastlm.generate) share what else they check
+it. `PRESETS` are the sizes `python -m fastlm.cli.train --preset` knows, each with the training
+defaults that suit it. The commands (fastlm-train, fastlm-generate) share what else they check
 here: `ConfigError` (one line on stderr, exit status 2), `pick_device`, `check_integers` and
 `torch_seed`.
 """

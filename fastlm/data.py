@@ -1,7 +1,7 @@
 """Corpus, tokenizers and batches for the training command.
 
 - The default corpus is the Python standard library's own source: every Python installation ships
-  it, so `python -m fastlm.train` needs no download. A deterministic subset (top-level `.py` files
+  it, so `fastlm-train` needs no download. A deterministic subset (top-level `.py` files
   in name order, up to `DEFAULT_CORPUS_BYTES`) keeps the run short.
 - `ByteTokenizer` (vocabulary 256, UTF-8 bytes) is the default; `load_tokenizer(path)` reads a
   Hugging Face `tokenizers` JSON file instead (the package is imported only then).

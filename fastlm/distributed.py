@@ -27,8 +27,8 @@ the layer being computed (GQA keeps it small): see `ExchangePlan` and the README
 
 Training: `fastlm.Transformer.set_context_parallel(group)`; then `model.loss(shard(tokens),
 shard(targets))` on every rank of the group (RoPE rotates each token by its global position, and
-each rank's loss is its share of the sequence's mean). `python -m fastlm.train --context-parallel
-P` builds a (data x context) `DeviceMesh` with `context_parallel_mesh`.
+each rank's loss is its share of the sequence's mean). `fastlm-train --context-parallel P`
+builds a (data x context) `DeviceMesh` with `context_parallel_mesh`.
 """
 
 from __future__ import annotations

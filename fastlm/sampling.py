@@ -1,6 +1,6 @@
 """Autoregressive sampling: temperature, top-k and top-p (nucleus), with a KV cache when the model
 has one. `fastlm.sample` (this module's `sample`) is the public function; `python -m
-fastlm.generate` is the command built on `sample_stream`.
+fastlm.cli.generate` is the command built on `sample_stream`.
 
 A model with a KV cache exposes `make_kv_cache(batch_size)` and accepts `forward(token_ids,
 token_positions, kv_cache=cache)`; each step then feeds only the new token. Any other model (the

@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import save_file
 from test_train import SUBPROCESS_ENV, TOY, file_hashes, run_main
 
-import fastlm.generate as generate_cli
-import fastlm.train as train_cli
+import fastlm.cli.generate as generate_cli
+import fastlm.cli.train as train_cli
 from fastlm import checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -82,7 +82,7 @@ def test_second_training_on_the_same_out_is_refused(trained, tmp_path, capsys):
         status, summary, err = run_main(args, capsys)
         assert status == 2 and summary is None
         assert err.strip().splitlines() == [
-            f"fastlm.train: error: {out} is in use by another training (pid {os.getpid()}): "
+            f"fastlm-train: error: {out} is in use by another training (pid {os.getpid()}): "
             "wait for it to end, or choose another folder"
         ]
         assert not out.exists()
@@ -97,7 +97,7 @@ def test_out_below_a_file_fails_before_training(trained, tmp_path, capsys):
     status, _, err = run_main(["--data", trained[1], *TOY, "--steps", "2", "--out", out], capsys)
     assert status == 2
     assert err.strip().splitlines() == [
-        f"fastlm.train: error: cannot create {out}: {tmp_path / 'notes'} is a file, not a folder"
+        f"fastlm-train: error: cannot create {out}: {tmp_path / 'notes'} is a file, not a folder"
     ]
 
 
@@ -123,7 +123,7 @@ def test_out_on_a_read_only_filesystem_fails_before_training(
     status, _, err = run_main(["--data", trained[1], *TOY, "--steps", "2", "--out", out], capsys)
     assert status == 2
     assert err.strip().splitlines() == [
-        f"fastlm.train: error: cannot write to {disk} (Read-only file system), where {out} "
+        f"fastlm-train: error: cannot write to {disk} (Read-only file system), where {out} "
         "would be saved"
     ]
 
@@ -132,7 +132,7 @@ def test_out_on_a_read_only_filesystem_fails_before_training(
 # signal that would kill the process is ignored.
 FULL_DISK = textwrap.dedent("""
     import resource, signal, sys
-    import fastlm.train as train_cli
+    import fastlm.cli.train as train_cli
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), resource.RLIM_INFINITY))
@@ -170,7 +170,7 @@ def test_full_disk_during_a_save_keeps_the_checkpoint(trained, copy, tmp_path):
     [line] = [line for line in result.stderr.splitlines() if "error" in line]
     needed = sum(p.stat().st_size for p in copy.iterdir() if p.suffix in (".pt", ".safetensors"))
     prefix = (
-        f"fastlm.train: error: cannot save the checkpoint of step 4: writing "
+        f"fastlm-train: error: cannot save the checkpoint of step 4: writing "
         f"{copy}.tmp/state.pt failed ("
     )
     assert line.startswith(prefix), line
@@ -245,7 +245,7 @@ DAMAGES = {  # case: (what resuming says, what generating says; None: generate r
     "step not an integer": ("its step 'two' is not a non-negative integer", None),
     "state without its keys": (
         "state.pt lacks optimizer, optimizer_kind, val_losses, settings: "
-        "it was not written by fastlm.train",
+        "it was not written by fastlm-train",
         None,
     ),
 }

@@ -147,23 +147,22 @@ def test_devices_the_commands_accept():
         pick_device(f"cuda:{count}")
 
 
-# In a fresh process: what `import fastlm` offers before and after the command's module loads.
+# In a fresh process: what `import fastlm` offers, and what loading a command's module adds.
 NAMES = """
 import json, sys, fastlm
-try:
-    fastlm.generate
-    hint = None
-except AttributeError as error:
-    hint = str(error)
+commands_before = sorted(m for m in sys.modules if m.startswith("fastlm.cli"))
 sample = fastlm.sample
-import fastlm.generate
-print(json.dumps({"hint": hint, "sample": sample.__module__ + "." + sample.__name__,
-                  "generate": type(fastlm.generate).__name__,
+import fastlm.cli.generate
+print(json.dumps({"commands_before": commands_before,
+                  "sample": sample.__module__ + "." + sample.__name__,
+                  "generate": hasattr(fastlm, "generate"),
                   "modules": sorted(m for m in sys.modules if m.startswith("fastlm."))}))
 """
 
 
-def test_sampling_has_one_public_name_and_generate_is_the_command():
+def test_sampling_has_one_public_name_and_the_commands_live_in_cli():
+    """`fastlm.sample` is the sampling function; the commands are modules of `fastlm.cli`, which
+    `import fastlm` does not load, and no `fastlm.generate` name stands beside `fastlm.sample`."""
     result = subprocess.run(
         [sys.executable, "-c", NAMES],
         capture_output=True,
@@ -173,14 +172,10 @@ def test_sampling_has_one_public_name_and_generate_is_the_command():
     )
     assert result.returncode == 0, result.stderr
     names = json.loads(result.stdout)
+    assert names["commands_before"] == []
     assert names["sample"] == "fastlm.sampling.sample" and fastlm.sample is sampling.sample
-    assert names["hint"] == (
-        "fastlm.generate is the command-line module (python -m "
-        "fastlm.generate); to sample from Python, call "
-        "fastlm.sample(model, prompt_ids, max_new_tokens, ...)"
-    )
-    assert names["generate"] == "module"  # a plain module: no class swapped in
-    assert "fastlm.generate" in names["modules"] and "fastlm.train" not in names["modules"]
+    assert not names["generate"]
+    assert "fastlm.cli.generate" in names["modules"] and "fastlm.cli.train" not in names["modules"]
 
 
 def test_backend_names_the_module_only(monkeypatch):

@@ -27,8 +27,8 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import fastlm.cli.train as train_cli
 import fastlm.kernels._common as kernel_common
-import fastlm.train as train_cli
 from fastlm import Transformer, checkpoint, flash_attention
 from fastlm.distributed import (
     ExchangePlan,
@@ -236,7 +236,7 @@ def _mesh_problem(seed: int):
 
 
 def _mesh_check(rank, world_size, model, batches, expected):
-    """On a (data 2 x context 2) DeviceMesh, DDP and FSDP2 as fastlm.train wraps them (over all
+    """On a (data 2 x context 2) DeviceMesh, DDP and FSDP2 as fastlm.cli.train wraps them (over all
     four ranks): the step's loss and gradients are the single-process ones of both batches."""
     os.environ["FASTLM_BACKEND"] = "torch"
     mesh = context_parallel_mesh(2)
@@ -413,7 +413,7 @@ def test_group_of_one_is_plain_attention(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# python -m fastlm.train --context-parallel
+# python -m fastlm.cli.train --context-parallel
 # --------------------------------------------------------------------------------------------
 
 corpus = test_train.corpus  # the fixture
@@ -503,6 +503,6 @@ def test_train_bad_context_parallel_is_one_line(tmp_path, corpus, capsys, extra,
     argv = [*FASTLM_TOY, "--data", corpus, "--out", tmp_path / "out", *extra]
     status, summary, err = run_main(argv, capsys)
     assert status == 2 and summary is None
-    assert err.count("\n") == 1 and err.startswith("fastlm.train: error: "), err
+    assert err.count("\n") == 1 and err.startswith("fastlm-train: error: "), err
     assert message in err, err
     assert not (tmp_path / "out").exists()

@@ -1,4 +1,4 @@
-"""`python -m fastlm.generate` on a checkpoint written by `fastlm.train`: streaming, seeds,
+"""`python -m fastlm.cli.generate` on a checkpoint written by `fastlm.cli.train`: streaming, seeds,
 whole characters from byte tokens, and one-line errors."""
 
 import os
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import fastlm
-import fastlm.generate as generate_cli
-import fastlm.train as train_cli
+import fastlm.cli.generate as generate_cli
+import fastlm.cli.train as train_cli
 from fastlm.data import ByteTokenizer, DataError, load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -157,7 +157,7 @@ def test_cli_streams_and_errors_without_traceback(trained):
     command = [
         sys.executable,
         "-m",
-        "fastlm.generate",
+        "fastlm.cli.generate",
         "--checkpoint",
         str(trained),
         "--model",
@@ -181,7 +181,7 @@ def test_cli_streams_and_errors_without_traceback(trained):
         timeout=120,
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip() == "fastlm.generate: error: top_k must be an integer >= 1, got 0"
+    assert result.stderr.strip() == "fastlm-generate: error: top_k must be an integer >= 1, got 0"
     # A prompt byte that is not UTF-8, as a shell passes it: the byte tokenizer takes the byte.
     raw = [os.fsencode(a) for a in command]
     result = subprocess.run(
@@ -249,7 +249,7 @@ def test_cuda_without_cuda_is_one_line(trained, capsys):
     )
     assert status == 2 and text == ""
     assert err.strip().splitlines() == [
-        "fastlm.generate: error: cuda:0 does not exist (0 GPUs here): pass --device cpu or a GPU "
+        "fastlm-generate: error: cuda:0 does not exist (0 GPUs here): pass --device cpu or a GPU "
         "that exists (under torchrun: one process per GPU)"
     ]
 

@@ -1,4 +1,4 @@
-"""`python -m fastlm.train` end to end at toy sizes: training, exact resume after Ctrl-C,
+"""`python -m fastlm.cli.train` end to end at toy sizes: training, exact resume after Ctrl-C,
 checkpoints that survive a crash during their save, torchrun with DDP and FSDP2 on gloo, and the
 one-line errors for bad input."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import fastlm.train as train_cli
+import fastlm.cli.train as train_cli
 from fastlm import checkpoint, reference
 
 # CPU tests (bitwise resume holds on CPU), also on a machine with GPUs.
@@ -397,7 +397,7 @@ def test_missing_tokenizers_package_is_one_line(corpus, tmp_path, capsys, monkey
         capsys,
     )
     assert status == 2 and err.strip() == (
-        "fastlm.train: error: --tokenizer needs the `tokenizers` package: pip install tokenizers"
+        "fastlm-train: error: --tokenizer needs the `tokenizers` package: pip install tokenizers"
     )
 
 
@@ -416,7 +416,7 @@ def test_cli_error_has_no_traceback(tmp_path):
         [
             sys.executable,
             "-m",
-            "fastlm.train",
+            "fastlm.cli.train",
             "--data",
             str(tmp_path / "no"),
             "--out",
@@ -429,7 +429,7 @@ def test_cli_error_has_no_traceback(tmp_path):
     )
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [
-        f"fastlm.train: error: --data: no such file or folder: {tmp_path / 'no'}"
+        f"fastlm-train: error: --data: no such file or folder: {tmp_path / 'no'}"
     ]
     assert os.listdir(tmp_path) == []
 
@@ -464,7 +464,7 @@ def test_head_dim_the_kernels_cannot_run(corpus, tmp_path, capsys, monkeypatch):
     status, summary, err = run_main([*args, "--out", tmp_path / "kernels"], capsys)
     assert status == 2 and summary is None and not (tmp_path / "kernels").exists()
     assert err.strip().splitlines() == [
-        "fastlm.train: error: --d-model 16 / --num-heads 8 gives heads of 2 dims, but fastlm's "
+        "fastlm-train: error: --d-model 16 / --num-heads 8 gives heads of 2 dims, but fastlm's "
         "attention kernel takes multiples of 8 up to 256: change --d-model or --num-heads (with "
         "--d-model 16: --num-heads 2), or run PyTorch's attention with FASTLM_BACKEND=torch"
     ]
@@ -503,7 +503,7 @@ def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(
     summary = strict_json(stdout.strip().splitlines()[-1])
     assert status == 3, err
     assert summary["diverged"] is True and summary["val_loss"] is None, summary
-    assert f"fastlm.train: {cause}: the run diverged and stops, saving nothing more" in err, err
+    assert f"fastlm-train: {cause}: the run diverged and stops, saving nothing more" in err, err
     assert summary["steps"] == step
     if resume:
         assert f"{out} keeps the checkpoint of step 2" in err, err
@@ -576,7 +576,7 @@ def test_skipped_and_repaired_corpus_files_are_named(tmp_path, capsys):
     status, _, err = run_main(["--data", folder, *TOY, "--out", tmp_path / "out"], capsys)
     assert status == 2
     assert err.strip().splitlines() == [
-        f"fastlm.train: error: the corpus at {folder} is empty (skipped as binary, with NUL "
+        f"fastlm-train: error: the corpus at {folder} is empty (skipped as binary, with NUL "
         f"bytes: {folder / 'image.bin'}, {folder / 'notes-utf16.txt'}; UTF-16 text must be "
         "converted to UTF-8)"
     ]
@@ -626,7 +626,7 @@ def test_cpu_checkpoint_resumes_on_cuda(corpus, tmp_path, capsys):
 RANK_SCRIPT = textwrap.dedent("""
     import hashlib, os, shutil, sys, time
     import torch.distributed as dist
-    import fastlm.train as train_cli
+    import fastlm.cli.train as train_cli
 
     full_state, save = train_cli.full_state, train_cli.Trainer.save
 
@@ -736,7 +736,7 @@ def test_torchrun_data_error_on_one_rank_stops_every_rank(tmp_path):
     assert result.returncode != 0
     statuses = {p.name: p.read_text() for p in records.glob("status-*")}
     assert statuses == {"status-0.txt": "2", "status-1.txt": "2"}, result.stderr[-3000:]
-    error = "fastlm.train: error: rank 0: the corpus is too small: 200 tokens per rank"
+    error = "fastlm-train: error: rank 0: the corpus is too small: 200 tokens per rank"
     assert result.stderr.count(error) == 2, result.stderr[-3000:]  # (torchrun then reports)
     assert not (tmp_path / "lopsided").exists()
 
@@ -745,7 +745,7 @@ def test_llama_options_train_save_resume_and_generate(corpus, tmp_path, capsys, 
     """The LLaMA-style flags reach the model and its checkpoint (a tied weight saved under both
     keys), --resume checks them, generate rebuilds the model from the checkpoint alone, and a
     checkpoint from before the options existed resumes as the model it was."""
-    from fastlm import generate as generate_cli
+    from fastlm.cli import generate as generate_cli
 
     monkeypatch.setenv("FASTLM_BACKEND", "torch")  # the interpreted kernels are test_model's
     options = ["--num-kv-heads", "1", "--no-rope-interleaved", "--tie-embeddings"]

@@ -1,6 +1,6 @@
-"""`python -m fastlm.generate`: continue a prompt with a model trained by `python -m fastlm.train`.
+"""`fastlm-generate`: continue a prompt with a model trained by `fastlm-train`.
 
-    python -m fastlm.generate --checkpoint checkpoints/tiny --prompt "def main(" --top-k 50
+    python -m fastlm.cli.generate --checkpoint checkpoints/tiny --prompt "def main(" --top-k 50
 
 The text streams to stdout as it is sampled (the prompt first); a multibyte character whose bytes
 arrive over several steps is printed once whole. Sampling is `fastlm.sample`'s: temperature
@@ -37,10 +37,8 @@ from fastlm.data import ByteTokenizer, DataError, load_tokenizer
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m fastlm.generate", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument("--checkpoint", required=True, help="folder written by fastlm.train")
+    parser = argparse.ArgumentParser(prog="fastlm-generate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True, help="folder written by fastlm-train")
     parser.add_argument("--prompt", required=True, help="text to continue (not empty)")
     parser.add_argument("--max-new-tokens", type=int, default=200, help="default: %(default)s")
     parser.add_argument(
@@ -148,7 +146,7 @@ def stream(args: argparse.Namespace) -> int:
     sys.stdout.write(decoder.flush() + "\n")
     sys.stdout.flush()
     seconds = time.perf_counter() - started
-    print(f"fastlm.generate: {count} tokens in {seconds:.2f} s", file=sys.stderr)
+    print(f"fastlm-generate: {count} tokens in {seconds:.2f} s", file=sys.stderr)
     return 0
 
 
@@ -158,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return stream(args)
     except (ConfigError, DataError, CheckpointError) as error:
-        print(f"fastlm.generate: error: {error}", file=sys.stderr)
+        print(f"fastlm-generate: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(file=sys.stderr)

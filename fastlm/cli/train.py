@@ -1,13 +1,13 @@
-"""`python -m fastlm.train`: train a decoder-only language model, on a CPU, a GPU or many.
+"""`python -m fastlm.cli.train`: train a decoder-only language model, on a CPU, a GPU or many.
 
 With no arguments it trains the `tiny` preset on the Python standard library's own sources
 (byte tokens) for about a minute on a CPU, checkpointing to `checkpoints/tiny`. The progress
 bar and notes go to stderr; stdout gets one JSON line (the run's summary) at the end.
 
-    python -m fastlm.train                                    # tiny preset, default corpus
-    python -m fastlm.train --data my_texts/ --preset gpt2-small --compile
-    torchrun --nproc_per_node=8 -m fastlm.train --preset gpt2-medium [--fsdp]
-    torchrun --nproc_per_node=8 -m fastlm.train --context-parallel 4   # 2 data x 4 context
+    python -m fastlm.cli.train                                    # tiny preset, default corpus
+    python -m fastlm.cli.train --data my_texts/ --preset gpt2-small --compile
+    torchrun --nproc_per_node=8 -m fastlm.cli.train --preset gpt2-medium [--fsdp]
+    torchrun --nproc_per_node=8 -m fastlm.cli.train --context-parallel 4   # 2 data x 4 context
 
 Exit status: 0 done, 2 bad input (one line on stderr, no checkpoint touched), 3 diverged (a loss
 or a weight became NaN or infinite: the run stopped there and saved nothing from then on, so
@@ -135,7 +135,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         for name, preset in PRESETS.items()
     )
     parser = argparse.ArgumentParser(
-        prog="python -m fastlm.train",
+        prog="fastlm-train",
         description=__doc__.split("\n\n")[0],
         epilog=f"presets:\n{presets}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -690,7 +690,7 @@ def plot_losses(path: Path, train_losses: list[float], val_losses: list[list[flo
     if val_losses:
         steps, losses = zip(*val_losses)
         axes.plot(steps, losses, "o-", label="held-out")
-    axes.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="fastlm.train")
+    axes.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="fastlm-train")
     axes.legend()
     axes.grid(alpha=0.3)
     try:
@@ -782,7 +782,7 @@ class Trainer:
                 raise CheckpointError(
                     f"{out} holds {saved['optimizer_kind']} state, but this run "
                     f"uses {optimizer_kind(self.optimizer)} (a checkpoint of "
-                    "an older fastlm.train)"
+                    "an older fastlm-train)"
                 )
             load_optimizer(self.loss_module, self.optimizer, saved["optimizer"])
         self.loss_fn = torch.compile(self.wrapped) if args.compile else self.wrapped
@@ -922,7 +922,7 @@ def load_saved(out: Path) -> dict:
     if missing:
         raise CheckpointError(
             f"{folder / checkpoint.STATE} lacks {', '.join(missing)}: it was "
-            "not written by fastlm.train"
+            "not written by fastlm-train"
         )
     return {**saved, "weights": checkpoint.load_weights(folder)}
 
@@ -989,7 +989,7 @@ def run_training(args: argparse.Namespace, run: Run, out: Path, stack: contextli
     work_per_token = flops_per_token(trainer.model, trainer.config)
     peak = peak_flops(args, run.device)
     say(
-        f"fastlm.train: {args.model} model, {parameters / 1e6:.2f}M parameters, preset "
+        f"fastlm-train: {args.model} model, {parameters / 1e6:.2f}M parameters, preset "
         f"{args.preset}, {len(trainer.split.train) * run.data_size / 1e6:.2f}M training tokens, "
         f"{run.world_size} x {run.device.type}"
         + (", FSDP" if args.fsdp else "")
@@ -1053,7 +1053,7 @@ def run_training(args: argparse.Namespace, run: Run, out: Path, stack: contextli
                     else f"nothing was written to {args.out}"
                 )
                 say(
-                    f"fastlm.train: {diverged}: the run diverged and stops, saving nothing "
+                    f"fastlm-train: {diverged}: the run diverged and stops, saving nothing "
                     f"more ({kept}); a lower --lr, or --grad-clip, may help"
                 )
                 break
@@ -1115,10 +1115,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return train(args)
     except (ConfigError, DataError, CheckpointError) as error:
-        print(f"fastlm.train: error: {error}", file=sys.stderr)
+        print(f"fastlm-train: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C, or one before training started: nothing saved
-        print("fastlm.train: interrupted before a checkpoint could be saved", file=sys.stderr)
+        print("fastlm-train: interrupted before a checkpoint could be saved", file=sys.stderr)
         return 130
     finally:
         torch.use_deterministic_algorithms(deterministic, warn_only=deterministic_warn_only)
