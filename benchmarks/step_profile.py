@@ -1,7 +1,7 @@
 """What one training step moves outside the kernels: Triton launches, GEMMs and glue, per layer.
 
 One step is what `fastlm-train` runs on CUDA: fp32 parameters, the loss
-(`fastlm.cli.train.NextTokenLoss`) under bf16 autocast, `backward()` outside it. Without CUDA it
+(`fastlm.cli.trainer.NextTokenLoss`) under bf16 autocast, `backward()` outside it. Without CUDA it
 runs on the CPU under CPU autocast, the kernels through the interpreter, lent the GEMMs with an fp32
 result from bf16 inputs that fastlm's weight gradients use on CUDA
 (`fastlm.testing.mixed_gemms_on_cpu`); CPU autocast casts the same GEMMs as CUDA's but runs exp,
@@ -298,7 +298,7 @@ def model_step(
     """One loss + backward of a fresh fp32 model as fastlm.cli.train runs it on CUDA: the loss under
     bf16 autocast (fastlm: fused linear cross-entropy; reference: float32 logits through the
     reference cross-entropy), backward outside it, gradients None before each call."""
-    from fastlm.cli.train import NextTokenLoss
+    from fastlm.cli.trainer import NextTokenLoss
 
     torch.manual_seed(seed)
     loss_fn = NextTokenLoss(build_model(kind, config, device))

@@ -27,7 +27,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import fastlm.cli.train as train_cli
+import fastlm.cli.trainer as training
 import fastlm.kernels._common as kernel_common
 from fastlm import Transformer, checkpoint, flash_attention
 from fastlm.distributed import (
@@ -242,10 +242,10 @@ def _mesh_check(rank, world_size, model, batches, expected):
     mesh = context_parallel_mesh(2)
     data, context = mesh["data"].get_local_rank(), mesh["context"].get_local_rank()
     inputs, targets = (shard_sequence(t, context, 2) for t in batches[data])
-    run = train_cli.Run(rank, world_size, torch.device("cpu"), 2, mesh["context"].get_group())
+    run = training.Run(rank, world_size, torch.device("cpu"), 2, mesh["context"].get_group())
     for fsdp in (False, True):
         local = copy.deepcopy(model).set_context_parallel(mesh)
-        wrapped = train_cli.distribute(train_cli.NextTokenLoss(local), run, fsdp)
+        wrapped = training.distribute(training.NextTokenLoss(local), run, fsdp)
         loss = wrapped(inputs, targets)
         loss.backward()
         loss = loss.detach()
@@ -444,14 +444,14 @@ def test_train_resumes_into_and_out_of_context_parallelism(tmp_path, corpus, cap
     checkpoint (full tensors) back in one process: every loss is the uninterrupted
     single-process run's, to rounding, and nothing notes a change of settings."""
     monkeypatch.setenv("FASTLM_BACKEND", "torch")  # as torchrun's ranks run
-    save = train_cli.Trainer.save
+    save = training.Trainer.save
 
     def save_and_keep(trainer):
         note = save(trainer)
         shutil.copytree(trainer.out, tmp_path / f"{trainer.out.name}-{trainer.step}")
         return note
 
-    monkeypatch.setattr(train_cli.Trainer, "save", save_and_keep)
+    monkeypatch.setattr(training.Trainer, "save", save_and_keep)
     # Each rank's model must see its shard with the group set, not the whole sequence.
     script = test_train.RANK_SCRIPT.replace("status = ", SHARDED_LOSS + "status = ")
     monkeypatch.setattr(test_train, "RANK_SCRIPT", script)

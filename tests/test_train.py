@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import fastlm.cli.train as train_cli
+import fastlm.cli.trainer as training
 from fastlm import checkpoint, reference
 
 # CPU tests (bitwise resume holds on CPU), also on a machine with GPUs.
@@ -172,9 +173,9 @@ def test_grad_clip_zero_leaves_gradients(corpus):
     model = torch.nn.Linear(3, 2)
     model(torch.ones(1, 3)).sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
-    train_cli.clip_gradients(model, 0.0, torch.device("cpu"), fsdp=False)
+    training.clip_gradients(model, 0.0, torch.device("cpu"), fsdp=False)
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
-    train_cli.clip_gradients(model, 1e-3, torch.device("cpu"), fsdp=False)
+    training.clip_gradients(model, 1e-3, torch.device("cpu"), fsdp=False)
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
     assert norm == pytest.approx(1e-3, rel=1e-3)
 
@@ -603,9 +604,9 @@ def test_cpu_checkpoint_state_fits_the_cuda_optimizer(corpus, tmp_path, capsys):
     model = reference.Transformer(
         **{key: value for key, value in config.items() if key != "tokenizer"}
     )
-    cuda_optimizer = train_cli.make_optimizer(model.parameters(), args, torch.device("cuda"))
-    assert train_cli.optimizer_kind(cuda_optimizer) == saved["optimizer_kind"]
-    train_cli.load_optimizer(train_cli.NextTokenLoss(model), cuda_optimizer, saved["optimizer"])
+    cuda_optimizer = training.make_optimizer(model.parameters(), args, torch.device("cuda"))
+    assert training.optimizer_kind(cuda_optimizer) == saved["optimizer_kind"]
+    training.load_optimizer(training.NextTokenLoss(model), cuda_optimizer, saved["optimizer"])
     assert all(cuda_optimizer.state[p]["step"] == 2 for p in model.parameters())
 
 
@@ -627,8 +628,9 @@ RANK_SCRIPT = textwrap.dedent("""
     import hashlib, os, shutil, sys, time
     import torch.distributed as dist
     import fastlm.cli.train as train_cli
+    import fastlm.cli.trainer as training
 
-    full_state, save = train_cli.full_state, train_cli.Trainer.save
+    full_state, save = training.full_state, training.Trainer.save
 
     def hashing_full_state(loss_module, optimizer):
         digest = hashlib.sha256()
@@ -645,7 +647,7 @@ RANK_SCRIPT = textwrap.dedent("""
             shutil.copytree(trainer.out, f"{sys.argv[1]}/checkpoint-{trainer.step}")
         return note
 
-    train_cli.full_state, train_cli.Trainer.save = hashing_full_state, save_and_keep
+    training.full_state, training.Trainer.save = hashing_full_state, save_and_keep
     status = train_cli.main(sys.argv[2:])
     with open(f"{sys.argv[1]}/status-{os.environ['RANK']}.txt", "w") as f:
         f.write(str(status))

@@ -1,0 +1,526 @@
+"""The training loop's pieces behind `fastlm-train`: the next-token loss, the distributed set-up
+(DDP, FSDP2, a data x context mesh), the optimizer and the full state a checkpoint holds, the
+reporting (throughput, peak memory, MFU, the loss plot), and `Trainer`, which runs the steps and
+the evaluations and saves. `fastlm.cli.train` is the command around it: its arguments, their
+checks, and the run from start to summary."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import math
+import os
+import resource
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fastlm import checkpoint, reference
+from fastlm.checkpoint import CheckpointError
+from fastlm.config import ConfigError, ModelConfig, build_model, pick_device, torch_seed
+from fastlm.data import IGNORE_INDEX, DataError, TokenSplit, eval_batches, training_batch
+from fastlm.distributed import context_parallel_mesh, shard_sequence
+
+LOSS_CURVE = checkpoint.LOSS_CURVE
+
+# Dense bf16 peak FLOP/s from the vendors' spec sheets (SXM parts), by device-name substring.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+# What a state.pt written by this command holds besides its step.
+STATE_KEYS = ("optimizer", "optimizer_kind", "train_losses", "val_losses", "settings")
+
+
+# --------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------
+
+
+class NextTokenLoss(nn.Module):
+    """The model and its loss in one forward, so DDP and FSDP see the whole computation.
+
+    A model with `loss(token_ids, targets)` (fastlm's fused linear cross-entropy) computes it
+    itself; otherwise the logits go through the reference cross-entropy in float32.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.cross_entropy = reference.CrossEntropyLoss()
+
+    def forward(
+        self, token_ids: torch.Tensor, targets: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """cu_seqlens: packed documents (`Transformer.loss` / `reference.Transformer.forward`)."""
+        packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+        if hasattr(self.model, "loss"):
+            return self.model.loss(token_ids, targets, **packed)
+        logits = self.model(token_ids, **packed).float()
+        if packed:  # the reference's loss has no ignore_index: leave out the document starts
+            keep = targets != IGNORE_INDEX
+            logits, targets = logits[keep], targets[keep]
+        return self.cross_entropy(logits, targets)
+
+
+def flops_per_token(model: nn.Module, config: dict) -> float:
+    """Training FLOPs per token, PaLM's convention: 6 per weight used in a matmul (the embedding
+    lookup is not one) plus 12 * layers * d_model * context for attention scores and values
+    (the full square, although causal attention needs only half of it). A tied output
+    projection is the embedding's weight used in a matmul: counted once, as a matmul weight."""
+    embedding = config["vocab_size"] * config["d_model"]
+    if config.get("tie_embeddings"):
+        embedding = 0
+    matmul_weights = sum(p.numel() for p in model.parameters()) - embedding
+    attention = 12 * config["num_layers"] * config["d_model"] * config["context_length"]
+    return 6 * matmul_weights + attention
+
+
+# Settings that shape the loss curve: a resumed run that changes one continues another curve.
+CURVE_SETTINGS = (
+    "data",
+    "tokenizer",
+    "batch_size",
+    "grad_accum",
+    "lr",
+    "min_lr",
+    "warmup",
+    "steps",
+    "weight_decay",
+    "betas",
+    "grad_clip",
+    "seed",
+    "val_fraction",
+)
+
+
+def curve_settings(args: argparse.Namespace, world_size: int) -> dict:
+    settings = {key: getattr(args, key) for key in CURVE_SETTINGS}
+    settings["betas"] = list(settings["betas"])
+    if args.pack_documents:  # only when set: checkpoints from before the flag compare equal
+        settings["pack_documents"] = True
+    if args.document_separator is not None:
+        settings["document_separator"] = args.document_separator
+    return {**settings, "world_size": world_size}
+
+
+# --------------------------------------------------------------------------------------------
+# Distributed set-up
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """Where this process trains: its rank among `world_size` and its device; with context
+    parallelism, the `context` ranks of its `context_group` (neighbours in rank order) share
+    each sequence, and the data is split `world_size / context` ways."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    context: int = 1
+    context_group: dist.ProcessGroup | None = None
+
+    @property
+    def data_rank(self) -> int:
+        return self.rank // self.context
+
+    @property
+    def data_size(self) -> int:
+        return self.world_size // self.context
+
+    @property
+    def context_rank(self) -> int:
+        return self.rank % self.context
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def mean(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` averaged over the ranks (gloo has no AVG, so SUM and divide)."""
+        if self.world_size > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.SUM)
+            values = values / self.world_size
+        return values
+
+
+def start_run(args: argparse.Namespace) -> Run:
+    """Join torchrun's process group when there is one (nccl on CUDA, gloo on CPU)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    device = pick_device(args.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    if world_size == 1 and args.fsdp:
+        raise ConfigError("--fsdp shards over several processes: start with torchrun")
+    if world_size % args.context_parallel:
+        raise ConfigError(
+            f"--context-parallel {args.context_parallel} must divide the number of processes "
+            f"({world_size}): start with torchrun --nproc_per_node=<a multiple of it>"
+        )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if device.type == "cpu":
+        # The embedding's backward otherwise adds rows in thread order: with this, reruns and
+        # resumed runs are bitwise equal, at no measurable cost. main() restores the setting.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    if world_size == 1:
+        return Run(0, 1, device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    run = Run(dist.get_rank(), world_size, device, args.context_parallel)
+    if run.context > 1:  # DDP and FSDP2 keep the whole world: gradients average over both
+        run.context_group = context_parallel_mesh(run.context, device.type)["context"].get_group()
+    return run
+
+
+def agree(run: Run, action) -> object:
+    """`action()`'s result on this rank. Under torchrun a command error (a rank's data shard too
+    small, say, or the checkpoint folder in use) on one rank is raised on every rank: the others
+    would otherwise wait for it in their next collective."""
+    result, failure = None, None
+    try:
+        result = action()
+    except (ConfigError, DataError, CheckpointError) as error:
+        if run.world_size == 1:
+            raise
+        failure = error
+    if run.world_size > 1:
+        failures = [None] * run.world_size
+        dist.all_gather_object(failures, failure)
+        for rank, failure in enumerate(failures):
+            if failure is not None:
+                raise type(failure)(f"rank {rank}: {failure}")
+    return result
+
+
+def distribute(loss_module: NextTokenLoss, run: Run, fsdp: bool) -> nn.Module:
+    """DDP, or FSDP2 with one unit per transformer block, when there are several ranks."""
+    if run.world_size == 1:
+        return loss_module
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in loss_module.model.blocks:
+            fully_shard(block)
+        return fully_shard(loss_module)
+    device_ids = [run.device.index] if run.device.type == "cuda" else None
+    # The buffers (RoPE tables, causal masks) are constants: no broadcast before each forward.
+    # torch 2.13 renamed the option (the old name warns on every rank).
+    ddp_options = inspect.signature(nn.parallel.DistributedDataParallel).parameters
+    no_sync = (
+        "forward_sync_buffers" if "forward_sync_buffers" in ddp_options else "broadcast_buffers"
+    )
+    return nn.parallel.DistributedDataParallel(
+        loss_module, device_ids=device_ids, **{no_sync: False}
+    )
+
+
+def gradient_sync(module: nn.Module, enabled: bool):
+    """A context that skips the gradient all-reduce on all but the last micro-batch."""
+    if enabled or isinstance(module, NextTokenLoss):
+        return contextlib.nullcontext()
+    if isinstance(module, nn.parallel.DistributedDataParallel):
+        return module.no_sync()
+    module.set_requires_gradient_sync(False)  # FSDP2: re-enabled before the last micro-batch
+    return contextlib.nullcontext()
+
+
+def make_optimizer(
+    parameters, args: argparse.Namespace, device: torch.device
+) -> torch.optim.Optimizer:
+    """PyTorch's AdamW on every device, so that a checkpoint resumes on any: fused on CUDA
+    (foreach under FSDP). reference.AdamW is the same math (tests/test_reference.py)."""
+    hyper = dict(lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay)
+    fused = device.type == "cuda" and not args.fsdp
+    return torch.optim.AdamW(parameters, **hyper, **({"fused": True} if fused else {}))
+
+
+def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's class, which fixes the layout of its state."""
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+
+
+def clip_gradients(module: nn.Module, max_norm: float, device: torch.device, fsdp: bool) -> None:
+    """Scale the gradients to a global norm of at most `max_norm` (0: leave them)."""
+    if max_norm == 0:
+        return
+    if fsdp or device.type == "cuda":
+        # PyTorch's clip takes the norm of DTensor (FSDP) gradients over all ranks, and it never
+        # waits for the GPU (the reference reads the norm back) nor launches a kernel per tensor.
+        torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm, foreach=True)
+    else:
+        reference.gradient_clip(module.parameters(), max_norm)
+
+
+def state_dict_options(**kwargs):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kwargs)
+
+
+def full_state(loss_module: NextTokenLoss, optimizer: torch.optim.Optimizer):
+    """Unsharded weights and optimizer state (a collective under FSDP: every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = state_dict_options(cpu_offload=True)
+    weights = get_model_state_dict(loss_module.model, options=options)
+    return weights, get_optimizer_state_dict(loss_module, optimizer, options=options)
+
+
+def load_optimizer(
+    loss_module: NextTokenLoss, optimizer: torch.optim.Optimizer, state: dict
+) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    try:
+        set_optimizer_state_dict(loss_module, optimizer, state, options=state_dict_options())
+    except (KeyError, ValueError, TypeError, RuntimeError) as error:
+        raise CheckpointError(f"the optimizer state does not fit the model ({error})") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Reporting
+# --------------------------------------------------------------------------------------------
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: the most memory PyTorch allocated; CPU: the process's peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def peak_flops(args: argparse.Namespace, device: torch.device) -> float | None:
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def plot_losses(path: Path, train_losses: list[float], val_losses: list[list[float]]) -> str | None:
+    """Write the loss-curve PNG; a note instead when matplotlib is missing or the file cannot
+    be written (the checkpoint, whose files are written by then, goes without it)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed, so no loss-curve PNG (pip install matplotlib)"
+    figure, axes = plt.subplots(figsize=(7, 4))
+    axes.plot(range(1, len(train_losses) + 1), train_losses, label="training", linewidth=0.8)
+    if val_losses:
+        steps, losses = zip(*val_losses)
+        axes.plot(steps, losses, "o-", label="held-out")
+    axes.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="fastlm-train")
+    axes.legend()
+    axes.grid(alpha=0.3)
+    try:
+        figure.savefig(path, format="png")
+    except OSError as error:  # a full disk, say
+        path.unlink(missing_ok=True)
+        return (
+            f"could not write the loss curve {path.name} ({error.strerror}): this checkpoint "
+            "has none"
+        )
+    finally:
+        plt.close(figure)
+    return None
+
+
+class Throughput:
+    """Tokens per second over this run's steps after the first, which pays for compilation and
+    warm-up (over the first alone while there is no other)."""
+
+    def __init__(self, tokens_per_step: int):
+        self.tokens_per_step = tokens_per_step
+        self.step_seconds: list[float] = []
+
+    def add(self, seconds: float) -> None:
+        self.step_seconds.append(seconds)
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.step_seconds)
+
+    @property
+    def tokens_per_second(self) -> float:
+        timed = self.step_seconds[1:] or self.step_seconds
+        return len(timed) * self.tokens_per_step / sum(timed) if timed else 0.0
+
+
+class StopRequest:
+    """Ctrl-C asks the loop to stop after the current step (which is then checkpointed); a
+    second Ctrl-C interrupts at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):  # runs between bytecodes of the main thread
+        self.requested = True
+        signal.signal(signal.SIGINT, self._previous)
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self._previous)
+
+
+# --------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------
+
+
+class Trainer:
+    """This rank's share of a run: the model (wrapped for DDP or FSDP), optimizer, data and the
+    loss history, which a checkpoint restores whole."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        run: Run,
+        config: ModelConfig,
+        tokenizer_name: str,
+        out: Path,
+        split: TokenSplit,
+        saved: dict | None,
+    ):
+        self.args, self.run, self.split, self.out = args, run, split, out
+        self.config = {**config.as_dict(), "tokenizer": tokenizer_name}  # what a checkpoint keeps
+        torch.manual_seed(torch_seed(args.seed))  # the same initial weights on every rank
+        self.model = build_model(config, args.model, run.device)
+        if run.context_group is not None:
+            self.model.set_context_parallel(run.context_group)
+        if saved is not None:
+            checkpoint.fit_weights(self.model, saved["weights"], out)
+        self.loss_module = NextTokenLoss(self.model)
+        self.wrapped = distribute(self.loss_module, run, args.fsdp)
+        self.optimizer = make_optimizer(self.wrapped.parameters(), args, run.device)
+        if saved is not None:
+            if saved["optimizer_kind"] != optimizer_kind(self.optimizer):
+                raise CheckpointError(
+                    f"{out} holds {saved['optimizer_kind']} state, but this run "
+                    f"uses {optimizer_kind(self.optimizer)} (a checkpoint of "
+                    "an older fastlm-train)"
+                )
+            load_optimizer(self.loss_module, self.optimizer, saved["optimizer"])
+        self.loss_fn = torch.compile(self.wrapped) if args.compile else self.wrapped
+        self.step = saved["step"] if saved else 0
+        self.train_losses: list[float] = list(saved["train_losses"]) if saved else []
+        # Targets this rank's training batches left out (document starts under --pack-documents)
+        # and all of them, this run: rows are windows of the token stream, never padded.
+        self.targets_ignored = self.targets_seen = 0
+        self.val_losses: list[list[float]] = list(saved["val_losses"]) if saved else []
+        self.validation = eval_batches(
+            split.val, args.batch_size, args.context_length, args.eval_batches, split.val_starts
+        )
+
+    def autocast(self):
+        if self.run.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def loss(
+        self, token_ids: torch.Tensor, targets: torch.Tensor, cu_seqlens: torch.Tensor | None
+    ) -> torch.Tensor:
+        device = self.run.device
+        packed = () if cu_seqlens is None else (cu_seqlens.to(device),)
+        if self.run.context > 1:  # this rank's chunks of each sequence
+            token_ids, targets = (
+                shard_sequence(t, self.run.context_rank, self.run.context)
+                for t in (token_ids, targets)
+            )
+        with self.autocast():
+            return self.loss_fn(token_ids.to(device), targets.to(device), *packed)
+
+    def train_step(self, stop: StopRequest) -> tuple[float, bool]:
+        """One optimizer step; its loss averaged over micro-batches and ranks, and whether any
+        rank asked to stop (one collective for both keeps the ranks stopping together)."""
+        args = self.args
+        lr = reference.cos_lr_scheduler(
+            self.step + 1, args.lr, args.min_lr, args.warmup, args.steps
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.run.device)
+        for micro in range(args.grad_accum):
+            last = micro == args.grad_accum - 1
+            if last and args.fsdp:
+                self.wrapped.set_requires_gradient_sync(True)
+            token_ids, targets, cu_seqlens = training_batch(
+                self.split.train,
+                args.batch_size,
+                args.context_length,
+                args.seed,
+                self.run.data_rank,
+                self.step,
+                micro,
+                self.split.train_starts,
+            )
+            self.targets_seen += targets.numel()
+            self.targets_ignored += int((targets == IGNORE_INDEX).sum())  # on the host: no sync
+            with gradient_sync(self.wrapped, last):
+                loss = self.loss(token_ids, targets, cu_seqlens)
+                (loss / args.grad_accum).backward()
+            total += loss.detach().float()
+        clip_gradients(self.wrapped, args.grad_clip, self.run.device, args.fsdp)
+        self.optimizer.step()
+        self.step += 1
+        flags = torch.tensor(float(stop.requested), device=self.run.device)
+        loss, stopping = self.run.mean(torch.stack([total / args.grad_accum, flags])).tolist()
+        self.train_losses.append(loss)
+        return loss, stopping > 0
+
+    @torch.no_grad()
+    def held_out_loss(self) -> float:
+        """Mean loss on the fixed held-out batches (all ranks)."""
+        self.loss_fn.eval()
+        total = sum(self.loss(*batch).float() for batch in self.validation)
+        self.loss_fn.train()
+        return self.run.mean(total / len(self.validation)).item()
+
+    def evaluate(self) -> float:
+        """held_out_loss, recorded in the history."""
+        loss = self.held_out_loss()
+        self.val_losses.append([self.step, loss])
+        return loss
+
+    def fit_to_save(self, held_out: float | None) -> bool:
+        """Whether the weights may be written (every rank agrees): all finite, and their
+        held-out loss (`held_out`, this step's evaluation, or computed now and not recorded)
+        finite too. A finite but diverged model (weights so large that the next loss
+        overflows) fails the second test."""
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+        finite = torch.stack([torch.isfinite(p).all() for p in local]).all()
+        if self.run.mean(finite.float()).item() < 1:
+            return False
+        return math.isfinite(self.held_out_loss() if held_out is None else held_out)
+
+    def save(self) -> str | None:
+        """Checkpoint and loss curve (rank 0 writes; under FSDP every rank gathers); a note
+        when the curve cannot be drawn."""
+        weights, optimizer_state = full_state(self.loss_module, self.optimizer)
+        if not self.run.is_main:
+            return None
+        state = {
+            "optimizer": optimizer_state,
+            "optimizer_kind": optimizer_kind(self.optimizer),
+            "train_losses": self.train_losses,
+            "val_losses": self.val_losses,
+            "settings": curve_settings(self.args, self.run.data_size),
+        }
+        # The curve is part of the checkpoint folder, which is replaced whole.
+        with checkpoint.replacing(self.out) as folder:
+            checkpoint.write(folder, weights, self.config, self.step, state, self.args.tokenizer)
+            note = plot_losses(folder / LOSS_CURVE, self.train_losses, self.val_losses)
+        return note
