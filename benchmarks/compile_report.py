@@ -32,6 +32,13 @@ lists every row whose code differs and exits 1 if any does.
 
     python benchmarks/compile_report.py [--arch sm_90a sm_80] [--json rows.json] [--quick]
     python benchmarks/compile_report.py --op attention --same-code-as before.json
+    python benchmarks/compile_report.py --baseline        # the whole report, kept in the repo
+    python benchmarks/compile_report.py --check-baseline  # is the kept one this code's, clean?
+
+The whole report takes tens of minutes on two cores, too long for every test run; so it is kept
+in the repository (`results/compile_report.json`, written by `--baseline`) with a fingerprint of
+the kernels' code, and `--check-baseline` (run by the tests) exits 1 unless that fingerprint is
+this tree's and no kept row is flagged: a kernel change that is not reported again fails CI.
 
 Run it without TRITON_INTERPRET (the interpreter's autotuners hold one config, its launchers
 choose interpreter tiles): with TRITON_INTERPRET=1 it refuses to run.
@@ -40,6 +47,7 @@ choose interpreter tiles): with TRITON_INTERPRET=1 it refuses to run.
 from __future__ import annotations
 
 import argparse
+import ast
 import concurrent.futures
 import contextlib
 import hashlib
@@ -773,6 +781,49 @@ def report_code_changes(before: list[dict], after: list[dict]) -> bool:
     return bool(changed or new)
 
 
+#: The whole report, kept in the repository (`--baseline` writes it, `--check-baseline` reads it).
+BASELINE = Path(__file__).resolve().parent / "results" / "compile_report.json"
+
+
+def _without_docstrings(tree: ast.AST) -> ast.AST:
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            if isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+    return tree
+
+
+def kernel_code_fingerprint() -> str:
+    """SHA-256 of the code of every file under fastlm/kernels: their syntax trees without
+    docstrings, so formatting, comments and docs do not count, and any change to what compiles
+    (or to the launchers that choose configs) does."""
+    kernels = Path(__file__).resolve().parent.parent / "fastlm" / "kernels"
+    digest = hashlib.sha256()
+    for path in sorted(kernels.rglob("*.py")):
+        code = ast.dump(_without_docstrings(ast.parse(path.read_text())))
+        digest.update(path.relative_to(kernels).as_posix().encode() + b"\0" + code.encode())
+    return digest.hexdigest()
+
+
+def check_baseline() -> int:
+    """0 when the kept report is this code's and clean; 1 (saying what to do) otherwise."""
+    rerun = "run `python benchmarks/compile_report.py --baseline` and commit what it writes"
+    if not BASELINE.is_file():
+        print(f"no kept report at {BASELINE}: {rerun}", file=sys.stderr)
+        return 1
+    kept = json.loads(BASELINE.read_text())
+    if kept["fingerprint"] != kernel_code_fingerprint():
+        print(f"fastlm/kernels changed since the kept report was made: {rerun}", file=sys.stderr)
+        return 1
+    flagged = [row for row in kept["rows"] if row["problems"]]
+    for row in flagged:
+        print(f"flagged: {row['op']} {row['case']} {row['arch']}: {row['problems']}")
+    archs = sorted({row["arch"] for row in kept["rows"]})
+    print(f"kept report: {len(kept['rows'])} rows on {', '.join(archs)}, {len(flagged)} flagged")
+    return 1 if flagged or archs != sorted(ARCHS) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
@@ -787,9 +838,16 @@ def main(argv: list[str] | None = None) -> int:
     add("--same-code-as", type=Path, metavar="JSON", help=same)
     jobs = "compiler processes (default: one per CPU)"
     add("--jobs", type=int, default=os.cpu_count() or 1, help=jobs)
+    add("--baseline", action="store_true", help=f"the whole report, kept at {BASELINE}")
+    check = "exit 0 when the kept report is this code's and has no flagged row"
+    add("--check-baseline", action="store_true", help=check)
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error("--jobs must be at least 1")
+    if args.check_baseline:
+        return check_baseline()
+    if args.baseline and (args.quick or args.op or sorted(args.arch) != sorted(ARCHS)):
+        parser.error("--baseline keeps the whole report: no --quick, --op or --arch")
 
     start = time.perf_counter()
     selected = [
@@ -810,6 +868,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    if args.baseline:
+        kept = dict(fingerprint=kernel_code_fingerprint(), triton=triton.__version__, rows=rows)
+        BASELINE.parent.mkdir(parents=True, exist_ok=True)
+        BASELINE.write_text(json.dumps(kept, indent=1) + "\n")
     changed = False
     if args.same_code_as:
         changed = report_code_changes(json.loads(args.same_code_as.read_text()), rows)

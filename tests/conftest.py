@@ -51,6 +51,18 @@ kernel_common.POISON_OUTPUTS = True
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
+#: The tiny model the tests build (`from conftest import TINY_MODEL`): 2 layers, 2 heads of 16,
+#: an odd vocabulary.
+TINY_MODEL = dict(
+    vocab_size=61,
+    context_length=24,
+    d_model=32,
+    num_layers=2,
+    num_heads=2,
+    d_ff=48,
+    rope_theta=10000.0,
+)
+
 
 @pytest.fixture
 def device() -> str:

@@ -3,28 +3,19 @@ training and KV-cache generation, at sizes the interpreter runs in seconds."""
 
 import pytest
 import torch
+from conftest import TINY_MODEL
 
 import fastlm
 from fastlm import reference as R
 from fastlm.kernels._common import HAVE_TRITON
 from fastlm.testing import assert_close, relative_error
 
-CONFIG = dict(
-    vocab_size=61,
-    context_length=24,
-    d_model=32,
-    num_layers=2,
-    num_heads=2,
-    d_ff=48,
-    rope_theta=10000.0,
-)
-
 #: The LLaMA-style options at once: grouped-query (2 query heads on 1 kv head), half-split RoPE,
 #: tied embeddings, another norm eps.
 LLAMA_OPTIONS = dict(num_kv_heads=1, rope_interleaved=False, tie_embeddings=True, norm_eps=1e-6)
 
 
-def _pair(device, dtype=torch.float32, config=CONFIG):
+def _pair(device, dtype=torch.float32, config=TINY_MODEL):
     """A fastlm model and a float64 reference holding the same weights."""
     model = fastlm.Transformer(**config, device=device, dtype=dtype)
     ref = R.Transformer(**config, device=device, dtype=torch.float64)
@@ -33,7 +24,7 @@ def _pair(device, dtype=torch.float32, config=CONFIG):
 
 
 def _tokens(device, batch=2, seq=13):
-    return torch.randint(0, CONFIG["vocab_size"], (batch, seq), device=device)
+    return torch.randint(0, TINY_MODEL["vocab_size"], (batch, seq), device=device)
 
 
 def _assert_grads_match(model, ref, dtype, what="grad"):
@@ -45,13 +36,13 @@ def _assert_grads_match(model, ref, dtype, what="grad"):
 
 
 def test_state_dict_interchange_both_ways(device):
-    ref = R.Transformer(**CONFIG, device=device)
-    model = fastlm.Transformer(**CONFIG, device=device)
+    ref = R.Transformer(**TINY_MODEL, device=device)
+    model = fastlm.Transformer(**TINY_MODEL, device=device)
     assert model.state_dict().keys() == ref.state_dict().keys()
     for key, value in ref.state_dict().items():
         assert model.state_dict()[key].shape == value.shape, key
     model.load_state_dict(ref.state_dict(), strict=True)
-    back = R.Transformer(**CONFIG, device=device)
+    back = R.Transformer(**TINY_MODEL, device=device)
     back.load_state_dict(model.state_dict(), strict=True)
     for key, value in ref.state_dict().items():
         assert torch.equal(back.state_dict()[key], value), key
@@ -122,7 +113,7 @@ def test_loss_ignore_index(device):
 
 
 def test_torch_backend_gives_the_same_logits(device, monkeypatch):
-    model = fastlm.Transformer(**CONFIG, device=device)
+    model = fastlm.Transformer(**TINY_MODEL, device=device)
     tokens = _tokens(device)
     kernels = model(tokens)
     monkeypatch.setenv("FASTLM_BACKEND", "torch")
@@ -133,11 +124,11 @@ def test_training_curves_match_reference(device):
     """30 AdamW steps from the same initialisation: the loss curves stay together. Two
     sequences a step (every kernel still sees a batch and several blocks): under the
     interpreter each kernel costs by the program, and four took twice as long."""
-    model = fastlm.Transformer(**CONFIG, device=device)
-    ref = R.Transformer(**CONFIG, device=device)
+    model = fastlm.Transformer(**TINY_MODEL, device=device)
+    ref = R.Transformer(**TINY_MODEL, device=device)
     ref.load_state_dict(model.state_dict())
     opts = [R.AdamW(m.parameters(), lr=3e-3, weight_decay=0.01) for m in (model, ref)]
-    data = _tokens(device, batch=2, seq=CONFIG["context_length"] + 1)
+    data = _tokens(device, batch=2, seq=TINY_MODEL["context_length"] + 1)
     inputs, targets = data[:, :-1], data[:, 1:]
     curves = [[], []]
     for _ in range(30):
@@ -167,7 +158,7 @@ class _WithoutCache(torch.nn.Module):
 
 @pytest.mark.parametrize("context_length", [24, 8])  # 8: generation slides past the context
 def test_kv_cache_generation_matches_full_recompute(device, context_length):
-    model = fastlm.Transformer(**{**CONFIG, "context_length": context_length}, device=device)
+    model = fastlm.Transformer(**{**TINY_MODEL, "context_length": context_length}, device=device)
     prompt = _tokens(device, batch=1, seq=6)[0]
     cached = fastlm.sample(model, prompt, max_new_tokens=8, temperature=0.0)
     recomputed = fastlm.sample(_WithoutCache(model), prompt, max_new_tokens=8, temperature=0.0)
@@ -179,7 +170,7 @@ def test_kv_cache_generation_matches_full_recompute(device, context_length):
 def test_kv_cache_logits_match_full_forward(device, autocast):
     """Cached decoding gives the full forward's logits; under autocast the cache holds bf16 keys
     and values and the blocks' GEMMs read their weights cast once per forward."""
-    model = fastlm.Transformer(**CONFIG, device=device)
+    model = fastlm.Transformer(**TINY_MODEL, device=device)
     tokens = _tokens(device, batch=2, seq=9)
     cache = model.make_kv_cache()
     with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
@@ -197,11 +188,11 @@ def test_kv_cache_logits_match_full_forward(device, autocast):
 
 
 def test_bad_input_names_the_argument(device):
-    model = fastlm.Transformer(**CONFIG, device=device)
+    model = fastlm.Transformer(**TINY_MODEL, device=device)
     with pytest.raises(ValueError, match="context_length"):
-        model(_tokens(device, seq=CONFIG["context_length"] + 1))
+        model(_tokens(device, seq=TINY_MODEL["context_length"] + 1))
     with pytest.raises(ValueError, match="token_ids"):
-        model(torch.full((1, 4), CONFIG["vocab_size"], device=device))
+        model(torch.full((1, 4), TINY_MODEL["vocab_size"], device=device))
     with pytest.raises(ValueError, match="targets"):
         model.loss(_tokens(device), _tokens(device, seq=12))
 
@@ -211,7 +202,7 @@ def test_autocast_bf16_matches_reference(device, gemms, options):
     """Under bf16 autocast the residual stream stays fp32 and the matmuls run in bf16, as in the
     reference: the two agree to bf16 accuracy, gradients included (fp32, from the GEMMs straight
     where the device has the mixed GEMM: `gemms`), with the LLaMA-style options too."""
-    model, ref = _pair(device, config={**CONFIG, **options})
+    model, ref = _pair(device, config={**TINY_MODEL, **options})
     ref.float()
     tokens, targets = _tokens(device), _tokens(device)
     with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
@@ -226,7 +217,7 @@ def test_autocast_bf16_matches_reference(device, gemms, options):
 def test_heads_the_kernel_cannot_take_run_on_the_torch_backend(device, monkeypatch):
     """Heads of 4 dims: the reference runs them and so does fastlm's PyTorch backend; where the
     Triton kernels would run, the model refuses at construction, saying what to change."""
-    config = {**CONFIG, "d_model": 8, "num_heads": 2}
+    config = {**TINY_MODEL, "d_model": 8, "num_heads": 2}
     monkeypatch.setenv("FASTLM_BACKEND", "triton")
     if HAVE_TRITON:
         message = (
@@ -251,7 +242,7 @@ def test_blocks_run_through_their_forward(device, monkeypatch):
     """FSDP2 gathers a block's sharded weights in a hook on the block's forward: the model calls
     each block (with the residual stream as a (residual, delta) pair), never around it."""
     monkeypatch.setenv("FASTLM_BACKEND", "torch")  # the hooks, not the kernels, are tested here
-    model = fastlm.Transformer(**CONFIG, device=device)
+    model = fastlm.Transformer(**TINY_MODEL, device=device)
     calls = []
     for block in model.blocks:
         block.register_forward_pre_hook(lambda module, args: calls.append(module))
@@ -260,7 +251,7 @@ def test_blocks_run_through_their_forward(device, monkeypatch):
     model(tokens)
     model(tokens[:, :3], kv_cache=model.make_kv_cache())
     assert calls == list(model.blocks) * 3
-    block, x = model.blocks[0], torch.randn(2, 5, CONFIG["d_model"], device=device)
+    block, x = model.blocks[0], torch.randn(2, 5, TINY_MODEL["d_model"], device=device)
     residual, delta = block((x, None))
     assert torch.equal(residual + delta, block(x))
 
@@ -290,7 +281,7 @@ def test_fsdp2_autocast_step_matches_the_unsharded_model(device, tmp_path):
     )
     try:
         plain, _ = _pair(device)
-        sharded = fastlm.Transformer(**CONFIG, device=device)
+        sharded = fastlm.Transformer(**TINY_MODEL, device=device)
         sharded.load_state_dict(plain.state_dict())
         for block in sharded.blocks:
             fully_shard(block)
@@ -324,7 +315,7 @@ def test_fsdp2_autocast_step_matches_the_unsharded_model(device, tmp_path):
 def test_llama_options_match_reference(device, options):
     """Grouped-query attention, half-split RoPE, tied embeddings and norm_eps: logits, loss and
     every gradient as the reference's (heads of 16 dims, so 2 query heads share 1 kv head)."""
-    config = {**CONFIG, **options}
+    config = {**TINY_MODEL, **options}
     model, ref = _pair(device, config=config)
     assert model.state_dict().keys() == ref.state_dict().keys()
     tokens, targets = _tokens(device), _tokens(device)
@@ -334,7 +325,7 @@ def test_llama_options_match_reference(device, options):
 
 
 def test_llama_options_kv_cache_logits_match_full_forward(device):
-    model = fastlm.Transformer(**CONFIG, **LLAMA_OPTIONS, device=device)
+    model = fastlm.Transformer(**TINY_MODEL, **LLAMA_OPTIONS, device=device)
     tokens = _tokens(device, batch=2, seq=9)
     cache = model.make_kv_cache()
     steps = [model(tokens[:, :6], kv_cache=cache), model(tokens[:, 6:], kv_cache=cache)]
@@ -343,8 +334,8 @@ def test_llama_options_kv_cache_logits_match_full_forward(device):
 
 
 def test_tied_model_loads_its_own_state_dict(device):
-    model = fastlm.Transformer(**CONFIG, tie_embeddings=True, device=device)
-    ref = R.Transformer(**CONFIG, tie_embeddings=True, device=device)
+    model = fastlm.Transformer(**TINY_MODEL, tie_embeddings=True, device=device)
+    ref = R.Transformer(**TINY_MODEL, tie_embeddings=True, device=device)
     ref.load_state_dict(model.state_dict(), strict=True)
     assert ref.out_linear.w is ref.embedding.w
     assert torch.equal(ref.embedding.w, model.embedding.w)
@@ -401,7 +392,7 @@ def test_packed_documents_match_the_reference_with_cu_seqlens(device):
     model, ref = _pair(device)
     tokens, cu = _tokens(device), _cu_seqlens(PACKED_DOCS, device)
     expected = ref(tokens, cu_seqlens=cu)
-    assert expected.shape == (*tokens.shape, CONFIG["vocab_size"])
+    assert expected.shape == (*tokens.shape, TINY_MODEL["vocab_size"])
     assert_close(
         expected.reshape(-1, expected.shape[-1]),
         _packed_reference(ref, tokens, PACKED_DOCS),
@@ -409,7 +400,7 @@ def test_packed_documents_match_the_reference_with_cu_seqlens(device):
         "reference",
     )
     assert_close(model(tokens, cu_seqlens=cu), expected, torch.float32, "logits")
-    positions = torch.randint(0, CONFIG["context_length"], tokens.shape, device=device)
+    positions = torch.randint(0, TINY_MODEL["context_length"], tokens.shape, device=device)
     assert_close(
         model(tokens, positions, cu_seqlens=cu),
         ref(tokens, positions, cu_seqlens=cu),
@@ -421,7 +412,7 @@ def test_packed_documents_match_the_reference_with_cu_seqlens(device):
 
 
 def test_packed_documents_bad_input(device):
-    model = fastlm.Transformer(**CONFIG, device=device)
+    model = fastlm.Transformer(**TINY_MODEL, device=device)
     tokens, cu = _tokens(device), _cu_seqlens(PACKED_DOCS, device)
     with pytest.raises(ValueError, match="do not run with a KV cache"):
         model(tokens, cu_seqlens=cu, kv_cache=model.make_kv_cache())

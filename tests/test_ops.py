@@ -7,6 +7,7 @@ on fake tensors, under AOT autograd) and compares the results, so sizes are smal
 
 import pytest
 import torch
+from conftest import TINY_MODEL
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
@@ -256,15 +257,6 @@ class _OpRecordingBackend:
         return self.backend(gm, example_inputs)
 
 
-CONFIG = dict(
-    vocab_size=61,
-    context_length=24,
-    d_model=32,
-    num_layers=2,
-    num_heads=2,
-    d_ff=48,
-    rope_theta=10000.0,
-)
 KERNEL_OPS = {
     "fastlm.rms_norm.default",
     "fastlm.add_rms_norm.default",
@@ -279,11 +271,11 @@ KERNEL_OPS = {
 
 
 def _compiled_loss_matches_reference(device, backend):
-    model = fastlm.Transformer(**CONFIG, device=device)
-    ref = R.Transformer(**CONFIG, device=device, dtype=torch.float64)
+    model = fastlm.Transformer(**TINY_MODEL, device=device)
+    ref = R.Transformer(**TINY_MODEL, device=device, dtype=torch.float64)
     ref.load_state_dict(model.state_dict())
-    tokens = torch.randint(0, CONFIG["vocab_size"], (2, 13), device=device)
-    targets = torch.randint(0, CONFIG["vocab_size"], (2, 13), device=device)
+    tokens = torch.randint(0, TINY_MODEL["vocab_size"], (2, 13), device=device)
+    targets = torch.randint(0, TINY_MODEL["vocab_size"], (2, 13), device=device)
     counters.clear()
     loss = torch.compile(model.loss, backend=backend, fullgraph=True)(tokens, targets)
     loss.backward()
@@ -322,11 +314,11 @@ def test_model_compiles_whole_under_autocast(device, gemms):
     """The autocast step (the block's weights cast together, fp32 weight gradients out of the
     GEMMs: `fastlm.kernels.linear`) compiles without a graph break and gives the eager step's
     loss and gradients."""
-    eager = fastlm.Transformer(**CONFIG, device=device)
-    compiled = fastlm.Transformer(**CONFIG, device=device)
+    eager = fastlm.Transformer(**TINY_MODEL, device=device)
+    compiled = fastlm.Transformer(**TINY_MODEL, device=device)
     compiled.load_state_dict(eager.state_dict())
-    tokens = torch.randint(0, CONFIG["vocab_size"], (2, 13), device=device)
-    targets = torch.randint(0, CONFIG["vocab_size"], (2, 13), device=device)
+    tokens = torch.randint(0, TINY_MODEL["vocab_size"], (2, 13), device=device)
+    targets = torch.randint(0, TINY_MODEL["vocab_size"], (2, 13), device=device)
     backend = _OpRecordingBackend()
     counters.clear()
     with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):

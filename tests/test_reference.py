@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TINY_MODEL
 
 from fastlm import reference as R
 from fastlm.testing import assert_close
@@ -126,17 +127,8 @@ def test_block_keeps_original_attribute_names():
 
 
 def _tiny_transformer(**kwargs):
-    config = dict(
-        vocab_size=61,
-        context_length=16,
-        d_model=32,
-        num_layers=2,
-        num_heads=4,
-        d_ff=48,
-        rope_theta=10000.0,
-    )
-    config.update(kwargs)
-    return R.Transformer(**config)
+    # Four heads of 8 (grouped-query cases need a head count with divisors).
+    return R.Transformer(**{**TINY_MODEL, "context_length": 16, "num_heads": 4, **kwargs})
 
 
 def test_transformer_rejects_bad_tokens():

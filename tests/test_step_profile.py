@@ -13,6 +13,7 @@ import torch
 sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import step_profile  # noqa: E402
+from conftest import TINY_MODEL
 
 import fastlm  # noqa: E402
 import fastlm.kernels._common as kernel_common  # noqa: E402
@@ -120,15 +121,7 @@ def test_interpreter_copies_are_left_out_and_launches_counted(monkeypatch):
 def test_gemms_per_layer_match_the_block(kind, monkeypatch):
     # The suite's NaN-poisoning of kernel outputs (conftest.py) is test-only glue: off here.
     monkeypatch.setattr(kernel_common, "POISON_OUTPUTS", False)
-    config = dict(
-        vocab_size=64,
-        context_length=16,
-        d_model=32,
-        num_layers=1,
-        num_heads=2,
-        d_ff=48,
-        rope_theta=10000.0,
-    )
+    config = {**TINY_MODEL, "num_layers": 1}
     fits = step_profile.profile_model(
         kind, config, layers=(1, 2), batch_sizes=(2, 3), device="cpu", warmup_steps=0
     )

@@ -6,6 +6,7 @@ import importlib.util
 
 import pytest
 import torch
+from conftest import TINY_MODEL
 
 import fastlm
 from fastlm import reference as R
@@ -81,15 +82,7 @@ def test_every_op_runs_on_pytorch():
 
 
 def test_model_trains_on_pytorch():
-    config = dict(
-        vocab_size=31,
-        context_length=16,
-        d_model=16,
-        num_layers=1,
-        num_heads=2,
-        d_ff=24,
-        rope_theta=10000.0,
-    )
+    config = TINY_MODEL
     model = fastlm.Transformer(**config)
     ref = R.Transformer(**config, dtype=torch.float64)
     ref.load_state_dict(model.state_dict())

@@ -9,6 +9,7 @@ once. The reference math of `torch.ops.fastlm.<op>` and of the public function o
 benchmarks compare with; it is not exported here, beside the ops.
 """
 
+from fastlm.kernels import cross_entropy_options  # noqa: F401 (registers its ops)
 from fastlm.kernels.attention import flash_attention, flash_attention_varlen, rope_attention
 from fastlm.kernels.cross_entropy import cross_entropy, linear_cross_entropy
 from fastlm.kernels.geglu import geglu
