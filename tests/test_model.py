@@ -121,17 +121,18 @@ def test_torch_backend_gives_the_same_logits(device, monkeypatch):
 
 
 def test_training_curves_match_reference(device):
-    """30 AdamW steps from the same initialisation: the loss curves stay together. Two
-    sequences a step (every kernel still sees a batch and several blocks): under the
-    interpreter each kernel costs by the program, and four took twice as long."""
+    """10 AdamW steps from the same initialisation, at a rate that takes the loss below 0.7 of
+    its start (about 0.15 here): the loss curves stay together. Two sequences a step (every
+    kernel still sees a batch and several blocks): under the interpreter each kernel costs by
+    the program, and four took twice as long."""
     model = fastlm.Transformer(**TINY_MODEL, device=device)
     ref = R.Transformer(**TINY_MODEL, device=device)
     ref.load_state_dict(model.state_dict())
-    opts = [R.AdamW(m.parameters(), lr=3e-3, weight_decay=0.01) for m in (model, ref)]
+    opts = [R.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01) for m in (model, ref)]
     data = _tokens(device, batch=2, seq=TINY_MODEL["context_length"] + 1)
     inputs, targets = data[:, :-1], data[:, 1:]
     curves = [[], []]
-    for _ in range(30):
+    for _ in range(10):
         losses = (model.loss(inputs, targets), R.CrossEntropyLoss()(ref(inputs), targets))
         for curve, loss, opt in zip(curves, losses, opts):
             opt.zero_grad()
@@ -140,7 +141,7 @@ def test_training_curves_match_reference(device):
             curve.append(loss.item())
     ours, theirs = torch.tensor(curves[0]), torch.tensor(curves[1])
     assert theirs[-1] < 0.7 * theirs[0], "the reference did not learn: the check would be empty"
-    # Both train in float32 through different kernels; 30 steps of Adam amplify rounding a little.
+    # Both train in float32 through different kernels; 10 steps of Adam amplify rounding a little.
     assert relative_error(ours, theirs) < 1e-3, (ours, theirs)
 
 
