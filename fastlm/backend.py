@@ -22,10 +22,13 @@ CHOICES = ("auto", "triton", "torch")
 
 
 def selected() -> str:
-    """The backend FASTLM_BACKEND asks for.
+    """The backend FASTLM_BACKEND asks for, read at each call (case and surrounding spaces ignored).
 
     Returns:
-        `auto` (the default), `triton` or `torch`; ValueError for anything else.
+        `auto` (the default, also for an empty value), `triton` or `torch`.
+
+    Raises:
+        ValueError: any other value.
     """
     choice = os.environ.get("FASTLM_BACKEND", "auto").strip().lower() or "auto"
     if choice not in CHOICES:
@@ -34,12 +37,32 @@ def selected() -> str:
 
 
 def interpreting() -> bool:
-    """True when Triton kernels run on the CPU through Triton's interpreter."""
+    """Whether Triton kernels run on the CPU through Triton's interpreter.
+
+    Returns:
+        True when TRITON_INTERPRET is "1" (it must be set before triton is imported).
+    """
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    """Whether the Triton kernels should process tensor `x` (and the tensors that go with it)."""
+    """Whether the Triton kernels should process tensor `x` (and the tensors that go with it).
+
+    The backend rule (see the module docstring): `torch` never; `auto` for CUDA tensors, and for
+    CPU tensors under Triton's interpreter, when Triton is installed; `triton` where the kernels can
+    run, and an error elsewhere.
+
+    Args:
+        x: the op's main input; only its device is read.
+
+    Returns:
+        True to run the kernels, False to run the PyTorch code of the same math.
+
+    Raises:
+        ModuleNotFoundError: FASTLM_BACKEND=triton where Triton is not installed.
+        ValueError: FASTLM_BACKEND=triton for a tensor the kernels cannot run on (the message says
+            or a FASTLM_BACKEND that is not one of `CHOICES`.
+    """
     choice = selected()
     if choice == "torch":
         return False

@@ -36,7 +36,22 @@ MODELS = ("fastlm", "reference")
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The constructor's fields of fastlm.Transformer and reference.Transformer."""
+    """The constructor's fields of fastlm.Transformer and reference.Transformer.
+
+    A frozen dataclass: `build_model(config)` builds either model of it, `config.as_dict()` is the
+    constructor's keyword arguments (and what a checkpoint stores), `ModelConfig.from_dict` reads
+    them back. Nothing is checked on construction: `check` says whether a model can run it.
+
+    Args:
+        vocab_size, context_length, d_model, num_layers, num_heads, d_ff: as in
+            `fastlm.reference.Transformer`; required.
+        rope_theta: RoPE's base (default 10000.0).
+        num_kv_heads: key/value heads for grouped-query attention (default None: num_heads, no
+            grouping).
+        rope_interleaved: RoPE's pair layout (default True: interleaved).
+        tie_embeddings: one parameter for the embedding and the output projection (default False).
+        norm_eps: every RMSNorm's epsilon (default 1e-5).
+    """
 
     vocab_size: int
     context_length: int
@@ -45,7 +60,7 @@ class ModelConfig:
     num_heads: int
     d_ff: int
     rope_theta: float = 10000.0
-    # The LLaMA-style options (OPTION_DEFAULTS); a checkpoint written before them has these.
+    # The LLaMA-style options (OPTION_DEFAULTS); a stored configuration without them has these.
     num_kv_heads: int | None = None  # None: num_heads (no grouping)
     rope_interleaved: bool = True
     tie_embeddings: bool = False
@@ -53,15 +68,30 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping) -> ModelConfig:
-        """The model's fields of `values` (a checkpoint's configuration also names its
-        tokenizer), the defaults for the options it lacks; KeyError naming the missing fields
-        that have no default."""
+        """The configuration stored in `values` (a checkpoint's, say).
+
+        Args:
+            values: a mapping holding at least the required fields; fields that are not the
+                model's (a checkpoint's configuration also names its tokenizer) are ignored,
+                and the LLaMA-style options it lacks take their defaults (`OPTION_DEFAULTS`).
+
+        Returns:
+            A ModelConfig.
+
+        Raises:
+            KeyError: naming the missing fields that have no default.
+        """
         missing = [name for name in REQUIRED_FIELDS if name not in values]
         if missing:
             raise KeyError(f"the configuration lacks {', '.join(missing)}")
         return cls(**{name: with_defaults(values)[name] for name in MODEL_FIELDS})
 
     def as_dict(self) -> dict:
+        """The fields by name.
+
+        Returns:
+            A dict of every field, the keyword arguments of either model's constructor.
+        """
         return dataclasses.asdict(self)
 
     def check(
@@ -70,8 +100,22 @@ class ModelConfig:
         device: torch.device | str | None = None,
         name: Callable[[str], str] = str,
     ) -> None:
-        """ValueError for a configuration `model` cannot run on `device`, saying what to change;
-        `name` spells a field in the message (the commands pass their flags)."""
+        """Check that `model` can run this configuration on `device`, saying what to change.
+
+        Every field must have its type and be positive (num_kv_heads may be None); d_model must
+        split into num_heads heads of an even size (RoPE rotates pairs), for fastlm's model
+        where the kernels run on `device` also a multiple of 8 up to 256; num_kv_heads must
+        divide num_heads; norm_eps must be at most float32's largest and rope_theta must give
+        finite RoPE angles in float32.
+
+        Args:
+            model: "fastlm" (the default) or "reference".
+            device: where the model would run (default None: PyTorch's default device).
+            name: spells a field in the message (default `str`; the commands pass their flags).
+
+        Raises:
+            ValueError: naming the field, for a configuration the model cannot run.
+        """
         for field in MODEL_FIELDS:
             value = getattr(self, field)
             if field in ("rope_theta", "norm_eps"):
@@ -130,7 +174,7 @@ class ModelConfig:
 
 
 MODEL_FIELDS = tuple(field.name for field in dataclasses.fields(ModelConfig))
-#: The LLaMA-style options, with their defaults: what a checkpoint from before them lacks.
+#: The LLaMA-style options, with their defaults: what a stored configuration may leave out.
 OPTION_DEFAULTS = {
     "num_kv_heads": None,
     "rope_interleaved": True,
@@ -142,7 +186,8 @@ REQUIRED_FIELDS = tuple(name for name in MODEL_FIELDS if name not in OPTION_DEFA
 
 def with_defaults(stored: Mapping) -> dict:
     """A stored configuration (a checkpoint's) with the defaults of the options it lacks, so that
-    a checkpoint written before the options existed compares equal to one naming the defaults."""
+    a checkpoint whose configuration does not name the options compares equal to one naming
+    the defaults."""
     return {**OPTION_DEFAULTS, **stored}
 
 
@@ -215,7 +260,20 @@ PRESETS = {
 def build_model(
     config: ModelConfig, model: str = "fastlm", device: torch.device | str | None = None
 ) -> nn.Module:
-    """`fastlm.Transformer` (model="fastlm") or `reference.Transformer` of `config`."""
+    """`fastlm.Transformer` (model="fastlm") or `reference.Transformer` of `config`.
+
+    Args:
+        config: the model's fields.
+        model: "fastlm" (the default) or "reference".
+        device: where to build it (default None: PyTorch's default device); its parameters are in
+            PyTorch's default dtype.
+
+    Returns:
+        The model, freshly initialised.
+
+    Raises:
+        ValueError: a configuration `model` cannot run on `device` (`ModelConfig.check`).
+    """
     config.check(model, device)
     cls = Transformer if model == "fastlm" else reference.Transformer
     return cls(**config.as_dict(), device=device)

@@ -96,8 +96,12 @@ def shard_sequence(x: torch.Tensor, rank: int, world_size: int, dim: int = 1) ->
         dim: the sequence dimension.
 
     Returns:
-        x's shard, with N / world_size entries along `dim`. ValueError when N is not divisible
-        by 2 * world_size.
+        x's shard, with N / world_size entries along `dim`.
+
+    Raises:
+        TypeError: rank or world_size not an int.
+        ValueError: rank outside [0, world_size), world_size below 1, or N not divisible by
+            2 * world_size.
     """
     _check_world(rank, world_size)
     c = _chunk_length(x.shape[dim], world_size)
@@ -108,11 +112,22 @@ def shard_sequence(x: torch.Tensor, rank: int, world_size: int, dim: int = 1) ->
 def sequence_positions(
     seq_len: int, rank: int, world_size: int, device: torch.device | str | None = None
 ) -> torch.Tensor:
-    """The global positions (int64) of the tokens in rank `rank`'s shard of a sequence of
-    `seq_len`: what RoPE rotates them by.
+    """The global positions of the tokens in rank `rank`'s shard of a sequence: what RoPE rotates
+    them by.
+
+    Args:
+        seq_len: the whole sequence's tokens N, divisible by 2 * world_size.
+        rank: the rank in the context-parallel group, in [0, world_size).
+        world_size: the group's size.
+        device: where to make them (default None: PyTorch's default device).
 
     Returns:
-        (seq_len / world_size,) int64 on `device`.
+        (seq_len / world_size,) int64 on `device`: chunks rank and 2 * world_size - 1 - rank of
+        arange(seq_len), as `shard_sequence` cuts them.
+
+    Raises:
+        TypeError: rank or world_size not an int.
+        ValueError: as `shard_sequence`.
     """
     return shard_sequence(torch.arange(seq_len, device=device), rank, world_size, dim=0)
 
@@ -128,6 +143,9 @@ def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None, dim
     Returns:
         The full tensor, world_size times longer along `dim`. Not differentiable: for outputs
         and metrics.
+
+    Raises:
+        ValueError: an odd length along `dim` (a shard holds 2 chunks).
     """
     world = dist.get_world_size(group)
     if x.shape[dim] % 2:
@@ -175,11 +193,18 @@ def _merge(ranges) -> tuple[tuple[int, int], ...]:
 class ExchangePlan:
     """Which K/V chunks rank `rank` of `world_size` reads, receives and sends in one layer.
 
-    ranges: the key chunks [lo, hi] of each of its two query chunks (rank, 2P - 1 - rank).
-    spans: those ranges merged; each is one buffer holding its chunks in sequence order.
-    receives: (chunk, source rank) for each chunk of the spans another rank owns, ascending.
-    sends: (chunk, half, destination rank) for each own chunk another rank reads, by
-    destination, then chunk (the order both sides post their messages in).
+    Built by `ExchangePlan.build`; `context_parallel_attention` follows it, and `exchange_bytes`
+    prices it (the README's memory model).
+
+    Args:
+        world_size: P, the ranks of the context-parallel group.
+        rank: this rank, in [0, P).
+        chunk: c, the tokens of one of the 2P chunks.
+        ranges: the key chunks [lo, hi] of each of its two query chunks (rank, 2P - 1 - rank).
+        spans: those ranges merged; each is one buffer holding its chunks in sequence order.
+        receives: (chunk, source rank) for each chunk of the spans another rank owns, ascending.
+        sends: (chunk, half, destination rank) for each own chunk another rank reads, by
+            destination, then chunk (the order both sides post their messages in).
     """
 
     world_size: int
@@ -194,8 +219,24 @@ class ExchangePlan:
     def build(
         cls, seq_len: int, world_size: int, rank: int, causal: bool = True, window_left: int = -1
     ) -> ExchangePlan:
-        """The plan for a sequence of `seq_len` tokens (ValueError unless 2 * world_size divides
-        it), causal or not, with a left window of `window_left` keys (-1: none)."""
+        """The plan of rank `rank` for one sequence.
+
+        Args:
+            seq_len: the sequence's tokens N, divisible by 2 * world_size.
+            world_size: P, the ranks of the group.
+            rank: this rank, in [0, P).
+            causal: whether attention is causal (default True); False: every rank reads every
+                chunk.
+            window_left: a left window of that many keys (default -1: none), with causal=True.
+
+        Returns:
+            The ExchangePlan.
+
+        Raises:
+            TypeError: rank or world_size not an int.
+            ValueError: rank outside [0, world_size), world_size below 1, or seq_len not
+                divisible by 2 * world_size.
+        """
         _check_world(rank, world_size)
         c = _chunk_length(seq_len, world_size)
         P = world_size
@@ -219,7 +260,17 @@ class ExchangePlan:
         return cls(P, rank, c, ranges, _merge(ranges), receives, sends)
 
     def slot(self, chunk: int) -> tuple[int, int]:
-        """(span index, first row) of `chunk` in the span buffers."""
+        """Where `chunk` lies in the span buffers.
+
+        Args:
+            chunk: a chunk index in [0, 2P) that one of the spans holds.
+
+        Returns:
+            (span index, first row).
+
+        Raises:
+            ValueError: a chunk that no span of this rank holds.
+        """
         for index, (lo, hi) in enumerate(self.spans):
             if lo <= chunk <= hi:
                 return index, (chunk - lo) * self.chunk
@@ -458,8 +509,11 @@ def context_group(group) -> dist.ProcessGroup | None:
 
     Returns:
         The ProcessGroup, or None when `group` is None and torch.distributed is not initialised
-        (one process). ValueError for a mesh without a "context" dimension, TypeError for
-        anything else.
+        (one process).
+
+    Raises:
+        ValueError: a DeviceMesh of more than one dimension without a "context" one.
+        TypeError: anything other than a ProcessGroup, a DeviceMesh or None.
     """
     if group is None:
         return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
@@ -522,6 +576,12 @@ def context_parallel_attention(
         o (B, Hq, T, D) in q's dtype and in (B, T, Hq, D) memory, differentiable in q, k and v
         (the backward exchanges with the group too, so every rank must run it); with return_lse
         (o, lse). Packed documents (cu_seqlens) are not supported.
+
+    Raises:
+        TypeError: as `flash_attention`, or a group that is not a ProcessGroup, a DeviceMesh or
+            None.
+        ValueError: as `flash_attention`; with more than one rank, k holding another number of
+            tokens than q, an odd T, or a window with causal=False.
     """
     check_inputs(q, k, v, causal, softmax_scale)
     window, softcap = check_options(causal, window_size, softcap, return_lse)
@@ -610,7 +670,10 @@ def context_parallel_mesh(context_parallel: int, device_type: str = "cpu"):
         A 2-D DeviceMesh with dimensions ("data", "context") of world / context_parallel x
         context_parallel: rank = data_rank * context_parallel + context_rank, so a context group
         is neighbouring ranks (one node's GPUs when it fits). `mesh["context"].get_group()` is
-        the group for `context_parallel_attention`. ValueError for a size that does not divide.
+        the group for `context_parallel_attention`.
+
+    Raises:
+        ValueError: a context_parallel below 1 or that does not divide the world size.
     """
     from torch.distributed.device_mesh import init_device_mesh
 

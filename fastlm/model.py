@@ -51,26 +51,55 @@ from fastlm.modules import RmsNorm, RoPE, SwiGlu
 
 
 class Linear(reference.Linear):
-    """reference.Linear (same weight `w`, same init) through F.linear, which autocast and
-    torch.compile know best; or, given `half` (its weight already cast for autocast, as the
-    block casts all of its weights at once), through `half_linear`, whose weight gradient
-    leaves the GEMM in fp32."""
+    """reference.Linear (same constructor, weight `w`, init) through F.linear, which autocast and
+    torch.compile know best; or, given `half` (its weight already cast for autocast, as the block
+    casts all of its weights at once), through `half_linear`, whose weight gradient leaves the GEMM
+    in fp32.
+    """
 
     def forward(self, x: torch.Tensor, half: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T.
+
+        Args:
+            x: (..., in_features).
+            half: this layer's weight already cast to the autocast dtype (`cast_weights`), or None
+                (the default): F.linear on `w`.
+
+        Returns:
+            (..., out_features); with `half`, in half's dtype.
+        """
         return F.linear(x, self.w) if half is None else half_linear(x, half, self.w)
 
 
 class Embedding(reference.Embedding):
-    """reference.Embedding through F.embedding, whose backward is a dedicated kernel."""
+    """reference.Embedding (same constructor, weight `w`, init) through F.embedding, whose backward
+    is a dedicated kernel.
+    """
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The rows of W at `token_ids`.
+
+        Args:
+            token_ids: integer tensor of any shape, values in [0, num_embeddings).
+
+        Returns:
+            (*token_ids.shape, embedding_dim) in W's dtype.
+        """
         return F.embedding(token_ids, self.w)
 
 
 class KVCache:
-    """Keys and values of every layer for up to `max_seq_len` positions, [B, H, max_seq_len, D]
-    per layer, allocated at the first append in the dtype the attention computes in (bf16 under
-    autocast). `length` counts the positions written; a forward through the model appends."""
+    """Keys and values of every layer for up to `max_seq_len` positions, for generation.
+
+    Each layer's k and v are [B, H, max_seq_len, D], allocated at the first append in the dtype
+    the attention computes in (bf16 under autocast). `length` counts the positions written: a
+    forward through the model appends each layer's new keys and values at `length`, then advances
+    it by the new tokens.
+
+    Args:
+        num_layers: the model's blocks.
+        max_seq_len: the positions it holds (the model's context_length).
+    """
 
     def __init__(self, num_layers: int, max_seq_len: int):
         self.max_seq_len = max_seq_len
@@ -79,8 +108,21 @@ class KVCache:
         self.length = 0
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Store this step's k, v [B, H, T, D] after the cached ones; return all of them
-        [B, H, S, D]."""
+        """Store this step's k, v after the cached ones and return all of them.
+
+        Writes positions `length` to `length + T - 1` of `layer`'s cache; `length` itself is
+        advanced by the model once every layer has appended.
+
+        Args:
+            layer: the block's index.
+            k, v: (B, H, T, D), this step's keys and values.
+
+        Returns:
+            (k, v), each (B, H, S, D) with S = length + T: views of the cache.
+
+        Raises:
+            ValueError: length + T above max_seq_len.
+        """
         B, H, T, D = k.shape
         end = self.length + T
         if end > self.max_seq_len:
@@ -96,8 +138,16 @@ class KVCache:
 
 
 def kernels_run_on(device: torch.device | str | None) -> bool:
-    """Whether fastlm's Triton kernels process tensors on `device` (FASTLM_BACKEND=triton where
-    they cannot run counts as yes: the first call says why it cannot)."""
+    """Whether fastlm's Triton kernels process tensors on `device`.
+
+    FASTLM_BACKEND=triton where they cannot run counts as yes: the first call says why it cannot.
+
+    Args:
+        device: a torch.device, a name ("cuda", "cpu") or None (PyTorch's default device).
+
+    Returns:
+        True where the kernels run (`fastlm.backend.use_triton`).
+    """
     try:
         return use_triton(torch.empty(0, device=device))
     except ValueError:
@@ -105,16 +155,37 @@ def kernels_run_on(device: torch.device | str | None) -> bool:
 
 
 def kernel_takes_head_dim(head_dim: int) -> bool:
+    """Whether flash attention's Triton kernel takes heads of `head_dim` dims.
+
+    Args:
+        head_dim: the head dim (d_model / num_heads).
+
+    Returns:
+        True for a multiple of 8 up to `MAX_HEAD_DIM` (256).
+    """
     return head_dim % 8 == 0 and head_dim <= MAX_HEAD_DIM
 
 
 def check_heads(
     d_model: int, num_heads: int, kernels: bool = True, name: Callable[[str], str] = str
 ) -> None:
-    """ValueError, saying what to change, unless `d_model` splits into `num_heads` heads of an
-    even size (RoPE rotates pairs; the reference needs that too) and, where the Triton kernels
-    run (`kernels`), of a size flash attention's kernel takes: a multiple of 8 up to 256.
-    `name` spells the two fields in the message (the commands pass their flags)."""
+    """Check that `d_model` splits into `num_heads` heads the model can run, saying what to change.
+
+    The heads must be of an even size (RoPE rotates pairs; the reference needs that too) and,
+    where the Triton kernels run (`kernels`), of a size flash attention's kernel takes: a multiple
+    of 8 up to 256. The message then suggests the nearest num_heads that fits.
+
+    Args:
+        d_model: the model width.
+        num_heads: the query heads.
+        kernels: whether the Triton kernels run (default True).
+        name: spells the two fields in the message (default `str`; the commands pass their
+            flags).
+
+    Raises:
+        ValueError: d_model not a multiple of num_heads (or num_heads below 1), an odd head dim,
+            or (with kernels) a head dim the kernel does not take.
+    """
     d, h = name("d_model"), name("num_heads")
     if num_heads < 1 or d_model % num_heads:
         raise ValueError(f"{d} {d_model} must be a multiple of {h} {num_heads}")
@@ -139,9 +210,25 @@ def check_heads(
 
 
 class MultiHeadAttentionWithRoPE(nn.Module):
-    """Causal self-attention with RoPE; the parameters of reference.MultiHeadAttentionWithRoPE
+    """Causal self-attention with RoPE on the kernels: `rope_attention` on one q|k|v projection.
+
+    The parameters, their names and the constructor are reference.MultiHeadAttentionWithRoPE's
     (num_kv_heads < num_heads: grouped-query attention, flash attention reading the shared
-    key/value heads; rope_interleaved=False: half-split pairs)."""
+    key/value heads; rope_interleaved=False: half-split pairs).
+
+    Args:
+        d_model: the input and output width, a multiple of num_heads.
+        num_heads: the query heads; the head dim d_model / num_heads must be even and, where the
+            Triton kernels run on `device`, a multiple of 8 up to 256.
+        max_seq_len: the longest sequence, and the positions RoPE's tables hold.
+        theta: RoPE's base.
+        device, dtype: of the parameters (default: PyTorch's defaults).
+        num_kv_heads: key/value heads, a divisor of num_heads (default None: num_heads).
+        rope_interleaved: RoPE's pair layout (default True: interleaved).
+
+    Raises:
+        ValueError: heads the model cannot run (`check_heads`), or a bad num_kv_heads.
+    """
 
     def __init__(
         self,
@@ -167,7 +254,11 @@ class MultiHeadAttentionWithRoPE(nn.Module):
         self.rope = RoPE(theta, self.head_dim, max_seq_len, device, rope_interleaved)
 
     def cast_groups(self) -> list[list[torch.Tensor]]:
-        """The weight groups `half` holds, for `cast_weights`: [W_qkv], then [W_o]."""
+        """The weight groups `half` holds, for `cast_weights`.
+
+        Returns:
+            [[W_qkv], [W_o]].
+        """
         return [[self.qkv_proj.w], [self.output_proj.w]]
 
     def forward(
@@ -183,12 +274,31 @@ class MultiHeadAttentionWithRoPE(nn.Module):
         max_seqlen: int | None = None,
         context_parallel=None,
     ) -> torch.Tensor:
-        """positions_checked: the caller has checked token_positions' values (the model does,
-        once for every layer). half: the two projections' weights cast for autocast.
-        cu_seqlens, max_seqlen: packed documents, as in `Transformer.hidden` (token_positions
-        then each token's position in its document). context_parallel: a process group of more
-        than one rank over which x's sequence is sharded (`fastlm.distributed`; no KV cache);
-        token_positions are then the global positions of x's tokens."""
+        """Attention of x's tokens, q and k rotated by their positions.
+
+        Without a KV cache or a context-parallel group: `rope_attention` on the projection,
+        whose gradient is one tensor. With a KV cache: this step's k and v appended, then flash
+        attention of the T new queries against all S cached and new keys. With a
+        context-parallel group: `fastlm.distributed.context_parallel_attention` on this rank's
+        shard.
+
+        Args:
+            x: (B, T, d_model).
+            token_positions: (T,) or (B, T) integers in [0, max_seq_len) (default: L to L + T - 1,
+                L the KV cache's length, 0 without one). With cu_seqlens, each token's position
+                in its document; with context_parallel, the global positions of x's tokens.
+            kv_cache: the generation cache (default None); this layer's k and v are appended to it.
+            layer: this block's index in kv_cache (default 0).
+            positions_checked: the caller has checked token_positions' values (the model does, once
+                for every layer; default False).
+            half: the two projections' weights cast for autocast, (W_qkv, W_o) (default None).
+            cu_seqlens, max_seqlen: packed documents, as in `Transformer.hidden`.
+            context_parallel: a process group of more than one rank over which x's sequence is
+                sharded (`fastlm.distributed`; no KV cache); default None.
+
+        Returns:
+            (B, T, d_model).
+        """
         B, T, C = x.shape
         half_qkv, half_out = half if half is not None else (None, None)
         H, Hkv = self.num_heads, self.num_kv_heads
@@ -231,9 +341,18 @@ class MultiHeadAttentionWithRoPE(nn.Module):
 
 
 class TransformerBlock(reference.TransformerBlock):
-    """Pre-norm block with the reference's constructor and attribute names (rms_norm1,
-    mult_head_atten, rms_norm2, ffe), so its state_dict keys are the reference's, built from the
-    kernels' modules."""
+    """Pre-norm block on the kernels, with the reference's constructor and attribute names.
+
+    rms_norm1, mult_head_atten, rms_norm2 and ffe are built from the kernels' modules, so the
+    state_dict keys are the reference's.
+
+    Args:
+        d_model, num_heads, d_ff, max_seq_len, theta, device, dtype, num_kv_heads,
+            rope_interleaved, norm_eps: as in `fastlm.reference.TransformerBlock`.
+
+    Raises:
+        ValueError: as `MultiHeadAttentionWithRoPE`.
+    """
 
     norm_class = RmsNorm
     attention_class = MultiHeadAttentionWithRoPE
@@ -257,8 +376,15 @@ class TransformerBlock(reference.TransformerBlock):
         stream (delta None: zero); the block then returns the stream after it as such a pair, so
         the add of each delta is fused with the RMSNorm that follows it, here or in the next
         block. The model passes pairs, and through this forward, so that hooks on the block
-        (FSDP2 gathers its sharded weights in one) run. positions_checked, cu_seqlens,
-        max_seqlen, context_parallel: as in the attention's.
+        (FSDP2 gathers its sharded weights in one) run.
+
+        Args:
+            x: (B, T, d_model), or a pair (residual, delta) of such tensors (delta may be None).
+            token_positions, kv_cache, layer, positions_checked, cu_seqlens, max_seqlen,
+                context_parallel: as in `MultiHeadAttentionWithRoPE.forward`.
+
+        Returns:
+            (B, T, d_model); for a pair x, the pair (residual, delta) after the block.
         """
         pair = isinstance(x, tuple)
         residual, delta = x if pair else (x, None)
@@ -306,9 +432,24 @@ def _add_norm(delta: torch.Tensor | None, residual: torch.Tensor, norm: RmsNorm)
 
 
 class Transformer(reference.Transformer):
-    """Decoder-only language model; a drop-in for reference.Transformer: its constructor (with
-    the LLaMA-style options num_kv_heads, rope_interleaved, tie_embeddings and norm_eps) and its
-    state_dict, built from the kernels' modules."""
+    """Decoder-only language model on the kernels; a drop-in for `fastlm.reference.Transformer`.
+
+    Its constructor (with the LLaMA-style options num_kv_heads, rope_interleaved, tie_embeddings and
+    norm_eps) and its state_dict are the reference's, so checkpoints load both ways with
+    `strict=True`; the parts are built from the kernels' modules. Beyond the reference's `forward`
+    it has `hidden` (the final norm's output), `loss` (fused linear cross-entropy), `make_kv_cache`
+    (generation) and `set_context_parallel`.
+
+    Args:
+        vocab_size, context_length, d_model, num_layers, num_heads, d_ff, rope_theta, device,
+            dtype, num_kv_heads, rope_interleaved, tie_embeddings, norm_eps: as in
+            `fastlm.reference.Transformer`, whose constructor this is.
+
+    Raises:
+        ValueError: as `fastlm.reference.Transformer`; and, where the Triton kernels run on
+            `device`, a head dim (d_model / num_heads) that is not a multiple of 8 up to 256
+            (the message says what to change; FASTLM_BACKEND=torch runs any even head dim).
+    """
 
     embedding_class = Embedding
     block_class = TransformerBlock
@@ -320,20 +461,25 @@ class Transformer(reference.Transformer):
     def set_context_parallel(self, group) -> Transformer:
         """Spread each sequence over the ranks of `group` (context parallelism).
 
+        From then on every rank of the group calls `hidden`, `forward` and `loss` together, each
+        with its shard of the tokens (and targets): `fastlm.distributed.shard_sequence(token_ids,
+        rank, P)`, (B, N / P) of a batch of N-token sequences, N divisible by 2P and at most
+        context_length. RoPE rotates each token by its global position (or by `token_positions`,
+        the shard's global positions). Outputs are the shard's; each rank's `loss` is its share of
+        the mean over the whole sequences (`fastlm.distributed.mean_share`), so averaging losses
+        and gradients over the group gives the single-process ones. No KV cache, no packed
+        documents (cu_seqlens).
+
         Args:
             group: a ProcessGroup, a DeviceMesh (1-D, or with a "context" dimension), or None
                 to turn it off; a group of one rank is the plain path.
 
         Returns:
-            The model. From then on every rank of the group calls `hidden`, `forward` and
-            `loss` together, each with its shard of the tokens (and targets):
-            `fastlm.distributed.shard_sequence(token_ids, rank, P)`, (B, N / P) of a batch of
-            N-token sequences, N divisible by 2P and at most context_length. RoPE rotates each
-            token by its global position (or by `token_positions`, the shard's global
-            positions). Outputs are the shard's; each rank's `loss` is its share of the mean
-            over the whole sequences (`fastlm.distributed.mean_share`), so averaging losses and
-            gradients over the group gives the single-process ones. No KV cache, no packed
-            documents (cu_seqlens).
+            The model.
+
+        Raises:
+            TypeError: a group that is none of those (`fastlm.distributed.context_group`).
+            ValueError: a DeviceMesh of more dimensions without a "context" one.
         """
         group = None if group is None else context_group(group)
         single = group is None or dist.get_world_size(group) == 1
@@ -351,14 +497,39 @@ class Transformer(reference.Transformer):
     ) -> torch.Tensor:
         """The final norm's output [B, T, C]: what out_linear turns into logits.
 
-        cu_seqlens: packed documents. The B * T tokens, flattened row by row, are split into
-        documents at cu_seqlens (int32 [num_docs + 1] on the tokens' device, 0 to B * T, as in
-        `flash_attention_varlen`); each token attends only within its document and is rotated
-        by its position in it, so a row may hold several documents and a document may go on in
-        the next row; token_positions (T,) or (B, T), if given, are the positions instead.
-        max_seqlen: an int at least the longest document, at most context_length (default
-        min(B * T, context_length)); it sizes the launch, so nothing is read back from the GPU.
-        Not with a KV cache.
+        With a KV cache, token_ids are the tokens after the cached ones, and the cache's length
+        advances by T.
+
+        Args:
+            token_ids: (B, T) int32 or int64 in [0, vocab_size); with a KV cache, cached + T at
+                most context_length.
+            token_positions: (T,) or (B, T) integers in [0, context_length), the positions RoPE
+                rotates by (default: L to L + T - 1, L the KV cache's length, 0 without one). Their
+                values are checked once here, not in every layer.
+            kv_cache: the generation cache from `make_kv_cache` (default None).
+            cu_seqlens: packed documents. The B * T tokens, flattened row by row, are split into
+                documents at cu_seqlens (int32 [num_docs + 1] on the tokens' device, 0 to B * T, as
+                in `flash_attention_varlen`); each token attends only within its document and is
+                rotated by its position in it, so a row may hold several documents and a document
+                may go on in the next row; token_positions, if given, are the positions instead.
+                Not with a KV cache.
+            max_seqlen: with cu_seqlens, an int at least the longest document, at most
+                context_length (default min(B * T, context_length)); it sizes the launch, so
+                nothing is read back from the GPU.
+
+        Returns:
+            (B, T, d_model): in the autocast dtype under autocast, else the stream's dtype.
+
+        Raises:
+            TypeError: token_positions not an int32/int64 tensor, cu_seqlens not a tensor or
+                max_seqlen not an int.
+            ValueError: token_ids not a 2-D integer tensor, longer than context_length (with the
+                cache's tokens), or (CPU tensors) with an id outside the vocabulary; positions of
+                another shape or (CPU) out of range; a KV cache with cu_seqlens or context
+                parallelism; cu_seqlens with context parallelism, or shards that make sequences
+                longer than context_length; max_seqlen above context_length; bad cu_seqlens
+                values (CPU tensors). On a GPU, bad ids, positions and cu_seqlens trip
+                device-side asserts instead (a RuntimeError at the next synchronisation).
         """
         _check_tokens(token_ids, self.vocab_size, self.context_length, kv_cache)
         B, T = token_ids.shape
@@ -454,8 +625,20 @@ class Transformer(reference.Transformer):
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
     ) -> torch.Tensor:
-        """Logits [B, T, vocab]. With a KV cache, token_ids are the tokens after the cached ones.
-        cu_seqlens, max_seqlen: packed documents (`hidden`)."""
+        """Logits [B, T, vocab] of every position: out_linear of `hidden`.
+
+        Args:
+            token_ids: (B, T) token ids; with a KV cache, the tokens after the cached ones.
+            token_positions, kv_cache, cu_seqlens, max_seqlen: as in `hidden` (cu_seqlens,
+                max_seqlen: packed documents).
+
+        Returns:
+            (B, T, vocab_size).
+
+        Raises:
+            TypeError: as `hidden`.
+            ValueError: as `hidden`.
+        """
         return self.out_linear(
             self.hidden(
                 token_ids, token_positions, kv_cache, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
@@ -472,10 +655,30 @@ class Transformer(reference.Transformer):
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
     ) -> torch.Tensor:
-        """Mean cross-entropy of the logits at each position against `targets` (same shape as
-        token_ids; the caller shifts), without materialising the logits. cu_seqlens, max_seqlen:
-        packed documents (`hidden`); the caller sets the target of each document's last token
-        (the next document's first) to ignore_index if it should not count."""
+        """Mean cross-entropy of the logits at each position against `targets`, without
+        materialising the logits (fused linear cross-entropy on `hidden`'s output).
+
+        Args:
+            token_ids: (B, T) token ids.
+            targets: token_ids' shape, int64 or int32, each in [0, vocab_size) or ignore_index; the
+                caller shifts them (targets[:, t] is the token after token_ids[:, t]).
+            token_positions: as in `hidden`.
+            ignore_index: the target value left out of the mean (default -100); the mean is 0 when
+                every target is ignored.
+            cu_seqlens, max_seqlen: packed documents (`hidden`); the caller sets the target of each
+                document's last token (the next document's first) to ignore_index if it should not
+                count.
+
+        Returns:
+            The loss, an fp32 scalar; under context parallelism this rank's share of the mean over
+            the whole sequences (`set_context_parallel`).
+
+        Raises:
+            TypeError: targets neither int64 nor int32; otherwise as `hidden`.
+            ValueError: targets not a tensor of token_ids' shape, or (CPU targets) a target
+                outside [0, vocab_size) other than ignore_index (on a GPU, a device-side
+                assert); otherwise as `hidden`.
+        """
         if not isinstance(targets, torch.Tensor) or targets.shape != token_ids.shape:
             got = tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets)
             raise ValueError(
@@ -489,8 +692,14 @@ class Transformer(reference.Transformer):
         return loss if group is None else mean_share(loss, targets, ignore_index, group)
 
     def make_kv_cache(self, batch_size: int | None = None) -> KVCache:
-        """An empty KV cache for generating up to context_length positions (the batch size is
-        taken from the first tokens appended)."""
+        """An empty KV cache for generating up to context_length positions.
+
+        Args:
+            batch_size: unused: the batch size is taken from the first tokens appended.
+
+        Returns:
+            A `KVCache` of len(blocks) layers and context_length positions.
+        """
         return KVCache(len(self.blocks), self.context_length)
 
 

@@ -20,9 +20,27 @@ from fastlm.kernels.swiglu import swiglu, swiglu_packed
 
 
 class RmsNorm(reference.RmsNorm):
-    """`reference.RmsNorm` (same constructor, parameter `g`, state_dict) running `rms_norm`."""
+    """`reference.RmsNorm` (same constructor, parameter `g`, state_dict) running `rms_norm`.
+
+    Args:
+        d_model: the normalised (last) dim.
+        eps: added to the mean square (default 1e-5).
+        device, dtype: of the gain `g`, initialised to ones (default: PyTorch's defaults).
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The normalised x, by `fastlm.rms_norm`.
+
+        Args:
+            x: (..., d_model) float32, float16 or bfloat16.
+
+        Returns:
+            x's shape and dtype.
+
+        Raises:
+            TypeError: as `fastlm.rms_norm`.
+            ValueError: as `fastlm.rms_norm`.
+        """
         return rms_norm(x, self.g, self.eps)
 
     def extra_repr(self) -> str:
@@ -34,8 +52,18 @@ class RoPE(nn.Module):
 
     The tables are non-persistent buffers `cos_cached` and `sin_cached` of shape
     (max_seq_len, d_k // 2) (one column per pair; the reference repeats each column twice), so
-    the state_dict is empty, as the reference's. `interleaved=False` selects the half-split
-    (NeoX / Hugging Face) layout.
+    the state_dict is empty, as the reference's.
+
+    Args:
+        theta: the base (10000.0 in most models).
+        d_k: the head dim, even.
+        max_seq_len: the number of positions the tables hold, at least 1.
+        device: of the tables (default: PyTorch's default device).
+        interleaved: the pair layout (default True: interleaved); False selects the half-split
+            (NeoX / Hugging Face) layout.
+
+    Raises:
+        ValueError: an odd d_k or a max_seq_len below 1 (`rope_tables`).
     """
 
     def __init__(
@@ -51,7 +79,20 @@ class RoPE(nn.Module):
         self.register_buffer("sin_cached", sin, persistent=False)
 
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor) -> torch.Tensor:
-        """x: (..., T, d_k) as (T, D), (B, T, D) or (B, H, T, D); token_positions (T,) or (B, T)."""
+        """Rotate x in place by the angles of its tokens' positions, and return it.
+
+        Args:
+            x: (..., T, d_k) as (T, D), (B, T, D) or (B, H, T, D); float32, float16 or
+                bfloat16, not a leaf that requires grad (or a view of one).
+            token_positions: (T,) or (B, T) int32 or int64 in [0, max_seq_len).
+
+        Returns:
+            x itself, rotated.
+
+        Raises:
+            TypeError: as `fastlm.apply_rope_`.
+            ValueError: a last dim other than d_k; otherwise as `fastlm.apply_rope_`.
+        """
         if x.shape[-1] != self.d_k:
             raise ValueError(f"x must have last dim d_k={self.d_k}, got {tuple(x.shape)}")
         (x,) = rotate_in_place(
@@ -67,13 +108,18 @@ class RoPE(nn.Module):
 
 
 class SwiGlu(nn.Module):
-    """w2(silu(w1 x) * w3 x): `fastlm.reference.SwiGlu`'s parameters and state_dict keys
-    (w1.w, w2.w, w3.w), with the activation and its backward in one kernel each.
+    """w2(silu(w1 x) * w3 x): `fastlm.reference.SwiGlu`'s parameters and state_dict keys (w1.w,
+    w2.w, w3.w), with the activation and its backward in one kernel each.
 
-    Given its weights already cast for autocast (`half`: W1|W3 stacked by rows, and W2; the
-    model's block casts all its weights at once with `cast_weights`), it runs one GEMM on W1|W3,
-    whose input gradient is then one GEMM too, and `swiglu_packed` on its output. Otherwise two
-    GEMMs and `swiglu`: stacking fp32 weights would copy them every step just for that.
+    Given its weights already cast for autocast (`half`: W1|W3 stacked by rows, and W2; the model's
+    block casts all its weights at once with `cast_weights`), it runs one GEMM on W1|W3, whose
+    input gradient is then one GEMM too, and `swiglu_packed` on its output. Otherwise two GEMMs and
+    `swiglu`: stacking fp32 weights would copy them every step just for that.
+
+    Args:
+        d_model: the input and output width.
+        d_ff: the hidden width (w1, w3: d_model -> d_ff; w2: d_ff -> d_model).
+        device, dtype: of the three weights (default: PyTorch's defaults).
     """
 
     def __init__(self, d_model: int, d_ff: int, device=None, dtype=None):
@@ -85,12 +131,25 @@ class SwiGlu(nn.Module):
         self.w3 = reference.Linear(d_model, d_ff, device, dtype)
 
     def cast_groups(self) -> list[list[torch.Tensor]]:
-        """The weight groups `half` holds, for `cast_weights`: [W1, W3] stacked, then [W2]."""
+        """The weight groups `half` holds, for `cast_weights`.
+
+        Returns:
+            [[W1, W3], [W2]]: W1 and W3 stacked, then W2.
+        """
         return [[self.w1.w, self.w3.w], [self.w2.w]]
 
     def forward(
         self, x: torch.Tensor, half: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> torch.Tensor:
+        """The feed-forward output.
+
+        Args:
+            x: (..., d_model).
+            half: (W1|W3, W2) cast to the autocast dtype by `cast_weights`, or None (the default).
+
+        Returns:
+            (..., d_model); with `half`, in half's dtype.
+        """
         if half is None:
             return F.linear(swiglu(F.linear(x, self.w1.w), F.linear(x, self.w3.w)), self.w2.w)
         w13, w2 = half
@@ -100,7 +159,14 @@ class SwiGlu(nn.Module):
 
 class CrossEntropyLoss(nn.Module):
     """Drop-in for fastlm.reference.CrossEntropyLoss (forward(logits, targets)), on
-    `cross_entropy`."""
+    `cross_entropy`; no parameters.
+
+    Args:
+        ignore_index: the target value whose positions are left out of the mean (default -100).
+
+    Raises:
+        TypeError: an ignore_index that is not an int.
+    """
 
     def __init__(self, ignore_index: int = -100):
         super().__init__()
@@ -108,6 +174,19 @@ class CrossEntropyLoss(nn.Module):
         self.ignore_index = ignore_index
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy over the targets that are not ignore_index (0 when all are).
+
+        Args:
+            logits: (..., V) float32, float16 or bfloat16.
+            targets: int64 or int32 of logits' leading shape, in [0, V) or ignore_index.
+
+        Returns:
+            An fp32 scalar.
+
+        Raises:
+            TypeError: as `fastlm.cross_entropy`.
+            ValueError: as `fastlm.cross_entropy`.
+        """
         return cross_entropy(logits, targets, self.ignore_index)
 
     def extra_repr(self) -> str:

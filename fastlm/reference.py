@@ -1,4 +1,4 @@
-"""The plain PyTorch model math that fastlm starts from: the ground truth for every kernel.
+"""The plain PyTorch model math: the ground truth for every kernel.
 
 Everything here is written for clarity, not speed: explicit softmax, an explicit [seq x seq]
 attention matrix, einx for the projections. fastlm's kernels and its drop-in modules are tested
@@ -30,7 +30,16 @@ def _trunc_normal(shape: tuple[int, ...], std: float, device=None, dtype=None) -
 
 
 class Linear(nn.Module):
-    """y = x W^T with no bias; W is [out_features, in_features]."""
+    """y = x W^T with no bias; W is [out_features, in_features].
+
+    W is drawn from N(0, std^2), std = sqrt(2 / (in_features + out_features)), truncated at
+    +-3 std.
+
+    Args:
+        in_features: x's last dim.
+        out_features: y's last dim.
+        device, dtype: of the weight `w` (default: PyTorch's defaults).
+    """
 
     def __init__(self, in_features: int, out_features: int, device=None, dtype=None):
         super().__init__()
@@ -40,11 +49,27 @@ class Linear(nn.Module):
         self.w = nn.Parameter(_trunc_normal((out_features, in_features), std, device, dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T.
+
+        Args:
+            x: (..., in_features), the weight's dtype.
+
+        Returns:
+            (..., out_features).
+        """
         return einx.dot("... [in], out [in] -> ... out", x, self.w)
 
 
 class Embedding(nn.Module):
-    """Lookup of rows of W [num_embeddings, embedding_dim] by token id."""
+    """Lookup of rows of W [num_embeddings, embedding_dim] by token id.
+
+    W is drawn from N(0, std^2), std = 1 / sqrt(embedding_dim), truncated at +-3 std.
+
+    Args:
+        num_embeddings: the vocabulary size.
+        embedding_dim: the width of a row (the model dim).
+        device, dtype: of the weight `w` (default: PyTorch's defaults).
+    """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, device=None, dtype=None):
         super().__init__()
@@ -54,12 +79,26 @@ class Embedding(nn.Module):
         self.w = nn.Parameter(_trunc_normal((num_embeddings, embedding_dim), std, device, dtype))
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The rows of W at `token_ids`.
+
+        Args:
+            token_ids: integer tensor of any shape, values in [0, num_embeddings).
+
+        Returns:
+            (*token_ids.shape, embedding_dim) in W's dtype.
+        """
         return self.w[token_ids]
 
 
 class RmsNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * g over the last dim, computed in float32 (float64 stays
-    float64, so that the reference in float64 is exact to float64 rounding)."""
+    float64, so that the reference in float64 is exact to float64 rounding).
+
+    Args:
+        d_model: the normalised (last) dim.
+        eps: added to the mean square (default 1e-5).
+        device, dtype: of the gain `g`, initialised to ones (default: PyTorch's defaults).
+    """
 
     def __init__(self, d_model: int, eps: float = 1e-5, device=None, dtype=None):
         super().__init__()
@@ -68,6 +107,14 @@ class RmsNorm(nn.Module):
         self.g = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The normalised x.
+
+        Args:
+            x: (..., d_model), any float dtype.
+
+        Returns:
+            x's shape and dtype.
+        """
         in_dtype = x.dtype
         x = x.to(torch.promote_types(in_dtype, torch.float32))
         rms_inv = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
@@ -75,12 +122,30 @@ class RmsNorm(nn.Module):
 
 
 class SiLu(nn.Module):
+    """silu(x) = x * sigmoid(x), elementwise; no parameters."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """sigmoid(x) * x.
+
+        Args:
+            x: any shape and float dtype.
+
+        Returns:
+            x's shape and dtype.
+        """
         return torch.sigmoid(x) * x
 
 
 class SwiGlu(nn.Module):
-    """w2(silu(w1 x) * w3 x): w1 is the gate, w3 the value, w2 the output projection."""
+    """w2(silu(w1 x) * w3 x): w1 is the gate, w3 the value, w2 the output projection.
+
+    Also importable as `FFN`.
+
+    Args:
+        d_model: the input and output width.
+        d_ff: the hidden width (w1, w3: d_model -> d_ff; w2: d_ff -> d_model).
+        device, dtype: of the three `Linear` weights (default: PyTorch's defaults).
+    """
 
     def __init__(self, d_model: int, d_ff: int, device=None, dtype=None):
         super().__init__()
@@ -90,6 +155,14 @@ class SwiGlu(nn.Module):
         self.silu = SiLu()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The feed-forward output.
+
+        Args:
+            x: (..., d_model), the weights' dtype.
+
+        Returns:
+            (..., d_model).
+        """
         return self.w2(self.silu(self.w1(x)) * self.w3(x))
 
 
@@ -100,9 +173,21 @@ class RoPE(nn.Module):
     """Rotary position embedding: pair i of a head vector at position p is rotated by the angle
     p * theta^(-2i / d_k).
 
-    The pairs are interleaved, (x[2i], x[2i+1]), by default (the original RoPE paper's); with
+    The pairs are interleaved, (x[2i], x[2i+1]), by default (the RoPE paper's); with
     `interleaved=False` they are half-split, (x[i], x[i + d_k/2]), the layout of GPT-NeoX and of
-    Hugging Face's Llama checkpoints.
+    Hugging Face's Llama checkpoints. The cos and sin tables are non-persistent float32 buffers
+    `cos_cached` and `sin_cached` of shape (max_seq_len, d_k), each angle repeated for both
+    elements of its pair (the state_dict is empty).
+
+    Args:
+        theta: the base (10000.0 in most models).
+        d_k: the head dim, even.
+        max_seq_len: the number of positions the tables hold.
+        device: of the tables (default: PyTorch's default device).
+        interleaved: the pair layout (default True: interleaved).
+
+    Raises:
+        ValueError: an odd d_k.
     """
 
     def __init__(
@@ -127,16 +212,40 @@ class RoPE(nn.Module):
 
     @staticmethod
     def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
-        """(a, b) -> (-b, a) for each interleaved pair."""
+        """(a, b) -> (-b, a) for each interleaved pair.
+
+        Args:
+            x: (..., D), D even.
+
+        Returns:
+            x's shape and dtype.
+        """
         return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
 
     @staticmethod
     def rotate_halves(x: torch.Tensor) -> torch.Tensor:
-        """(a, b) -> (-b, a) for each half-split pair: [x1, x2] -> [-x2, x1]."""
+        """(a, b) -> (-b, a) for each half-split pair: [x1, x2] -> [-x2, x1].
+
+        Args:
+            x: (..., D), D even.
+
+        Returns:
+            x's shape and dtype.
+        """
         half = x.shape[-1] // 2
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor) -> torch.Tensor:
+        """x rotated by the angles of its tokens' positions, as a new tensor.
+
+        Args:
+            x: (T, d_k), (B, T, d_k) or (B, H, T, d_k), any float dtype.
+            token_positions: (T,), or (B, T) for a batched x, integers in [0, max_seq_len); (B, T)
+                positions broadcast over the heads of a 4-D x.
+
+        Returns:
+            x's shape and dtype (computed in float32, or in x's dtype where wider).
+        """
         cos = self.cos_cached[token_positions]  # (T, D) or (B, T, D)
         sin = self.sin_cached[token_positions]
         if x.dim() == 4 and cos.dim() == 3:  # x is (B, H, T, D): broadcast over heads
@@ -154,15 +263,38 @@ class RoPE(nn.Module):
 
 
 def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """exp(x - max) / sum(exp(x - max)): the max is subtracted so that exp cannot overflow."""
+    """exp(x - max) / sum(exp(x - max)): the max is subtracted so that exp cannot overflow.
+
+    Args:
+        x: any shape, a float dtype.
+        dim: the dim normalised over.
+
+    Returns:
+        x's shape and dtype.
+    """
     e = torch.exp(x - x.amax(dim=dim, keepdim=True))
     return e / e.sum(dim=dim, keepdim=True)
 
 
 class ScaledDotProductAttention(nn.Module):
-    """softmax(q k^T / sqrt(d_k) with masked scores set to -1e9) v; mask is True where masked."""
+    """softmax(q k^T / sqrt(d_k) with masked scores set to -1e9) v; mask is True where masked.
+
+    No parameters; an explicit [Tq x Tk] score matrix.
+    """
 
     def forward(self, q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention output.
+
+        Args:
+            q: (..., Tq, d_k).
+            k: (..., Tk, d_k), q's leading dims (or broadcastable to them) and dtype.
+            v: (..., Tk, d_v).
+            mask: bool, broadcastable to (..., Tq, Tk), True where query i may not see key j; None
+                (the default): every query sees every key.
+
+        Returns:
+            (..., Tq, d_v).
+        """
         scores = einx.dot("... q [d], ... k [d] -> ... q k", q, k) / math.sqrt(q.shape[-1])
         if mask is not None:
             scores = scores.masked_fill(mask, -1e9)
@@ -170,7 +302,18 @@ class ScaledDotProductAttention(nn.Module):
 
 
 def check_kv_heads(num_heads: int, num_kv_heads: int | None) -> int:
-    """num_kv_heads (None: num_heads), ValueError unless it divides num_heads."""
+    """The number of key/value heads, checked against num_heads.
+
+    Args:
+        num_heads: the query heads.
+        num_kv_heads: the key/value heads, or None for num_heads (no grouping).
+
+    Returns:
+        num_kv_heads (None: num_heads).
+
+    Raises:
+        ValueError: num_kv_heads not a positive int or None, or not a divisor of num_heads.
+    """
     if num_kv_heads is None:
         return num_heads
     if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1:
@@ -187,7 +330,18 @@ class MultiHeadAttention(nn.Module):
 
     With num_kv_heads < num_heads (grouped-query attention) k and v have num_kv_heads heads each,
     query head h reading key/value head h // (num_heads / num_kv_heads); qkv_proj then has
-    (num_heads + 2 num_kv_heads) * head_dim outputs: q's heads, then k's, then v's.
+    (num_heads + 2 num_kv_heads) * head_dim outputs: q's heads, then k's, then v's. head_dim is
+    d_model / num_heads; output_proj maps the heads back to d_model.
+
+    Args:
+        d_model: the input and output width, a multiple of num_heads.
+        num_heads: the query heads.
+        max_seq_len: the longest sequence (the causal mask buffer is (max_seq_len, max_seq_len)).
+        device, dtype: of the weights (default: PyTorch's defaults).
+        num_kv_heads: the key/value heads, dividing num_heads (default None: num_heads).
+
+    Raises:
+        ValueError: d_model not a multiple of num_heads, or a bad num_kv_heads (`check_kv_heads`).
     """
 
     def __init__(
@@ -234,11 +388,31 @@ class MultiHeadAttention(nn.Module):
         return self.output_proj(einx.id("b h t d -> b t (h d)", out))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of x's tokens to each other, without positions.
+
+        Args:
+            x: (B, T, d_model), T <= max_seq_len, the weights' dtype.
+            mask: bool (T, T) (or broadcastable to (B, H, T, T)), True where query i may not see key
+                j; default None: causal.
+
+        Returns:
+            (B, T, d_model).
+        """
         return self._attend(*self._heads(x), mask)
 
 
 class MultiHeadAttentionWithRoPE(MultiHeadAttention):
-    """MultiHeadAttention with RoPE applied to q and k (interleaved or half-split pairs)."""
+    """MultiHeadAttention with RoPE applied to q and k (interleaved or half-split pairs).
+
+    Args:
+        d_model, num_heads, max_seq_len, device, dtype, num_kv_heads: as in `MultiHeadAttention`;
+            max_seq_len also sizes RoPE's tables.
+        theta: RoPE's base.
+        rope_interleaved: RoPE's pair layout, as `RoPE`'s `interleaved` (default True).
+
+    Raises:
+        ValueError: as `MultiHeadAttention`, or an odd head dim (`RoPE`).
+    """
 
     def __init__(
         self,
@@ -260,6 +434,17 @@ class MultiHeadAttentionWithRoPE(MultiHeadAttention):
         token_positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Attention of x's tokens, q and k rotated by their positions.
+
+        Args:
+            x: (B, T, d_model), T <= max_seq_len, the weights' dtype.
+            token_positions: (T,) or (B, T) integers in [0, max_seq_len) (default: 0 to T - 1 in
+                every row).
+            mask: as in `MultiHeadAttention.forward` (default: causal).
+
+        Returns:
+            (B, T, d_model).
+        """
         q, k, v = self._heads(x)  # (B, H, T, D), k and v (B, Hkv, T, D)
         if token_positions is None:
             token_positions = torch.arange(x.shape[-2], device=x.device).expand(x.shape[0], -1)
@@ -274,8 +459,25 @@ class MultiHeadAttentionWithRoPE(MultiHeadAttention):
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.)).
 
-    The constructor builds the block from the classes named below, so that a subclass of the same
-    parameters (fastlm.model's, on the kernels) swaps the parts without repeating it."""
+    The constructor builds the block from the classes named below (`norm_class`,
+    `attention_class`, `ffn_class`), so that a subclass with the same parameters (fastlm.model's,
+    on the kernels) swaps the parts without repeating it. The parts are `rms_norm1`,
+    `mult_head_atten`, `rms_norm2` and `ffe`: the state_dict keys.
+
+    Args:
+        d_model: the model width.
+        num_heads: the query heads; d_model / num_heads is the head dim.
+        d_ff: the feed-forward's hidden width.
+        max_seq_len: the longest sequence (RoPE's tables, the causal mask).
+        theta: RoPE's base.
+        device, dtype: of the parameters (default: PyTorch's defaults).
+        num_kv_heads: key/value heads for grouped-query attention (default None: num_heads).
+        rope_interleaved: RoPE's pair layout (default True: interleaved).
+        norm_eps: both RMSNorms' epsilon (default 1e-5).
+
+    Raises:
+        ValueError: as `MultiHeadAttentionWithRoPE`.
+    """
 
     norm_class = RmsNorm
     attention_class = MultiHeadAttentionWithRoPE
@@ -308,6 +510,16 @@ class TransformerBlock(nn.Module):
         token_positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """x after the block's attention and feed-forward sub-layers.
+
+        Args:
+            x: (B, T, d_model).
+            token_positions: as in `MultiHeadAttentionWithRoPE.forward` (default: 0 to T - 1).
+            mask: as in `MultiHeadAttention.forward` (default: causal).
+
+        Returns:
+            (B, T, d_model).
+        """
         x = x + self.mult_head_atten(self.rms_norm1(x), token_positions, mask)
         return x + self.ffe(self.rms_norm2(x))
 
@@ -315,8 +527,18 @@ class TransformerBlock(nn.Module):
 def check_token_input(
     token_ids: torch.Tensor, vocab_size: int, context_length: int, check_values: bool = True
 ) -> None:
-    """ValueError for a sequence longer than the context or (unless check_values is False: the
-    check reads the ids back to the host) a token id outside the vocabulary."""
+    """Check a model's token ids: an integer (batch, seq) tensor within the context and vocabulary.
+
+    Args:
+        token_ids: the tokens, int32 or int64, (batch, seq).
+        vocab_size: ids must lie in [0, vocab_size).
+        context_length: the longest sequence.
+        check_values: False skips the vocabulary check (it reads the ids back to the host).
+
+    Raises:
+        ValueError: token_ids not a 2-D int32/int64 tensor, a sequence longer than the context, or
+            (unless check_values is False) a token id outside the vocabulary.
+    """
     if token_ids.dim() != 2 or token_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"token_ids must be an integer tensor of shape (batch, seq), "
@@ -338,14 +560,38 @@ def check_token_input(
 class Transformer(nn.Module):
     """Decoder-only language model: embedding, pre-norm blocks, final norm, vocabulary logits.
 
-    The LLaMA-style options: `num_kv_heads` (grouped-query attention; default num_heads),
-    `rope_interleaved` (False: RoPE's half-split pairs, as Hugging Face's checkpoints hold them),
-    `tie_embeddings` (out_linear.w is embedding.w, one parameter under both state_dict keys) and
-    `norm_eps` (every RMSNorm's). Their defaults give the original model (multi-head attention,
-    interleaved pairs, untied embeddings, eps 1e-5).
+    The LLaMA-style options are `num_kv_heads`, `rope_interleaved`, `tie_embeddings` and
+    `norm_eps`; their defaults give a plain multi-head model (multi-head attention, interleaved
+    pairs, untied embeddings, eps 1e-5). The state_dict keys (`embedding.w`,
+    `blocks.<i>.{rms_norm1.g, mult_head_atten.qkv_proj.w, mult_head_atten.output_proj.w,
+    rms_norm2.g, ffe.w1.w, ffe.w2.w, ffe.w3.w}`, `final_norm.g`, `out_linear.w`) are the checkpoint
+    format both this model and `fastlm.Transformer` read and write.
 
-    The constructor builds the model from the classes named below, so that a subclass of the same
-    parameters (fastlm.Transformer, on the kernels) swaps the parts without repeating it.
+    The constructor builds the model from the classes named below (`embedding_class`,
+    `block_class`, `norm_class`, `linear_class`), so that a subclass with the same parameters
+    (fastlm.Transformer, on the kernels) swaps the parts without repeating it.
+
+    Args:
+        vocab_size: the number of token ids; the logits' last dim.
+        context_length: the longest sequence, and the positions RoPE's tables hold.
+        d_model: the model width, a multiple of num_heads; d_model / num_heads is the head dim,
+            which must be even (RoPE rotates pairs).
+        num_layers: the number of blocks.
+        num_heads: the query heads of each attention.
+        d_ff: the feed-forward's hidden width.
+        rope_theta: RoPE's base (10000.0 in most models).
+        device, dtype: of the parameters (default: PyTorch's defaults).
+        num_kv_heads: key/value heads, for grouped-query attention: a divisor of num_heads;
+            default None: num_heads.
+        rope_interleaved: RoPE's pairs (x[2i], x[2i+1]) if True (the default); False: the
+            half-split pairs (x[i], x[i + D/2]), as Hugging Face's checkpoints hold them.
+        tie_embeddings: True makes out_linear.w the very parameter embedding.w, one parameter
+            under both state_dict keys (default False).
+        norm_eps: every RMSNorm's epsilon (default 1e-5).
+
+    Raises:
+        ValueError: d_model not a multiple of num_heads, an odd head dim, or a num_kv_heads that
+            is not a positive divisor of num_heads.
     """
 
     embedding_class = Embedding
@@ -399,9 +645,25 @@ class Transformer(nn.Module):
         token_positions: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits (B, T, V). cu_seqlens: packed documents (see `document_mask`): the B * T
-        tokens run as one row in which each token attends only to its own document's earlier
-        tokens, at its position in that document unless token_positions says otherwise."""
+        """Logits (B, T, V) of every position.
+
+        Args:
+            token_ids: (B, T) int32 or int64 in [0, vocab_size), T <= context_length.
+            token_positions: (T,) or (B, T) integers in [0, context_length), the positions RoPE
+                rotates by (default: 0 to T - 1 in every row; with cu_seqlens each token's
+                position in its document).
+            cu_seqlens: packed documents (see `document_mask`): int32 (num_docs + 1,) from 0 to
+                B * T; the B * T tokens run as one row in which each token attends only to its own
+                document's earlier tokens, at its position in that document unless token_positions
+                says otherwise. Default None: each row is one sequence.
+
+        Returns:
+            (B, T, vocab_size) in the parameters' dtype.
+
+        Raises:
+            ValueError: token_ids not a 2-D integer tensor, longer than context_length, or with an
+                id outside the vocabulary; a bad cu_seqlens (`document_mask`).
+        """
         check_token_input(token_ids, self.vocab_size, self.context_length)
         B, T = token_ids.shape
         mask = None
@@ -417,9 +679,22 @@ class Transformer(nn.Module):
 
 
 def document_mask(cu_seqlens: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For n_tokens packed tokens split into documents at cu_seqlens (int32, [num_docs + 1],
-    from 0 up to n_tokens): the (n_tokens, n_tokens) mask, True where token i may not see token
-    j (j in another document, or later), and each token's position in its document."""
+    """The attention mask and positions of packed documents.
+
+    Args:
+        cu_seqlens: int32 (num_docs + 1,), from 0 up to n_tokens, non-decreasing: document i is
+            tokens cu_seqlens[i] to cu_seqlens[i + 1] - 1.
+        n_tokens: the number of packed tokens.
+
+    Returns:
+        (mask, positions): the (n_tokens, n_tokens) bool mask, True where token i may not see token
+        j (j in another document, or later), and each token's position in its document, (n_tokens,)
+        int64.
+
+    Raises:
+        ValueError: cu_seqlens not 1-D int32 with at least 2 entries, or not rising from 0 to
+            n_tokens.
+    """
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be 1-D int32 with at least 2 entries, got {cu_seqlens}")
     bounds = cu_seqlens.tolist()
@@ -434,9 +709,16 @@ def document_mask(cu_seqlens: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor
 
 
 def tie(model: nn.Module, tie_embeddings: bool) -> None:
-    """Make model.out_linear.w the very parameter model.embedding.w when tie_embeddings (both
-    are (vocab, d_model)); state_dict then lists it under both keys, and loading either
-    checkpoint layout fills it."""
+    """Tie a model's output projection to its embedding, or record that it is untied.
+
+    When tie_embeddings, model.out_linear.w becomes the very parameter model.embedding.w (both are
+    (vocab, d_model)); state_dict then lists it under both keys, and loading either checkpoint
+    layout fills it.
+
+    Args:
+        model: a Transformer (with `embedding.w` and `out_linear.w`).
+        tie_embeddings: whether to tie; stored as model.tie_embeddings.
+    """
     model.tie_embeddings = bool(tie_embeddings)
     if tie_embeddings:
         model.out_linear.w = model.embedding.w
@@ -448,9 +730,18 @@ def tie(model: nn.Module, tie_embeddings: bool) -> None:
 
 
 class CrossEntropyLoss(nn.Module):
-    """Mean over all positions of -log softmax(logits)[target]."""
+    """Mean over all positions of -log softmax(logits)[target]; no parameters."""
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy, every position counted.
+
+        Args:
+            logits: (..., V), a float dtype.
+            targets: int64 ids in [0, V), logits' leading shape (...).
+
+        Returns:
+            A scalar in logits' dtype.
+        """
         logits = logits.reshape(-1, logits.shape[-1])
         shifted = logits - logits.amax(dim=-1, keepdim=True)
         log_probs = shifted - torch.log(torch.exp(shifted).sum(dim=-1, keepdim=True))
@@ -458,7 +749,15 @@ class CrossEntropyLoss(nn.Module):
 
 
 class SGDDecay(torch.optim.Optimizer):
-    """SGD whose step size decays as lr / sqrt(t + 1)."""
+    """SGD whose step size decays as lr / sqrt(t + 1), t counting each parameter's steps.
+
+    Args:
+        params: the parameters (or parameter groups) to optimise.
+        lr: the initial step size, >= 0 (default 1e-3).
+
+    Raises:
+        ValueError: a negative lr.
+    """
 
     def __init__(self, params, lr: float = 1e-3):
         if lr < 0:
@@ -467,6 +766,14 @@ class SGDDecay(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
+        """One update of every parameter that has a gradient: p -= lr / sqrt(t + 1) * grad.
+
+        Args:
+            closure: optional, re-evaluates the model and returns the loss.
+
+        Returns:
+            The closure's loss, or None.
+        """
         loss = None if closure is None else closure()
         for group in self.param_groups:
             for p in group["params"]:
@@ -480,7 +787,22 @@ class SGDDecay(torch.optim.Optimizer):
 
 
 class AdamW(torch.optim.Optimizer):
-    """Adam with bias correction and decoupled weight decay (Loshchilov & Hutter)."""
+    """Adam with bias correction and decoupled weight decay (Loshchilov & Hutter).
+
+    Each step, with g the gradient and t the step count: m = beta1 m + (1 - beta1) g,
+    v = beta2 v + (1 - beta2) g^2, p -= lr sqrt(1 - beta2^t) / (1 - beta1^t) * m / (sqrt(v) + eps),
+    then p *= 1 - lr * weight_decay.
+
+    Args:
+        params: the parameters (or parameter groups) to optimise.
+        lr: the learning rate, >= 0 (default 1e-3).
+        betas: (beta1, beta2), each in [0, 1) (default (0.9, 0.999)).
+        eps: added to sqrt(v) (default 1e-8).
+        weight_decay: the decoupled decay rate (default 0.01).
+
+    Raises:
+        ValueError: a negative lr, or betas outside [0, 1).
+    """
 
     def __init__(
         self,
@@ -500,6 +822,14 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
+        """One update of every parameter that has a gradient.
+
+        Args:
+            closure: optional, re-evaluates the model and returns the loss.
+
+        Returns:
+            The closure's loss, or None.
+        """
         loss = None if closure is None else closure()
         for group in self.param_groups:
             lr, (beta1, beta2) = group["lr"], group["betas"]
@@ -524,7 +854,18 @@ class AdamW(torch.optim.Optimizer):
 def cos_lr_scheduler(
     t: int, lr_max: float, lr_min: float, warmup_iters: int, cos_cycle_iters: int
 ) -> float:
-    """Linear warm-up to lr_max, cosine decay to lr_min at cos_cycle_iters, then lr_min."""
+    """Linear warm-up to lr_max, cosine decay to lr_min at cos_cycle_iters, then lr_min.
+
+    Args:
+        t: the step.
+        lr_max: the rate at the end of the warm-up.
+        lr_min: the rate from cos_cycle_iters on.
+        warmup_iters: the warm-up's steps (t / warmup_iters * lr_max before it ends).
+        cos_cycle_iters: the step at which the cosine reaches lr_min, after warmup_iters.
+
+    Returns:
+        The learning rate at step t.
+    """
     if t < warmup_iters:
         return t / warmup_iters * lr_max
     if t <= cos_cycle_iters:
@@ -536,7 +877,13 @@ def cos_lr_scheduler(
 def gradient_clip(parameters: Iterable[nn.Parameter], max_norm: float, eps: float = 1e-6) -> float:
     """Scale all gradients in place so that their global L2 norm is at most max_norm.
 
-    Returns the norm before clipping.
+    Args:
+        parameters: the parameters; those without a gradient are skipped.
+        max_norm: the largest global norm left.
+        eps: added to the norm in the scale max_norm / (norm + eps) (default 1e-6).
+
+    Returns:
+        The norm before clipping (0.0 when no parameter has a gradient).
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:

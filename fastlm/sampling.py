@@ -23,7 +23,16 @@ import torch
 def check_sampling(
     temperature: float, top_k: int | None = None, top_p: float | None = None
 ) -> None:
-    """ValueError naming the argument for a setting the sampler cannot use."""
+    """Check the sampler's settings.
+
+    Args:
+        temperature: a finite number >= 0 (0: greedy).
+        top_k: an integer >= 1, or None.
+        top_p: a number in (0, 1], or None.
+
+    Raises:
+        ValueError: naming the argument, for a setting the sampler cannot use.
+    """
     if (
         isinstance(temperature, bool)
         or not isinstance(temperature, numbers.Real)
@@ -46,7 +55,27 @@ def sample_next(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """One token id per row of `logits` [B, V]; temperature 0 is greedy (argmax)."""
+    """One token id per row of `logits`; temperature 0 is greedy (argmax).
+
+    The logits are shifted by each row's maximum and divided by the temperature in float64 (finite
+    for any temperature > 0), then cut to the top_k largest and to the smallest set of likeliest
+    tokens whose probability reaches top_p (the likeliest always stays), and one token is drawn
+    from the softmax of what is left.
+
+    Args:
+        logits: (B, V), a float dtype.
+        temperature: >= 0 (default 1.0); 0 takes the argmax.
+        top_k: keep only the k likeliest tokens (default None: all).
+        top_p: keep the nucleus of probability top_p, in (0, 1] (default None: all).
+        generator: the random generator to draw with (default: PyTorch's global one).
+
+    Returns:
+        (B,) int64 token ids.
+
+    Raises:
+        ValueError: a bad setting (`check_sampling`), or (temperature > 0) logits that are not all
+            finite.
+    """
     check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1)
@@ -84,8 +113,24 @@ def sample_stream(
     generator: torch.Generator | None = None,
     vocab_size: int | None = None,
 ) -> Iterator[torch.Tensor]:
-    """Yield the next token ids [B] one step at a time, for a prompt [T] or [B, T]; with
-    `vocab_size`, only ids below it (those a tokenizer can decode) are ever drawn."""
+    """Yield the next token ids one step at a time, as `sample` draws them.
+
+    Args:
+        model: a model with `context_length` whose forward gives logits (B, T, V); one with
+            `make_kv_cache` is run with its KV cache (see the module docstring).
+        prompt_ids: (T,) or (B, T) token ids, T >= 1.
+        max_new_tokens: the number of steps, >= 0.
+        temperature, top_k, top_p, generator: as in `sample_next`.
+        vocab_size: only ids below it (those a tokenizer can decode) are ever drawn (default
+            None: every logit of the model), >= 1.
+
+    Yields:
+        (B,) int64, the next token of each row (B = 1 for a 1-D prompt).
+
+    Raises:
+        ValueError: a bad setting, an empty prompt, a negative max_new_tokens or a vocab_size
+            below 1 (at the first step).
+    """
     check_sampling(temperature, top_k, top_p)
     tokens = prompt_ids if prompt_ids.dim() == 2 else prompt_ids.unsqueeze(0)  # (B, T)
     if tokens.shape[-1] == 0:
@@ -127,8 +172,28 @@ def sample(
     generator: torch.Generator | None = None,
     vocab_size: int | None = None,
 ) -> torch.Tensor:
-    """The prompt followed by `max_new_tokens` sampled tokens, in the prompt's shape ([T] or
-    [B, T]). Temperature 0 is greedy; see `sample_stream` for `vocab_size`."""
+    """The prompt followed by `max_new_tokens` sampled tokens, in the prompt's shape.
+
+    Runs under torch.no_grad. When the context is full, the model sees the last context_length
+    tokens (see the module docstring).
+
+    Args:
+        model: as in `sample_stream`: a model with `context_length`, run with its KV cache when it
+            has `make_kv_cache` (`fastlm.Transformer`).
+        prompt_ids: (T,) or (B, T) token ids, T >= 1.
+        max_new_tokens: the number of tokens to draw, >= 0.
+        temperature: >= 0 (default 1.0); 0 is greedy.
+        top_k: keep only the k likeliest tokens at each step (default None: all).
+        top_p: keep the nucleus of probability top_p, in (0, 1] (default None: all).
+        generator: the random generator to draw with (default: PyTorch's global one).
+        vocab_size: only ids below it are ever drawn (see `sample_stream`; default None).
+
+    Returns:
+        (T + max_new_tokens,) or (B, T + max_new_tokens) token ids, on prompt_ids' device.
+
+    Raises:
+        ValueError: as `sample_stream` and `sample_next`.
+    """
     new = list(
         sample_stream(
             model, prompt_ids, max_new_tokens, temperature, top_k, top_p, generator, vocab_size

@@ -21,7 +21,18 @@ TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 5e-3, tor
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / max(||ref||, tiny), computed in float64; NaN anywhere gives inf."""
+    """||out - ref|| / max(||ref||, tiny), computed in float64; NaN anywhere gives inf.
+
+    Args:
+        out: the result checked, any dtype.
+        ref: the reference, out's shape (usually float64).
+
+    Returns:
+        The relative error (Frobenius norms), inf where out is not all finite.
+
+    Raises:
+        ValueError: out and ref of two shapes.
+    """
     out64, ref64 = out.detach().to(torch.float64), ref.detach().to(torch.float64)
     if out64.shape != ref64.shape:
         raise ValueError(f"shape mismatch: out {tuple(out64.shape)} vs ref {tuple(ref64.shape)}")
@@ -40,8 +51,19 @@ def assert_close(
 ) -> None:
     """Assert relative_error(out, ref) <= scale * TOLERANCE[dtype].
 
-    `scale` is for quantities whose error grows with a reduction's length (say, a weight gradient
-    summed over many rows); the caller says why when it is not 1.
+    Args:
+        out: the kernel's result.
+        ref: the float64 (or float32) reference, out's shape.
+        dtype: the dtype the kernel computed in: picks the bound in `TOLERANCE`.
+        name: what out is, for the message (default "output").
+        scale: multiplies the bound (default 1.0), for quantities whose error grows with a
+            reduction's length (say, a weight gradient summed over many rows); the caller says
+            why when it is not 1.
+
+    Raises:
+        AssertionError: naming `name`, the error, the bound and the dtype, when the error exceeds
+            the bound.
+        ValueError: out and ref of two shapes.
     """
     err = relative_error(out, ref)
     bound = scale * TOLERANCE[dtype]
@@ -56,6 +78,14 @@ def call_through(mode, func, args=(), kwargs=None):
     implementation runs. For an op of the `fastlm` namespace this runs the op's Python
     implementation with `mode` active again, so the allocations, matmuls and copies inside it
     reach the mode as they would from plain code.
+
+    Args:
+        mode: the dispatch mode (the caller's `self`).
+        func: the OpOverload `__torch_dispatch__` received.
+        args, kwargs: its arguments (default: none).
+
+    Returns:
+        What func returns.
     """
     kwargs = kwargs or {}
     if func.namespace != "fastlm":
@@ -68,11 +98,17 @@ def call_through(mode, func, args=(), kwargs=None):
 
 @contextlib.contextmanager
 def mixed_gemms_on_cpu() -> Iterator[None]:
-    """Lend the CPU, while the block runs, the GEMMs with an fp32 result from half inputs
-    (`torch.mm(..., out_dtype=)` and `torch.addmm(..., out_dtype=, out=)`) that CUDA builds have
-    and CPU builds lack, so that a CPU run takes the path fastlm takes on CUDA
-    (`fastlm.kernels.linear.has_mixed_gemm`). The product is computed in the inputs' dtype and
-    cast: the op stream is CUDA's, the rounding is autocast's."""
+    """Lend the CPU, while the block runs, the GEMMs with an fp32 result from half inputs that CUDA
+    builds have and CPU builds lack.
+
+    Those are `torch.mm(..., out_dtype=)` and `torch.addmm(..., out_dtype=, out=)`; with them a CPU
+    run takes the path fastlm takes on CUDA (`fastlm.kernels.linear.has_mixed_gemm`). The product
+    is computed in the inputs' dtype and cast: the op stream is CUDA's, the rounding is autocast's.
+    A context manager; the CPU kernels are removed when the block ends.
+
+    Returns:
+        A context manager that yields None.
+    """
 
     def mm(a, b, out_dtype):
         return torch.mm(a, b).to(out_dtype)

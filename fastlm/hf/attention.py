@@ -260,6 +260,9 @@ def fastlm_attention(
 
     Returns:
         (output (B, Tq, Hq, D), None): no attention weights.
+
+    Raises:
+        ValueError: cu_seq_lens_q/k with fewer queries than keys (a cache in use).
     """
     query, key, value = _autocast(query, key, value)
     reason = _fallback_reason(module, query, key, attention_mask, dropout, kwargs)
@@ -367,7 +370,13 @@ def _fallback(
 
 
 def register() -> None:
-    """Register `fastlm_attention` and `fastlm_mask` as "fastlm" in transformers (idempotent)."""
+    """Register `fastlm_attention` and `fastlm_mask` as "fastlm" in transformers (idempotent).
+
+    After it, `model.set_attn_implementation("fastlm")` selects them; `patch` calls it.
+
+    Raises:
+        ModuleNotFoundError: transformers is not installed.
+    """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 

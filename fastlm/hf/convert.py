@@ -76,15 +76,32 @@ def _unconvertible(hf_model: nn.Module, family: str) -> list[str]:
 def from_hf(
     hf_model: nn.Module, *, model: str = "fastlm", rope_interleaved: bool = False
 ) -> nn.Module:
-    """A `fastlm.Transformer` (model="reference": `fastlm.reference.Transformer`) holding the
-    weights of a Llama, Mistral or Qwen2 ForCausalLM, on its device and in its dtype, giving the
-    same logits.
+    """A `fastlm.Transformer` (or `fastlm.reference.Transformer`) holding the weights of a Llama,
+    Mistral or Qwen2 ForCausalLM, on its device and in its dtype, giving the same logits.
 
     q, k and v projections are concatenated into qkv_proj, gate/up/down become ffe.w1/w3/w2, the
-    norms' weights the g's; tie_word_embeddings becomes tie_embeddings. RoPE stays in Hugging
-    Face's half-split layout (rope_interleaved=False), or, with rope_interleaved=True, q's and k's
-    rows are reordered within each head to the interleaved layout (the same function).
-    ValueError listing what fastlm.Transformer cannot represent (see the module docstring).
+    norms' weights the g's; tie_word_embeddings becomes tie_embeddings. A sliding window shorter
+    than max_position_embeddings (Mistral's) caps the model's context_length at the window, within
+    which the two agree, with a warning.
+
+    Args:
+        hf_model: a LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM (`CONVERTIBLE`).
+        model: "fastlm" (the default): a `fastlm.Transformer`; "reference": a
+            `fastlm.reference.Transformer`.
+        rope_interleaved: False (the default): RoPE stays in Hugging Face's half-split layout;
+            True: q's and k's rows are reordered within each head to the interleaved layout (the
+            same function).
+
+    Returns:
+        The model, its weights copied from hf_model's.
+
+    Raises:
+        ModuleNotFoundError: transformers is not installed (saying what to install).
+        TypeError: hf_model of another family.
+        ValueError: a model other than "fastlm" or "reference", or an hf_model fastlm.Transformer
+            cannot represent, listing why: an activation other than silu, heads that do not split
+            hidden_size, a rope scaling type, nonzero attention or MLP biases (Qwen2's q/k/v
+            biases must be all zero).
     """
     family = family_of(hf_model, CONVERTIBLE)
     if model not in ("fastlm", "reference"):
@@ -148,11 +165,26 @@ def from_hf(
 
 
 def to_hf(model: nn.Module, family: str = "llama") -> nn.Module:
-    """A new Hugging Face ForCausalLM of `family` ("llama", "mistral" or "qwen2") holding the
-    weights of a `fastlm.Transformer` or `fastlm.reference.Transformer`, on its device and in its
-    dtype, giving the same logits: config from the model's options (max_position_embeddings is
-    its context_length, no sliding window, Qwen2's q/k/v biases zero). An interleaved-RoPE model's
-    q and k rows are reordered within each head to Hugging Face's half-split layout."""
+    """A new Hugging Face ForCausalLM holding the weights of a `fastlm.Transformer` or
+    `fastlm.reference.Transformer`, on its device and in its dtype, giving the same logits.
+
+    The config comes from the model's options (max_position_embeddings is its context_length, no
+    sliding window, Qwen2's q/k/v biases zero). An interleaved-RoPE model's q and k rows are
+    reordered within each head to Hugging Face's half-split layout.
+
+    Args:
+        model: a `fastlm.Transformer` or `fastlm.reference.Transformer`.
+        family: "llama" (the default), "mistral" or "qwen2".
+
+    Returns:
+        The ForCausalLM of `family`.
+
+    Raises:
+        ModuleNotFoundError: transformers is not installed (saying what to install).
+        ValueError: another family.
+        TypeError: a model of another class.
+        RuntimeError: a transformers whose parameter names differ, so that some were not filled.
+    """
     transformers = transformers_module()
     if family not in CONVERTIBLE:
         raise ValueError(f"family must be one of {', '.join(CONVERTIBLE)}, got {family!r}")

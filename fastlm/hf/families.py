@@ -10,13 +10,18 @@ from torch import nn
 
 
 class Family(NamedTuple):
-    """What fastlm.hf needs to know of one transformers model family.
+    """What fastlm.hf needs to know of one transformers model family (a NamedTuple).
 
-    causal_lm: the ForCausalLM class's name in transformers.
-    prefix: the prefix of the family's module classes (`<prefix>RMSNorm`, `<prefix>Attention`...).
-    norm_offset: 1.0 where the RMSNorm scales by `1 + weight` in fp32 (Gemma's), 0.0 where it
-        scales by `weight` after rounding to the input dtype (LLaMA's).
-    convertible: whether `from_hf`/`to_hf` convert it to and from `fastlm.Transformer`.
+    `FAMILIES` maps each model_type `patch` runs on the kernels to its Family.
+
+    Args:
+        causal_lm: the ForCausalLM class's name in transformers.
+        prefix: the prefix of the family's module classes (`<prefix>RMSNorm`,
+            `<prefix>Attention`...).
+        norm_offset: 1.0 where the RMSNorm scales by `1 + weight` in fp32 (Gemma's), 0.0 (the
+            default) where it scales by `weight` after rounding to the input dtype (LLaMA's).
+        convertible: whether `from_hf`/`to_hf` convert it to and from `fastlm.Transformer`
+            (default False).
     """
 
     causal_lm: str

@@ -139,7 +139,11 @@ def patch(
     Returns:
         The model, with `fastlm_patched` (on the transformers model) listing the parts patched.
         A part this model cannot run on the kernels is left as it is, with a warning that says
-        why. TypeError naming the supported classes for another model.
+        why.
+
+    Raises:
+        ModuleNotFoundError: transformers is not installed (saying what to install).
+        TypeError: naming the supported classes, for a model of another family.
     """
     target = _hugging_face_model(model)
     family = family_of(target)

@@ -586,29 +586,49 @@ def cross_entropy(
     """Mean cross-entropy of logits (..., V) against targets (...), skipping ignore_index.
 
     F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index) except
-    that the result is 0 (not NaN) when every target is ignored. Logits may be fp32, fp16 or bf16
-    and strided; the loss is fp32. Targets are int64 (or int32) with logits' leading shape, in
-    [0, V) or equal to ignore_index: CPU targets are checked on the host (ValueError); on a GPU a
-    bad target trips a device-side assert (checking on the host would need a sync).
+    that the result is 0 (not NaN) when every target is ignored. The forward saves each row's max
+    and log-sum-exp relative to it; the backward computes the gradient from the logits and those
+    into a new tensor. Without a gradient (torch.no_grad, inference_mode, or logits that do not
+    require grad) logits are never written. Second derivatives are not supported (an error, not a
+    silent zero).
 
-    Options (`fastlm.kernels.cross_entropy_options`, their own kernels; inplace_backward does
-    not apply to them): `softcap` c > 0 caps the logits at c * tanh(x / c) first (Gemma 2's
-    final logits); `reduction` "mean", "sum" or "none" (each row's loss, logits' leading
-    shape, 0 where ignored); `label_smoothing` eps in [0, 1] (PyTorch's); `z_loss` w adds
-    w * lse^2 per counted row; `return_accuracy=True` returns (loss, accuracy), the fraction of
-    counted rows whose largest logit is the target.
+    The options (`fastlm.kernels.cross_entropy_options`) run on their own kernels;
+    inplace_backward does not apply to them.
 
-    The forward saves each row's max and log-sum-exp relative to it; the backward computes the
-    gradient from the logits and those into a new tensor. With `inplace_backward=True` the forward
-    writes the gradient into `logits` itself instead, and the backward scales it there, saving that
-    tensor: when a gradient is needed and logits' rows are one stride apart with a unit last-dim
-    stride, logits are overwritten and must not be used afterwards, and the graph supports one
-    backward (a second, after retain_graph=True, raises RuntimeError); otherwise it is the default
-    path. The PyTorch backend ignores inplace_backward. A leaf that requires grad (or a view of one)
-    and logits whose elements overlap are refused; any other autograd node that saved `logits`
-    raises at its backward, as after any in-place op. Without a gradient (torch.no_grad,
-    inference_mode, or logits that do not require grad) logits are never written. Second derivatives
-    are not supported (an error, not a silent zero).
+    Args:
+        logits: (..., V) float32, float16 or bfloat16, any strides; V at least 1.
+        targets: int64 (or int32) with logits' leading shape (...), on logits' device, each in
+            [0, V) or equal to ignore_index. CPU targets are checked on the host (ValueError); on a
+            GPU a bad target trips a device-side assert (checking on the host would need a sync).
+        ignore_index: the target value whose rows add nothing (default -100).
+        inplace_backward: default False. True: the forward writes the gradient into `logits`
+            itself, and the backward scales it there, saving that tensor: when a gradient is needed
+            and logits' rows are one stride apart with a unit last-dim stride, logits are
+            overwritten and must not be used afterwards, and the graph supports one backward (a
+            second, after retain_graph=True, raises RuntimeError); otherwise it is the default path.
+            The PyTorch backend ignores it. A leaf that requires grad (or a view of one) and logits
+            whose elements overlap are refused; any other autograd node that saved `logits` raises
+            at its backward, as after any in-place op.
+        softcap: c > 0 caps the logits at c * tanh(x / c) first (Gemma 2's final logits); 0 (the
+            default) is off.
+        reduction: "mean" (the default), "sum", or "none" (each row's loss, logits' leading shape,
+            0 where ignored).
+        label_smoothing: eps in [0, 1], PyTorch's (default 0).
+        z_loss: w >= 0 adds w * lse^2 per counted row (default 0).
+        return_accuracy: True also returns the accuracy, the fraction of counted rows whose
+            largest logit is the target (default False).
+
+    Returns:
+        The loss, fp32 (a scalar, or logits' leading shape with reduction="none"); with
+        return_accuracy, (loss, accuracy).
+
+    Raises:
+        TypeError: logits not a tensor of float32, float16 or bfloat16; targets not an int64/int32
+            tensor; ignore_index not an int; an option of the wrong type.
+        ValueError: an empty vocabulary dim; targets of another leading shape or device; (CPU
+            targets) a target outside [0, V) other than ignore_index; an option out of range;
+            with inplace_backward, logits that are a leaf requiring grad (or a view of one) or
+            whose elements share memory.
     """
     check_float("logits", logits)
     if logits.ndim == 0 or logits.shape[-1] == 0:
@@ -654,26 +674,42 @@ def linear_cross_entropy(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """cross_entropy(x @ weight.T, targets, ignore_index) without the (tokens, V) logits.
 
-    x (..., C) (the final norm's output), weight (V, C) (nn.Linear's / out_linear.w's [out, in]
-    layout), targets (...). Tokens run in chunks of `chunk_size` rows (default:
-    `default_chunk_size`, at most 128 MiB of logits per chunk); each chunk's logits are computed in
-    x's dtype and turned into its dx and its share of dweight in the forward, so the peak extra
-    memory is one chunk's logits plus dx (x's size), an fp32 dweight (V, C), a copy of the weight in
-    x's dtype if it has another, and, where the device lacks a GEMM with an fp32 result from half
-    inputs (CPU), one (V, C) partial product. Only the gradients needed are computed (those of the
-    inputs that require grad, none under torch.no_grad or inference_mode); the backward scales them
-    by grad_output / n_valid into new tensors. Second derivatives raise. The mean, ignore_index,
-    all-ignored and target rules are cross_entropy's; the loss is fp32, the gradients have x's and
-    weight's dtypes. The PyTorch backend materialises the logits.
+    Tokens run in chunks of `chunk_size` rows; each chunk's logits are computed in x's dtype and
+    turned into its dx and its share of dweight in the forward, so the peak extra memory is one
+    chunk's logits plus dx (x's size), an fp32 dweight (V, C), a copy of the weight in x's dtype if
+    it has another, and, where the device lacks a GEMM with an fp32 result from half inputs (CPU),
+    one (V, C) partial product. Only the gradients needed are computed (those of the inputs that
+    require grad, none under torch.no_grad or inference_mode); the backward scales them by
+    grad_output / n_valid into new tensors. Second derivatives raise. The mean, ignore_index,
+    all-ignored and target rules are cross_entropy's. The PyTorch backend materialises the logits.
 
-    weight may be fp32 with half-precision x (master weights): the logits are computed in x's
-    dtype and the weight's gradient is accumulated and returned in fp32, never rounded to x's
-    dtype and cast back. Under autocast x is cast to the autocast dtype (no copy when the final
-    norm wrote it so) and weight is taken as it is, as a linear layer under autocast would.
+    Under autocast x is cast to the autocast dtype (no copy when the final norm wrote it so) and
+    weight is taken as it is, as a linear layer under autocast would.
 
-    softcap, reduction, label_smoothing, z_loss, return_accuracy: as in `cross_entropy`, on the
-    logits x @ weight.T. "mean" and "sum" make each chunk's gradients in the forward as above;
-    "none" recomputes each chunk's logits in the backward (one chunk's alive at a time).
+    Args:
+        x: (..., C) float32, float16 or bfloat16, the final norm's output.
+        weight: (V, C), nn.Linear's / out_linear.w's [out, in] layout, on x's device; x's dtype,
+            or fp32 with half-precision x (master weights): the logits are then computed in x's
+            dtype and the weight's gradient is accumulated and returned in fp32, never rounded to
+            x's dtype and cast back.
+        targets: int64 (or int32) of x's leading shape (...), as in `cross_entropy`.
+        ignore_index: the target value whose rows add nothing (default -100).
+        chunk_size: rows per chunk, a positive int (default: `default_chunk_size`, at most 128 MiB
+            of logits per chunk).
+        softcap, reduction, label_smoothing, z_loss, return_accuracy: as in `cross_entropy`, on
+            the logits x @ weight.T. "mean" and "sum" make each chunk's gradients in the forward as
+            above; "none" recomputes each chunk's logits in the backward (one chunk's alive at a
+            time).
+
+    Returns:
+        The loss, fp32 (a scalar, or x's leading shape with reduction="none"); with
+        return_accuracy, (loss, accuracy). The gradients have x's and weight's dtypes.
+
+    Raises:
+        TypeError: x or weight not a tensor of float32, float16 or bfloat16, a weight whose dtype
+            is neither x's nor float32; targets, ignore_index or an option as in `cross_entropy`.
+        ValueError: a 0-d x, a weight not (V, C) with V >= 1 or on another device, a chunk_size
+            that is not a positive int or None; targets and options as in `cross_entropy`.
     """
     check_float("x", x)
     check_float("weight", weight)

@@ -99,6 +99,11 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> to
     Returns:
         gelu(gate) * up in the inputs' dtype, computed in float32; the backward recomputes the
         activation.
+
+    Raises:
+        TypeError: gate or up not a tensor of float32, float16 or bfloat16, or of two dtypes.
+        ValueError: an approximate other than "tanh" and "none", gate and up of two shapes or on
+            two devices, or an empty last dim.
     """
     check_float("gate", gate)
     check_float("up", up)

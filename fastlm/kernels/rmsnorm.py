@@ -447,14 +447,22 @@ def rms_norm(
         x: (..., N) float32/float16/bfloat16, any leading shape; rows may be strided (a slice of
             a wider tensor) as long as the last dim is contiguous, otherwise x is copied once.
         weight: (N,), of x's dtype or float32.
-        eps: added to the mean square before the reciprocal square root.
+        eps: added to the mean square before the reciprocal square root (default 1e-5).
         out_dtype: the result's dtype (default: x's), rounded once from fp32:
             `rms_norm(x, w).to(bf16)` in one pass.
-        offset: added to the weight in fp32 inside the kernel: 1.0 is Gemma's RMSNorm
-            (`x_hat * (1 + w)` in fp32, then one rounding). The weight's gradient is unchanged.
+        offset: added to the weight in fp32 inside the kernel (default 0.0): 1.0 is Gemma's
+            RMSNorm (`x_hat * (1 + w)` in fp32, then one rounding). The weight's gradient is
+            unchanged.
 
     Returns:
         A tensor of x's shape in out_dtype.
+
+    Raises:
+        TypeError: x or weight not a tensor of float32, float16 or bfloat16, a weight whose dtype
+            is neither x's nor float32, an out_dtype that is not one of those three, or an offset
+            that is not a float.
+        ValueError: an empty last dim, a weight not (N,) or on another device than x; with the
+            Triton kernels, N above 65536 (`MAX_HIDDEN`; FASTLM_BACKEND=torch runs any size).
     """
     _check_args(x, weight)
     out_dtype = _out_dtype(out_dtype, x.dtype)
@@ -474,10 +482,27 @@ def add_rms_norm(
 
     The sum is rounded to the dtype PyTorch's `x + residual` gives (the wider of the two: a bf16
     sub-layer output x added to an fp32 residual stream stays fp32), exactly as that expression,
-    and the norm sees the rounded sum; normed is in `out_dtype` (default: the sum's dtype).
-    Gradients of both outputs flow back, each input's in its own dtype: the summed output carries
-    the residual stream on. `residual` must match x in shape and device; `weight` as in
-    `rms_norm`.
+    and the norm sees the rounded sum. Gradients of both outputs flow back, each input's in its own
+    dtype: the summed output carries the residual stream on.
+
+    Args:
+        x: (..., N) float32/float16/bfloat16, a sub-layer's output; strided rows as in `rms_norm`.
+        residual: the residual stream, x's shape and device; float32/float16/bfloat16, its dtype
+            may differ from x's.
+        weight: (N,), of x's dtype or float32, as in `rms_norm`.
+        eps: added to the mean square before the reciprocal square root (default 1e-5).
+        out_dtype: normed's dtype (default: the sum's dtype), rounded once from fp32.
+
+    Returns:
+        (normed, summed), both of x's shape: normed = rms_norm(summed, weight, eps) in out_dtype,
+        summed = x + residual in the promoted dtype.
+
+    Raises:
+        TypeError: an input that is not a tensor of float32, float16 or bfloat16, a weight whose
+            dtype is neither x's nor float32, or an out_dtype that is not one of those three.
+        ValueError: an empty last dim, a weight not (N,), a residual of another shape, or an input
+            on another device than x; with the Triton kernels, N above 65536 (`MAX_HIDDEN`;
+            FASTLM_BACKEND=torch runs any size).
     """
     _check_args(x, weight)
     _check_residual(residual, x)

@@ -382,7 +382,21 @@ def rope_tables(theta: float, d_k: int, max_seq_len: int,
                 device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position * theta^(-2i / d_k), each (max_seq_len, d_k // 2) float32.
 
-    Computed exactly as `fastlm.reference.RoPE` computes its tables (one column per pair).
+    Computed exactly as `fastlm.reference.RoPE` computes its tables (one column per pair; the
+    reference repeats each column twice): the `cos`, `sin` that `apply_rope_` and `rope_attention`
+    take.
+
+    Args:
+        theta: the RoPE base (10000.0 in most models).
+        d_k: the head dim, even.
+        max_seq_len: the number of positions, at least 1; row p holds position p's angles.
+        device: where to build the tables (default: PyTorch's default device).
+
+    Returns:
+        (cos, sin), each (max_seq_len, d_k // 2) float32.
+
+    Raises:
+        ValueError: max_seq_len below 1, or an odd d_k.
     """
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
@@ -523,22 +537,40 @@ def apply_rope_(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k in place, in one launch, and return them (the same tensor objects).
 
-    q: (B, Hq, T, D), k: (B, Hk, T, D); Hq and Hk may differ (grouped-query attention). Also
-    (B, T, D) or (T, D). Any strides: views of a fused QKV projection output, such as
-    `qkv[..., :C].view(B, T, H, D).transpose(1, 2)`, are rotated in the caller's storage.
-    Slice or index the fused output (PyTorch refuses in-place autograd on `split`/`chunk`
-    outputs). cos, sin: (max_seq_len, D // 2), see `rope_tables`. token_positions: (T,) or
-    (B, T) integers in [0, max_seq_len), any offset. interleaved: pairs (x[2i], x[2i+1]) if
-    True, else the half-split pairs (x[i], x[i + D/2]).
+    Pair i of each head vector at position p is rotated by p * theta^(-2i / D), its cos and sin read
+    from the tables at the token's position. Autograd: the gradients of q and k are the incoming
+    ones rotated by -angle.
 
     Out-of-range positions: positions on the CPU are checked on the host and raise ValueError
-    (they are then copied to q's device). Positions already on a CUDA device are checked without
-    a host sync, by `torch._assert_async`: a bad value is reported as a device-side assertion
-    (a RuntimeError at a later synchronisation, which ends the CUDA context), and the kernel
-    clamps positions so that it never reads outside the tables meanwhile. Pass CPU positions
-    where a catchable ValueError matters more than the sync.
+    (they are then copied to q's device). Positions already on a CUDA device are checked without a
+    host sync, by `torch._assert_async`: a bad value is reported as a device-side assertion (a
+    RuntimeError at a later synchronisation, which ends the CUDA context), and the kernel clamps
+    positions so that it never reads outside the tables meanwhile. Pass CPU positions where a
+    catchable ValueError matters more than the sync.
 
-    A leaf tensor that requires grad (or a view of one) raises ValueError, as any in-place op
-    on it would. Autograd: the gradients of q and k are the incoming ones rotated by -angle.
+    Args:
+        q: (B, Hq, T, D), also (B, T, D) or (T, D); float32, float16 or bfloat16; D even. Any
+            strides: views of a fused QKV projection output, such as
+            `qkv[..., :C].view(B, T, H, D).transpose(1, 2)`, are rotated in the caller's storage.
+            Slice or index the fused output (PyTorch refuses in-place autograd on `split`/`chunk`
+            outputs).
+        k: (B, Hk, T, D) (or q's 3-D or 2-D form), q's dtype and device, batch, sequence and head
+            dim; Hq and Hk may differ (grouped-query attention). Not q itself.
+        cos, sin: (max_seq_len, D // 2), one float dtype, on q's device; see `rope_tables`.
+        token_positions: (T,) or (B, T) int32 or int64 in [0, max_seq_len), any offset; on the CPU
+            or on q's device.
+        interleaved: pairs (x[2i], x[2i+1]) if True (the default), else the half-split pairs
+            (x[i], x[i + D/2]).
+
+    Returns:
+        (q, k), the tensors passed in, rotated.
+
+    Raises:
+        TypeError: q, k, cos or sin not a tensor of float32, float16 or bfloat16, k's dtype not
+            q's or sin's not cos's, or token_positions not an int32/int64 tensor.
+        ValueError: a shape other than the above, an odd D, k the same tensor as q, elements
+            sharing memory (an expand: rotate a copy), an input on another device, a leaf tensor
+            that requires grad (or a view of one), as any in-place op on it would, or (on the CPU)
+            a position out of range.
     """
     return rotate_in_place({"q": q, "k": k}, cos, sin, token_positions, interleaved)

@@ -285,8 +285,20 @@ refuse_double_backward("fastlm::swiglu_packed_backward", "swiglu_packed")
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for tensors of one shape (any leading dims, any row strides).
 
-    fp32, fp16 or bf16; math in float32, the result in the inputs' dtype. The backward
-    recomputes sigmoid(gate).
+    silu(g) = g * sigmoid(g). The math is float32; the backward recomputes sigmoid(gate) rather than
+    storing it.
+
+    Args:
+        gate: (..., d_ff) float32, float16 or bfloat16, the gate projection's output (W1 x); the
+            last dim non-empty.
+        up: the up projection's output (W3 x), gate's shape, dtype and device.
+
+    Returns:
+        silu(gate) * up, gate's shape, in the inputs' dtype.
+
+    Raises:
+        TypeError: gate or up not a tensor of float32, float16 or bfloat16, or of two dtypes.
+        ValueError: gate and up of two shapes or on two devices, or an empty last dim.
     """
     check_float("gate", gate)
     check_float("up", up)
@@ -301,10 +313,21 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up where gate_up is (..., 2 * d_ff): gate first, up second; -> (..., d_ff).
+    """silu(gate) * up where gate_up holds gate in its first half and up in its second.
 
     For a fused W1|W3 projection: its output goes in whole, and its gradient comes back as one
-    (..., 2 * d_ff) tensor.
+    (..., 2 * d_ff) tensor. Math and backward as `swiglu`'s.
+
+    Args:
+        gate_up: (..., 2 * d_ff) float32, float16 or bfloat16: gate = gate_up[..., :d_ff],
+            up = gate_up[..., d_ff:]; any row strides.
+
+    Returns:
+        (..., d_ff) in gate_up's dtype.
+
+    Raises:
+        TypeError: gate_up not a tensor of float32, float16 or bfloat16.
+        ValueError: a last dim that is empty or odd.
     """
     check_float("gate_up", gate_up)
     if gate_up.dim() == 0 or gate_up.shape[-1] == 0 or gate_up.shape[-1] % 2:

@@ -269,26 +269,45 @@ def flash_attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """softmax(softmax_scale * q k^T [+ causal mask]) v without materialising the scores.
 
-    q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D) with Hq a multiple of Hkv (grouped-query / multi-query
-    attention: query head h reads key/value head h // (Hq // Hkv)) and 1 <= Nq <= Nk. Any strides
-    (e.g. `x.view(B, N, H, D).transpose(1, 2)` or slices of a fused qkv tensor) are read in place.
-    causal: query i sees key j iff j <= i + Nk - Nq (aligned to the end, as in KV-cache decoding).
-    softmax_scale: defaults to 1 / sqrt(D). D: a multiple of 8 up to 256 for the Triton kernel
-    (the PyTorch backend takes any).
-    window_size: (left, right): query i sees key j only if d - left <= j <= d + right, d = i + Nk
-    - Nq its aligned diagonal; -1 leaves that side unbounded; with causal=True right is 0 (it may
-    be given as -1 or 0). Key blocks outside every row's window are never visited: the work is
-    O(N * window).
-    softcap: if > 0, each scaled score s becomes softcap * tanh(s / softcap) before the mask and
-    the softmax (gradients through the cap).
-    return_lse: also return lse (B, Hq, Nq) fp32, the natural log-sum-exp of each row's capped,
-    masked scores (-inf for a row that sees no key, whose output is 0). lse carries no gradient.
-    dtypes: float16, bfloat16, float32 (all three the same); softmax statistics in fp32.
-    allow_tf32: for float32 inputs on a GPU, False makes the dots full fp32 instead of TF32.
-    deterministic: the backward's schedule. True (the default): a dK/dV pass and a dQ pass with
-    no atomics, bitwise reproducible for a given config. False: FA2's 5-matmul schedule, one pass
-    that also adds dQ with fp32 atomics (less recomputation; gradients equal to rounding only).
-    Returns o (B, Hq, Nq, D) in q's dtype, differentiable in q, k and v; (o, lse) with return_lse.
+    Grouped-query / multi-query attention: query head h reads key/value head h // (Hq // Hkv). The
+    queries are the last Nq of the keys' positions: query i sits on the diagonal d = i + Nk - Nq
+    (aligned to the end, as in KV-cache decoding). Key blocks outside every row's window are never
+    visited: the work is O(N * window). Softmax statistics are fp32.
+
+    Args:
+        q: (B, Hq, Nq, D) float16, bfloat16 or float32, 1 <= Nq <= Nk. Any strides (e.g.
+            `x.view(B, N, H, D).transpose(1, 2)` or slices of a fused qkv tensor) are read in
+            place. D: a multiple of 8 up to 256 for the Triton kernel (the PyTorch backend takes
+            any).
+        k, v: (B, Hkv, Nk, D), q's dtype and device, Hq a multiple of Hkv, Nk >= 1.
+        causal: query i sees key j iff j <= i + Nk - Nq (default True).
+        softmax_scale: the scale of the scores (default 1 / sqrt(D)).
+        window_size: (left, right): query i sees key j only if d - left <= j <= d + right; -1
+            (the default, both sides) leaves that side unbounded; with causal=True right is 0 (it
+            may be given as -1 or 0).
+        softcap: if > 0, each scaled score s becomes softcap * tanh(s / softcap) before the mask
+            and the softmax (gradients through the cap); 0 (the default) is off.
+        return_lse: also return lse (B, Hq, Nq) fp32, the natural log-sum-exp of each row's capped,
+            masked scores (-inf for a row that sees no key, whose output is 0). lse carries no
+            gradient. Default False.
+        allow_tf32: for float32 inputs on a GPU, False makes the dots full fp32 instead of TF32
+            (default True).
+        deterministic: the backward's schedule. True (the default): a dK/dV pass and a dQ pass
+            with no atomics, bitwise reproducible for a given config. False: FA2's 5-matmul
+            schedule, one pass that also adds dQ with fp32 atomics (less recomputation; gradients
+            equal to rounding only).
+
+    Returns:
+        o (B, Hq, Nq, D) in q's dtype, differentiable in q, k and v; (o, lse) with return_lse.
+
+    Raises:
+        TypeError: q, k or v not a tensor of float16, bfloat16 or float32, or of two dtypes;
+            causal, return_lse not a bool; softmax_scale not a real number or None; window_size
+            not a pair of ints; softcap not a real number.
+        ValueError: q, k, v not 4-D, on two devices, k and v of two shapes, head dims that differ
+            or are 0, Hq not a multiple of Hkv, batch sizes that differ, Nk = 0 or Nq > Nk; a
+            window side below -1, or window_size[1] > 0 with causal=True; a negative or infinite
+            softcap; with the Triton kernel, a head dim it does not take.
     """
     check_inputs(q, k, v, causal, softmax_scale)
     window, softcap = check_options(causal, window_size, softcap, return_lse)
@@ -311,20 +330,36 @@ def flash_attention_varlen(
                                                               int] = (-1, -1), softcap: float = 0.0,
     return_lse: bool = False, allow_tf32: bool = True, deterministic: bool = True
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """flash_attention of packed sequences (documents): sequence i's queries, rows
-    cu_seqlens_q[i] to cu_seqlens_q[i + 1] of q, attend only to its keys, rows cu_seqlens_k[i]
-    to cu_seqlens_k[i + 1] of k and v, with the causal mask and window aligned to the end of each
-    sequence as in `flash_attention`.
+    """flash_attention of packed sequences (documents), each attending only within itself.
 
-    q: (total_q, Hq, D); k, v: (total_k, Hkv, D), any strides. cu_seqlens_q, cu_seqlens_k: int32
-    (num_seqs + 1,) on q's device, from 0 to the totals, non-decreasing (a sequence may be
-    empty; one with more queries than keys masks its first queries, which get output 0).
-    max_seqlen_q, max_seqlen_k: ints at least the longest sequence's lengths; they size the
-    launch, so nothing is read back from the device. On a CPU tensor the cu_seqlens values are
-    checked at once; on a GPU by a device-side assertion (`torch._assert_async`, no host sync).
-    causal, softmax_scale, window_size, softcap, allow_tf32, deterministic: as in
-    `flash_attention`. return_lse: also return lse (Hq, total_q) fp32.
-    Returns o (total_q, Hq, D) in q's dtype; (o, lse) with return_lse.
+    Sequence i's queries, rows cu_seqlens_q[i] to cu_seqlens_q[i + 1] of q, attend only to its
+    keys, rows cu_seqlens_k[i] to cu_seqlens_k[i + 1] of k and v, with the causal mask and window
+    aligned to the end of each sequence as in `flash_attention`. A sequence may be empty; one with
+    more queries than keys masks its first queries, which get output 0.
+
+    Args:
+        q: (total_q, Hq, D) float16, bfloat16 or float32, any strides; D as in `flash_attention`.
+        k, v: (total_k, Hkv, D), q's dtype and device, Hq a multiple of Hkv, any strides.
+        cu_seqlens_q, cu_seqlens_k: int32 (num_seqs + 1,) on q's device, each from 0 to its total,
+            non-decreasing; one sequence of keys per sequence of queries. On a CPU tensor the values
+            are checked at once; on a GPU by a device-side assertion (`torch._assert_async`, no host
+            sync).
+        max_seqlen_q, max_seqlen_k: ints at least the longest sequence's lengths; they size the
+            launch, so nothing is read back from the device.
+        causal, softmax_scale, window_size, softcap, allow_tf32, deterministic: as in
+            `flash_attention`.
+        return_lse: also return lse (Hq, total_q) fp32 (default False).
+
+    Returns:
+        o (total_q, Hq, D) in q's dtype; (o, lse) with return_lse.
+
+    Raises:
+        TypeError: q, k, v, the options or max_seqlen_* of a wrong type, as in `flash_attention`;
+            cu_seqlens_* not a tensor.
+        ValueError: q, k, v not 3-D or otherwise as in `flash_attention`; cu_seqlens_* not int32,
+            not 1-D with at least 2 entries, on another device than q, of different lengths, or
+            (on the CPU) not rising from 0 to the total with no step above max_seqlen_*; a negative
+            max_seqlen_*.
     """
     _check_heads(("q", "k", "v"), q, k, v, 3, "tokens, heads, head_dim")
     _check_causal_and_scale(causal, softmax_scale)

@@ -156,21 +156,41 @@ def rope_attention(
 ) -> torch.Tensor:
     """Attention of a fused q|k|v projection with RoPE: the model's attention in one call.
 
-    qkv: (B, T, (Hq + 2 Hkv) * D), the projection's output (q's heads, then k's, then v's);
-    Hkv = num_kv_heads (default num_heads) divides Hq. cos, sin, token_positions, interleaved as in
-    `apply_rope_` (check_positions=False skips the range check of the positions, for a caller
-    that checked them once for all layers); causal, softmax_scale, allow_tf32, deterministic as in
-    `flash_attention`. Returns o (B, Hq, T, D) in (B, T, Hq, D) memory, so that
-    `o.transpose(1, 2).reshape(B, T, Hq * D)` is free.
-
     qkv's q and k are rotated in place, on both backends (so qkv must not be a leaf that requires
-    grad, and must not be read afterwards for its unrotated values). With the kernels its
-    gradient is written as one tensor: dq and dk rotated back, and dv, side by side, with no
-    buffers to zero or gradients to add.
+    grad, and must not be read afterwards for its unrotated values), then attended by
+    `flash_attention` through their strides. With the kernels qkv's gradient is written as one
+    tensor: dq and dk rotated back, and dv, side by side, with no buffers to zero or gradients to
+    add.
 
-    cu_seqlens, max_seqlen: packed documents, as in `flash_attention_varlen` (self-attention):
-    the B * T tokens, flattened row by row, are split at cu_seqlens; token_positions are then the
-    B * T tokens' positions, (B * T,). Returns o (1, Hq, B * T, D) in (B * T, Hq, D) memory.
+    Args:
+        qkv: (B, T, (Hq + 2 Hkv) * D) float16, bfloat16 or float32, the projection's output (q's
+            heads, then k's, then v's).
+        cos, sin: RoPE's tables, as in `apply_rope_`.
+        token_positions: as in `apply_rope_`: (T,) or (B, T); with cu_seqlens, the B * T tokens'
+            positions, (B * T,).
+        num_heads: Hq, a positive int.
+        num_kv_heads: Hkv, a positive int dividing Hq (default: num_heads).
+        causal, softmax_scale, allow_tf32, deterministic: as in `flash_attention`.
+        interleaved: RoPE's pair layout, as in `apply_rope_` (default True).
+        check_positions: False skips the range check of the positions, for a caller that checked
+            them once for all layers (default True).
+        cu_seqlens, max_seqlen: packed documents, as in `flash_attention_varlen` (self-attention:
+            one cu_seqlens for queries and keys; max_seqlen default: B * T): the B * T tokens,
+            flattened row by row, are split at cu_seqlens. Row b + 1 of qkv must then follow row b
+            in memory.
+
+    Returns:
+        o (B, Hq, T, D) in (B, T, Hq, D) memory, so that `o.transpose(1, 2).reshape(B, T, Hq * D)`
+        is free; with cu_seqlens, o (1, Hq, B * T, D) in (B * T, Hq, D) memory.
+
+    Raises:
+        TypeError: qkv not a tensor of float16, bfloat16 or float32; cos, sin, token_positions,
+            causal or softmax_scale as in `apply_rope_` and `flash_attention`.
+        ValueError: num_heads or num_kv_heads not a positive int; qkv not 3-D with a last dim
+            that splits into Hq + 2 Hkv heads; a leaf qkv that requires grad; Hq not a multiple of
+            Hkv; with cu_seqlens, rows of qkv that do not follow each other in memory, or bad
+            cu_seqlens, as in `flash_attention_varlen`; the tables, positions and head dim as in
+            `apply_rope_` and `flash_attention`.
     """
     check_float("qkv", qkv)
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
