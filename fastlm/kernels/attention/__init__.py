@@ -26,7 +26,7 @@ Backward, with dO, recomputing P = 2^(t - LSE) block by block:
 One program per (key block, batch * key/value head) computes dK and dV, looping over the G query
 heads of its group, so grouped heads need no atomics; another kernel, one program per (query block,
 batch * query head), computes dQ. Every grid is 1-D, block index fastest
-(`_block_start_and_batch_head`).
+(`blocks.block_start_and_batch_head`).
 With deterministic=False the dK/dV pass also computes dQ = s * dS k for its key block and adds it
 with fp32 atomics into a zeroed buffer (FA2's 5-matmul schedule): one pass, P computed once.
 
@@ -49,11 +49,12 @@ on the host per call from cached device facts and cheap stride checks (`_use_ten
 
 Determinism (deterministic=True, the default): no atomics, and every sum has an order fixed by the
 block sizes, so with the same (BLOCK_M, BLOCK_N) configs the output and gradients are bitwise
-reproducible. In one process each kernel's config is chosen once per tuning key (`_TUNING_KEY` and
-the dtypes) and kept: repeated calls are bitwise equal. Across processes they need not be: on CUDA
-the autotuner picks configs by timing, so another run, GPU or Triton version may pick other block
-sizes and round differently (equal to rounding, not bitwise). TRITON_CACHE_AUTOTUNING=1 makes later
-processes on the same machine reuse the timings stored on disk. The interpreter has a single config.
+reproducible. In one process each kernel's config is chosen once per tuning key
+(`configs.TUNING_KEY` and the dtypes) and kept: repeated calls are bitwise equal. Across processes
+they need not be: on CUDA the autotuner picks configs by timing, so another run, GPU or Triton
+version may pick other block sizes and round differently (equal to rounding, not bitwise).
+TRITON_CACHE_AUTOTUNING=1 makes later processes on the same machine reuse the timings stored on
+disk. The interpreter has a single config.
 
 Precision: fp16/bf16 dots accumulate in fp32. fp32 inputs use TF32 dots on a GPU by default
 (`allow_tf32=False` asks for full fp32 dots); Triton's interpreter computes fp32 dots exactly.
