@@ -36,7 +36,8 @@ lists every row whose code differs and exits 1 if any does.
     python benchmarks/compile_report.py --check-baseline  # is the kept one this code's, clean?
 
 The whole report takes tens of minutes on two cores, too long for every test run; so it is kept
-in the repository (`results/compile_report.json`, written by `--baseline`) with a fingerprint of
+in the repository (`baselines/compile_report.json`, written by `--baseline`; `results/` holds GPU
+measurements only) with a fingerprint of
 the kernels' code, and `--check-baseline` (run by the tests) exits 1 unless that fingerprint is
 this tree's and no kept row is flagged: a kernel change that is not reported again fails CI.
 
@@ -782,7 +783,7 @@ def report_code_changes(before: list[dict], after: list[dict]) -> bool:
 
 
 #: The whole report, kept in the repository (`--baseline` writes it, `--check-baseline` reads it).
-BASELINE = Path(__file__).resolve().parent / "results" / "compile_report.json"
+BASELINE = Path(__file__).resolve().parent / "baselines" / "compile_report.json"
 
 
 def _without_docstrings(tree: ast.AST) -> ast.AST:
