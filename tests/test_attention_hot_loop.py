@@ -1,13 +1,22 @@
 """tools/hot_loop.py: the hot loop read from SASS, its instruction mix, MMA against the tile, the
-waits and what runs beside the tensor cores, and the clock model, checked on a hand-written
-listing in nvdisasm's format, where every figure is known.
+waits and what runs beside the tensor cores, and the clock model; then the shipped descriptor
+forward compiled for sm_90a, whose softmax must keep running beside a warpgroup MMA.
+
+The parser is checked on a hand-written listing in nvdisasm's format, where every figure is
+known; the compile runs `tools/hot_loop.py` in a subprocess without TRITON_INTERPRET (which
+conftest.py sets here), as test_compile_report.py does.
 """
 
 import importlib.util
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from fastlm.kernels.attention.configs import FWD_TMA_CUDA_CONFIGS
 
 REPO = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("hot_loop", REPO / "tools" / "hot_loop.py")
@@ -133,6 +142,31 @@ def test_mix_mma_against_the_tile_waits_and_overlap():
     assert row["mma_busy_overlapped"] == 1.0
 
 
+def test_loop_that_waits_for_every_mma_at_once():
+    """Each group waited for right after it: nothing runs beside the tensor cores, and the model
+    hides nothing."""
+    listing = "\n".join(
+        [
+            ".L_x_0:",
+            _line(0x0, "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT, gsb0"),
+            _line(0x10, "WARPGROUP.DEPBAR.LE gsb0, 0x0"),
+            _line(0x20, "MUFU.EX2 R5, R24"),
+            _line(0x30, "@P0 BRA `(.L_x_0)"),
+            _line(0x40, "EXIT"),
+        ]
+    )
+    row = hot_loop.analyse(
+        listing,
+        "",
+        "_attention_fwd_tma_kernel",
+        dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=16),
+        4,
+        "sm_90a",
+    )
+    assert row["in_flight"] == dict(instructions=0, mufu=0, mma_flops=0)
+    assert row["mma_busy_overlapped"] == row["mma_busy"]
+
+
 def test_hmma_loops_and_a_loop_without_mma():
     """mma.sync (sm_80): one warp's m16n8k16 per HMMA, no warpgroup waits; a kernel without a
     loop holding MMA is a flagged row."""
@@ -163,3 +197,54 @@ def test_hmma_loops_and_a_loop_without_mma():
         "sm_80",
     )
     assert no_loop["problems"] == ["no loop with MMA instructions"]
+
+
+def _compile_missing() -> str | None:
+    try:
+        import triton
+
+        path = triton.knobs.nvidia.nvdisasm.path
+    except Exception as error:  # no NVIDIA backend in this Triton build
+        return f"Triton's nvdisasm is not available: {error}"
+    return None if os.access(path, os.X_OK) else f"nvdisasm is not executable at {path}"
+
+
+@pytest.mark.skipif(_compile_missing() is not None, reason=str(_compile_missing()))
+def test_shipped_descriptor_forward_overlaps_softmax_and_mma(tmp_path):
+    """The descriptor forward's largest shipped tile (bf16, causal, head dim 128, M128 N128, 8
+    warps) compiled for sm_90a: every exponential of its hot loop is issued while the previous
+    block's P V runs on the tensor cores, and the loop issues exactly its tile's MMA."""
+    out = tmp_path / "rows.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "hot_loop.py"),
+            "--op",
+            "fwd (TMA)",
+            "--arch",
+            "sm_90a",
+            "--head-dim",
+            "128",
+            "--config",
+            "128,128,8,2",
+            "--json",
+            str(out),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    (row,) = json.loads(out.read_text())
+    assert (128, 128, 8, 2) in [
+        (c.blocks["BLOCK_M"], c.blocks["BLOCK_N"], c.num_warps, c.num_stages)
+        for c in FWD_TMA_CUDA_CONFIGS
+        if c.max_block_d >= 128
+    ], "the config checked here is shipped"
+    assert row["mma_ratio"] == 1.0
+    assert row["mix"]["mufu"] >= 64, "a 128 x 128 tile on 256 threads: 64 ex2 per thread"
+    assert row["in_flight"]["mufu"] == row["mix"]["mufu"], "an exponential waits for the MMA"
+    assert row["mma_busy_overlapped"] > row["mma_busy"]

@@ -194,7 +194,7 @@ def in_flight(body: list[Instruction], num_warps: int) -> dict | None:
     if not any(inst.base == "HGMMA" for inst in body):
         return None
     groups: list[list[int]] = [[]]  # indices of the HGMMAs of each pending group, the last open
-    counts, beside = Counter(), set()
+    counts, beside = Counter(instructions=0, mufu=0), set()
     for walk in range(2):
         for i, inst in enumerate(body):
             if inst.base == "HGMMA":

@@ -142,10 +142,12 @@ TUNING_KEY = [
 # The descriptor forward's own list (the pointer list's shapes: TMA moves the same tiles). Each
 # compiled for sm_90a without spills at bf16 head dims 64 and 128 (ptxas -v, Triton 3.9); fp32 and
 # head dims above 128 were not checked, so `_use_tensor_descriptors` sends them to the pointer path.
+# Its software-pipelined loop holds a block's scores and the previous block's p at once: 128 rows
+# on 4 warps spill at head dim 128 (about 800 B); with an option they spilled unpipelined too.
 TMA_MAX_BLOCK_D = 128
 FWD_TMA_CUDA_CONFIGS = [
-    cuda_config(128, 64, 4, 2, 128, 0, options=False),  # a window, the cap or varlen spill (sm_90a)
-    cuda_config(128, 64, 4, 3, 128, 0, options=False),
+    cuda_config(128, 64, 4, 2, 64, 0, options=False),
+    cuda_config(128, 64, 4, 3, 64, 0, options=False),
     cuda_config(128, 64, 8, 2, 128, 0),
     cuda_config(128, 64, 8, 3, 128, 0),
     cuda_config(128, 128, 8, 2, 128, 0),
