@@ -29,6 +29,12 @@ from fastlm.kernels._common import tl, triton
 from fastlm.kernels.attention import attention_ref, forward
 from fastlm.kernels.attention.backward import attention_backward
 from fastlm.kernels.attention.blocks import exp2_fma, exp2_split, tanh
+from fastlm.kernels.attention.configs import (
+    DKDV_CUDA_CONFIGS,
+    FWD_CUDA_CONFIGS,
+    cuda_config,
+    fitting_configs,
+)
 from fastlm.kernels.attention.forward import _use_tensor_descriptors, attention_forward
 from fastlm.kernels.attention.launch import empty_heads_like
 from fastlm.kernels.attention.qkv import split_heads
@@ -94,6 +100,19 @@ def test_other_forward_path_matches_reference(
     q, k, v = make_heads(B, Hq, Hkv, Nq, Nk, D, dtype, device)
     assert _use_tensor_descriptors(q, k, v, empty_heads_like(q.detach())) == (tma == "1")
     run_dense(q, k, v, causal)
+
+
+def test_a_config_kept_for_large_head_blocks_takes_no_smaller_one():
+    """min_block_d: a config shipped only for the head blocks no better one fits (fp32 above 128,
+    where 8 warps on 32 rows repeat MMA work) is not tried below them."""
+    kept = cuda_config(32, 32, 8, 1, 0, 256, min_block_d=256)
+    plain = cuda_config(64, 32, 4, 1, 0, 128)
+    assert fitting_configs([plain, kept], 256, 4) == [kept]
+    assert fitting_configs([plain, kept], 128, 4) == [plain]
+    assert fitting_configs([plain, kept], 256, 2) == []
+    for cuda in (FWD_CUDA_CONFIGS, DKDV_CUDA_CONFIGS):
+        assert [c.min_block_d for c in fitting_configs(cuda, 256, 4)] == [256]
+        assert all(c.min_block_d == 0 for c in fitting_configs(cuda, 128, 4))
 
 
 @pytest.mark.parametrize("shift", [1, 3])
