@@ -28,9 +28,15 @@ from hypothesis import strategies as st
 
 from fastlm import flash_attention
 from fastlm.kernels._common import tl, triton
-from fastlm.kernels.attention import flash_attention_ref
+from fastlm.kernels.attention import flash_attention_ref, forward
 from fastlm.kernels.attention.backward import attention_backward
-from fastlm.kernels.attention.blocks import tanh
+from fastlm.kernels.attention.blocks import exp2_fma, exp2_split, tanh
+from fastlm.kernels.attention.configs import (
+    DKDV_CUDA_CONFIGS,
+    FWD_CUDA_CONFIGS,
+    cuda_config,
+    fitting_configs,
+)
 from fastlm.kernels.attention.forward import _use_tensor_descriptors, attention_forward
 from fastlm.kernels.attention.launch import empty_heads_like
 from fastlm.kernels.attention.qkv import split_heads
@@ -95,6 +101,30 @@ def test_other_forward_path_matches_reference(
     monkeypatch.setenv("FASTLM_ATTENTION_TMA", tma)
     q, k, v = make_heads(B, Hq, Hkv, Nq, Nk, D, dtype, device)
     assert _use_tensor_descriptors(q, k, v, empty_heads_like(q.detach())) == (tma == "1")
+    run_dense(q, k, v, causal)
+
+
+def test_a_config_kept_for_large_head_blocks_takes_no_smaller_one():
+    """min_block_d: a config shipped only for the head blocks no better one fits (fp32 above 128,
+    where 8 warps on 32 rows repeat MMA work) is not tried below them."""
+    kept = cuda_config(32, 32, 8, 1, 0, 256, min_block_d=256)
+    plain = cuda_config(64, 32, 4, 1, 0, 128)
+    assert fitting_configs([plain, kept], 256, 4) == [kept]
+    assert fitting_configs([plain, kept], 128, 4) == [plain]
+    assert fitting_configs([plain, kept], 256, 2) == []
+    for cuda in (FWD_CUDA_CONFIGS, DKDV_CUDA_CONFIGS):
+        assert [c.min_block_d for c in fitting_configs(cuda, 256, 4)] == [256]
+        assert all(c.min_block_d == 0 for c in fitting_configs(cuda, 128, 4))
+
+
+@pytest.mark.parametrize("shift", [1, 3])
+@pytest.mark.parametrize("causal", [True, False])
+def test_descriptor_forward_with_exponentials_on_the_fma_units(device, monkeypatch, shift, causal):
+    """The descriptor forward with the last 1/2^shift of each block's exponentials computed by
+    exp2_fma (EXP2_FMA_SHIFT): masked keys (-inf) and rows past a block included."""
+    monkeypatch.setenv("FASTLM_ATTENTION_TMA", "1")
+    monkeypatch.setattr(forward, "_exp2_fma_shift", lambda block_d: shift)
+    q, k, v = make_heads(1, 2, 1, 77, 130, 64, torch.float16, device)
     run_dense(q, k, v, causal)
 
 
@@ -209,6 +239,74 @@ def test_triton_tanh_is_exact_to_fp32_rounding(device):
     worst = ((y.double() - ref).abs() / ulp).max().item()
     assert worst <= 3.0, f"tanh is {worst:.1f} ulp off"
     assert torch.equal(torch.sign(y), torch.sign(x)), "tanh keeps the sign (and tanh(0) = 0)"
+
+
+@triton.jit
+def _exp2_fma_kernel(X, Y, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y + offs, exp2_fma(tl.load(X + offs, mask=offs < n)), mask=offs < n)
+
+
+def _softmax_exponents(device) -> torch.Tensor:
+    """float32 exponents over the softmax's whole range, x <= 0 (and a few ulp above, where a
+    fused scale-and-shift rounds past the row max): dense near 0, every binade down to 2^-126
+    and through the denormals to where 2^x rounds to 0, -inf (a masked score) and both zeros."""
+    tiny = torch.logspace(-30, 0, 3000, dtype=torch.float64)
+    x = torch.cat(
+        [
+            torch.linspace(-160.0, 0.0, 40001, dtype=torch.float64),
+            -tiny,
+            tiny * 1e-6,
+            -torch.rand(5000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+            * 160.0,
+            torch.tensor([0.0, -0.0, -math.inf, -126.0, -149.0, -149.5, -150.0, -200.0]),
+        ]
+    )
+    return x.to(torch.float32).to(device)
+
+
+def test_exp2_on_the_fma_units_is_exact_to_fp32_rounding(device):
+    """exp2_fma against torch.exp2 in float64 over the softmax's range: within an fp32 ulp of the
+    exact value where 2^x is normal (1.5 where the interpreter rounds a * b + c twice), within
+    one ulp of the smallest denormal (2^-149) below, and exactly 0 where exp2 gives 0."""
+    x = _softmax_exponents(device)
+    y = torch.full_like(x, math.nan)
+    _exp2_fma_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    exact = torch.exp2(x.double())
+    normal = exact >= torch.finfo(torch.float32).tiny
+    # An fp32 ulp at the exact value: 2^(e - 24) for exact = m * 2^e, m in [0.5, 1); 2^-149
+    # (the smallest denormal) below 2^-126.
+    ulp = torch.where(
+        normal, torch.ldexp(torch.ones_like(exact), torch.frexp(exact)[1] - 24), 2.0**-149
+    )
+    error = (y.double() - exact).abs() / ulp
+    assert error[normal].max().item() <= 1.5, f"{error[normal].max().item():.2f} ulp off"
+    assert error[~normal].max().item() <= 1.0, "denormal results off by more than one"
+    zero = torch.exp2(x) == 0
+    assert zero.any() and torch.equal(y[zero], torch.zeros_like(y[zero])), "exp2 rounds to 0 there"
+    assert torch.equal(y[x == 0], torch.ones_like(y[x == 0])), "2^0 = 1 exactly"
+
+
+@triton.jit
+def _exp2_split_kernel(X, Y, FMA_SHIFT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    tl.store(Y + offs, exp2_split(tl.load(X + offs), FMA_SHIFT))
+
+
+@pytest.mark.parametrize("shift", [1, 2, 3])
+def test_exp2_split_puts_each_column_back(device, shift):
+    """A tile's 2^x with the last 1/2^shift of its columns on the FMA units: every element where
+    it was, equal to torch.exp2 within the MUFU's and exp2_fma's rounding; the columns exp2_fma
+    computed are exactly its own values."""
+    rows, cols = 16, 64
+    x = -torch.rand(rows, cols, device=device) * 40.0
+    y = torch.full_like(x, math.nan)
+    _exp2_split_kernel[(1,)](x, y, shift, rows, cols)
+    assert_close(y, torch.exp2(x.double()), torch.float32, "exp2_split")
+    fma = torch.full_like(x, math.nan)
+    _exp2_fma_kernel[(1,)](x, fma, x.numel(), BLOCK=rows * cols)
+    first = cols - (cols >> shift)
+    assert torch.equal(y[:, first:], fma[:, first:]), "the last columns come from exp2_fma"
 
 
 @pytest.mark.parametrize("causal", [True, False])

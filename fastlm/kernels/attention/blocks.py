@@ -77,6 +77,72 @@ def tanh(x):
 
 
 @triton.jit
+def exp2_fma(x):
+    """2^x on the FMA units (no MUFU), within an fp32 ulp of exact for x < 63.5, so at every
+    softmax exponent (x <= 0): results below 2^-126 are the correctly rounded denormals, 0 from
+    about -149.5 down, -inf included.
+
+    Cody-Waite: x = j + f with j = rint(x) (the 1.5 * 2^23 trick: its low mantissa bits are j)
+    and |f| <= 1/2; 2^f by a degree-6 minimax polynomial (relative error 1.9e-9, under an fp32
+    ulp with Horner's FMAs); 2^j added to the exponent bits with a bias of 2^64, so the sum stays
+    a normal number down to x = -150, and taken off by one multiplication, which rounds the
+    denormals once.
+    """
+    x = tl.maximum(x, -150.0)
+    t = x + 12582912.0
+    f = x - (t - 12582912.0)
+    p = f * 1.534579175960525e-4 + 1.3399929366022805e-3
+    p = f * p + 9.618489006952545e-3
+    p = f * p + 5.550328781768263e-2
+    p = f * p + 0.24022646890427754
+    p = f * p + 0.6931472057349264
+    p = f * p + 1.0
+    scaled = p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23) + (64 << 23)
+    return scaled.to(tl.float32, bitcast=True) * 5.421010862427522e-20  # 2^-64
+
+
+@triton.jit
+def _halves(x):
+    """The first and the second half of x's columns: register permutations in the tensor-core
+    layouts, where one thread holds columns c and c + N / 2 alike."""
+    rows: tl.constexpr = x.shape[0]
+    cols: tl.constexpr = x.shape[1]
+    return tl.split(tl.permute(tl.reshape(x, [rows, 2, cols // 2]), [0, 2, 1]))
+
+
+@triton.jit
+def _unhalves(a, b):
+    rows: tl.constexpr = a.shape[0]
+    cols: tl.constexpr = a.shape[1]
+    return tl.reshape(tl.permute(tl.join(a, b), [0, 2, 1]), [rows, 2 * cols])
+
+
+@triton.jit
+def exp2_split(x, FMA_SHIFT: tl.constexpr):
+    """2^x of a (rows, cols) tile, the last cols >> FMA_SHIFT columns on the FMA units
+    (`exp2_fma`), the others on the MUFU: FMA_SHIFT 0 takes the MUFU alone, 1 to 3 move a half
+    to an eighth of the exponentials off it, where the MUFU bounds a loop."""
+    if FMA_SHIFT == 0:
+        y = tl.math.exp2(x)
+    elif FMA_SHIFT == 1:
+        a, b = _halves(x)
+        y = _unhalves(tl.math.exp2(a), exp2_fma(b))
+    elif FMA_SHIFT == 2:
+        a, b = _halves(x)
+        b0, b1 = _halves(b)
+        y = _unhalves(tl.math.exp2(a), _unhalves(tl.math.exp2(b0), exp2_fma(b1)))
+    else:
+        tl.static_assert(FMA_SHIFT == 3, "FMA_SHIFT: 0 to 3")
+        a, b = _halves(x)
+        b0, b1 = _halves(b)
+        c0, c1 = _halves(b1)
+        y = _unhalves(
+            tl.math.exp2(a), _unhalves(tl.math.exp2(b0), _unhalves(tl.math.exp2(c0), exp2_fma(c1)))
+        )
+    return y
+
+
+@triton.jit
 def capped(t, softcap):
     """softcap * tanh(t / softcap) of base-2 scores t (softcap in base-2 units too: the cap of the
     natural scores times log2(e)) and its derivative 1 - tanh^2, which the backward needs."""

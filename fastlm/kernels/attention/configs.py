@@ -22,6 +22,8 @@ class CudaConfig(NamedTuple):
     `benchmarks/compile_report.py` reads them off the compiled kernels (0: never).
     options: whether it also takes the option variants (a window, the cap, packed sequences:
     `has_options`) within those limits; False where one of them spills.
+    min_block_d: the smallest BLOCK_D it takes: a config kept only for the head blocks no better
+    one fits.
     """
 
     blocks: dict
@@ -30,6 +32,7 @@ class CudaConfig(NamedTuple):
     max_block_d: int
     max_block_d_fp32: int
     options: bool = True
+    min_block_d: int = 0
 
 
 #: The constexprs of the option variants: each adds registers to the plain kernels.
@@ -46,8 +49,8 @@ def fitting_configs(cuda: list[CudaConfig], block_d: int, element_size: int,
     """The configs of a CUDA list that take head blocks of BLOCK_D at this input element size
     (and with `options`, an option variant)."""
     return [
-        config for config in cuda
-        if block_d <= (config.max_block_d_fp32 if element_size == 4 else config.max_block_d) and
+        config for config in cuda if config.min_block_d <= block_d <=
+        (config.max_block_d_fp32 if element_size == 4 else config.max_block_d) and
         (config.options or not options)
     ]
 
@@ -92,11 +95,11 @@ def prune_to_fitting(cuda: list[CudaConfig]):
 
 def cuda_config(
     block_m: int, block_n: int, warps: int, stages: int, max_block_d: int, max_block_d_fp32: int,
-    options: bool = True
+    options: bool = True, min_block_d: int = 0
 ) -> CudaConfig:
     return CudaConfig(
         {"BLOCK_M": block_m, "BLOCK_N": block_n}, warps, stages, max_block_d, max_block_d_fp32,
-        options
+        options, min_block_d
     )
 
 
@@ -104,31 +107,39 @@ def cuda_config(
 # Hopper's wgmma) up to 256; the last config of each dtype is the smallest (FASTLM_AUTOTUNE=0).
 # Every config that spilled or overflowed shared memory on sm_90a or sm_80 at a head dim is
 # limited below it (compile_report.py's rows); head dim 256 and fp32 leave few configs.
+# No config repeats MMA work across warps (tools/hot_loop.py's MMA issued against the tile's
+# FLOPs): Triton lays a dot whose result feeds another (the scores) with all warps along its rows,
+# so 8 warps on 64 rows computed each row twice, 1.5 to 2 times the tile's MMA on both archs.
+# The one exception is 32 rows on 8 warps (1.5 times) for fp32 head dims above 128, where nothing
+# else fits: 4 warps spill, and 128 rows spill or overflow sm_80's shared memory.
 FWD_CUDA_CONFIGS = [
     cuda_config(128, 128, 8, 3, 64, 0),
     cuda_config(128, 64, 4, 3, 64, 0),
     cuda_config(128, 64, 8, 3, 128, 64),
     cuda_config(128, 64, 8, 4, 128, 64),
     cuda_config(64, 64, 4, 3, 128, 0),
-    cuda_config(64, 32, 8, 3, 256, 128),  # 1 stage spilled 4 B on sm_80 (bf16, head dim 64)
-    cuda_config(32, 32, 4, 1, 256, 0),
-    cuda_config(32, 32, 8, 1, 0, 256)
+    cuda_config(64, 32, 4, 1, 0, 128),
+    cuda_config(32, 32, 8, 1, 0, 256, min_block_d=256),  # the exception (above)
+    cuda_config(32, 32, 4, 1, 256, 128)
 ]
 # dK/dV keep a key block's k, v, dk, dv on chip and stream query blocks past it: its fp32 dk and
-# dv accumulators take twice the registers of the forward's one, hence the small key blocks.
+# dv accumulators take twice the registers of the forward's one, hence the small key blocks. The
+# query block is the scores' columns here, and warps split them 8 at a time: 32 on 8 warps
+# repeated work (1.5 times the tile's MMA), as did 16 on 4 warps at head dim 128 on sm_80; 64 on
+# 8 warps do not. A 4-warp M32 N128 block spills at head dim 64 (84 B on sm_90a, 4 B on sm_80).
 DKDV_CUDA_CONFIGS = [
     cuda_config(32, 128, 8, 2, 64, 64),
     cuda_config(32, 64, 4, 3, 128, 0, options=False),  # with the cap: 28 B spilled on sm_80
-    cuda_config(16, 64, 4, 2, 128, 64),
-    cuda_config(32, 32, 8, 1, 256, 256)
+    cuda_config(16, 64, 4, 2, 64, 64),
+    cuda_config(64, 32, 8, 1, 256, 128),
+    cuda_config(32, 32, 8, 1, 0, 256, min_block_d=256)  # 1.5 times its MMA: as the forward's
 ]
 # dQ keeps a query block's q, dO, dq on chip and streams key blocks past it.
 DQ_CUDA_CONFIGS = [
     cuda_config(128, 64, 8, 3, 128, 0),
-    cuda_config(64, 32, 8, 2, 256, 128),
     cuda_config(64, 32, 4, 2, 128, 128),
     cuda_config(32, 32, 4, 1, 256, 128),
-    cuda_config(16, 32, 8, 1, 0, 256)
+    cuda_config(16, 64, 8, 1, 0, 256)
 ]
 FWD_CONFIGS = triton_configs({"BLOCK_M": 64, "BLOCK_N": 32}, FWD_CUDA_CONFIGS)
 DKDV_CONFIGS = triton_configs({"BLOCK_M": 32, "BLOCK_N": 64}, DKDV_CUDA_CONFIGS)
@@ -142,10 +153,12 @@ TUNING_KEY = [
 # The descriptor forward's own list (the pointer list's shapes: TMA moves the same tiles). Each
 # compiled for sm_90a without spills at bf16 head dims 64 and 128 (ptxas -v, Triton 3.9); fp32 and
 # head dims above 128 were not checked, so `_use_tensor_descriptors` sends them to the pointer path.
+# Its software-pipelined loop holds a block's scores and the previous block's p at once: 128 rows
+# on 4 warps spill at head dim 128 (about 800 B); with an option they spilled unpipelined too.
 TMA_MAX_BLOCK_D = 128
 FWD_TMA_CUDA_CONFIGS = [
-    cuda_config(128, 64, 4, 2, 128, 0, options=False),  # a window, the cap or varlen spill (sm_90a)
-    cuda_config(128, 64, 4, 3, 128, 0, options=False),
+    cuda_config(128, 64, 4, 2, 64, 0, options=False),
+    cuda_config(128, 64, 4, 3, 64, 0, options=False),
     cuda_config(128, 64, 8, 2, 128, 0),
     cuda_config(128, 64, 8, 3, 128, 0),
     cuda_config(128, 128, 8, 2, 128, 0),
@@ -158,14 +171,15 @@ FWD_TMA_CONFIGS = triton_configs(
 
 # The atomic schedule's one backward pass holds a dq tile besides dk, dv, k and v, so it fits
 # narrower query blocks than the deterministic pass. Each config takes the head blocks it compiles
-# for without spills (compile_report.py, sm_90a). At head block 256 even the smallest spills (44 B
-# bf16, 916 B fp32), so larger head dims take the deterministic schedule (`attention_backward`).
+# for without spills on sm_90a and sm_80 and without repeating MMA work across warps (as dK/dV:
+# 64 query columns on 8 warps). At head block 256 even the smallest spills (44 B bf16, 916 B
+# fp32), so larger head dims take the deterministic schedule (`attention_backward`).
 ATOMIC_MAX_BLOCK_D = 128
 DKDV_DQ_CUDA_CONFIGS = [
     cuda_config(32, 128, 8, 2, 64, 0),
     cuda_config(16, 64, 4, 2, 64, 0),
-    cuda_config(16, 64, 8, 2, 128, 0),
-    cuda_config(16, 32, 4, 1, ATOMIC_MAX_BLOCK_D, ATOMIC_MAX_BLOCK_D)
+    cuda_config(64, 32, 8, 2, 128, 64, options=False),  # packed: 16 B spilled on sm_90a at 128
+    cuda_config(64, 16, 8, 1, ATOMIC_MAX_BLOCK_D, ATOMIC_MAX_BLOCK_D)
 ]
 DKDV_DQ_CONFIGS = triton_configs(
     {"BLOCK_M": 32, "BLOCK_N": 64}, DKDV_DQ_CUDA_CONFIGS,

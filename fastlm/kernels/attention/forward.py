@@ -15,6 +15,7 @@ from fastlm.kernels._common import empty, tl, triton
 from fastlm.kernels.attention.blocks import (
     block_start_and_batch_head,
     capped,
+    exp2_split,
     is_visible,
     key_range,
     load_tile,
@@ -45,20 +46,22 @@ from fastlm.kernels.attention.launch import (
 
 
 @triton.jit
-def _online_softmax_step(
-    acc, m_i, l_i, q, k, v, offs_m, offs_n, n_k, causal_shift, qk_scale, window_left,  #
-    window_right, softcap,  #
+def _softmax_block(
+    qk, m_i, l_i, offs_m, offs_n, n_k, causal_shift, qk_scale, window_left, window_right,  #
+    softcap,  #
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,  #
-    SOFTCAP: tl.constexpr, SCALE_POSITIVE: tl.constexpr, DOT_PRECISION: tl.constexpr
+    SOFTCAP: tl.constexpr, SCALE_POSITIVE: tl.constexpr, EXP2_FMA_SHIFT: tl.constexpr
 ):
-    """(acc, m_i, l_i) after one key block k, v (rows offs_n); m_i is in scaled (base-2) units.
+    """(p, alpha, m_i, l_i) of one key block's raw scores qk = q k^T (rows offs_m, keys offs_n):
+    p = 2^(t - m_new) with m_new the running max in scaled (base-2) units, alpha = 2^(m_i - m_new)
+    the factor that rescales what was summed before, l_i the updated row sum.
 
     With a positive scale the row max is taken on the unscaled scores (the max commutes with the
     scaling) and each score is scaled and shifted by one FMA, qk * qk_scale - m. A zero or
     negative scale (allowed, never hot) and SOFTCAP scale first. MASKED blocks may hold keys >= n_k
-    or (CAUSAL, HAS_WINDOW) keys some rows must not see.
+    or (CAUSAL, HAS_WINDOW) keys some rows must not see. EXP2_FMA_SHIFT: the last 1 / 2^shift of
+    p's columns computed on the FMA units (`exp2_split`).
     """
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
     if SOFTCAP:
         qk, _ = capped(qk * qk_scale, softcap)
         fma_scale = 1.0
@@ -76,11 +79,28 @@ def _online_softmax_step(
     m_new = tl.maximum(m_i, tl.max(qk, 1) * fma_scale)
     # A row that has seen no key yet keeps m = -inf; subtract 0 so that 2^(-inf - -inf) is not NaN.
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(qk * fma_scale - m_ref[:, None])
+    p = exp2_split(qk * fma_scale - m_ref[:, None], EXP2_FMA_SHIFT)
     alpha = tl.math.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def _online_softmax_step(
+    acc, m_i, l_i, q, k, v, offs_m, offs_n, n_k, causal_shift, qk_scale, window_left,  #
+    window_right, softcap,  #
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,  #
+    SOFTCAP: tl.constexpr, SCALE_POSITIVE: tl.constexpr, DOT_PRECISION: tl.constexpr
+):
+    """(acc, m_i, l_i) after one key block k, v (rows offs_n); m_i is in scaled (base-2) units
+    (`_softmax_block`)."""
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+    p, alpha, m_i, l_i = _softmax_block(
+        qk, m_i, l_i, offs_m, offs_n, n_k, causal_shift, qk_scale, window_left, window_right,
+        softcap, MASKED, CAUSAL, HAS_WINDOW, SOFTCAP, SCALE_POSITIVE, 0
+    )
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -212,20 +232,56 @@ def _fwd_key_blocks_tma(
     window_left, window_right, softcap,  #
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,  #
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, TO_FP32: tl.constexpr,  #
-    SCALE_POSITIVE: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr
+    SCALE_POSITIVE: tl.constexpr, DOT_PRECISION: tl.constexpr, EXP2_FMA_SHIFT: tl.constexpr
 ):
-    """_fwd_key_blocks with k and v read through tensor descriptors (TMA on sm_90+): rows past
-    the head's n_k and the head-dim padding come back as zeros, with no masks to compute."""
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        k = k_desc.load([start_n, 0])
-        v = v_desc.load([start_n, 0])
+    """_fwd_key_blocks with k and v read through tensor descriptors (TMA on sm_90+; rows past the
+    head's n_k and the head-dim padding come back as zeros, with no masks to compute), software
+    pipelined so that each block's softmax runs beside the tensor cores: an iteration issues the
+    QK^T of block j + 1, then the P V of block j, then computes block j + 1's softmax while that
+    P V runs.
+
+    What the compiler needs for that (Triton 3.9 on Hopper): its pipeliner leaves a warpgroup dot
+    in flight only if no op of the loop but another dot's accumulator reads its result before a
+    `wait 0` of the same iteration. The scores are read at once, so their dot is waited for where
+    it is issued (which retires the previous P V too: waits go in issue order); the P V after
+    it is read by nothing but the next iteration's dots, so it stays in flight across the
+    softmax; hence the accumulator is rescaled before the P V, not after. Its A operand must be
+    in registers: Triton puts an operand that comes from a load or a loop-carried value (through
+    layout conversions) in shared memory, stored and waited for each iteration, so p is carried
+    as its bits and bitcast back in the loop. EXP2_FMA_SHIFT moves part of the exponentials off
+    the MUFU (`exp2_split`)."""
+    if lo < hi:
+        k = k_desc.load([lo, 0])
         if TO_FP32:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        acc, m_i, l_i = _online_softmax_step(
-            acc, m_i, l_i, q, k, v, offs_m, offs_n, n_k, causal_shift, qk_scale, window_left,
-            window_right, softcap, MASKED, CAUSAL, HAS_WINDOW, SOFTCAP, SCALE_POSITIVE,
-            DOT_PRECISION
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        p, alpha, m_i, l_i = _softmax_block(
+            qk, m_i, l_i, offs_m, lo + tl.arange(0, BLOCK_N), n_k, causal_shift, qk_scale,
+            window_left, window_right, softcap, MASKED, CAUSAL, HAS_WINDOW, SOFTCAP, SCALE_POSITIVE,
+            EXP2_FMA_SHIFT
+        )
+        bits: tl.constexpr = tl.int32 if q.dtype == tl.float32 else tl.int16
+        p = p.to(q.dtype).to(bits, bitcast=True)
+        for start_n in tl.range(lo + BLOCK_N, hi, BLOCK_N):
+            k = k_desc.load([start_n, 0])
+            v = v_desc.load([start_n - BLOCK_N, 0])
+            if TO_FP32:
+                k, v = k.to(tl.float32), v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            acc = tl.dot(
+                p.to(q.dtype, bitcast=True), v, acc * alpha[:, None], input_precision=DOT_PRECISION
+            )
+            p, alpha, m_i, l_i = _softmax_block(
+                qk, m_i, l_i, offs_m, start_n + tl.arange(0, BLOCK_N), n_k, causal_shift, qk_scale,
+                window_left, window_right, softcap, MASKED, CAUSAL, HAS_WINDOW, SOFTCAP,
+                SCALE_POSITIVE, EXP2_FMA_SHIFT
+            )
+            p = p.to(q.dtype).to(bits, bitcast=True)
+        v = v_desc.load([lo + (hi - lo - 1) // BLOCK_N * BLOCK_N, 0])
+        if TO_FP32:
+            v = v.to(tl.float32)
+        acc = tl.dot(
+            p.to(q.dtype, bitcast=True), v, acc * alpha[:, None], input_precision=DOT_PRECISION
         )
     return acc, m_i, l_i
 
@@ -240,7 +296,7 @@ def _attention_fwd_tma_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,  #
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,  #
     TO_FP32: tl.constexpr, SCALE_POSITIVE: tl.constexpr, DOT_PRECISION: tl.constexpr,  #
-    WARP_SPECIALIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+    EXP2_FMA_SHIFT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 ):
     """The forward with q, k, v, o moved by tensor descriptors, one 2-D [rows, HEAD_DIM] view per
     (batch, head) with unit last stride: any row stride, so a packed q|k|v (row stride 3C) is read
@@ -281,14 +337,13 @@ def _attention_fwd_tma_kernel(
     acc, m_i, l_i, causal_shift, lo, full_lo, full_hi, hi = _fwd_start(
         start_m, n_q, n_k, window_left, window_right, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N, BLOCK_D
     )
-    # The three phases of the pointer kernel; only the unmasked one may be warp-specialised.
+    # The three phases of the pointer kernel.
     bounds = (lo, full_lo, full_hi, hi)
     for phase in tl.static_range(0 if HAS_WINDOW else 1, 3):
         acc, m_i, l_i = _fwd_key_blocks_tma(
             acc, m_i, l_i, q, k_desc, v_desc, offs_m, bounds[phase], bounds[phase + 1], n_k,
             causal_shift, qk_scale, window_left, window_right, softcap, BLOCK_N, phase != 1, CAUSAL,
-            HAS_WINDOW, SOFTCAP, TO_FP32, SCALE_POSITIVE, DOT_PRECISION, WARP_SPECIALIZE
-            and phase == 1
+            HAS_WINDOW, SOFTCAP, TO_FP32, SCALE_POSITIVE, DOT_PRECISION, EXP2_FMA_SHIFT
         )
 
     o, lse = _fwd_finish(acc, m_i, l_i)
@@ -306,11 +361,19 @@ _attention_fwd_tma_autotuned = triton.autotune(
 # this Triton has them (the interpreter too, which is how the tests run both paths), 0 forbids
 # them; unset, they are used on CUDA devices of capability 9 or more. Read at each call.
 _HAS_TENSOR_DESCRIPTORS = hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
-# Warp specialisation of the descriptor forward's unmasked key loop (`tl.range(...,
-# warp_specialize=True)`) is off: with Triton 3.9 for sm_90a it aborts in the
-# NVGPUWarpSpecialization pass at 4 warps, and at 8 warps compiles to the same kernel as without
-# it (no setmaxnreg, equal registers): no producer/consumer split on Hopper yet.
-_WARP_SPECIALIZE = False
+# Warp specialisation of the descriptor forward's key loop (`tl.range(..., warp_specialize=True)`)
+# is not used: with Triton 3.9 for sm_90a it aborted in the NVGPUWarpSpecialization pass at 4 warps
+# and compiled to the same kernel as without it at 8 (no setmaxnreg, equal registers).
+
+
+def _exp2_fma_shift(block_d: int) -> int:
+    """The descriptor forward's EXP2_FMA_SHIFT for a head block: 0 (the MUFU alone) at every one.
+
+    At head dim 64 the MUFU bounds the hot loop by the clock model of `tools/hot_loop.py`, but
+    barely (M128 N128, 8 warps, sm_90a: 1056 MUFU clocks a tile against 954 of issue), and each
+    exponential moved to the FMA units issues about 12 more instructions than it saves: moving
+    an eighth of them (shift 3) takes the MUFU to 928 clocks and the issue to 1148."""
+    return 0
 
 
 @functools.cache
@@ -374,7 +437,7 @@ def attention_forward(
     if _use_tensor_descriptors(q, k, v, o):
         _attention_fwd_tma_autotuned[grid](
             q, k, v, o, lse, cu_q, cu_k, *(s for t in strides for s in t[:3]), *args,
-            WARP_SPECIALIZE=_WARP_SPECIALIZE, **flags
+            EXP2_FMA_SHIFT=_exp2_fma_shift(flags["BLOCK_D"]), **flags
         )
     else:
         _attention_fwd_kernel[grid](

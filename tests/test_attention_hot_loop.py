@@ -1,0 +1,250 @@
+"""tools/hot_loop.py: the hot loop read from SASS, its instruction mix, MMA against the tile, the
+waits and what runs beside the tensor cores, and the clock model; then the shipped descriptor
+forward compiled for sm_90a, whose softmax must keep running beside a warpgroup MMA.
+
+The parser is checked on a hand-written listing in nvdisasm's format, where every figure is
+known; the compile runs `tools/hot_loop.py` in a subprocess without TRITON_INTERPRET (which
+conftest.py sets here), as test_compile_report.py does.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastlm.kernels.attention.configs import FWD_TMA_CUDA_CONFIGS
+
+REPO = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("hot_loop", REPO / "tools" / "hot_loop.py")
+hot_loop = sys.modules["hot_loop"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hot_loop)
+
+
+def _line(address: int, text: str) -> str:
+    return f"        /*{address:04x}*/                   {text} ;"
+
+
+def _listing() -> str:
+    """A kernel in nvdisasm -c's format: an outer loop around two loops holding MMA (a masked one
+    longer than the hot one), a barrier retry placed after EXIT that branches back into the hot
+    loop, and a trailing self-branch."""
+    body = []
+    address = 0
+
+    def emit(text):
+        nonlocal address
+        body.append(_line(address, text))
+        address += 0x10
+
+    def label(name):
+        body.append(f".{name}:")
+
+    emit("MOV R1, c[0x0][0x28]")
+    label("L_x_0")  # outer loop
+    emit("IADD3 R2, R2, 0x1, RZ")
+    label("L_x_1")  # the hot loop: one iteration of a pipelined softmax
+    emit("SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4+0x20000], R3")
+    emit("@!P0 BRA `(.L_x_9)")
+    label("L_x_2")
+    emit("WARPGROUP.ARRIVE")
+    emit("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT")
+    emit("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR12], R24, gsb0")  # S: one group of 2
+    emit("WARPGROUP.DEPBAR.LE gsb0, 0x0")
+    emit("FMUL R88, R88, R5")
+    emit("WARPGROUP.ARRIVE")
+    emit("HGMMA.64x128x16.F32.BF16 R88, R152, gdesc[UR16].tnspB, R88, gsb0")  # P V in flight
+    emit("FMNMX R6, R24, R25, !PT")
+    emit("FFMA R7, R24, R9, -R6")
+    emit("MUFU.EX2 R8, R7")
+    emit("MUFU.EX2 R10, R6")
+    emit("FADD R11, R8, R11")
+    emit("F2FP.BF16.F32.PACK_AB R152, R8, R8")
+    emit("UIADD3 UR4, UR4, 0x1, URZ")
+    emit("ISETP.GE.AND P0, PT, R2, R4, PT")
+    emit("@!P0 BRA `(.L_x_1)")
+    label("L_x_3")  # the masked loop: the same MMA, more instructions
+    emit("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT, gsb0")
+    emit("WARPGROUP.DEPBAR.LE gsb0, 0x0")
+    for _ in range(20):
+        emit("FSEL R24, R24, -INF, P1")
+    emit("HGMMA.64x128x16.F32.BF16 R88, R152, gdesc[UR16].tnspB, R88, gsb0")
+    emit("@!P1 BRA `(.L_x_3)")
+    emit("@P2 BRA `(.L_x_0)")
+    emit("EXIT")
+    label("L_x_9")  # the retry loop of the barrier wait, out of line
+    emit("SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4+0x20000], R3")
+    emit("@!P0 BRA `(.L_x_9)")
+    emit("BRA `(.L_x_2)")
+    label("L_x_10")
+    emit("BRA `(.L_x_10)")
+    return "\n".join(body) + "\n"
+
+
+def test_hot_loop_is_the_shortest_innermost_loop_with_mma():
+    instructions, labels = hot_loop.parse_sass(_listing())
+    assert instructions[0].opcode == "MOV" and labels[".L_x_1"] == 0x20
+    spans = hot_loop.loops(instructions, labels)
+    # outer, hot, masked and the retry's own loop; the retry's branch back into the hot loop is
+    # not one, nor is the trailing self-branch (one instruction) anything but a loop of its own.
+    starts = sorted(instructions[s].address for s, _ in spans)
+    assert starts == [0x10, 0x20, 0x140, 0x2E0, 0x310]
+    first, last = hot_loop.hot_loop(instructions, labels)
+    assert (instructions[first].address, instructions[last].address) == (0x20, 0x130)
+
+
+def test_mix_mma_against_the_tile_waits_and_overlap():
+    """Per warp and iteration of the hot loop above, compiled as 8 warps (two warpgroups) of a
+    forward whose tile is 128 x 128 x D=16: each HGMMA.64x128x16 is 2 * 64 * 128 * 16 FLOPs per
+    warpgroup; the loop's three of them on two warpgroups are 1.5x the tile's two dots."""
+    row = hot_loop.analyse(
+        _listing(),
+        "wgmma.wait_group.sync.aligned 0;\nwgmma.wait_group.sync.aligned 1;",
+        "_attention_fwd_tma_kernel",
+        dict(BLOCK_M=128, BLOCK_N=128, BLOCK_D=16),
+        8,
+        "sm_90a",
+    )
+    assert row["mix"] == dict(
+        mma=3,
+        mufu=2,
+        fma=3,
+        fp_other=2,
+        load=0,
+        store=0,
+        sync=4,
+        shuffle=0,
+        branch=2,
+        uniform=1,
+        other=1,
+        total=18,
+    )
+    flops = 2 * 64 * 128 * 16
+    assert row["tile_flops"] == 2 * 2 * 128 * 128 * 16
+    assert row["mma_issued_flops"] == 3 * flops * 2
+    assert row["mma_ratio"] == 1.5 and row["problems"] == ["duplicated MMA"]
+    assert row["loop_waits"] == [0] and row["deepest_wait_group"] == 1
+    # Beside an MMA: the S group is waited for at once; the P V stays in flight from its issue
+    # to the end of the iteration and through the next one's head (TRYWAIT, BRA, ARRIVE) until
+    # the wait: 9 + 3 instructions, both MUFU among them.
+    assert row["in_flight"] == dict(instructions=12, mufu=2, mma_flops=2 * flops)
+    clocks = row["clocks"]
+    assert clocks["mma"] == 3 * flops * 2 / 4096
+    assert clocks["mufu"] == 2 * 8 * 32 / 16  # 2 per thread, 256 threads, 16 per clock
+    assert clocks["issue"] == (18 - 3) * 8 / 4
+    assert row["bound"] == "mufu"
+    softmax = clocks["mufu"]
+    assert row["mma_busy"] == pytest.approx(clocks["mma"] / (clocks["mma"] + softmax))
+    # Every MUFU runs beside the P V, whose clocks exceed the MUFU's: all of them hidden.
+    assert row["mma_busy_overlapped"] == 1.0
+
+
+def test_loop_that_waits_for_every_mma_at_once():
+    """Each group waited for right after it: nothing runs beside the tensor cores, and the model
+    hides nothing."""
+    listing = "\n".join(
+        [
+            ".L_x_0:",
+            _line(0x0, "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT, gsb0"),
+            _line(0x10, "WARPGROUP.DEPBAR.LE gsb0, 0x0"),
+            _line(0x20, "MUFU.EX2 R5, R24"),
+            _line(0x30, "@P0 BRA `(.L_x_0)"),
+            _line(0x40, "EXIT"),
+        ]
+    )
+    row = hot_loop.analyse(
+        listing,
+        "",
+        "_attention_fwd_tma_kernel",
+        dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=16),
+        4,
+        "sm_90a",
+    )
+    assert row["in_flight"] == dict(instructions=0, mufu=0, mma_flops=0)
+    assert row["mma_busy_overlapped"] == row["mma_busy"]
+
+
+def test_hmma_loops_and_a_loop_without_mma():
+    """mma.sync (sm_80): one warp's m16n8k16 per HMMA, no warpgroup waits; a kernel without a
+    loop holding MMA is a flagged row."""
+    listing = "\n".join(
+        [
+            ".L_x_0:",
+            _line(0x0, "HMMA.16816.F32.BF16 R4, R8, R12, R4"),
+            _line(0x10, "HMMA.1688.F32.TF32 R4, R8, R12, R4"),
+            _line(0x20, "MUFU.EX2 R5, R5"),
+            _line(0x30, "@P0 BRA `(.L_x_0)"),
+            _line(0x40, "EXIT"),
+        ]
+    )
+    row = hot_loop.analyse(
+        listing, "", "_attention_bwd_dq_kernel", dict(BLOCK_M=16, BLOCK_N=8, BLOCK_D=16), 4, "sm_80"
+    )
+    issued = (2 * 16 * 8 * 16 + 2 * 16 * 8 * 8) * 4
+    assert row["mma_issued_flops"] == issued and row["in_flight"] is None
+    assert row["mma_ratio"] == issued / (3 * 2 * 16 * 8 * 16)
+    assert row["clocks"]["mma"] == issued / (2048 * 0.5)  # a TF32 loop at half the rate
+    assert row["deepest_wait_group"] is None and row["loop_waits"] == []
+    no_loop = hot_loop.analyse(
+        _line(0, "EXIT"),
+        "",
+        "_attention_bwd_dq_kernel",
+        dict(BLOCK_M=16, BLOCK_N=8, BLOCK_D=16),
+        4,
+        "sm_80",
+    )
+    assert no_loop["problems"] == ["no loop with MMA instructions"]
+
+
+def _compile_missing() -> str | None:
+    try:
+        import triton
+
+        path = triton.knobs.nvidia.nvdisasm.path
+    except Exception as error:  # no NVIDIA backend in this Triton build
+        return f"Triton's nvdisasm is not available: {error}"
+    return None if os.access(path, os.X_OK) else f"nvdisasm is not executable at {path}"
+
+
+@pytest.mark.skipif(_compile_missing() is not None, reason=str(_compile_missing()))
+def test_shipped_descriptor_forward_overlaps_softmax_and_mma(tmp_path):
+    """The descriptor forward's largest shipped tile (bf16, causal, head dim 128, M128 N128, 8
+    warps) compiled for sm_90a: every exponential of its hot loop is issued while the previous
+    block's P V runs on the tensor cores, and the loop issues exactly its tile's MMA."""
+    out = tmp_path / "rows.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "hot_loop.py"),
+            "--op",
+            "fwd (TMA)",
+            "--arch",
+            "sm_90a",
+            "--head-dim",
+            "128",
+            "--config",
+            "128,128,8,2",
+            "--json",
+            str(out),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    (row,) = json.loads(out.read_text())
+    assert (128, 128, 8, 2) in [
+        (c.blocks["BLOCK_M"], c.blocks["BLOCK_N"], c.num_warps, c.num_stages)
+        for c in FWD_TMA_CUDA_CONFIGS
+        if c.max_block_d >= 128
+    ], "the config checked here is shipped"
+    assert row["mma_ratio"] == 1.0
+    assert row["mix"]["mufu"] >= 64, "a 128 x 128 tile on 256 threads: 64 ex2 per thread"
+    assert row["in_flight"]["mufu"] == row["mix"]["mufu"], "an exponential waits for the MMA"
+    assert row["mma_busy_overlapped"] > row["mma_busy"]

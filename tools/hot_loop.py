@@ -1,0 +1,458 @@
+"""The hot loop of each attention kernel, read from the SASS of a compile for sm_90a or sm_80.
+
+For each shipped config of the attention kernels (or chosen ones), this compiles the kernel as
+`benchmarks/compile_report.py` does (its launch recording and specialisation), disassembles the
+cubin with the wheel's `nvdisasm`, and reads the hot loop: the innermost loop (a backward branch)
+that holds tensor-core instructions (HGMMA on sm_90a, HMMA on sm_80), the cheapest of them when
+there are several (a kernel's unmasked phase). From it:
+
+- the instruction mix per warp and iteration: MMA, MUFU (ex2 and the rest), FFMA/FMUL/FADD,
+  other floating point, loads, stores, barriers and synchronisation, the rest, total;
+- the MMA the loop issues against the tile's FLOPs: each HGMMA is one warpgroup's m x n x k
+  product, run once per warpgroup (num_warps / 4), each HMMA one warp's, run once per warp; the
+  tile's FLOPs are 2 * rows * cols * BLOCK_D per dot of the loop (the forward 2 dots, dQ 3,
+  dK/dV 4, 5 with the atomic dQ). A ratio above 1 is work duplicated across warps;
+- the deepest `wgmma.wait_group N` in the PTX, and the `WARPGROUP.DEPBAR.LE gsb0, N` waits inside
+  the loop: a wait of N >= 1 leaves N warpgroup MMA groups in flight across the code after it, 0
+  waits for every one;
+- what the loop issues while a warpgroup MMA is in flight (`in_flight`: non-MMA instructions,
+  MUFU among them, and the FLOPs of the MMAs they run beside): a wait 0 per iteration still
+  leaves the MMA issued after it running beside whatever follows it (a softmax placed after the
+  P V of the previous block, say) until the next iteration's wait;
+- a per-iteration clock model per SM (a ranking model, not a speed): MMA clocks = issued FLOPs /
+  the tensor cores' dense rate (sm_90a: 4096 bf16/fp16 FLOP per clock per SM, H100; sm_80: 2048,
+  A100; TF32 half of that), MUFU clocks = MUFU results / 16 per clock, issue clocks = the loop's
+  non-MMA warp-instructions / 4 per clock (four schedulers), and the tensor cores' share if
+  nothing overlaps: MMA / (MMA + max(MUFU, issue)); and with the overlap the loop has, the
+  share of the bound resource's work (MUFU or issue) issued beside an MMA hidden behind it, up
+  to that MMA's clocks: MMA / (MMA + softmax - hidden).
+
+    python tools/hot_loop.py [--op TEXT] [--arch sm_90a sm_80] [--dtype bf16 fp16 fp32]
+        [--head-dim 64 128] [--config M,N,WARPS,STAGES ...] [--json PATH]
+
+Like the compile report it compiles for CUDA targets and refuses to run with TRITON_INTERPRET=1.
+Triton's on-disk cache makes a rerun with unchanged kernels fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Dense tensor-core FLOP per clock per SM for 16-bit inputs (H100 SXM; A100), and for TF32.
+MMA_RATE = {"sm_90a": 4096, "sm_80": 2048}
+TF32_FACTOR = 0.5
+#: MUFU results per clock per SM (16 per SM on both), warp-instructions issued per clock per SM.
+MUFU_RATE = 16
+ISSUE_RATE = 4
+#: tl.dot calls per iteration of each kernel's key (or query) loop: (dots, tile rows, tile cols)
+#: with the tile's sides named by their BLOCK_ constexprs.
+KERNEL_DOTS = {
+    "_attention_fwd_kernel": (2, "BLOCK_M", "BLOCK_N"),
+    "_attention_fwd_tma_kernel": (2, "BLOCK_M", "BLOCK_N"),
+    "_attention_bwd_dq_kernel": (3, "BLOCK_M", "BLOCK_N"),
+    "_attention_bwd_dkdv_kernel": (4, "BLOCK_N", "BLOCK_M"),  # + 1 with ATOMIC_DQ
+}
+
+_LINE = re.compile(
+    r"^\s*/\*([0-9a-f]+)\*/\s+(?:\{\s*)?(@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_]+)*)"
+    r"\s*([^;]*);"
+)
+_LABEL = re.compile(r"^(\.L\w+):")
+_TARGET = re.compile(r"`\((\.L\w+)\)")
+_HGMMA = re.compile(r"HGMMA\.(\d+)x(\d+)x(\d+)\.")
+_HMMA = re.compile(r"HMMA\.(\d{2})(\d)(\d+)\.")
+_WAIT_GROUP = re.compile(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)")
+_DEPBAR = re.compile(r"gsb0\s*,\s*(0x[0-9a-f]+|\d+)")
+
+#: Instruction classes of the mix, the first matching prefix wins (opcode without modifiers).
+CLASSES = (
+    ("mma", ("HGMMA", "HMMA", "IMMA")),
+    ("mufu", ("MUFU",)),
+    ("fma", ("FFMA", "FMUL", "FADD")),
+    ("fp_other", ("F", "H")),
+    ("load", ("LD", "UTMALDG", "UBLKCP")),
+    ("store", ("ST", "UTMASTG", "RED", "ATOM")),
+    ("sync", ("BAR", "SYNCS", "WARPGROUP", "DEPBAR", "MEMBAR", "WARPSYNC", "ARRIVES", "FENCE")),
+    ("shuffle", ("SHFL",)),
+    ("branch", ("BRA", "EXIT", "BSSY", "BSYNC", "CALL", "RET", "JMP")),
+    ("uniform", ("U", "R2UR", "S2UR", "VOTEU", "ELECT")),
+)
+
+
+@dataclass(frozen=True)
+class Instruction:
+    address: int
+    predicate: str
+    opcode: str  # with its modifiers: HGMMA.64x128x16.F32.BF16
+    operands: str
+
+    @property
+    def base(self) -> str:
+        return self.opcode.split(".")[0]
+
+
+def parse_sass(text: str) -> tuple[list[Instruction], dict[str, int]]:
+    """The instructions of nvdisasm output (one kernel) in order, and each label's address."""
+    instructions, labels, pending = [], {}, []
+    for line in text.splitlines():
+        label = _LABEL.match(line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        match = _LINE.match(line)
+        if match:
+            address = int(match.group(1), 16)
+            for name in pending:
+                labels[name] = address
+            pending = []
+            predicate, opcode, operands = match.group(2) or "", match.group(3), match.group(4)
+            instructions.append(Instruction(address, predicate.strip(), opcode, operands.strip()))
+    return instructions, labels
+
+
+def loops(instructions: list[Instruction], labels: dict[str, int]) -> list[tuple[int, int]]:
+    """(first, last) instruction indices of each loop: a branch back to an earlier label, the
+    body the instructions from the label to the branch. Code placed after the kernel's last
+    EXIT (a barrier's retry loop, which branches back into the loop it came from) forms no loop
+    with the code before it, and its own instructions are not counted in the body."""
+    index = {inst.address: i for i, inst in enumerate(instructions)}
+    last_exit = max((i for i, inst in enumerate(instructions) if inst.base == "EXIT"), default=-1)
+    found = []
+    for i, inst in enumerate(instructions):
+        if inst.base != "BRA":
+            continue
+        target = _TARGET.search(inst.operands)
+        if not target or labels.get(target.group(1), inst.address + 1) > inst.address:
+            continue
+        start = index[labels[target.group(1)]]
+        if (start > last_exit) == (i > last_exit):
+            found.append((start, i))
+    return found
+
+
+def classify(opcode: str) -> str:
+    """The mix class of an opcode (CLASSES), "other" when none matches."""
+    base = opcode.split(".")[0]
+    for name, prefixes in CLASSES:
+        if base.startswith(prefixes):
+            return name
+    return "other"
+
+
+def mma_flops(body: list[Instruction], num_warps: int) -> tuple[int, Counter]:
+    """FLOPs one iteration of the body issues per program (CTA), and the MMA shapes it holds."""
+    flops, shapes = 0, Counter()
+    for inst in body:
+        hgmma = _HGMMA.match(inst.opcode)
+        hmma = _HMMA.match(inst.opcode)
+        if hgmma:  # one warpgroup's product: each of its 4 warps issues the same instruction
+            m, n, k = map(int, hgmma.groups())
+            flops += 2 * m * n * k * (num_warps // 4)
+        elif hmma:
+            m, n, k = map(int, hmma.groups())
+            flops += 2 * m * n * k * num_warps
+        else:
+            continue
+        shapes[inst.opcode] += 1
+    return flops, shapes
+
+
+def hot_loop(instructions: list[Instruction], labels: dict[str, int]) -> tuple[int, int] | None:
+    """The innermost loop holding MMA instructions, the shortest when there are several (the
+    unmasked phase of a kernel whose phases are separate loops); None without one."""
+
+    def has_mma(span):
+        return any(classify(inst.opcode) == "mma" for inst in instructions[span[0] : span[1] + 1])
+
+    with_mma = [span for span in loops(instructions, labels) if has_mma(span)]
+    innermost = [
+        span
+        for span in with_mma
+        if not any(o != span and span[0] <= o[0] and o[1] <= span[1] for o in with_mma)
+    ]
+    return min(innermost, key=lambda s: s[1] - s[0], default=None)
+
+
+def in_flight(body: list[Instruction], num_warps: int) -> dict | None:
+    """What one iteration does while a warpgroup MMA is in flight (after an HGMMA, before the
+    wait that retires it), in the loop's steady state (the body walked twice, the second walk
+    counted): the non-MMA instructions and the MUFU ones issued then, and the FLOPs of the
+    HGMMAs some floating-point or MUFU instruction runs beside (the address arithmetic between
+    the HGMMAs of one group does not make them overlap the softmax). None without warpgroup
+    MMA. An HGMMA marked `gsb0` closes a group, `WARPGROUP.DEPBAR.LE gsb0, N` leaves at most N
+    groups pending."""
+    if not any(inst.base == "HGMMA" for inst in body):
+        return None
+    groups: list[list[int]] = [[]]  # indices of the HGMMAs of each pending group, the last open
+    counts, beside = Counter(instructions=0, mufu=0), set()
+    for walk in range(2):
+        for i, inst in enumerate(body):
+            if inst.base == "HGMMA":
+                groups[-1].append(i)
+                if "gsb0" in inst.operands:
+                    groups.append([])
+            elif inst.opcode.startswith("WARPGROUP.DEPBAR"):
+                wait = _DEPBAR.search(inst.operands)
+                keep = int(wait.group(1), 0) if wait else 0
+                groups = (groups[:-1][-keep:] if keep else []) + [groups[-1]]
+            elif walk and any(groups) and classify(inst.opcode) != "mma":
+                counts["instructions"] += 1
+                counts["mufu"] += inst.base == "MUFU"
+                if classify(inst.opcode) in ("mufu", "fma", "fp_other"):  # the softmax's work
+                    beside.update(i for group in groups for i in group)
+    flops, _ = mma_flops([body[i] for i in sorted(beside)], num_warps)
+    return dict(counts, mma_flops=flops)
+
+
+def tile_flops(kernel: str, constexprs: dict) -> tuple[int, str]:
+    """The FLOPs of one iteration's dots and the tile (rows x cols of its score block)."""
+    dots, rows, cols = KERNEL_DOTS[kernel]
+    dots += bool(constexprs.get("ATOMIC_DQ"))
+    r, c, d = constexprs[rows], constexprs[cols], constexprs["BLOCK_D"]
+    return dots * 2 * r * c * d, f"{r}x{c}"
+
+
+def analyse(sass: str, ptx: str, kernel: str, constexprs: dict, num_warps: int, arch: str) -> dict:
+    """The hot loop's figures for one compiled kernel (module docstring): a JSON-able dict."""
+    instructions, labels = parse_sass(sass)
+    waits = [int(n) for n in _WAIT_GROUP.findall(ptx)]
+    flops, tile = tile_flops(kernel, constexprs)
+    result = dict(
+        tile=tile,
+        tile_flops=flops,
+        num_warps=num_warps,
+        deepest_wait_group=max(waits) if waits else None,
+    )
+    span = hot_loop(instructions, labels)
+    if span is None:
+        return dict(result, problems=["no loop with MMA instructions"])
+    body = instructions[span[0] : span[1] + 1]
+    mix = Counter(classify(inst.opcode) for inst in body)
+    mix["total"] = len(body)
+    mufu = Counter(inst.opcode for inst in body if inst.base == "MUFU")
+    issued, shapes = mma_flops(body, num_warps)
+    loop_waits = sorted(
+        {
+            int(m.group(1), 0)
+            for inst in body
+            if inst.opcode.startswith("WARPGROUP.DEPBAR") and (m := _DEPBAR.search(inst.operands))
+        }
+    )
+    rate = MMA_RATE[arch] * (TF32_FACTOR if any(".TF32" in s for s in shapes) else 1)
+    mma_clocks = issued / rate
+    mufu_clocks = mix["mufu"] * num_warps * 32 / MUFU_RATE
+    issue_clocks = (mix["total"] - mix["mma"]) * num_warps / ISSUE_RATE
+    softmax = max(mufu_clocks, issue_clocks)
+    overlap = in_flight(body, num_warps)
+    hidden = 0.0
+    if overlap:  # the share of the bound resource's work issued beside an MMA, up to that MMA
+        if mufu_clocks >= issue_clocks:
+            share = overlap["mufu"] / max(mix["mufu"], 1)
+        else:
+            share = overlap["instructions"] / max(mix["total"] - mix["mma"], 1)
+        hidden = min(share * softmax, overlap["mma_flops"] / rate)
+    return dict(
+        result,
+        loop=[body[0].address, body[-1].address],
+        mix={k: mix.get(k, 0) for k in [c for c, _ in CLASSES] + ["other", "total"]},
+        mufu=dict(mufu),
+        mma_shapes=dict(shapes),
+        mma_issued_flops=issued,
+        mma_ratio=issued / flops,
+        loop_waits=loop_waits,
+        in_flight=overlap,
+        clocks=dict(mma=mma_clocks, mufu=mufu_clocks, issue=issue_clocks),
+        bound="mufu" if mufu_clocks >= issue_clocks else "issue",
+        mma_busy=mma_clocks / (mma_clocks + softmax) if mma_clocks + softmax else 0.0,
+        mma_busy_overlapped=mma_clocks / (mma_clocks + softmax - hidden)
+        if mma_clocks + softmax
+        else 0.0,
+        problems=["duplicated MMA"] if issued > flops else [],
+    )
+
+
+def disassemble(cubin: bytes) -> str:
+    """SASS of a cubin, with the nvdisasm Triton's wheel ships (or TRITON_NVDISASM_PATH)."""
+    import triton
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp, "kernel.cubin")
+        path.write_bytes(cubin)
+        return subprocess.run(
+            [triton.knobs.nvidia.nvdisasm.path, "-c", str(path)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+
+
+# --------------------------------------------------------------------------------------------
+# Command line: compile the attention kernels' configs (compile_report's launches) and read them
+# --------------------------------------------------------------------------------------------
+
+
+def _compile_report():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import compile_report
+
+    return compile_report
+
+
+def compile_and_analyse(task) -> dict:
+    """One compile_report Task: its compile report row (registers, spills, shared memory, flags)
+    with the hot loop's figures added; a compile error stays the report's flagged row."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.autotuner import Autotuner
+
+    cr = _compile_report()
+    row = cr.compile_task(task)
+    if "registers" not in row:
+        return row
+    kernel = getattr(importlib.import_module(task.module), task.kernel)
+    fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
+    compiled = triton.compile(  # from Triton's cache: compile_task has just compiled it
+        ASTSource(fn, task.signature, task.constexprs, task.attrs),
+        target=GPUTarget("cuda", cr.ARCHS[task.arch][0], 32),
+        options=task.options,
+    )
+    cubin, ptx = compiled.asm["cubin"], compiled.asm["ptx"]
+    figures = analyse(
+        disassemble(cubin), ptx, task.kernel, task.constexprs, row["num_warps"], task.arch
+    )
+    problems = row["problems"] + figures.pop("problems")
+    return dict(row, **figures, problems=problems)
+
+
+def attention_tasks(
+    ops: list[str], archs: list[str], dtypes: list[str], head_dims: list[int], configs: list[tuple]
+):
+    """compile_report's tasks of the attention kernels that multiply matrices (causal), the
+    shipped configs, or `configs` (M, N, warps, stages) in their place."""
+    cr = _compile_report()
+    specs = [(dtype, d, True, None) for dtype in dtypes for d in head_dims]
+    cases = [case for case in cr.attention_cases(specs) if any(text in case.op for text in ops)]
+    tasks = [t for t in cr.tasks(cases, archs) if t.kernel in KERNEL_DOTS]
+    if not configs:
+        return tasks
+    chosen, seen = [], set()
+    for task in tasks:
+        key = (task.op, task.label, task.kernel, task.arch)
+        if key in seen:
+            continue
+        seen.add(key)
+        for m, n, warps, stages in configs:
+            blocks = {"BLOCK_M": m, "BLOCK_N": n}
+            chosen.append(
+                cr.Task(
+                    **{
+                        **task.__dict__,
+                        "blocks": blocks,
+                        "default": False,
+                        "constexprs": {**task.constexprs, **blocks},
+                        "options": dict(num_warps=warps, num_stages=stages),
+                    }
+                )
+            )
+    return chosen
+
+
+def _mix(row: dict) -> str:
+    mix = row["mix"]
+    return f"{mix['total']} ({mix['mma']}/{mix['mufu']}/{mix['fma']}/{mix['load']}/{mix['sync']})"
+
+
+def _clocks(row: dict) -> str:
+    return " : ".join(f"{row['clocks'][k]:.0f}" for k in ("mma", "mufu", "issue"))
+
+
+def _beside(row: dict) -> str:
+    overlap = row["in_flight"]
+    return f"{overlap['instructions']} ({overlap['mufu']})" if overlap else "-"
+
+
+#: The table's columns after (op, kernel, case, config, arch): heading and cell of an analysed row.
+FIGURES = {
+    "tile": lambda row: row["tile"],
+    "loop instr (MMA/MUFU/FMA/ld/sync)": _mix,
+    "MMA issued / tile": lambda row: f"{row['mma_ratio']:.2f}",
+    "MMA : MUFU : issue clocks": _clocks,
+    "MMA busy (no overlap / overlap)": lambda row: (
+        f"{row['mma_busy']:.0%} / {row['mma_busy_overlapped']:.0%}"
+    ),
+    "wait in loop (PTX max)": lambda row: (
+        f"{','.join(map(str, row['loop_waits'])) or '-'} ({row['deepest_wait_group']})"
+    ),
+    "instr (MUFU) beside MMA": _beside,
+}
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown table of analysed rows (a row that did not compile or has no MMA loop: dashes)."""
+    config = _compile_report()._config
+    heading = ["op", "kernel", "case", "config", "arch", *FIGURES, "flags"]
+    lines = [f"| {' | '.join(heading)} |", "|" + "---|" * len(heading)]
+    for row in rows:
+        figures = [cell(row) if "mix" in row else "-" for cell in FIGURES.values()]
+        flags = "; ".join(row["problems"]) or "ok"
+        cells = [row["op"], f"`{row['kernel']}`", row["case"], config(row), row["arch"]]
+        lines.append(f"| {' | '.join([*cells, *figures, flags])} |")
+    return "\n".join(lines)
+
+
+def _parse_config(text: str) -> tuple[int, int, int, int]:
+    try:
+        m, n, warps, stages = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--config wants M,N,WARPS,STAGES, got {text!r}") from None
+    return m, n, warps, stages
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", nargs="+", choices=list(MMA_RATE), default=list(MMA_RATE))
+    parser.add_argument(
+        "--op",
+        action="append",
+        metavar="TEXT",
+        help="only attention ops whose name contains TEXT (repeatable; default: all)",
+    )
+    parser.add_argument("--dtype", nargs="+", choices=["bf16", "fp16", "fp32"], default=["bf16"])
+    parser.add_argument("--head-dim", nargs="+", type=int, default=[64, 128])
+    parser.add_argument(
+        "--config",
+        nargs="+",
+        type=_parse_config,
+        default=[],
+        metavar="M,N,WARPS,STAGES",
+        help="compile these configs instead of the shipped ones",
+    )
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        parser.error("unset TRITON_INTERPRET; this compiles for CUDA targets")
+    tasks = attention_tasks(
+        args.op or ["attention"], args.arch, args.dtype, args.head_dim, args.config
+    )
+    if not tasks:
+        parser.error(f"no attention op matches {args.op}")
+    rows = [compile_and_analyse(task) for task in tasks]
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    return 1 if any(row["problems"] for row in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
