@@ -283,7 +283,12 @@ def cross_entropy_cases(dtypes) -> Iterator[Case]:
         fields, label = dict(dtype=name, vocab=VOCAB), f"{name} V={VOCAB}"
         forward = partial(cross_entropy._cross_entropy_rows, logits, targets, -100, loss, stats)
         yield Case("cross-entropy fwd+grad", label, partial(forward, logits), fields)
+        # inplace_backward's forward: the mean loss's gradient, scaled by 1 / n_valid on the way.
+        in_place = partial(forward, logits, meta((), torch.float32))
+        yield Case("cross-entropy fwd+grad (in place)", label, in_place, fields)
         yield Case("cross-entropy fwd", label, partial(forward, None), fields)
+        scaling = partial(cross_entropy._scale_rows, logits, meta((), torch.float32))
+        yield Case("cross-entropy in-place bwd", label, scaling, fields)
         backward = partial(cross_entropy._cross_entropy_grad_rows, logits, targets, -100, stats)
         yield Case("cross-entropy bwd", label, partial(backward, scale), fields)
         # The options' kernels (cap, label smoothing, z-loss), as Gemma 2's fine-tuning runs them.

@@ -24,9 +24,11 @@ kernel reads the row again and writes (softmax - onehot) * grad_output / n_valid
 and rounded once, into a new tensor. Three passes over (N, V) in all, and a graph that can be
 backpropagated through as often as autograd allows.
 
-`inplace_backward=True` trades that for memory: the forward writes the unscaled softmax - onehot
-over the logits themselves, and the backward scales it in place, so
-no second (N, V) tensor ever exists; such a graph supports one backward only. A forward that
+`inplace_backward=True` trades that for memory: the forward writes the mean loss's gradient,
+(softmax - onehot) / n_valid (n_valid counted first, on the device), over the logits themselves,
+and the backward scales it in place by the upstream gradient, a pass whose programs return at once
+when that is 1 (`loss.backward()`): one read and one write of the logits in all, forward and
+backward, and no second (N, V) tensor ever exists; such a graph supports one backward only. A forward that
 writes the gradient (this, and fused linear cross-entropy's chunks) loads a row that fits in
 registers (up to MAX_ROW_ON_CHIP logits) as one block and keeps it for the gradient: the row is
 read from memory once; a longer row streams through blocks twice.
@@ -150,24 +152,25 @@ def _softmax(x, row_max, log_sum):
 
 
 @triton.jit
-def _store_grad(dlogits_row, x, cols, mask, row_max, log_sum, target, counted):
-    """softmax - onehot of a block (0 for an ignored row), in DLogits' dtype."""
-    grad = _softmax(x, row_max, log_sum) - tl.where(cols == target, 1.0, 0.0)
+def _store_grad(dlogits_row, x, cols, mask, row_max, log_sum, target, counted, scale):
+    """(softmax - onehot) * scale of a block (0 for an ignored row), in DLogits' dtype."""
+    grad = (_softmax(x, row_max, log_sum) - tl.where(cols == target, 1.0, 0.0)) * scale
     grad = tl.where(counted, grad, 0.0)
     tl.store(dlogits_row + cols, grad.to(dlogits_row.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _cross_entropy_fwd_kernel(
-    Logits, Targets, Loss, Stats, DLogits,  #
+    Logits, Targets, Loss, Stats, DLogits, GradScale,  #
     stride_lm, stride_dm,  #
     n_cols, ignore_index,  #
-    BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr, ROW_ON_CHIP: tl.constexpr
+    BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr, ROW_ON_CHIP: tl.constexpr,  #
+    SCALE_GRAD: tl.constexpr
 ):
     """One program per row: Loss[row] and Stats[row] = (max, log sum) (fp32) and, under
-    WRITE_GRAD, DLogits[row] = softmax - onehot (unscaled). ROW_ON_CHIP: one block holds the
-    whole row, loaded once and kept in registers for the gradient; else the row streams through
-    blocks, a second time for the gradient."""
+    WRITE_GRAD, DLogits[row] = softmax - onehot, times GradScale (one fp32 on the device) under
+    SCALE_GRAD. ROW_ON_CHIP: one block holds the whole row, loaded once and kept in registers
+    for the gradient; else the row streams through blocks, a second time for the gradient."""
     row = tl.program_id(0).to(tl.int64)
     logits_row = Logits + row * stride_lm
     dlogits_row = DLogits + row * stride_dm
@@ -194,14 +197,19 @@ def _cross_entropy_fwd_kernel(
     tl.store(Stats + 2 * row + 1, log_sum)
 
     if WRITE_GRAD:
+        scale = 1.0
+        if SCALE_GRAD:
+            scale = tl.load(GradScale)
         if ROW_ON_CHIP:
             _store_grad(
-                dlogits_row, x_row, cols_row, mask_row, running_max, log_sum, target, counted
+                dlogits_row, x_row, cols_row, mask_row, running_max, log_sum, target, counted, scale
             )
         else:
             for start in range(0, n_cols, BLOCK_V):
                 x, cols, mask = _load_block(logits_row, start, n_cols, BLOCK_V)
-                _store_grad(dlogits_row, x, cols, mask, running_max, log_sum, target, counted)
+                _store_grad(
+                    dlogits_row, x, cols, mask, running_max, log_sum, target, counted, scale
+                )
 
 
 @triton.jit
@@ -223,6 +231,24 @@ def _cross_entropy_bwd_kernel(
     # An ignored row may have no softmax at all (all logits -inf): select 0, never multiply NaN.
     grad = tl.where(target != ignore_index, grad, 0.0)
     tl.store(DLogits + row * stride_dm + cols, grad.to(DLogits.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scale_rows_kernel(DLogits, Scale,  #
+                       stride_dm, n_cols,  #
+                       BLOCK_V: tl.constexpr):
+    """DLogits *= Scale (one fp32 on the device), one program per (row, block of columns); when
+    Scale is 1 (loss.backward() with nothing in between) every program returns before touching
+    the rows, so that pass costs the logits no memory traffic."""
+    scale = tl.load(Scale)
+    if scale == 1.0:
+        return
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = cols < n_cols
+    ptrs = DLogits + row * stride_dm + cols
+    grad = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) * scale
+    tl.store(ptrs, grad.to(DLogits.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -249,11 +275,12 @@ def _row_on_chip(n_cols: int) -> tuple[int, int] | None:
 
 def _cross_entropy_rows(
     rows: torch.Tensor, targets: torch.Tensor, ignore_index: int, row_loss: torch.Tensor,
-    stats: torch.Tensor, dlogits: torch.Tensor | None
+    stats: torch.Tensor, dlogits: torch.Tensor | None, grad_scale: torch.Tensor | None = None
 ) -> None:
     """Per-row losses of rows (N, V) (unit column stride) into row_loss (N,) fp32 and their
-    (max, log sum of exp(x - max)) into stats (N, 2) fp32 (contiguous), and softmax - onehot into
-    dlogits (N, V) unless it is None; dlogits may be rows."""
+    (max, log sum of exp(x - max)) into stats (N, 2) fp32 (contiguous), and softmax - onehot
+    (times grad_scale, one fp32 on the device, when given) into dlogits (N, V) unless it is None;
+    dlogits may be rows."""
     n_rows, n_cols = rows.shape
     if n_rows == 0:
         return
@@ -263,8 +290,9 @@ def _cross_entropy_rows(
     block_v, num_warps = on_chip or _block_v(n_cols)
     grad_out = dlogits if write_grad else rows  # never written when WRITE_GRAD is off
     _cross_entropy_fwd_kernel[(n_rows, )](
-        rows, targets, row_loss, stats, grad_out, rows.stride(0), grad_out.stride(0), n_cols,
-        ignore_index, BLOCK_V=block_v, WRITE_GRAD=write_grad, ROW_ON_CHIP=on_chip is not None,
+        rows, targets, row_loss, stats, grad_out, stats if grad_scale is None else grad_scale,
+        rows.stride(0), grad_out.stride(0), n_cols, ignore_index, BLOCK_V=block_v,
+        WRITE_GRAD=write_grad, ROW_ON_CHIP=on_chip is not None, SCALE_GRAD=grad_scale is not None,
         num_warps=num_warps
     )
 
@@ -287,6 +315,20 @@ def _cross_entropy_grad_rows(
     return dlogits
 
 
+def _scale_rows(dlogits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """dlogits *= scale (one fp32 on the device), in place; free when scale is 1."""
+    rows = _unit_stride_rows(dlogits)
+    if rows is None:  # another layout: a plain multiply (the in-place path's rare fallback)
+        return dlogits.mul_(scale)
+    n_rows, n_cols = rows.shape
+    if n_rows:
+        block_v, num_warps = _block_v(n_cols)
+        _scale_rows_kernel[(n_rows, triton.cdiv(n_cols, block_v))](
+            rows, scale, rows.stride(0), n_cols, BLOCK_V=block_v, num_warps=num_warps
+        )
+    return dlogits
+
+
 def _count_valid(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """n_valid as a device tensor (no host sync), at least 1 so that all-ignored gives 0, not
     NaN."""
@@ -297,11 +339,13 @@ def _mean_loss(
     rows: torch.Tensor, flat_targets: torch.Tensor, ignore_index: int, dlogits: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The mean loss of rows (N, V), n_valid and the rows' stats (N, 2) (see
-    _cross_entropy_rows); softmax - onehot into dlogits unless it is None."""
+    _cross_entropy_rows); the mean loss's gradient, (softmax - onehot) / n_valid, into dlogits
+    unless it is None (n_valid counted first, on the device)."""
     row_loss = empty((rows.shape[0], ), device=rows.device, dtype=torch.float32)
     stats = empty((rows.shape[0], 2), device=rows.device, dtype=torch.float32)
-    _cross_entropy_rows(rows, flat_targets, ignore_index, row_loss, stats, dlogits)
     n_valid = _count_valid(flat_targets, ignore_index)
+    grad_scale = None if dlogits is None else 1.0 / n_valid.float()
+    _cross_entropy_rows(rows, flat_targets, ignore_index, row_loss, stats, dlogits, grad_scale)
     return row_loss.sum() / n_valid, n_valid, stats
 
 
@@ -395,9 +439,9 @@ def _unit_stride_rows(logits: torch.Tensor) -> torch.Tensor | None:
 @torch.library.custom_op("fastlm::cross_entropy_", mutates_args=("logits", ))
 def _cross_entropy_inplace_op(logits: torch.Tensor, targets: torch.Tensor,
                               ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, n_valid), with softmax - onehot written over logits. The kernel writes rows with a
-    unit last-dim stride one stride apart; logits in another layout get the gradient through a
-    contiguous copy."""
+    """(loss, n_valid), with the mean loss's gradient (softmax - onehot) / n_valid written over
+    logits. The kernel writes rows with a unit last-dim stride one stride apart; logits in another
+    layout get the gradient through a contiguous copy."""
     rows = _unit_stride_rows(logits)
     work = rows if rows is not None else logits.contiguous().view(-1, logits.shape[-1])
     loss, n_valid, _ = _mean_loss(work, targets.reshape(-1).contiguous(), ignore_index, work)
@@ -490,9 +534,10 @@ refuse_double_backward("fastlm::cross_entropy_backward", "cross_entropy")
 
 
 class _CrossEntropyInPlace(torch.autograd.Function):
-    """cross_entropy(..., inplace_backward=True): the unscaled gradient is written over logits by
-    the mutating op (PyTorch registers no autograd formula for one, hence this Function) and
-    scaled there in place by the backward, which therefore runs once only."""
+    """cross_entropy(..., inplace_backward=True): the mean loss's gradient is written over logits
+    by the mutating op (PyTorch registers no autograd formula for one, hence this Function), and
+    the backward scales it there by the upstream gradient (`_scale_rows`: no memory traffic when
+    that is 1, as after loss.backward()), so it runs once only."""
 
     @staticmethod
     def forward(ctx, logits, targets, ignore_index):
@@ -519,8 +564,8 @@ class _CrossEntropyInPlace(torch.autograd.Function):
                 "inplace_backward=False."
             )
         ctx.scaled = True
-        dlogits, n_valid = ctx.saved_tensors
-        return dlogits.mul_(_grad_scale(grad_loss, n_valid)), None, None
+        dlogits, _ = ctx.saved_tensors
+        return _scale_rows(dlogits, grad_loss.float()), None, None
 
 
 # --------------------------------------------------------------------------------------------
