@@ -43,8 +43,8 @@ from fastlm.distributed import (
     sequence_positions,
 )
 from fastlm.kernels.attention import MAX_HEAD_DIM, flash_attention, rope_attention, split_heads
-from fastlm.kernels.cross_entropy import linear_cross_entropy
 from fastlm.kernels.linear import autocast_dtype, cast_weights, half_linear
+from fastlm.kernels.linear_cross_entropy import linear_cross_entropy
 from fastlm.kernels.rmsnorm import add_rms_norm, rms_norm
 from fastlm.kernels.rope import apply_rope_, check_positions
 from fastlm.modules import RmsNorm, RoPE, SwiGlu

@@ -16,9 +16,8 @@ from fastlm.kernels.cross_entropy import (
     MAX_BLOCK_V_INTERPRETER,
     MAX_ROW_ON_CHIP,
     cross_entropy,
-    default_chunk_size,
-    linear_cross_entropy,
 )
+from fastlm.kernels.linear_cross_entropy import default_chunk_size, linear_cross_entropy
 from fastlm.modules import CrossEntropyLoss as FusedCrossEntropyLoss
 from fastlm.reference import CrossEntropyLoss
 from fastlm.testing import assert_close, call_through

@@ -11,8 +11,9 @@ benchmarks compare with; it is not exported here, beside the ops.
 
 from fastlm.kernels import cross_entropy_options  # noqa: F401 (registers its ops)
 from fastlm.kernels.attention import flash_attention, flash_attention_varlen, rope_attention
-from fastlm.kernels.cross_entropy import cross_entropy, linear_cross_entropy
+from fastlm.kernels.cross_entropy import cross_entropy
 from fastlm.kernels.geglu import geglu
+from fastlm.kernels.linear_cross_entropy import linear_cross_entropy
 from fastlm.kernels.rmsnorm import add_rms_norm, rms_norm
 from fastlm.kernels.rope import apply_rope_, rope_tables
 from fastlm.kernels.swiglu import swiglu, swiglu_packed
