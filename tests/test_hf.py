@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 
 import fastlm  # noqa: E402
 from fastlm import hf  # noqa: E402
-from fastlm.testing import TOLERANCE, assert_close, relative_error  # noqa: E402
+from fastlm.testing import assert_close, relative_error  # noqa: E402
 
 VOCAB = 61
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -266,13 +266,26 @@ def test_family_on_the_kernels(family):
 BF16_ON_THE_KERNELS = ("gemma2", "qwen3_moe")
 
 
+def bf16_gradient_bound(their_err: float, truth: torch.Tensor) -> float:
+    """The relative error one parameter's gradient may have under bf16 autocast, given Hugging
+    Face's own error on it: flash-attention's test rule, twice the other implementation's error
+    plus twice the rounding of the true values themselves, with the factor 2 widened by 5/sqrt(n)
+    for an n-element gradient. Both errors are one draw of rounding noise; their ratio spreads
+    like 1/sqrt(n) (in 300 seeds of every family, 16-element biases and norm weights whose
+    gradients nearly cancel reach 3.2x, 1024-element weights 2.3x; the mean ratio is 1.03-1.25).
+    The bound, 4.5x at n = 16 and 2.3x at n = 1024, passed all 300 seeds (the lowest margin
+    9%) where max(2x, 3e-2) failed 1.8% of them, and it fails an error 3x ours on 93% of the
+    parameters of 512 elements or more (that rule: 65%), 5x ours on 85% of the 16-32-element
+    ones (92%) and 10x on all but 0.1%."""
+    rounding = relative_error(truth.to(torch.bfloat16), truth)
+    return 2 * (1 + 5 / truth.numel() ** 0.5) * their_err + 2 * rounding
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_under_bf16_autocast(family, monkeypatch):
     """The padded batch under bf16 autocast: all the gradients together within twice the error
     of Hugging Face's own model under the same autocast (flash-attention's rule), and each
-    parameter's within the bf16 bound or twice Hugging Face's error (a fixed bound does not fit
-    every gradient: a k_proj bias's nearly cancels, and Hugging Face's own is 5% off; on
-    parameters this small the ratio of two errors alone is noise)."""
+    parameter's within `bf16_gradient_bound` of it."""
     if family not in BF16_ON_THE_KERNELS:
         monkeypatch.setenv("FASTLM_BACKEND", "torch")
     model = _model(family)
@@ -305,7 +318,7 @@ def test_family_under_bf16_autocast(family, monkeypatch):
             grads[key].append(grad.flatten().double())
         err = relative_error(ours[name].grad, p.grad)
         their_err = relative_error(theirs[name].grad, p.grad)
-        assert err <= max(2 * their_err, TOLERANCE[torch.bfloat16]), (name, err, their_err)
+        assert err <= bf16_gradient_bound(their_err, p.grad), (name, err, their_err)
     ours_all, theirs_all, truth_all = (torch.cat(grads[key]) for key in grads)
     err, their_err = relative_error(ours_all, truth_all), relative_error(theirs_all, truth_all)
     assert err <= 2 * their_err, ("all gradients", err, their_err)
