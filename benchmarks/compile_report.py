@@ -11,9 +11,14 @@ per-block limit; tensor cores (`wgmma.mma_async` on sm_90, `mma.sync` on sm_80) 
 loads it prefetches across loop iterations); the widest and narrowest global access on the main
 path (the loads, stores and async copies whose address the PTX data flow computes from a pointer
 argument of the dtype under test, so that an index or an fp32 table does not count in a bf16
-kernel); barriers (`bar.sync` / `barrier.sync`).
+kernel); barriers (`bar.sync` / `barrier.sync`). For the attention kernels that multiply
+matrices, the hot loop read from the SASS (`hot_loop.py`: its instruction mix, the MMA it issues
+against its tile's FLOPs, the deepest `wgmma.wait_group`, what runs beside a pending MMA and a
+clock model), printed as a second table.
 
-A row is flagged when it spills or needs more shared memory than its arch has, and the exit
+A row is flagged when it spills, needs more shared memory than its arch has or issues more MMA
+than its tile needs (work repeated across warps; a fallback config, kept only for head blocks no
+better one fits, is noted instead), and the exit
 status is 1 when any row is flagged (or fails to compile). Only shipped configs are compiled:
 every config a launcher picks, and every config an attention autotuner tries at the row's head
 block and dtype (the configs its pruning keeps; the last is FASTLM_AUTOTUNE=0's, "default").
@@ -89,6 +94,8 @@ from triton.runtime.jit import JITFunction, MockTensor  # noqa: E402
 
 # This checkout's kernels, whether or not (and wherever) fastlm is installed.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hot_loop  # noqa: E402
 
 # The modules (fastlm.kernels re-exports functions under some of the same names).
 cross_entropy, cross_entropy_options, rmsnorm, rope, swiglu = (
@@ -439,6 +446,7 @@ class Task:
     constexprs: dict
     attrs: dict
     options: dict
+    fallback: bool = False  # a config kept only for the head blocks no better one fits
 
 
 def _blocks(args: dict) -> dict:
@@ -470,18 +478,20 @@ def tasks(all_cases: list[Case], archs: list[str]) -> list[Task]:
                         {**launch.args, **c.blocks},
                         dict(num_warps=c.num_warps, num_stages=c.num_stages),
                         i == len(configs) - 1,
+                        c.min_block_d > 0,
                     )
                     for i, c in enumerate(configs)
                 ]
             else:
-                variants = [(launch.args, launch.options, False)]
+                variants = [(launch.args, launch.options, False, False)]
             minimum = ATTENTION.min_capability.get(fn.fn.__name__, 0)
-            for args, options, default in variants:
+            for args, options, default, fallback in variants:
                 signature, constexprs, attrs = specialise(fn, args)
                 where = (case.op, case.label, case.fields, fn.fn.__module__, fn.fn.__name__)
                 compiled = (signature, constexprs, attrs, options)
                 for arch in (a for a in archs if ARCHS[a][0] >= minimum):
-                    out.append(Task(*where, _blocks(args), default, arch, *compiled))
+                    task = Task(*where, _blocks(args), default, arch, *compiled, fallback)
+                    out.append(task)
     return out
 
 
@@ -633,6 +643,7 @@ def compile_task(task: Task) -> dict:
         arch=task.arch,
         shared_limit=shared_limit,
         problems=[],
+        notes=[],
     )
     start = time.perf_counter()
     try:
@@ -678,6 +689,17 @@ def compile_task(task: Task) -> dict:
         row["problems"].append("spills")
     if row["shared"] > shared_limit:
         row["problems"].append("shared memory")
+    if task.kernel in hot_loop.KERNEL_DOTS:
+        sass = hot_loop.disassemble(compiled.asm["cubin"])
+        figures = hot_loop.analyse(
+            sass, ptx, task.kernel, task.constexprs, row["num_warps"], task.arch
+        )
+        for problem in figures.pop("problems"):
+            if problem == "duplicated MMA" and task.fallback:
+                row["notes"].append("duplicated MMA (a fallback config)")
+            else:
+                row["problems"].append(problem)
+        row["hot_loop"] = figures
     return row
 
 
@@ -726,7 +748,7 @@ def table(rows: list[dict]) -> str:
                 _widths(accesses["ld_main"]),
                 _widths(accesses["st_main"]),
                 str(row["barriers"]),
-                ", ".join(row["problems"]) or "ok",
+                ", ".join(row["problems"] + row.get("notes", [])) or "ok",
             ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -822,6 +844,15 @@ def check_baseline() -> int:
     if kept["fingerprint"] != kernel_code_fingerprint():
         print(f"fastlm/kernels changed since the kept report was made: {rerun}", file=sys.stderr)
         return 1
+    unread = [
+        r for r in kept["rows"] if r["kernel"] in hot_loop.KERNEL_DOTS and "hot_loop" not in r
+    ]
+    if unread:
+        print(
+            f"the kept report has no hot loop figures ({len(unread)} rows): {rerun}",
+            file=sys.stderr,
+        )
+        return 1
     flagged = [row for row in kept["rows"] if row["problems"]]
     for row in flagged:
         print(f"flagged: {row['op']} {row['case']} {row['arch']}: {row['problems']}")
@@ -865,6 +896,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no op matches {args.op}")
     rows = run(tasks(selected, args.arch), args.jobs)
     print(table(rows))
+    analysed = [row for row in rows if "hot_loop" in row]
+    if analysed:
+        print("\nHot loops of the attention kernels (hot_loop.py):\n")
+        print(hot_loop.table(analysed))
     flagged = [row for row in rows if row["problems"]]
     cached = sum(bool(row.get("cached")) for row in rows)
     print(

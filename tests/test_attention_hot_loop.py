@@ -1,9 +1,9 @@
-"""tools/hot_loop.py: the hot loop read from SASS, its instruction mix, MMA against the tile, the
-waits and what runs beside the tensor cores, and the clock model; then the shipped descriptor
-forward compiled for sm_90a, whose softmax must keep running beside a warpgroup MMA.
+"""benchmarks/hot_loop.py: the hot loop read from SASS, its instruction mix, MMA against the
+tile, the waits and what runs beside the tensor cores, and the clock model; then the shipped
+descriptor forward compiled for sm_90a, whose softmax must keep running beside a warpgroup MMA.
 
 The parser is checked on a hand-written listing in nvdisasm's format, where every figure is
-known; the compile runs `tools/hot_loop.py` in a subprocess without TRITON_INTERPRET (which
+known; the compile runs `benchmarks/hot_loop.py` in a subprocess without TRITON_INTERPRET (which
 conftest.py sets here), as test_compile_report.py does.
 """
 
@@ -19,7 +19,7 @@ import pytest
 from fastlm.kernels.attention.configs import FWD_TMA_CUDA_CONFIGS
 
 REPO = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("hot_loop", REPO / "tools" / "hot_loop.py")
+_spec = importlib.util.spec_from_file_location("hot_loop", REPO / "benchmarks" / "hot_loop.py")
 hot_loop = sys.modules["hot_loop"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(hot_loop)
 
@@ -219,7 +219,7 @@ def test_shipped_descriptor_forward_overlaps_softmax_and_mma(tmp_path):
     result = subprocess.run(
         [
             sys.executable,
-            str(REPO / "tools" / "hot_loop.py"),
+            str(REPO / "benchmarks" / "hot_loop.py"),
             "--op",
             "fwd (TMA)",
             "--arch",
@@ -239,6 +239,7 @@ def test_shipped_descriptor_forward_overlaps_softmax_and_mma(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     (row,) = json.loads(out.read_text())
+    row = row["hot_loop"]
     assert (128, 128, 8, 2) in [
         (c.blocks["BLOCK_M"], c.blocks["BLOCK_N"], c.num_warps, c.num_stages)
         for c in FWD_TMA_CUDA_CONFIGS

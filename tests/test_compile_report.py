@@ -169,6 +169,21 @@ def test_attention_uses_hopper_tensor_cores(report):
             assert row["mma"] == 0, _describe(row)
 
 
+def test_tensor_core_loops_issue_their_tiles_mma_once(report):
+    """Every attention kernel that multiplies matrices carries its hot loop's figures, printed as
+    the report's second table, and no config repeats MMA work across warps (a fallback config,
+    kept only for head blocks no better one fits, may: it is noted, not flagged)."""
+    result, rows = report
+    assert "Hot loops of the attention kernels" in result.stdout
+    analysed = [row for row in rows if row["kernel"] in TENSOR_CORE_KERNELS]
+    assert analysed and all("mix" in row["hot_loop"] for row in analysed)
+    for row in analysed:
+        figures = row["hot_loop"]
+        assert figures["mix"]["mma"] > 0 and figures["mma_issued_flops"] > 0, _describe(row)
+        if not any("fallback" in note for note in row["notes"]):
+            assert figures["mma_ratio"] <= 1, f"{_describe(row)}: {figures['mma_ratio']}"
+
+
 def test_descriptor_forward_moves_tiles_by_tma(report):
     """The sm_90 forward path loads Q, K, V and stores O through tensor descriptors: every config
     of it compiles to bulk tensor copies (cp.async.bulk.tensor)."""

@@ -107,7 +107,7 @@ def cuda_config(
 # Hopper's wgmma) up to 256; the last config of each dtype is the smallest (FASTLM_AUTOTUNE=0).
 # Every config that spilled or overflowed shared memory on sm_90a or sm_80 at a head dim is
 # limited below it (compile_report.py's rows); head dim 256 and fp32 leave few configs.
-# No config repeats MMA work across warps (tools/hot_loop.py's MMA issued against the tile's
+# No config repeats MMA work across warps (benchmarks/hot_loop.py's MMA issued against the tile's
 # FLOPs): Triton lays a dot whose result feeds another (the scores) with all warps along its rows,
 # so 8 warps on 64 rows computed each row twice, 1.5 to 2 times the tile's MMA on both archs.
 # The one exception is 32 rows on 8 warps (1.5 times) for fp32 head dims above 128, where nothing

@@ -369,7 +369,7 @@ _HAS_TENSOR_DESCRIPTORS = hasattr(tl, "make_tensor_descriptor") and hasattr(trit
 def _exp2_fma_shift(block_d: int) -> int:
     """The descriptor forward's EXP2_FMA_SHIFT for a head block: 0 (the MUFU alone) at every one.
 
-    At head dim 64 the MUFU bounds the hot loop by the clock model of `tools/hot_loop.py`, but
+    At head dim 64 the MUFU bounds the hot loop by the clock model of `benchmarks/hot_loop.py`, but
     barely (M128 N128, 8 warps, sm_90a: 1056 MUFU clocks a tile against 954 of issue), and each
     exponential moved to the FMA units issues about 12 more instructions than it saves: moving
     an eighth of them (shift 3) takes the MUFU to 928 clocks and the issue to 1148."""

@@ -1,10 +1,9 @@
 """The hot loop of each attention kernel, read from the SASS of a compile for sm_90a or sm_80.
 
-For each shipped config of the attention kernels (or chosen ones), this compiles the kernel as
-`benchmarks/compile_report.py` does (its launch recording and specialisation), disassembles the
-cubin with the wheel's `nvdisasm`, and reads the hot loop: the innermost loop (a backward branch)
-that holds tensor-core instructions (HGMMA on sm_90a, HMMA on sm_80), the cheapest of them when
-there are several (a kernel's unmasked phase). From it:
+`compile_report.py` calls `analyse` on every attention kernel that multiplies matrices: it
+disassembles the cubin with the wheel's `nvdisasm` and reads the hot loop, the innermost loop (a
+backward branch) that holds tensor-core instructions (HGMMA on sm_90a, HMMA on sm_80), the
+cheapest of them when there are several (a kernel's unmasked phase). From it:
 
 - the instruction mix per warp and iteration: MMA, MUFU (ex2 and the rest), FFMA/FMUL/FADD,
   other floating point, loads, stores, barriers and synchronisation, the rest, total;
@@ -27,7 +26,11 @@ there are several (a kernel's unmasked phase). From it:
   share of the bound resource's work (MUFU or issue) issued beside an MMA hidden behind it, up
   to that MMA's clocks: MMA / (MMA + softmax - hidden).
 
-    python tools/hot_loop.py [--op TEXT] [--arch sm_90a sm_80] [--dtype bf16 fp16 fp32]
+The compile report keeps these figures in its rows (`hot_loop`) and prints them as a second
+table. This command prints that table alone for causal attention, and compiles configs that are
+not shipped (`--config`) to try one before shipping it:
+
+    python benchmarks/hot_loop.py [--op TEXT] [--arch sm_90a sm_80] [--dtype bf16 fp16 fp32]
         [--head-dim 64 128] [--config M,N,WARPS,STAGES ...] [--json PATH]
 
 Like the compile report it compiles for CUDA targets and refuses to run with TRITON_INTERPRET=1.
@@ -37,7 +40,6 @@ Triton's on-disk cache makes a rerun with unchanged kernels fast.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import re
@@ -302,37 +304,10 @@ def disassemble(cubin: bytes) -> str:
 
 
 def _compile_report():
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import compile_report
 
     return compile_report
-
-
-def compile_and_analyse(task) -> dict:
-    """One compile_report Task: its compile report row (registers, spills, shared memory, flags)
-    with the hot loop's figures added; a compile error stays the report's flagged row."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.autotuner import Autotuner
-
-    cr = _compile_report()
-    row = cr.compile_task(task)
-    if "registers" not in row:
-        return row
-    kernel = getattr(importlib.import_module(task.module), task.kernel)
-    fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
-    compiled = triton.compile(  # from Triton's cache: compile_task has just compiled it
-        ASTSource(fn, task.signature, task.constexprs, task.attrs),
-        target=GPUTarget("cuda", cr.ARCHS[task.arch][0], 32),
-        options=task.options,
-    )
-    cubin, ptx = compiled.asm["cubin"], compiled.asm["ptx"]
-    figures = analyse(
-        disassemble(cubin), ptx, task.kernel, task.constexprs, row["num_warps"], task.arch
-    )
-    problems = row["problems"] + figures.pop("problems")
-    return dict(row, **figures, problems=problems)
 
 
 def attention_tasks(
@@ -360,6 +335,7 @@ def attention_tasks(
                         **task.__dict__,
                         "blocks": blocks,
                         "default": False,
+                        "fallback": False,
                         "constexprs": {**task.constexprs, **blocks},
                         "options": dict(num_warps=warps, num_stages=stages),
                     }
@@ -382,7 +358,7 @@ def _beside(row: dict) -> str:
     return f"{overlap['instructions']} ({overlap['mufu']})" if overlap else "-"
 
 
-#: The table's columns after (op, kernel, case, config, arch): heading and cell of an analysed row.
+#: The table's columns after (op, kernel, case, config, arch): heading and cell, from `analyse`.
 FIGURES = {
     "tile": lambda row: row["tile"],
     "loop instr (MMA/MUFU/FMA/ld/sync)": _mix,
@@ -399,15 +375,17 @@ FIGURES = {
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown table of analysed rows (a row that did not compile or has no MMA loop: dashes)."""
+    """Markdown table of compile report rows with their hot loop's figures (`analyse`, kept as
+    the row's `hot_loop`); a row that did not compile or has no MMA loop: dashes."""
     config = _compile_report()._config
     heading = ["op", "kernel", "case", "config", "arch", *FIGURES, "flags"]
     lines = [f"| {' | '.join(heading)} |", "|" + "---|" * len(heading)]
     for row in rows:
-        figures = [cell(row) if "mix" in row else "-" for cell in FIGURES.values()]
-        flags = "; ".join(row["problems"]) or "ok"
-        cells = [row["op"], f"`{row['kernel']}`", row["case"], config(row), row["arch"]]
-        lines.append(f"| {' | '.join([*cells, *figures, flags])} |")
+        figures = row.get("hot_loop") or {}
+        cells = [cell(figures) if "mix" in figures else "-" for cell in FIGURES.values()]
+        flags = "; ".join(row["problems"] + row.get("notes", [])) or "ok"
+        where = [row["op"], f"`{row['kernel']}`", row["case"], config(row), row["arch"]]
+        lines.append(f"| {' | '.join([*where, *cells, flags])} |")
     return "\n".join(lines)
 
 
@@ -447,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if not tasks:
         parser.error(f"no attention op matches {args.op}")
-    rows = [compile_and_analyse(task) for task in tasks]
+    cr = _compile_report()
+    rows = [cr.compile_task(task) for task in tasks]
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
