@@ -115,7 +115,15 @@ def _fwd_key_blocks(
     DOT_PRECISION: tl.constexpr
 ):
     """Online-softmax update of (acc, m_i, l_i) with the key blocks starting in [lo, hi),
-    loaded through pointers."""
+    loaded through pointers.
+
+    Not software pipelined as `_fwd_key_blocks_tma` is: carrying a block's p into the next
+    iteration costs registers this path does not have where it runs. Pipelined (the compile
+    report's rows), bf16 head dim 128 spilled 832 B on sm_80 (M64 N64, 4 warps), head dim 256
+    512 B (sm_80) and 1,096 B (sm_90a), fp32 head dim 128 3,100 B (sm_80); on sm_90a it kept
+    the softmax beside the P V (bf16 head dim 128, M128 N64, 8 warps: the clock model's MMA
+    share 67 % -> 83 %, no spill), but on Hopper this path serves only what the descriptor
+    forward does not take: fp32, head dims above 128 and strides TMA cannot read."""
     offs_n = lo + tl.arange(0, BLOCK_N)
     k_ptrs = K_head + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = V_head + offs_n.to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd
