@@ -37,8 +37,8 @@ from fastlm.kernels.attention.configs import (
     cuda_config,
     fitting_configs,
 )
-from fastlm.kernels.attention.forward import _use_tensor_descriptors, attention_forward
-from fastlm.kernels.attention.launch import empty_heads_like
+from fastlm.kernels.attention.forward import attention_forward
+from fastlm.kernels.attention.launch import empty_heads_like, use_tensor_descriptors
 from fastlm.kernels.attention.qkv import split_heads
 from fastlm.reference import ScaledDotProductAttention
 from fastlm.testing import TOLERANCE, assert_close
@@ -100,7 +100,7 @@ def test_other_forward_path_matches_reference(
     padded head dim (80), GQA and MQA, Nq < Nk, rows past a block."""
     monkeypatch.setenv("FASTLM_ATTENTION_TMA", tma)
     q, k, v = make_heads(B, Hq, Hkv, Nq, Nk, D, dtype, device)
-    assert _use_tensor_descriptors(q, k, v, empty_heads_like(q.detach())) == (tma == "1")
+    assert use_tensor_descriptors(q, k, v, empty_heads_like(q.detach())) == (tma == "1")
     run_dense(q, k, v, causal)
 
 
@@ -135,7 +135,7 @@ def test_descriptor_forward_reads_packed_qkv_in_place(device, monkeypatch):
     qkv = torch.randn(B, T, (Hq + 2 * Hkv) * D, device=device, dtype=torch.float16)
     q, k, v = split_heads(qkv, Hq, Hkv)
     monkeypatch.setenv("FASTLM_ATTENTION_TMA", "1")
-    assert _use_tensor_descriptors(q, k, v, empty_heads_like(q))
+    assert use_tensor_descriptors(q, k, v, empty_heads_like(q))
     o_tma, lse_tma = attention_forward(q, k, v, True, D**-0.5, True)
     monkeypatch.setenv("FASTLM_ATTENTION_TMA", "0")
     o_ptr, lse_ptr = attention_forward(q, k, v, True, D**-0.5, True)
@@ -144,7 +144,7 @@ def test_descriptor_forward_reads_packed_qkv_in_place(device, monkeypatch):
     monkeypatch.setenv("FASTLM_ATTENTION_TMA", "1")
     shifted = torch.randn(B * T * 8 * D + 1, device=device, dtype=torch.float16)[1:]
     q, k, v = split_heads(shifted.view(B, T, 8 * D), Hq, Hkv)  # base 2 bytes past alignment
-    assert not _use_tensor_descriptors(q, k, v, empty_heads_like(q))
+    assert not use_tensor_descriptors(q, k, v, empty_heads_like(q))
 
 
 @pytest.mark.parametrize("tma", FORWARD_PATHS, ids=["default-path", "other-path"])
