@@ -127,6 +127,7 @@ def _attention_internals() -> SimpleNamespace:
             backward._attention_bwd_dq_kernel: configs.DQ_CUDA_CONFIGS,
             forward._attention_fwd_tma_autotuned: configs.FWD_TMA_CUDA_CONFIGS,
             backward._attention_bwd_dkdv_dq_kernel: configs.DKDV_DQ_CUDA_CONFIGS,
+            backward._attention_bwd_dq_tma_autotuned: configs.DQ_TMA_CUDA_CONFIGS,
         },
         # Kernels the launcher picks only from a compute capability on (the descriptor forward:
         # sm_90+); on an older arch they never run, so they are not compiled for it.
@@ -227,6 +228,7 @@ class Case:
     label: str  # the specialisation, e.g. "bf16 N=4096"
     launch: Callable[[], None]
     fields: dict = field(default_factory=dict)  # the specialisation as data, for --json
+    only: str = ""  # the one kernel (by name) whose launches the case adds, if not every one
 
 
 def rmsnorm_cases(dtypes) -> Iterator[Case]:
@@ -357,10 +359,13 @@ def attention_cases(specs) -> Iterator[Case]:
         yield Case("attention bwd", label, partial(backward, True, **options), fields)
         atomic = partial(backward, False, **options)
         yield Case("attention bwd (atomic dQ)", label, atomic, fields)
+        if dtype != torch.float32 and d <= ATTENTION.tma_max_block_d:
+            dq_tma = partial(_with_tensor_descriptors, partial(backward, True, **options))
+            yield Case("attention bwd dQ (TMA)", label, dq_tma, fields, "_attention_bwd_dq_kernel")
 
 
 def _with_tensor_descriptors(launcher):
-    """Run the launcher with the descriptor forward forced (meta tensors have no device to ask)."""
+    """Run the launcher with the descriptor paths forced (meta tensors have no device to ask)."""
     with unittest.mock.patch.dict(os.environ, FASTLM_ATTENTION_TMA="1"):
         return launcher()
 
@@ -471,6 +476,8 @@ def tasks(all_cases: list[Case], archs: list[str]) -> list[Task]:
             case.launch()
         for launch in launches:
             fn = launch.kernel.fn if isinstance(launch.kernel, Autotuner) else launch.kernel
+            if case.only and fn.fn.__name__ != case.only:
+                continue
             if isinstance(launch.kernel, Autotuner):
                 configs = shipped_configs(launch)
                 variants = [
@@ -485,6 +492,8 @@ def tasks(all_cases: list[Case], archs: list[str]) -> list[Task]:
             else:
                 variants = [(launch.args, launch.options, False, False)]
             minimum = ATTENTION.min_capability.get(fn.fn.__name__, 0)
+            if "TMA" in case.op:  # a pointer kernel's descriptor variant: where TMA is
+                minimum = max(minimum, ATTENTION.min_capability["_attention_fwd_tma_kernel"])
             for args, options, default, fallback in variants:
                 signature, constexprs, attrs = specialise(fn, args)
                 where = (case.op, case.label, case.fields, fn.fn.__module__, fn.fn.__name__)

@@ -80,11 +80,12 @@ _DEPBAR = re.compile(r"gsb0\s*,\s*(0x[0-9a-f]+|\d+)")
 CLASSES = (
     ("mma", ("HGMMA", "HMMA", "IMMA")),
     ("mufu", ("MUFU",)),
+    # before the floating point's "F": FENCE.VIEW.ASYNC orders memory, it computes nothing
+    ("sync", ("BAR", "SYNCS", "WARPGROUP", "DEPBAR", "MEMBAR", "WARPSYNC", "ARRIVES", "FENCE")),
     ("fma", ("FFMA", "FMUL", "FADD")),
     ("fp_other", ("F", "H")),
     ("load", ("LD", "UTMALDG", "UBLKCP")),
     ("store", ("ST", "UTMASTG", "RED", "ATOM")),
-    ("sync", ("BAR", "SYNCS", "WARPGROUP", "DEPBAR", "MEMBAR", "WARPSYNC", "ARRIVES", "FENCE")),
     ("shuffle", ("SHFL",)),
     ("branch", ("BRA", "EXIT", "BSSY", "BSYNC", "CALL", "RET", "JMP")),
     ("uniform", ("U", "R2UR", "S2UR", "VOTEU", "ELECT")),

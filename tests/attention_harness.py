@@ -19,16 +19,37 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from fastlm import flash_attention, flash_attention_varlen
+from fastlm.kernels.attention import backward, launch
 from fastlm.testing import TOLERANCE, assert_close
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 NO_WINDOW = (-1, -1)
 
-#: FASTLM_ATTENTION_TMA values that, with the default (None), run both forward paths: the
-#: interpreter and GPUs before sm_90 default to the pointer path, so the descriptor path is forced
-#: ("1"; the interpreter runs it); Hopper defaults to descriptors, so pointers are forced ("0").
+#: FASTLM_ATTENTION_TMA values that, with the default (None), run both data paths of the forward
+#: and of the dQ pass (pointers, tensor descriptors): the interpreter and GPUs before sm_90 default
+#: to pointers, so descriptors are forced ("1"; the interpreter runs them); Hopper defaults to
+#: descriptors, so pointers are forced ("0").
 _HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-FORWARD_PATHS = [None, "0" if _HOPPER else "1"]
+TMA_PATHS = [None, "0" if _HOPPER else "1"]
+
+
+def record_dq_paths(monkeypatch) -> list[bool]:
+    """The data path the backward's launcher chooses for each dQ pass from now on (True: k and v
+    through descriptors)."""
+    chosen = []
+
+    def recording(*tensors):
+        chosen.append(launch.use_tensor_descriptors(*tensors))
+        return chosen[-1]
+
+    monkeypatch.setattr(backward, "use_tensor_descriptors", recording)
+    return chosen
+
+
+def takes_descriptors(tma: str | None) -> bool:
+    """Whether a TMA_PATHS value runs the descriptor path (of aligned 16-bit inputs, head dims up
+    to 128)."""
+    return (tma or ("1" if _HOPPER else "0")) == "1"
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,14 +13,16 @@ import pytest
 import torch
 from attention_harness import (
     DTYPES,
-    FORWARD_PATHS,
     NO_WINDOW,
+    TMA_PATHS,
     AllocationRecorder,
     CopyRecorder,
     gradients,
     make_heads,
+    record_dq_paths,
     reference,
     run_dense,
+    takes_descriptors,
     visible,
 )
 from hypothesis import given, settings
@@ -37,8 +39,8 @@ from fastlm.kernels.attention.configs import (
     cuda_config,
     fitting_configs,
 )
-from fastlm.kernels.attention.forward import _use_tensor_descriptors, attention_forward
-from fastlm.kernels.attention.launch import empty_heads_like
+from fastlm.kernels.attention.forward import attention_forward
+from fastlm.kernels.attention.launch import empty_heads_like, use_tensor_descriptors
 from fastlm.kernels.attention.qkv import split_heads
 from fastlm.reference import ScaledDotProductAttention
 from fastlm.testing import TOLERANCE, assert_close
@@ -91,17 +93,20 @@ def test_matches_reference(device, deterministic, B, Hq, Hkv, Nq, Nk, D, causal,
     run_dense(q, k, v, causal, deterministic=deterministic)
 
 
-@pytest.mark.parametrize("tma", FORWARD_PATHS[1:], ids=["other-path"])
+@pytest.mark.parametrize("tma", TMA_PATHS[1:], ids=["other-path"])
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,dtype", [CASES[i] for i in (1, 2, 3, 7, 8, 11)])
-def test_other_forward_path_matches_reference(
+def test_other_data_path_matches_reference(
     device, monkeypatch, tma, B, Hq, Hkv, Nq, Nk, D, causal, dtype
 ):
-    """The forward path the default does not take here (FASTLM_ATTENTION_TMA): every dtype, a
-    padded head dim (80), GQA and MQA, Nq < Nk, rows past a block."""
+    """The data path the default does not take here (FASTLM_ATTENTION_TMA), in the forward and
+    in the dQ pass (k and v streamed): every dtype, a padded head dim (80), GQA and MQA, Nq < Nk,
+    rows past a block."""
     monkeypatch.setenv("FASTLM_ATTENTION_TMA", tma)
     q, k, v = make_heads(B, Hq, Hkv, Nq, Nk, D, dtype, device)
-    assert _use_tensor_descriptors(q, k, v, empty_heads_like(q.detach())) == (tma == "1")
+    assert use_tensor_descriptors(q, k, v, empty_heads_like(q.detach())) == (tma == "1")
+    dq_paths = record_dq_paths(monkeypatch)
     run_dense(q, k, v, causal)
+    assert dq_paths == [tma == "1"]
 
 
 def test_a_config_kept_for_large_head_blocks_takes_no_smaller_one():
@@ -135,7 +140,7 @@ def test_descriptor_forward_reads_packed_qkv_in_place(device, monkeypatch):
     qkv = torch.randn(B, T, (Hq + 2 * Hkv) * D, device=device, dtype=torch.float16)
     q, k, v = split_heads(qkv, Hq, Hkv)
     monkeypatch.setenv("FASTLM_ATTENTION_TMA", "1")
-    assert _use_tensor_descriptors(q, k, v, empty_heads_like(q))
+    assert use_tensor_descriptors(q, k, v, empty_heads_like(q))
     o_tma, lse_tma = attention_forward(q, k, v, True, D**-0.5, True)
     monkeypatch.setenv("FASTLM_ATTENTION_TMA", "0")
     o_ptr, lse_ptr = attention_forward(q, k, v, True, D**-0.5, True)
@@ -144,10 +149,32 @@ def test_descriptor_forward_reads_packed_qkv_in_place(device, monkeypatch):
     monkeypatch.setenv("FASTLM_ATTENTION_TMA", "1")
     shifted = torch.randn(B * T * 8 * D + 1, device=device, dtype=torch.float16)[1:]
     q, k, v = split_heads(shifted.view(B, T, 8 * D), Hq, Hkv)  # base 2 bytes past alignment
-    assert not _use_tensor_descriptors(q, k, v, empty_heads_like(q))
+    assert not use_tensor_descriptors(q, k, v, empty_heads_like(q))
 
 
-@pytest.mark.parametrize("tma", FORWARD_PATHS, ids=["default-path", "other-path"])
+@pytest.mark.parametrize("tma", TMA_PATHS, ids=["default-path", "other-path"])
+@pytest.mark.parametrize(
+    "causal,window,softcap",
+    [(True, NO_WINDOW, 0.0), (False, NO_WINDOW, 0.0), (True, (20, 0), 2.0), (False, (9, 30), 0.0)],
+)
+def test_packed_qkv_views_match_reference(device, monkeypatch, tma, causal, window, softcap):
+    """q, k, v as head slices of one packed (B, T, (Hq + 2 Hkv) D) projection (row stride
+    (Hq + 2 Hkv) D, grouped heads), T = 77 ending inside a block, forward and every gradient
+    against float64 on both data paths: the descriptor dQ pass reads k and v in place, with the
+    next head's columns past each row's D and the rows past T outside its views."""
+    if tma is not None:
+        monkeypatch.setenv("FASTLM_ATTENTION_TMA", tma)
+    B, T, Hq, Hkv, D = 2, 77, 4, 2, 32
+    qkv = torch.randn(B, T, (Hq + 2 * Hkv) * D, device=device, dtype=torch.float16)
+    q, k, v = split_heads(qkv.requires_grad_(), Hq, Hkv)
+    for t in (q, k, v):
+        t.retain_grad()  # views: the checks read their .grad
+    dq_paths = record_dq_paths(monkeypatch)
+    run_dense(q, k, v, causal, window, softcap)
+    assert dq_paths == [takes_descriptors(tma)]
+
+
+@pytest.mark.parametrize("tma", TMA_PATHS, ids=["default-path", "other-path"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("scale", [0.3, -0.3, 0.0])
 def test_softmax_scale(device, monkeypatch, causal, tma, scale):
@@ -187,12 +214,14 @@ def test_window_softcap_lse_match_reference(
     run_dense(q, k, v, causal, window, softcap, deterministic=deterministic)
 
 
-@pytest.mark.parametrize("tma", FORWARD_PATHS[1:], ids=["other-path"])
+@pytest.mark.parametrize("tma", TMA_PATHS[1:], ids=["other-path"])
 @pytest.mark.parametrize("case", [WINDOW_CASES[i] for i in (0, 2, 3, 4)])
-def test_window_softcap_other_forward_path(device, monkeypatch, tma, case):
+def test_window_softcap_other_data_path(device, monkeypatch, tma, case):
     monkeypatch.setenv("FASTLM_ATTENTION_TMA", tma)
     B, Hq, Hkv, Nq, Nk, D, causal, window, softcap, dtype = case
+    dq_paths = record_dq_paths(monkeypatch)
     run_dense(*make_heads(B, Hq, Hkv, Nq, Nk, D, dtype, device), causal, window, softcap)
+    assert dq_paths == [tma == "1"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

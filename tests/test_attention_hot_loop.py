@@ -1,6 +1,7 @@
 """benchmarks/hot_loop.py: the hot loop read from SASS, its instruction mix, MMA against the
 tile, the waits and what runs beside the tensor cores, and the clock model; then the shipped
-descriptor forward compiled for sm_90a, whose softmax must keep running beside a warpgroup MMA.
+descriptor forward compiled for sm_90a, whose softmax must keep running beside a warpgroup MMA,
+and the shipped descriptor dQ pass, whose loop must be shorter than the pointer one's.
 
 The parser is checked on a hand-written listing in nvdisasm's format, where every figure is
 known; the compile runs `benchmarks/hot_loop.py` in a subprocess without TRITON_INTERPRET (which
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fastlm.kernels.attention.configs import FWD_TMA_CUDA_CONFIGS
+from fastlm.kernels.attention.configs import DQ_TMA_CUDA_CONFIGS, FWD_TMA_CUDA_CONFIGS
 
 REPO = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("hot_loop", REPO / "benchmarks" / "hot_loop.py")
@@ -94,6 +95,27 @@ def test_hot_loop_is_the_shortest_innermost_loop_with_mma():
     assert starts == [0x10, 0x20, 0x140, 0x2E0, 0x310]
     first, last = hot_loop.hot_loop(instructions, labels)
     assert (instructions[first].address, instructions[last].address) == (0x20, 0x130)
+
+
+def test_a_fence_is_synchronisation_not_softmax_work():
+    """FENCE.VIEW.ASYNC (issued before a warpgroup MMA reads registers or shared memory) orders
+    memory: it counts as sync, and issued beside a pending MMA it does not make that MMA overlap
+    the softmax (it once counted as floating point for its leading F)."""
+    assert hot_loop.classify("FENCE.VIEW.ASYNC.S") == "sync"
+    assert hot_loop.classify("FMNMX") == "fp_other"
+    listing = "\n".join(
+        _line(16 * i, text)
+        for i, text in enumerate(
+            [
+                "WARPGROUP.ARRIVE",
+                "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24, gsb0",
+                "FENCE.VIEW.ASYNC.S",
+                "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+            ]
+        )
+    )
+    body, _ = hot_loop.parse_sass(listing)
+    assert hot_loop.in_flight(body, 4) == dict(instructions=1, mufu=0, mma_flops=0)
 
 
 def test_mix_mma_against_the_tile_waits_and_overlap():
@@ -209,25 +231,20 @@ def _compile_missing() -> str | None:
     return None if os.access(path, os.X_OK) else f"nvdisasm is not executable at {path}"
 
 
-@pytest.mark.skipif(_compile_missing() is not None, reason=str(_compile_missing()))
-def test_shipped_descriptor_forward_overlaps_softmax_and_mma(tmp_path):
-    """The descriptor forward's largest shipped tile (bf16, causal, head dim 128, M128 N128, 8
-    warps) compiled for sm_90a: every exponential of its hot loop is issued while the previous
-    block's P V runs on the tensor cores, and the loop issues exactly its tile's MMA."""
+def _hot_loops(tmp_path, *args: str) -> list[dict]:
+    """The rows of `benchmarks/hot_loop.py --arch sm_90a --dtype bf16 *args`, run in a subprocess
+    without TRITON_INTERPRET."""
     out = tmp_path / "rows.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
         [
             sys.executable,
             str(REPO / "benchmarks" / "hot_loop.py"),
-            "--op",
-            "fwd (TMA)",
             "--arch",
             "sm_90a",
-            "--head-dim",
-            "128",
-            "--config",
-            "128,128,8,2",
+            "--dtype",
+            "bf16",
+            *args,
             "--json",
             str(out),
         ],
@@ -238,8 +255,18 @@ def test_shipped_descriptor_forward_overlaps_softmax_and_mma(tmp_path):
         timeout=900,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    (row,) = json.loads(out.read_text())
-    row = row["hot_loop"]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.skipif(_compile_missing() is not None, reason=str(_compile_missing()))
+def test_shipped_descriptor_forward_overlaps_softmax_and_mma(tmp_path):
+    """The descriptor forward's largest shipped tile (bf16, causal, head dim 128, M128 N128, 8
+    warps) compiled for sm_90a: every exponential of its hot loop is issued while the previous
+    block's P V runs on the tensor cores, and the loop issues exactly its tile's MMA."""
+    (report_row,) = _hot_loops(
+        tmp_path, "--op", "fwd (TMA)", "--head-dim", "128", "--config", "128,128,8,2"
+    )
+    row = report_row["hot_loop"]
     assert (128, 128, 8, 2) in [
         (c.blocks["BLOCK_M"], c.blocks["BLOCK_N"], c.num_warps, c.num_stages)
         for c in FWD_TMA_CUDA_CONFIGS
@@ -249,3 +276,30 @@ def test_shipped_descriptor_forward_overlaps_softmax_and_mma(tmp_path):
     assert row["mix"]["mufu"] >= 64, "a 128 x 128 tile on 256 threads: 64 ex2 per thread"
     assert row["in_flight"]["mufu"] == row["mix"]["mufu"], "an exponential waits for the MMA"
     assert row["mma_busy_overlapped"] > row["mma_busy"]
+
+
+@pytest.mark.skipif(_compile_missing() is not None, reason=str(_compile_missing()))
+def test_shipped_descriptor_dq_loop_is_shorter_than_the_pointer_one(tmp_path):
+    """Each shipped config of the descriptor dQ pass (bf16, causal, head dim 128) compiled for
+    sm_90a: its hot loop reads k and v without per-thread global loads and issues fewer
+    instructions than the pointer dQ pass at the same config (which ships it too), with no MMA
+    repeated and no spill. The reason the descriptor path is the default on sm_90."""
+    rows = _hot_loops(tmp_path, "--op", "attention bwd", "--head-dim", "128")
+    dq = {}
+    for row in rows:
+        if row["kernel"] == "_attention_bwd_dq_kernel":
+            config = (*row["blocks"].values(), row["num_warps"], row["num_stages"])
+            dq[row["op"], config] = row
+    shipped = [
+        (c.blocks["BLOCK_M"], c.blocks["BLOCK_N"], c.num_warps, c.num_stages)
+        for c in DQ_TMA_CUDA_CONFIGS
+        if c.max_block_d >= 128
+    ]
+    assert sorted(config for op, config in dq if "TMA" in op) == sorted(shipped)
+    for config in shipped:
+        row, pointer = dq["attention bwd dQ (TMA)", config], dq["attention bwd", config]
+        assert row["tma"] and not pointer["tma"]
+        loop, pointer_loop = row["hot_loop"], pointer["hot_loop"]
+        assert loop["mix"]["load"] < pointer_loop["mix"]["load"], config
+        assert loop["mix"]["total"] < pointer_loop["mix"]["total"], config
+        assert loop["mma_ratio"] == 1.0 and row["spill_stores"] == 0, config

@@ -5,12 +5,14 @@ queries than keys, empty sequences, strided cu_seqlens, bad input, compile, memo
 import pytest
 import torch
 from attention_harness import (
-    FORWARD_PATHS,
     NO_WINDOW,
+    TMA_PATHS,
     AllocationRecorder,
     cu_seqlens,
     make,
+    record_dq_paths,
     run_varlen,
+    takes_descriptors,
 )
 
 from fastlm import flash_attention, flash_attention_varlen
@@ -38,13 +40,17 @@ def test_varlen_matches_reference(
     )
 
 
-@pytest.mark.parametrize("tma", FORWARD_PATHS[1:], ids=["other-path"])
-@pytest.mark.parametrize("case", [VARLEN_CASES[i] for i in (1, 3, 6)])
-def test_varlen_other_forward_path(device, monkeypatch, tma, case):
-    """The descriptor forward's per-sequence views: the next sequence's rows read as zeros."""
+@pytest.mark.parametrize("tma", TMA_PATHS[1:], ids=["other-path"])
+@pytest.mark.parametrize("case", [VARLEN_CASES[i] for i in (1, 2, 3, 4, 6)])
+def test_varlen_other_data_path(device, monkeypatch, tma, case):
+    """The descriptor forward's and dQ pass's per-sequence views of the strided packed q, k, v:
+    the next sequence's rows read as zeros, and a sequence without keys gets a one-row view that
+    its loop never reads."""
     monkeypatch.setenv("FASTLM_ATTENTION_TMA", tma)
+    dq_paths = record_dq_paths(monkeypatch)
     lens_q, lens_k, *rest = case
     run_varlen(lens_q, lens_k or lens_q, *rest, device)
+    assert dq_paths == [takes_descriptors(tma)]
 
 
 def test_varlen_rows_without_keys(device):
@@ -56,7 +62,7 @@ def test_varlen_rows_without_keys(device):
     assert torch.isneginf(lse[:, :4]).all() and torch.isneginf(lse[:, 6:]).all()
 
 
-@pytest.mark.parametrize("tma", FORWARD_PATHS, ids=["default-path", "other-path"])
+@pytest.mark.parametrize("tma", TMA_PATHS, ids=["default-path", "other-path"])
 @pytest.mark.parametrize("deterministic", [True, False], ids=["two-pass", "atomic-dq"])
 @pytest.mark.parametrize(
     "lens_q,lens_k,causal,window",
@@ -99,7 +105,7 @@ def test_scores_all_far_below_zero(device, deterministic):
     )
 
 
-@pytest.mark.parametrize("tma", FORWARD_PATHS, ids=["default-path", "other-path"])
+@pytest.mark.parametrize("tma", TMA_PATHS, ids=["default-path", "other-path"])
 def test_varlen_reads_cu_seqlens_through_its_strides(device, monkeypatch, tma):
     """cu_seqlens as a column of a table (stride 2) gives what its contiguous copy gives."""
     if tma is not None:

@@ -184,21 +184,29 @@ def test_tensor_core_loops_issue_their_tiles_mma_once(report):
             assert figures["mma_ratio"] <= 1, f"{_describe(row)}: {figures['mma_ratio']}"
 
 
-def test_descriptor_forward_moves_tiles_by_tma(report):
-    """The sm_90 forward path loads Q, K, V and stores O through tensor descriptors: every config
-    of it compiles to bulk tensor copies (cp.async.bulk.tensor)."""
+def test_descriptor_paths_move_tiles_by_tma(report):
+    """The sm_90 forward path loads Q, K, V and stores O through tensor descriptors, the dQ pass
+    loads K and V so: every config of them (plain and with each option) compiles to bulk tensor
+    copies (cp.async.bulk.tensor); the pointer dQ pass to none."""
     _, rows = report
-    descriptor_rows = [row for row in rows if row["kernel"] == "_attention_fwd_tma_kernel"]
-    assert descriptor_rows
-    without = [_describe(row) for row in descriptor_rows if not row["tma"]]
-    assert not without, "no TMA in:\n" + "\n".join(without)
+    for is_descriptor_path in (
+        lambda row: row["kernel"] == "_attention_fwd_tma_kernel",
+        lambda row: row["op"] == "attention bwd dQ (TMA)",
+    ):
+        descriptor_rows = [row for row in rows if is_descriptor_path(row)]
+        assert {row["option"] for row in descriptor_rows} == {None, "window", "softcap", "varlen"}
+        without = [_describe(row) for row in descriptor_rows if not row["tma"]]
+        assert not without, "no TMA in:\n" + "\n".join(without)
+    pointer_dq = [row for row in rows if row["kernel"] == "_attention_bwd_dq_kernel"]
+    pointer_dq = [row for row in pointer_dq if "TMA" not in row["op"]]
+    assert pointer_dq and not any(row["tma"] for row in pointer_dq)
 
 
 def _attention_internals() -> SimpleNamespace:
     """What these tests reach inside fastlm's attention, in one place: the module whose
     `interpreting` the autotuners' pruning asks, the config helpers, and each autotuner with its
     CUDA configs and the largest 16-bit and fp32 head blocks it serves (the launchers route
-    larger ones, and fp32 descriptors, to the pointer forward / the deterministic backward)."""
+    larger ones, and fp32 descriptors, to the pointer kernels / the deterministic backward)."""
     configs, forward, backward = (
         importlib.import_module(f"fastlm.kernels.attention.{name}")
         for name in ("configs", "forward", "backward")
@@ -215,6 +223,7 @@ def _attention_internals() -> SimpleNamespace:
             (backward._attention_bwd_dq_kernel, configs.DQ_CUDA_CONFIGS, every),
             (forward._attention_fwd_tma_autotuned, configs.FWD_TMA_CUDA_CONFIGS, tma),
             (backward._attention_bwd_dkdv_dq_kernel, configs.DKDV_DQ_CUDA_CONFIGS, atomic),
+            (backward._attention_bwd_dq_tma_autotuned, configs.DQ_TMA_CUDA_CONFIGS, tma),
         ],
     )
 

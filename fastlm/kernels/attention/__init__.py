@@ -42,10 +42,13 @@ Options, each a constexpr so that the plain kernels compile as without them:
   sequence's bounds from cu_seqlens, offsets its pointers by the first row, and returns at once
   when its block starts past the sequence's end. LSE and Delta are (H, total_q).
 
-Forward data movement: on sm_90+ with a Triton that has `tl.make_tensor_descriptor`, q, k, v, o
-move through tensor descriptors (TMA), one 2-D [rows, D] view per (batch, head) built on the device;
-otherwise (sm_80, older Triton, unaligned views) through masked pointer loads. The choice is made
-on the host per call from cached device facts and cheap stride checks (`_use_tensor_descriptors`).
+Data movement: on sm_90+ with a Triton that has `tl.make_tensor_descriptor`, the forward's q, k,
+v, o and the key blocks the dQ pass streams (k, v) move through tensor descriptors (TMA), one 2-D
+[rows, D] view per (batch, head) built on the device; otherwise (sm_80, older Triton, unaligned
+views) through masked pointer loads. The choice is made on the host per call from cached device
+facts and cheap stride checks (`launch.use_tensor_descriptors`). The dK/dV pass streams q and dO
+through pointers: descriptors there saved no instructions in its loop (`configs.DQ_TMA_CUDA_CONFIGS`
+says why).
 
 Determinism (deterministic=True, the default): no atomics, and every sum has an order fixed by the
 block sizes, so with the same (BLOCK_M, BLOCK_N) configs the output and gradients are bitwise

@@ -14,6 +14,7 @@ from fastlm.kernels.attention.blocks import (
     capped,
     is_visible,
     key_range,
+    load_rows,
     load_tile,
     query_range,
     sequence_rows,
@@ -28,6 +29,8 @@ from fastlm.kernels.attention.configs import (
     DKDV_DQ_CUDA_CONFIGS,
     DQ_CONFIGS,
     DQ_CUDA_CONFIGS,
+    DQ_TMA_CONFIGS,
+    DQ_TMA_CUDA_CONFIGS,
     TUNING_KEY,
     prune_to_fitting,
 )
@@ -41,6 +44,7 @@ from fastlm.kernels.attention.launch import (
     option_args,
     sequence_args,
     tuning_bucket,
+    use_tensor_descriptors,
 )
 
 
@@ -225,6 +229,20 @@ _attention_bwd_dkdv_dq_kernel = triton.autotune(
 
 
 @triton.jit
+def _rows_descriptor(
+    Head, n_rows, stride_row,  #
+    HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """A tensor descriptor of one head's (n_rows, HEAD_DIM) rows, read in (BLOCK_ROWS, BLOCK_D)
+    blocks: rows past n_rows (with packed sequences, the next sequence's) and the head-dim
+    padding read as zeros, so the loop that streams them computes no addresses and no masks. A
+    head without rows still gets one (a descriptor needs a row; the loop reads none)."""
+    return tl.make_tensor_descriptor(
+        Head, [tl.maximum(n_rows, 1), HEAD_DIM], [stride_row, 1], [BLOCK_ROWS, BLOCK_D]
+    )
+
+
+@triton.jit
 def _dq_key_blocks(
     dq, q, do, lse, delta,  #
     K_head, V_head,  #
@@ -232,16 +250,23 @@ def _dq_key_blocks(
     offs_m, offs_d, lo, hi, n_k, causal_shift, qk_scale, window_left, window_right, softcap,  #
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,  #
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,  #
-    SOFTCAP: tl.constexpr, TO_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr
+    SOFTCAP: tl.constexpr, TO_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,  #
+    TMA: tl.constexpr
 ):
     """Add to dq of one query block the key blocks starting in [lo, hi) (MASKED as in the
-    forward)."""
+    forward). With TMA, K_head and V_head are tensor descriptors of the head's key rows
+    (`_rows_descriptor`), otherwise pointers to its first row."""
     offs_n = lo + tl.arange(0, BLOCK_N)
-    k_ptrs = K_head + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V_head + offs_n.to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    for _ in range(lo, hi, BLOCK_N):
-        k = load_tile(k_ptrs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TO_FP32)
-        v = load_tile(v_ptrs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TO_FP32)
+    if not TMA:
+        k_ptrs = K_head + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        v_ptrs = V_head + offs_n.to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    for start_n in range(lo, hi, BLOCK_N):
+        if TMA:
+            k = load_rows(K_head, start_n, TO_FP32)
+            v = load_rows(V_head, start_n, TO_FP32)
+        else:
+            k = load_tile(k_ptrs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TO_FP32)
+            v = load_tile(v_ptrs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TO_FP32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         scores = qk * qk_scale
         if SOFTCAP:
@@ -259,8 +284,9 @@ def _dq_key_blocks(
         if SOFTCAP:
             ds = ds * dcap
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+        if not TMA:
+            k_ptrs += BLOCK_N * stride_kn
+            v_ptrs += BLOCK_N * stride_vn
         offs_n += BLOCK_N
     return dq
 
@@ -280,9 +306,12 @@ def _attention_bwd_dq_kernel(
     softcap, q_bucket, k_bucket,  #
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,  #
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,  #
-    TO_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,  #
-    BLOCK_N: tl.constexpr
+    TO_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,  #
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 ):
+    """dQ of one query block. TMA: the key blocks the loop streams, k and v, come through tensor
+    descriptors (K and V need a unit last stride and 16-byte aligned rows); the query block's q,
+    dO and dq move through pointers either way (once per program)."""
     start_m, batch_head = block_start_and_batch_head(n_q, BLOCK_M, CAUSAL)
     batch = (batch_head // num_heads).to(tl.int64)
     head = (batch_head % num_heads).to(tl.int64)
@@ -307,6 +336,9 @@ def _attention_bwd_dq_kernel(
     delta = tl.load(DELTA + row_stats, mask=offs_m < n_q, other=0.0)
     K_head = K + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
     V_head = V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
+    if TMA:
+        K_head = _rows_descriptor(K_head, n_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D)
+        V_head = _rows_descriptor(V_head, n_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     causal_shift = n_k - n_q
@@ -320,13 +352,18 @@ def _attention_bwd_dq_kernel(
             dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
             offs_m, offs_d, bounds[phase], bounds[phase + 1], n_k, causal_shift, qk_scale,
             window_left, window_right, softcap, HEAD_DIM, BLOCK_D, BLOCK_N, phase != 1, CAUSAL,
-            HAS_WINDOW, SOFTCAP, TO_FP32, DOT_PRECISION
+            HAS_WINDOW, SOFTCAP, TO_FP32, DOT_PRECISION, TMA
         )
     dq_ptrs = (
         DQ + batch * stride_dqb + head * stride_dqh + q_start * stride_dqm + rows * stride_dqm +
         offs_d[None, :] * stride_dqd
     )
     store_tile(dq_ptrs, dq * softmax_scale, offs_m, n_q, offs_d, HEAD_DIM)
+
+
+_attention_bwd_dq_tma_autotuned = triton.autotune(
+    configs=DQ_TMA_CONFIGS, key=TUNING_KEY, prune_configs_by=prune_to_fitting(DQ_TMA_CUDA_CONFIGS)
+)(_attention_bwd_dq_kernel.fn)
 
 
 def attention_backward(
@@ -375,9 +412,12 @@ def attention_backward(
         *(s for t in (q, k, v, do, dk, dv, dk) for s in kernel_strides(t, varlen)), Hkv, group,
         *args, ATOMIC_DQ=False, **flags
     )
-    _attention_bwd_dq_kernel[block_grid(n_q, "BLOCK_M", sequences * Hq)](
+    # The dQ pass streams k and v: through tensor descriptors where the forward would use them.
+    tma = use_tensor_descriptors(k, v)
+    dq_kernel = _attention_bwd_dq_tma_autotuned if tma else _attention_bwd_dq_kernel
+    dq_kernel[block_grid(n_q, "BLOCK_M", sequences * Hq)](
         q, k, v, do, dq, lse, delta, cu_q, cu_k,
         *(s for t in (q, k, v, do, dq) for s in kernel_strides(t, varlen)), Hq, group, *args,
-        **flags
+        TMA=tma, **flags
     )
     return dq, dk, dv

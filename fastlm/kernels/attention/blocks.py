@@ -30,6 +30,16 @@ def load_tile(
 
 
 @triton.jit
+def load_rows(desc, start, TO_FP32: tl.constexpr):
+    """The block of a tensor descriptor's rows from `start` (out-of-bounds rows and columns read
+    as zero: the descriptor's shape bounds them, not a mask)."""
+    tile = desc.load([start, 0])
+    if TO_FP32:  # as in load_tile
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@triton.jit
 def store_tile(ptrs, tile, rows, n_rows, cols, HEAD_DIM: tl.constexpr):
     tl.store(
         ptrs, tile.to(ptrs.dtype.element_ty),

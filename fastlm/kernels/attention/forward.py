@@ -1,16 +1,12 @@
 """The forward pass: one program per (query block, batch * head) runs the online softmax over the
 key blocks its rows see (`key_range`'s three phases). Two kernels of one algorithm: q, k, v, o
 moved by masked pointer loads (every GPU, the interpreter), or by tensor descriptors (TMA on
-sm_90+), chosen per call by `_use_tensor_descriptors`; then the launcher."""
+sm_90+), chosen per call by `launch.use_tensor_descriptors`; then the launcher."""
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 
-from fastlm.backend import interpreting
 from fastlm.kernels._common import empty, tl, triton
 from fastlm.kernels.attention.blocks import (
     block_start_and_batch_head,
@@ -28,7 +24,6 @@ from fastlm.kernels.attention.configs import (
     FWD_CUDA_CONFIGS,
     FWD_TMA_CONFIGS,
     FWD_TMA_CUDA_CONFIGS,
-    TMA_MAX_BLOCK_D,
     TUNING_KEY,
     prune_to_fitting,
 )
@@ -42,6 +37,7 @@ from fastlm.kernels.attention.launch import (
     option_args,
     sequence_args,
     tuning_bucket,
+    use_tensor_descriptors,
 )
 
 
@@ -365,10 +361,6 @@ _attention_fwd_tma_autotuned = triton.autotune(
     prune_configs_by=prune_to_fitting(FWD_TMA_CUDA_CONFIGS)
 )(_attention_fwd_tma_kernel)
 
-# Tensor descriptors (TMA on sm_90+) for the forward: FASTLM_ATTENTION_TMA=1 forces them wherever
-# this Triton has them (the interpreter too, which is how the tests run both paths), 0 forbids
-# them; unset, they are used on CUDA devices of capability 9 or more. Read at each call.
-_HAS_TENSOR_DESCRIPTORS = hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
 # Warp specialisation of the descriptor forward's key loop (`tl.range(..., warp_specialize=True)`)
 # is not used: with Triton 3.9 for sm_90a it aborted in the NVGPUWarpSpecialization pass at 4 warps
 # and compiled to the same kernel as without it at 8 (no setmaxnreg, equal registers).
@@ -382,44 +374,6 @@ def _exp2_fma_shift(block_d: int) -> int:
     exponential moved to the FMA units issues about 12 more instructions than it saves: moving
     an eighth of them (shift 3) takes the MUFU to 928 clocks and the issue to 1148."""
     return 0
-
-
-@functools.cache
-def _device_has_tma(device: torch.device) -> bool:
-    """Once per device: a CUDA GPU of compute capability 9.0 or more."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def _descriptor_allocator(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global scratch for descriptors built on the device (Triton asks through set_allocator)."""
-    return torch.empty(size, dtype=torch.uint8, device=_descriptor_allocator.device)
-
-
-def _use_tensor_descriptors(*tensors: torch.Tensor) -> bool:
-    """Whether the forward takes the descriptor path for these (q, k, v, o): the device and this
-    Triton can, and every tensor has a unit last stride and 16-byte aligned base and strides
-    (what a TMA descriptor requires); otherwise the pointer path."""
-    mode = os.environ.get("FASTLM_ATTENTION_TMA", "")
-    if mode == "0" or not _HAS_TENSOR_DESCRIPTORS:
-        return False
-    q = tensors[0]
-    # The descriptor configs were checked spill-free for 16-bit head dims up to 128 only (the
-    # interpreter, where tests force the path, has no registers to spill).
-    if not interpreting() and (q.element_size() != 2 or q.shape[-1] > TMA_MAX_BLOCK_D):
-        return False
-    if mode != "1" and (interpreting() or not _device_has_tma(tensors[0].device)):
-        return False
-    for t in tensors:
-        size = t.element_size()
-        if (
-            t.stride(-1) != 1 or t.data_ptr() % 16
-            or any(stride * size % 16 for stride in t.stride()[:-1])
-        ):
-            return False
-    if getattr(_descriptor_allocator, "device", None) != tensors[0].device:
-        _descriptor_allocator.device = tensors[0].device
-        triton.set_allocator(_descriptor_allocator)
-    return True
 
 
 def attention_forward(
@@ -442,7 +396,7 @@ def attention_forward(
     )
     grid = block_grid(n_q, "BLOCK_M", sequences * Hq)
     strides = [kernel_strides(t, varlen) for t in (q, k, v, o)]
-    if _use_tensor_descriptors(q, k, v, o):
+    if use_tensor_descriptors(q, k, v, o):
         _attention_fwd_tma_autotuned[grid](
             q, k, v, o, lse, cu_q, cu_k, *(s for t in strides for s in t[:3]), *args,
             EXP2_FMA_SHIFT=_exp2_fma_shift(flags["BLOCK_D"]), **flags

@@ -1,15 +1,18 @@
 """Host-side pieces both launchers share: output allocation in the caller's memory layout, the
-1-D grid, tuning buckets, compile-time flags, packed-sequence arguments and the option arguments
-(window, cap) as the kernels take them."""
+1-D grid, tuning buckets, compile-time flags, packed-sequence arguments, the option arguments
+(window, cap) as the kernels take them, and the choice of tensor descriptors."""
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import NamedTuple
 
 import torch
 
-from fastlm.kernels._common import empty, interpreter_bf16, triton
-from fastlm.kernels.attention.configs import MAX_HEAD_DIM
+from fastlm.backend import interpreting
+from fastlm.kernels._common import empty, interpreter_bf16, tl, triton
+from fastlm.kernels.attention.configs import MAX_HEAD_DIM, TMA_MAX_BLOCK_D
 
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
@@ -108,3 +111,49 @@ def as_heads(t: torch.Tensor) -> torch.Tensor:
 def as_packed(t: torch.Tensor) -> torch.Tensor:
     """The launchers' (1, H, total, D) output as (total, H, D)."""
     return t[0].transpose(0, 1)
+
+
+# Tensor descriptors (TMA on sm_90+) for the forward's q, k, v, o and the dQ pass's streamed k and
+# v: FASTLM_ATTENTION_TMA=1 forces them wherever this Triton has them (the interpreter too, which
+# is how the tests run both paths), 0 forbids them; unset, they are used on CUDA devices of
+# capability 9 or more. Read at each call.
+_HAS_TENSOR_DESCRIPTORS = hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
+
+
+@functools.cache
+def _device_has_tma(device: torch.device) -> bool:
+    """Once per device: a CUDA GPU of compute capability 9.0 or more."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _descriptor_allocator(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for descriptors built on the device (Triton asks through set_allocator)."""
+    return torch.empty(size, dtype=torch.uint8, device=_descriptor_allocator.device)
+
+
+def use_tensor_descriptors(*tensors: torch.Tensor) -> bool:
+    """Whether a pass takes its descriptor path for these tensors (the forward's q, k, v, o; the
+    dQ pass's k, v): the device and this Triton can, and every tensor has a unit last stride and
+    16-byte aligned base and strides (what a TMA descriptor requires); otherwise the pointer
+    path."""
+    mode = os.environ.get("FASTLM_ATTENTION_TMA", "")
+    if mode == "0" or not _HAS_TENSOR_DESCRIPTORS:
+        return False
+    first = tensors[0]
+    # The descriptor configs were checked spill-free for 16-bit head dims up to 128 only (the
+    # interpreter, where tests force the path, has no registers to spill).
+    if not interpreting() and (first.element_size() != 2 or first.shape[-1] > TMA_MAX_BLOCK_D):
+        return False
+    if mode != "1" and (interpreting() or not _device_has_tma(first.device)):
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if (
+            t.stride(-1) != 1 or t.data_ptr() % 16
+            or any(stride * size % 16 for stride in t.stride()[:-1])
+        ):
+            return False
+    if getattr(_descriptor_allocator, "device", None) != first.device:
+        _descriptor_allocator.device = first.device
+        triton.set_allocator(_descriptor_allocator)
+    return True
