@@ -172,14 +172,14 @@ FWD_TMA_CONFIGS = triton_configs(
 
 # The dQ pass with k and v streamed through descriptors: the pointer list's software-pipelined
 # configs. Pipelined, TMA removes the loads' addresses and masks from the hot loop
-# (benchmarks/hot_loop.py, sm_90a, bf16, causal: M128 N64 275 -> 264 instructions at head dim 64, 345 ->
-# 299 at 128; M64 N32 182 -> 178 and 244 -> 213); without a pipeline (1 stage) it sets up, waits
-# for and invalidates a barrier per block, which costs more than the loads it replaces (M32 N32:
-# 124 -> 166, 181 -> 223). The dK/dV pass keeps pointers for its streamed q and dO: their blocks
-# are short (16 to 64 rows) beside LSE and Delta, which stay pointer loads (a 1-D descriptor
-# needs 16-byte aligned offsets), and descriptors there saved instructions on two of its six
-# bf16 configs at head dims 64 and 128 (M32 N64: 220 -> 217, 280 -> 260), added some on four (M16
-# N64: 145 -> 158; 1 stage: 174 -> 196), and spilled in the atomic-dQ pass at 128.
+# (benchmarks/hot_loop.py, sm_90a, bf16, causal: M128 N64 275 -> 264 instructions at head dim 64,
+# 345 -> 299 at 128; M64 N32 182 -> 178 and 244 -> 213); without a pipeline (1 stage) it sets up,
+# waits for and invalidates a barrier per block, which costs more than the loads it replaces (M32
+# N32: 124 -> 166, 181 -> 223). The dK/dV pass keeps pointers for its streamed q and dO: their
+# blocks are short (16 to 64 rows) beside LSE and Delta, which stay pointer loads (a 1-D descriptor
+# needs 16-byte aligned offsets), and descriptors there saved instructions on two of its six bf16
+# configs at head dims 64 and 128 (M32 N64: 220 -> 217, 280 -> 260), added some on four (M16 N64:
+# 145 -> 158; 1 stage: 174 -> 196), and spilled in the atomic-dQ pass at 128.
 DQ_TMA_CUDA_CONFIGS = [
     cuda_config(128, 64, 8, 3, 128, 0),
     cuda_config(64, 32, 4, 2, 128, 0),
