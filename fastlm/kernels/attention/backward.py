@@ -17,6 +17,7 @@ from fastlm.kernels.attention.blocks import (
     load_rows,
     load_tile,
     query_range,
+    rows_descriptor,
     sequence_rows,
     stats_offset,
     store_tile,
@@ -229,20 +230,6 @@ _attention_bwd_dkdv_dq_kernel = triton.autotune(
 
 
 @triton.jit
-def _rows_descriptor(
-    Head, n_rows, stride_row,  #
-    HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr
-):
-    """A tensor descriptor of one head's (n_rows, HEAD_DIM) rows, read in (BLOCK_ROWS, BLOCK_D)
-    blocks: rows past n_rows (with packed sequences, the next sequence's) and the head-dim
-    padding read as zeros, so the loop that streams them computes no addresses and no masks. A
-    head without rows still gets one (a descriptor needs a row; the loop reads none)."""
-    return tl.make_tensor_descriptor(
-        Head, [tl.maximum(n_rows, 1), HEAD_DIM], [stride_row, 1], [BLOCK_ROWS, BLOCK_D]
-    )
-
-
-@triton.jit
 def _dq_key_blocks(
     dq, q, do, lse, delta,  #
     K_head, V_head,  #
@@ -255,7 +242,7 @@ def _dq_key_blocks(
 ):
     """Add to dq of one query block the key blocks starting in [lo, hi) (MASKED as in the
     forward). With TMA, K_head and V_head are tensor descriptors of the head's key rows
-    (`_rows_descriptor`), otherwise pointers to its first row."""
+    (`rows_descriptor`), otherwise pointers to its first row."""
     offs_n = lo + tl.arange(0, BLOCK_N)
     if not TMA:
         k_ptrs = K_head + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd
@@ -337,8 +324,8 @@ def _attention_bwd_dq_kernel(
     K_head = K + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
     V_head = V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
     if TMA:
-        K_head = _rows_descriptor(K_head, n_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D)
-        V_head = _rows_descriptor(V_head, n_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
+        K_head = rows_descriptor(K_head, n_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D)
+        V_head = rows_descriptor(V_head, n_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     causal_shift = n_k - n_q

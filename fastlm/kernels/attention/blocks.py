@@ -30,6 +30,20 @@ def load_tile(
 
 
 @triton.jit
+def rows_descriptor(
+    Head, n_rows, stride_row,  #
+    HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """A tensor descriptor of one head's (n_rows, HEAD_DIM) rows, read in (BLOCK_ROWS, BLOCK_D)
+    blocks: rows past n_rows (with packed sequences, the next sequence's) and the head-dim
+    padding read as zeros, so the loop that streams them computes no addresses and no masks. A
+    head without rows still gets one (a descriptor needs a row; the loop reads none)."""
+    return tl.make_tensor_descriptor(
+        Head, [tl.maximum(n_rows, 1), HEAD_DIM], [stride_row, 1], [BLOCK_ROWS, BLOCK_D]
+    )
+
+
+@triton.jit
 def load_rows(desc, start, TO_FP32: tl.constexpr):
     """The block of a tensor descriptor's rows from `start` (out-of-bounds rows and columns read
     as zero: the descriptor's shape bounds them, not a mask)."""

@@ -15,6 +15,7 @@ from fastlm.kernels.attention.blocks import (
     is_visible,
     key_range,
     load_tile,
+    rows_descriptor,
     sequence_rows,
     stats_offset,
     store_tile,
@@ -314,24 +315,21 @@ def _attention_fwd_tma_kernel(
     k_start, n_k = sequence_rows(CU_SEQLENS_K, batch, n_k, VARLEN)
     if VARLEN and start_m >= n_q:
         return
-    q_desc = tl.make_tensor_descriptor(
-        Q + batch * stride_qb + head * stride_qh + q_start * stride_qm, [n_q, HEAD_DIM],
-        [stride_qm, 1], [BLOCK_M, BLOCK_D]
+    q_desc = rows_descriptor(
+        Q + batch * stride_qb + head * stride_qh + q_start * stride_qm, n_q, stride_qm, HEAD_DIM,
+        BLOCK_M, BLOCK_D
     )
-    k_rows = n_k
-    if VARLEN:  # a sequence without keys: a descriptor needs a row (its loop reads none)
-        k_rows = tl.maximum(n_k, 1)
-    k_desc = tl.make_tensor_descriptor(
-        K + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn, [k_rows, HEAD_DIM],
-        [stride_kn, 1], [BLOCK_N, BLOCK_D]
+    k_desc = rows_descriptor(
+        K + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn, n_k, stride_kn, HEAD_DIM,
+        BLOCK_N, BLOCK_D
     )
-    v_desc = tl.make_tensor_descriptor(
-        V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn, [k_rows, HEAD_DIM],
-        [stride_vn, 1], [BLOCK_N, BLOCK_D]
+    v_desc = rows_descriptor(
+        V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn, n_k, stride_vn, HEAD_DIM,
+        BLOCK_N, BLOCK_D
     )
-    o_desc = tl.make_tensor_descriptor(
-        O + batch * stride_ob + head * stride_oh + q_start * stride_om, [n_q, HEAD_DIM],
-        [stride_om, 1], [BLOCK_M, BLOCK_D]
+    o_desc = rows_descriptor(
+        O + batch * stride_ob + head * stride_oh + q_start * stride_om, n_q, stride_om, HEAD_DIM,
+        BLOCK_M, BLOCK_D
     )
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = q_desc.load([start_m, 0])
