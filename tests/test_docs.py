@@ -11,6 +11,7 @@ has one, to a heading (GitHub's slug) or an `<a id>` of that page. Every command
 command with `ArgumentParser.parse_known_args` stubbed to hand back the parser it was called on.
 """
 
+import importlib.util
 import json
 import os
 import re
@@ -46,7 +47,7 @@ def fenced_blocks(text: str) -> list[tuple[int, str, list[str]]]:
         match = FENCE.match(line)
         if open_fence is None and match:
             open_fence, start, info, body = match.group(1), number + 1, match.group(2), []
-        elif open_fence is not None and line.strip().startswith(open_fence[0] * len(open_fence)):
+        elif open_fence is not None and re.fullmatch(rf" {{0,3}}{open_fence}+\s*", line):
             blocks.append((start, info.lower(), body))
             open_fence = None
         elif open_fence is not None:
@@ -105,6 +106,17 @@ def links(text: str) -> list[tuple[int, str]]:
     return [(text.count("\n", 0, m.start()) + 1, m.group(1)) for m in found]
 
 
+def exists_as_spelled(path: Path, root: Path) -> bool:
+    """Whether `path` (under `root`) exists with every name spelled as its folder lists it:
+    GitHub's links are case-sensitive even where the file system is not."""
+    for part in [path, *path.parents]:
+        if part == root:
+            return True
+        if not part.parent.is_dir() or part.name not in os.listdir(part.parent):
+            return False
+    return False
+
+
 def broken_links(page: Path, root: Path = REPO) -> list[str]:
     """'page:line: target: why' for each relative link of `page` that does not resolve."""
     text, problems = page.read_text(), []
@@ -113,10 +125,10 @@ def broken_links(page: Path, root: Path = REPO) -> list[str]:
             continue
         path, _, anchor = unquote(target.split("?")[0]).partition("#")
         where = f"{page.relative_to(root)}:{line}: {target}"
-        resolved = (page.parent / path).resolve() if path else page
+        resolved = (page.parent / path).resolve() if path else page.resolve()
         if root.resolve() not in [resolved, *resolved.parents]:
             problems.append(f"{where}: leads out of the repository")
-        elif not resolved.exists():
+        elif not exists_as_spelled(resolved, root.resolve()):
             problems.append(f"{where}: no such file or folder")
         elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved.read_text()):
             problems.append(f"{where}: {resolved.name} has no heading or anchor #{anchor}")
@@ -197,6 +209,8 @@ def command_target(argv: list[str], scripts: dict[str, str], root: Path = REPO):
         return ("entry", scripts[command]), rest
     if command in PYTHONS or command == "torchrun":
         for i, token in enumerate(rest):
+            if rest[i - 1 : i] in (["-X"], ["-W"]):  # an interpreter option's value
+                continue
             if token == "-m" and i + 1 < len(rest):
                 return _module_target(rest[i + 1], root), rest[i + 2 :]
             if token == "-c":
@@ -219,8 +233,6 @@ def command_target(argv: list[str], scripts: dict[str, str], root: Path = REPO):
 
 def _module_target(module: str, root: Path):
     """A module of this repository (its flags checked) or one that is installed."""
-    import importlib.util
-
     if (root / module.split(".")[0]).is_dir():
         parts = module.split(".")
         if (root.joinpath(*parts).with_suffix(".py")).is_file():
@@ -390,7 +402,8 @@ def test_the_link_check_finds_broken_links(tmp_path):
     page = tmp_path / "docs" / "a.md"
     page.write_text(
         "# Page\n[fine](b.md) [fine](b.md#a-heading-with-code) [fine](#page) [web](https://x.y)\n"
-        "[gone](missing.md) [bad anchor](b.md#nowhere)\n[self](#nope) [out](../../outside.md)\n"
+        "[gone](missing.md) [bad anchor](b.md#nowhere)\n"
+        "[self](#nope) [out](../../outside.md) [case](B.md)\n"
         "`[in code](missing.md)` and [a link\nacross lines](gone/)\n\n[ref]: nothing.md\n"
         "```bash\necho [in a block](missing.md)\n```\n"
     )
@@ -400,6 +413,7 @@ def test_the_link_check_finds_broken_links(tmp_path):
         ["docs/a.md:3", "b.md#nowhere"],
         ["docs/a.md:4", "#nope"],
         ["docs/a.md:4", "../../outside.md"],
+        ["docs/a.md:4", "B.md"],
         ["docs/a.md:5", "gone/"],
         ["docs/a.md:8", "nothing.md"],
     ], found
@@ -416,6 +430,7 @@ python -m fastlm.cli.nope
 python benchmarks/_common.py env --out x --need-cuda | tail -1
 python benchmarks/_common.py fingerprint --out x
 pytest tests/ -n auto -q
+nice -n 10 python -X dev benchmarks/kernels.py --quick --headline
 ```
 """
     found = command_problems(page, "page.md")
