@@ -7,8 +7,8 @@ the sequence length (`fastlm.distributed.context_parallel_attention`, forward + 
 Under torchrun every rank holds N / P tokens of one sequence (bf16, Llama-3-8B's attention by
 default: 32 query heads, 8 key/value heads, head dim 128); rank 0 prints one row per length:
 milliseconds per forward + backward (the slowest rank's median), tokens per second of the group,
-the largest peak of allocated memory over the ranks, and the README's memory model for the
-busiest rank (the attention's saved activations and the exchange's buffers, per layer).
+the largest peak of allocated memory over the ranks, and docs/distributed.md's memory model for
+the busiest rank (the attention's saved activations and the exchange's buffers, per layer).
 
 What one GPU can check meanwhile (`--simulate P`, no torchrun): the kernel calls each of the P
 ranks makes (its two query chunks against their key ranges, forward + backward), timed one rank

@@ -23,7 +23,8 @@ it covers (O(window) instead of O(N) per rank), and every kernel call is a whole
 at its queries, so windows, the softcap and GQA work unchanged. A ring holds only O(N / P) K/V at a
 time but splits each row's keys over P calls merged by log-sum-exp, and cannot express a window
 across chunk boundaries with the end-aligned kernel. The price is the K/V of up to N tokens for
-the layer being computed (GQA keeps it small): see `ExchangePlan` and the README's memory model.
+the layer being computed (GQA keeps it small): see `ExchangePlan` and docs/distributed.md's
+memory model.
 
 Training: `fastlm.Transformer.set_context_parallel(group)`; then `model.loss(shard(tokens),
 shard(targets))` on every rank of the group (RoPE rotates each token by its global position, and
@@ -194,7 +195,7 @@ class ExchangePlan:
     """Which K/V chunks rank `rank` of `world_size` reads, receives and sends in one layer.
 
     Built by `ExchangePlan.build`; `context_parallel_attention` follows it, and `exchange_bytes`
-    prices it (the README's memory model).
+    prices it (docs/distributed.md's memory model).
 
     Args:
         world_size: P, the ranks of the context-parallel group.
@@ -294,7 +295,7 @@ class ExchangePlan:
     def exchange_bytes(
         self, batch: int, kv_heads: int, head_dim: int, element_size: int
     ) -> dict[str, int]:
-        """What one layer's exchange costs this rank, in bytes: the README's memory model.
+        """What one layer's exchange costs this rank, in bytes: docs/distributed.md's memory model.
 
         Args:
             batch, kv_heads, head_dim: of k and v; element_size: their dtype's bytes.

@@ -26,7 +26,7 @@ from fastlm.config import (
 )
 from fastlm.kernels._common import HAVE_TRITON
 
-# Parameters of each preset with byte tokens, as the README states them (0.9M, 85M, 309M).
+# Parameters of each preset with byte tokens, as docs/training.md states them (0.9M, 85M, 309M).
 PRESET_PARAMETERS = {
     "tiny": 918_656,
     "gpt2-small": 85_347_072,

@@ -3,7 +3,7 @@ here (one spawn per group size runs every check, since starting processes is wha
 rank comparing its shard with single-process results over the whole sequence: attention's output,
 log-sum-exp and gradients (PyTorch backend, and the kernels through Triton's interpreter), a
 model's loss and gradients, and the exchange's buffers and traffic against `ExchangePlan` (the
-README's memory model). The layout helpers and the errors run in this process."""
+memory model of docs/distributed.md). The layout helpers and the errors run in this process."""
 
 from __future__ import annotations
 

@@ -257,7 +257,7 @@ def test_the_readme_example_runs(tmp_path, monkeypatch):
     and a local tokenizer where it downloads them, and use_cpu (its bf16 is a GPU's): the model
     is patched and trained on."""
     readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme.split("### Fine-tuning with Hugging Face and TRL", 1)[1]
+    section = readme.split("## Fine-tuning with Hugging Face and TRL\n", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     tiny = hf_model("qwen3", pad_token_id=0, eos_token_id=1, bos_token_id=None)
     models, tokenizers = transformers.AutoModelForCausalLM, transformers.AutoTokenizer
