@@ -87,7 +87,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--data",
-        help="text file or folder (default: the Python standard library's sources, a few MB)",
+        help="text file or folder, Parquet/JSON Lines files or folders of them, a datasets "
+        "folder, or a fastlm-prepare folder (default: the Python standard library's sources)",
+    )
+    parser.add_argument(
+        "--text-column", default="text", help="Parquet column or JSON field (%(default)s)"
     )
     parser.add_argument("--tokenizer", help="Hugging Face tokenizers JSON (default: UTF-8 bytes)")
     parser.add_argument(
@@ -457,6 +461,7 @@ def prepare(
             say,
             args.pack_documents,
             args.document_separator,
+            args.text_column,
         ),
     )
     return Trainer(args, run, config, tokenizer.name, out, split, saved)
