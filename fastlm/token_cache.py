@@ -247,8 +247,9 @@ def _chunks(
 def _in_order(chunks: Iterator, workers: int, tokenizer_path: str | None, dtype: np.dtype):
     """(labels, result of _encode_chunk) for each chunk, in corpus order; with several workers at
     most 2 chunks per worker are in flight (reading never runs far ahead of writing)."""
-    if workers == 1:
-        _start_worker(tokenizer_path)
+    if workers == 1:  # in this process, whose settings stay as they are
+        global _worker_tokenizer
+        _worker_tokenizer = load_tokenizer(tokenizer_path)
         for texts, labels in chunks:
             yield labels, _try(lambda t=texts: _encode_chunk(t, dtype))
         return

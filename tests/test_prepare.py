@@ -301,3 +301,31 @@ def test_stale_sources_are_noted(tmp_path, capsys):
     assert len(notes) == 1 and "1 of the sources" in notes[0] and "c.jsonl" in notes[0]
     with pytest.raises(DataError, match="too small"):
         load_split(tmp_path / "o", ByteTokenizer(), 10**6, 0.05)
+
+
+def test_benchmark_runs_at_a_tiny_size(tmp_path, capsys):
+    """benchmarks/prepare.py: its rows (1 and 2 workers, start-up from the cache and from the
+    Parquet shards), the caches identical, CSV and JSON written."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    benchmarks = Path(__file__).resolve().parent.parent / "benchmarks"
+    sys.path.append(str(benchmarks))  # for its `_common`
+    spec = importlib.util.spec_from_file_location("bench_prepare", benchmarks / "prepare.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argv = ["--size-mb", "0.3", "--tokenizers", "bytes", "--workers", "2", "--out", str(tmp_path)]
+    assert bench.main([*argv, "--work", str(tmp_path / "work")]) == 0
+    rows = json.loads((tmp_path / "prepare.json").read_text())["rows"]
+    assert [r["what"] for r in rows] == [
+        "fastlm-prepare, 1 worker",
+        "fastlm-prepare, 2 workers",
+        "fastlm-train start-up, cache",
+        "fastlm-train start-up, Parquet, tokenized at start",
+    ]
+    assert rows[1]["identical to 1 worker"] is True
+    assert rows[0]["tokens"] == rows[1]["tokens"] > 0.3 * 2**20
+    assert all(r["1-step process s"] > 0 for r in rows[2:])
+    assert (tmp_path / "prepare.csv").read_text().count("\n") == 5
+    assert "| bytes | fastlm-prepare, 2 workers |" in capsys.readouterr().out
