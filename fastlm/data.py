@@ -275,7 +275,7 @@ def load_split(
                 "documents were split when it was tokenized"
             )
         return token_cache.load_split(
-            data, tokenizer, context_length, rank, world_size, pack_documents, warn
+            data, tokenizer, context_length, rank, world_size, pack_documents, warn, val_fraction
         )
     text_corpus = read_corpus(data, text_column)
     for path, count in text_corpus.replaced.items():

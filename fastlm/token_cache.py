@@ -118,10 +118,12 @@ def load_split(
     world_size: int = 1,
     pack_documents: bool = False,
     warn: Callable[[str], None] | None = None,
+    val_fraction: float | None = None,
 ) -> TokenSplit:
     """This rank's shard of the cache's training and held-out parts, memory-mapped (and with
     pack_documents the document starts in each); DataError for a cache of another tokenizer or
-    format version, a truncated file, or a shard too small for one window."""
+    format version, a truncated file, or a shard too small for one window. `warn` gets a note
+    for sources changed since and for a `val_fraction` other than the cache's split."""
     folder = Path(folder)
     meta = read_metadata(folder)
     if meta["tokenizer"] != tokenizer.name:
@@ -131,6 +133,11 @@ def load_split(
             f"{folder / TOKENIZER}) or prepare it again"
             if meta["tokenizer"] != "bytes"
             else f"{folder} was tokenized with the byte tokenizer: leave out --tokenizer"
+        )
+    if warn is not None and val_fraction not in (None, meta["val_fraction"]):
+        warn(
+            f"note: the held-out part of {folder} is its last {meta['val_fraction']} (set by "
+            f"fastlm-prepare --val-fraction), not --val-fraction {val_fraction}"
         )
     if warn is not None:
         changed = [s["path"] for s in stale_sources(meta)]

@@ -299,6 +299,11 @@ def test_stale_sources_are_noted(tmp_path, capsys):
     notes = []
     load_split(tmp_path / "o", ByteTokenizer(), 8, 0.05, warn=notes.append)
     assert len(notes) == 1 and "1 of the sources" in notes[0] and "c.jsonl" in notes[0]
+    notes.clear()
+    load_split(tmp_path / "o", ByteTokenizer(), 8, 0.2, warn=notes.append)
+    assert (
+        "its last 0.05 (set by fastlm-prepare --val-fraction), not --val-fraction 0.2" in (notes[0])
+    )
     with pytest.raises(DataError, match="too small"):
         load_split(tmp_path / "o", ByteTokenizer(), 10**6, 0.05)
 
@@ -329,3 +334,26 @@ def test_benchmark_runs_at_a_tiny_size(tmp_path, capsys):
     assert all(r["1-step process s"] > 0 for r in rows[2:])
     assert (tmp_path / "prepare.csv").read_text().count("\n") == 5
     assert "| bytes | fastlm-prepare, 2 workers |" in capsys.readouterr().out
+
+
+def test_torchrun_fsdp_from_the_cache_with_tensorboard(tmp_path, capsys):
+    """Two ranks on gloo under FSDP2 train from the cache, each on its shard; rank 0 alone logs,
+    and the gradient norm (a DTensor every rank reduces) reaches the event file."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from test_train import torchrun
+
+    make_corpus(tmp_path / "corpus", documents=300)
+    assert prepare(["--data", tmp_path / "corpus", "--out", tmp_path / "o"], capsys)[0] == 0
+    logs = tmp_path / "logs"
+    # torchrun's own parser refuses --log (an abbreviation of its options): --logger.
+    extra = ["--model", "fastlm", "--fsdp", "--logger", "tensorboard", "--log-dir", str(logs)]
+    result, _ = torchrun(tmp_path, tmp_path / "o", "fsdp", *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["world_size"] == 2 and summary["steps"] == 4
+    assert len(list(logs.glob("events.out.tfevents.*"))) == 1
+    events = EventAccumulator(str(logs))
+    events.Reload()
+    norms = [e.value for e in events.Scalars("train/grad_norm")]
+    assert len(norms) == 4 and all(n > 0 for n in norms)

@@ -198,11 +198,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument(
         "--log",
+        "--logger",  # under torchrun: its parser takes --log for an abbreviation of its own
+        dest="log",
         action="append",
         choices=LOGGERS,
         default=[],
         help="also log the metrics to TensorBoard or Weights & Biases (offline without "
-        "WANDB_API_KEY); may be given twice",
+        "WANDB_API_KEY); may be given twice; --logger under torchrun",
     )
     run.add_argument("--log-dir", help="where --log writes (default: OUT.logs beside --out)")
     args = parser.parse_args(argv)
