@@ -32,6 +32,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -194,6 +195,8 @@ def _start_worker(tokenizer_path: str | None) -> None:
     global _worker_tokenizer
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the processes are the parallelism
     torch.set_num_threads(1)
+    # Ctrl-C reaches the whole process group: the main process alone handles it (and ends us).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker_tokenizer = load_tokenizer(tokenizer_path)
 
 

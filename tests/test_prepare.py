@@ -357,3 +357,18 @@ def test_torchrun_fsdp_from_the_cache_with_tensorboard(tmp_path, capsys):
     events.Reload()
     norms = [e.value for e in events.Scalars("train/grad_norm")]
     assert len(norms) == 4 and all(n > 0 for n in norms)
+
+
+def test_document_separator_and_end(tmp_path, capsys):
+    """--document-separator ends a document after each occurrence (which stays its last text);
+    --document-end is appended to each document."""
+    path = tmp_path / "many.txt"
+    docs = ["first document. ", "second one. " * 2, "third. " * 3]
+    path.write_text("<s>".join(docs) + "<s>")
+    argv = ["--data", path, "--out", tmp_path / "o", "--document-separator", "<s>"]
+    assert prepare([*argv, "--document-end", "|"], capsys)[0] == 0
+    tokens = np.fromfile(tmp_path / "o" / token_cache.TOKENS, dtype=np.uint16)
+    expected = "".join(d + "<s>|" for d in docs).encode()
+    assert bytes(tokens.astype(np.uint8)) == expected
+    starts = np.fromfile(tmp_path / "o" / token_cache.DOCUMENTS, dtype=np.int64)
+    assert starts.tolist() == [0, len(docs[0]) + 4, len(docs[0]) + len(docs[1]) + 8]
