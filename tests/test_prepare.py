@@ -5,7 +5,6 @@ own shard, and a cache of another tokenizer or format version is refused."""
 import errno
 import hashlib
 import json
-import signal
 
 import numpy as np
 import pyarrow as pa
@@ -14,9 +13,8 @@ import pytest
 import torch
 
 import fastlm.cli.prepare as prepare_cli
-import fastlm.cli.train as train_cli
 from fastlm import checkpoint, token_cache
-from fastlm.data import ByteTokenizer, DataError, load_split
+from fastlm.data import ByteTokenizer, DataError, load_split, load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -83,7 +81,7 @@ def test_two_workers_write_what_one_does(tmp_path, capsys, monkeypatch, hf_token
     assert status == 0, err
     assert digest(tmp_path / "one") == digest(tmp_path / "two")
 
-    encoder = ByteTokenizer() if tokenizer == "bytes" else train_cli.load_tokenizer(hf_tokenizer)
+    encoder = ByteTokenizer() if tokenizer == "bytes" else load_tokenizer(hf_tokenizer)
     pieces = [encoder.encode(text + "\n").numpy() for text in texts]
     tokens = np.fromfile(tmp_path / "one" / token_cache.TOKENS, dtype=np.uint16)
     assert np.array_equal(tokens, np.concatenate(pieces))
@@ -261,7 +259,7 @@ def test_cache_of_another_tokenizer_or_version_is_refused(tmp_path, capsys, hf_t
 def test_training_from_the_cache_resumes_exactly(tmp_path, capsys, monkeypatch):
     """Ctrl-C in step 5, --resume: the losses and weights of the uninterrupted run, bitwise,
     with documents packed from the cache's offsets."""
-    from test_train import TOY, run_main
+    from test_train import TOY, run_main, sigint_in_step
 
     monkeypatch.setenv("FASTLM_BACKEND", "torch")
     make_corpus(tmp_path / "corpus", documents=300)
@@ -270,18 +268,9 @@ def test_training_from_the_cache_resumes_exactly(tmp_path, capsys, monkeypatch):
     status, full, err = run_main([*args, "--out", tmp_path / "full"], capsys)
     assert status == 0 and full["targets_ignored"] > 0, err
 
-    clip, calls = train_cli.reference.gradient_clip, []
-
-    def clip_then_interrupt(parameters, max_norm):
-        calls.append(1)
-        if len(calls) == 5:
-            signal.raise_signal(signal.SIGINT)
-        return clip(parameters, max_norm)
-
-    monkeypatch.setattr(train_cli.reference, "gradient_clip", clip_then_interrupt)
-    status, part, err = run_main([*args, "--out", tmp_path / "split"], capsys)
+    with sigint_in_step(5):
+        status, part, err = run_main([*args, "--out", tmp_path / "split"], capsys)
     assert status == 130 and part["steps"] == 5, err
-    monkeypatch.setattr(train_cli.reference, "gradient_clip", clip)
     status, _, err = run_main([*args, "--out", tmp_path / "split", "--resume"], capsys)
     assert status == 0, err
     expected, got = (checkpoint.load_state(tmp_path / n) for n in ("full", "split"))
