@@ -268,6 +268,8 @@ def load_split(
     check_split_options(val_fraction, pack_documents, document_separator)
     from fastlm import token_cache  # it builds on this module
 
+    if data is not None:
+        token_cache.check_not_partial(data)
     if data is not None and token_cache.is_cache(data):
         if document_separator is not None:
             raise DataError(

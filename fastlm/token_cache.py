@@ -67,6 +67,15 @@ def is_cache(path: str | os.PathLike) -> bool:
     return (Path(path) / METADATA).is_file()
 
 
+def check_not_partial(path: str | os.PathLike) -> None:
+    """DataError for an unfinished `fastlm-prepare` folder (DIR.partial), which is no corpus."""
+    if (Path(path) / PROGRESS).is_file() and (Path(path) / TOKENS).is_file():
+        raise DataError(
+            f"{path} is an unfinished fastlm-prepare folder: run the same fastlm-prepare "
+            "command again to finish it"
+        )
+
+
 def read_metadata(folder: str | os.PathLike) -> dict:
     """The cache's metadata, checked to be of this format version (DataError otherwise)."""
     path = Path(folder) / METADATA
@@ -314,7 +323,7 @@ def _names(paths: list[Path], limit: int = 3) -> str:
 
 
 def prepare(
-    data: str | os.PathLike,
+    data: str | os.PathLike | None,
     out: str | os.PathLike,
     tokenizer_path: str | os.PathLike | None = None,
     *,
@@ -340,6 +349,10 @@ def prepare(
         raise DataError("--document-separator must not be empty")
     tokenizer = load_tokenizer(tokenizer_path)
     tokenizer_path = None if tokenizer_path is None else str(tokenizer_path)
+    if data is not None:  # None: the default corpus, as fastlm-train's
+        if is_cache(data):
+            raise DataError(f"--data {data} is already prepared: pass it to fastlm-train --data")
+        check_not_partial(data)
     found = corpus_sources(data)
     fingerprint = _fingerprint(
         tokenizer, corpus.stats(found), text_column, document_end, document_separator

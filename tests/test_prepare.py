@@ -144,6 +144,8 @@ def test_interrupted_prepare_resumes(tmp_path, capsys, monkeypatch, failure):
             assert err.count("\n") == 1 and "No space left on device" in err
             assert "run the same command again to resume" in err
     assert not out.exists() and (tmp_path / "cache.partial" / token_cache.PROGRESS).is_file()
+    with pytest.raises(DataError, match="is an unfinished fastlm-prepare folder"):
+        load_split(tmp_path / "cache.partial", ByteTokenizer(), 8, 0.05)
     monkeypatch.setattr(token_cache, "write_array", write)
 
     status, _, err = prepare([*base, "--out", out], capsys)
@@ -203,6 +205,8 @@ def test_prepared_out_is_reused_or_refused(tmp_path, capsys):
     assert prepare(base, capsys)[0] == 0
     status, _, err = prepare(base, capsys)
     assert status == 0 and "already holds this corpus" in err
+    status, _, err = prepare(["--data", tmp_path / "o", "--out", tmp_path / "again"], capsys)
+    assert status == 2 and "is already prepared: pass it to fastlm-train --data" in err
     status, _, err = prepare([*base, "--val-fraction", "0.1"], capsys)
     assert status == 2 and "already holds another prepared corpus" in err
     status, summary, err = prepare([*base, "--val-fraction", "0.1", "--overwrite"], capsys)
