@@ -28,6 +28,7 @@ or another format version is refused.
 from __future__ import annotations
 
 import collections
+import errno
 import json
 import multiprocessing
 import os
@@ -238,8 +239,10 @@ def _chunks(
     document_end: str,
     separator: str | None,
     skip: int,
+    found_text: list[bool],
 ) -> Iterator[tuple[list[str], list[str]]]:
-    """(texts, where each comes from) for chunks of whole documents, after the first `skip`."""
+    """(texts, where each comes from) for chunks of whole documents, after the first `skip`;
+    found_text[0] becomes True at the first document that is not all whitespace."""
     texts, labels, chars, seen = [], [], 0, 0
     for source in found:
         for record, text in enumerate(corpus.read_source(source, text_column, reading), 1):
@@ -248,6 +251,7 @@ def _chunks(
                 pieces = [p + separator for p in text.split(separator)]
                 pieces[-1] = pieces[-1][: -len(separator)]
                 pieces = [p for p in pieces if p] or [""]
+            found_text[0] = found_text[0] or bool(text.strip())
             for piece in pieces:
                 seen += 1
                 if seen <= skip:
@@ -393,10 +397,12 @@ def prepare(
     tokens_path, starts_path = staging / TOKENS, staging / DOCUMENTS
 
     def cannot_write(path: Path, error: OSError) -> DataError:
+        full = error.errno in (errno.ENOSPC, errno.EDQUOT)
         return DataError(
             f"cannot write {path} ({error.strerror or error}): the {done['documents']:,} "
-            f"documents tokenized so far stay in {staging}; free some space and run the same "
-            "command again to resume"
+            f"documents tokenized so far stay in {staging}; "
+            + ("free some space" if full else "fix that")
+            + " and run the same command again to resume"
         )
 
     try:
@@ -409,8 +415,10 @@ def prepare(
         raise cannot_write(staging, error) from None
 
     reading = Reading()
-    skip = done["documents"]
-    chunks = _chunks(found, text_column, reading, document_end, document_separator, skip)
+    skip, found_text = done["documents"], [False]
+    chunks = _chunks(
+        found, text_column, reading, document_end, document_separator, skip, found_text
+    )
     bar = tqdm(
         desc="tokenizing",
         unit=" docs",
@@ -447,7 +455,7 @@ def prepare(
     bar.close()
     for path, count in reading.replaced.items():
         say(f"warning: {path} is not valid UTF-8: {count} undecodable bytes replaced by U+FFFD")
-    if done["tokens"] == 0:
+    if not found_text[0]:  # no documents, or only empty ones (as fastlm-train's check)
         shutil.rmtree(staging, ignore_errors=True)
         skipped = (
             f" (skipped as binary, with NUL bytes: {_names(reading.skipped)})"

@@ -193,7 +193,8 @@ def test_bad_input_leaves_no_cache(tmp_path, capsys):
     status, _, err = prepare(["--data", tmp_path / "d", "--out", tmp_path / "o"], capsys)
     assert status == 2 and "a.jsonl, record 2: 'text' is null, not text" in err
     (tmp_path / "e").mkdir()
-    (tmp_path / "e" / "a.jsonl").write_text("")
+    (tmp_path / "e" / "a.jsonl").write_text('{"text": ""}\n{"text": " \\n"}\n')
+    pq.write_table(pa.table({"text": ["", "\t"]}), tmp_path / "e" / "b.parquet")
     status, _, err = prepare(["--data", tmp_path / "e", "--out", tmp_path / "o"], capsys)
     assert status == 2 and f"the corpus at {tmp_path / 'e'} is empty" in err
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
