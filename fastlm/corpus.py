@@ -3,17 +3,19 @@
 - Plain text: a file, or every non-hidden file below a folder in name order; each file is a
   document. A file with a NUL byte is skipped as binary; bytes that are not UTF-8 become U+FFFD.
 - Parquet (`.parquet`): each row's `text_column` is a document (FineWeb, DCLM, SlimPajama...).
+- Arrow (`.arrow`, the IPC stream or file format: the shards `datasets` writes): the same.
 - JSON Lines (`.jsonl`, `.ndjson`, also gzip'd `.gz` and zstandard `.zst` where the `zstandard`
   package is installed): each line an object whose `text_column` is a document.
 - A `datasets` `save_to_disk` folder (`state.json` or `dataset_dict.json`; its "train" split):
   each row a document, read through `datasets` (`pip install fastlm[data]`).
 
-A folder that holds Parquet or JSON Lines files anywhere below it (a local copy of a Hugging Face
-dataset, which `load_dataset` reads the same way) is read as those files in name order; its other
-files (README.md, licences) are not text of the corpus. Everything streams: a Parquet file by
-record batches, JSON Lines line by line, a `datasets` folder memory-mapped, so a corpus larger
-than memory goes through `fastlm-prepare`. Bad input is one DataError line naming the file and
-the record (counted from 1): a missing column, a record that is not text, a truncated file.
+A folder that holds Parquet, Arrow or JSON Lines files anywhere below it (a local copy of a
+Hugging Face dataset, which `load_dataset` reads the same way) is read as those files in name
+order; its other files (README.md, licences) are not text of the corpus. Everything streams:
+Parquet by record batches, Arrow and `datasets` folders memory-mapped, JSON Lines line by line,
+so a corpus larger than memory goes through `fastlm-prepare`. Bad input is one DataError line
+naming the file and the record (counted from 1): a missing column, a record that is not text,
+a truncated file.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PARQUET = (".parquet",)
+ARROW = (".arrow",)
 JSON_LINES = (".jsonl", ".ndjson", ".json")  # .json only compressed: .json.gz, .json.zst
 COMPRESSED = (".gz", ".zst")
 DATASETS_MARKERS = ("state.json", "dataset_dict.json")
@@ -44,7 +47,7 @@ class Source:
     """One file (or `datasets` folder) of the corpus and how to read it."""
 
     path: Path
-    kind: str  # "text", "parquet", "jsonl" or "datasets"
+    kind: str  # "text", "parquet", "arrow", "jsonl" or "datasets"
 
 
 @dataclass
@@ -56,10 +59,12 @@ class Reading:
 
 
 def kind_of(path: Path) -> str:
-    """ "parquet", "jsonl" or "text", from the file's name."""
+    """ "parquet", "arrow", "jsonl" or "text", from the file's name."""
     name = path.name.lower()
     if name.endswith(PARQUET):
         return "parquet"
+    if name.endswith(ARROW):
+        return "arrow"
     stem = name
     for suffix in COMPRESSED:
         if stem.endswith(suffix):
@@ -117,7 +122,7 @@ def read_source(source: Source, text_column: str, reading: Reading) -> Iterator[
     """One source's documents in order (its records, or the text file's whole text)."""
     if source.kind == "text":
         return _text_file(source.path, reading)
-    readers = {"parquet": _parquet, "jsonl": _json_lines, "datasets": _datasets}
+    readers = {"parquet": _parquet, "arrow": _arrow, "jsonl": _json_lines, "datasets": _datasets}
     return readers[source.kind](source.path, text_column)
 
 
@@ -154,6 +159,22 @@ def _no_column(path: Path, text_column: str, columns: list[str]) -> DataError:
     )
 
 
+def _rows(path: Path, text_column: str, batches: Iterator[list]) -> Iterator[str]:
+    """The text of each row of `batches` (lists of the column's values), checked."""
+    import pyarrow as pa
+
+    record = 0
+    try:
+        for values in batches:
+            for value in values:
+                record += 1
+                yield _checked(value, path, record, text_column)
+    except (pa.ArrowException, OSError) as error:
+        raise DataError(
+            f"{path}, after record {record}: the file is truncated or damaged ({error})"
+        ) from None
+
+
 def _parquet(path: Path, text_column: str) -> Iterator[str]:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -166,16 +187,33 @@ def _parquet(path: Path, text_column: str) -> Iterator[str]:
         ) from None
     if text_column not in file.schema_arrow.names:
         raise _no_column(path, text_column, file.schema_arrow.names)
-    record = 0
+    batches = file.iter_batches(batch_size=ROWS_PER_BATCH, columns=[text_column])
+    yield from _rows(path, text_column, (batch.column(0).to_pylist() for batch in batches))
+
+
+def _arrow(path: Path, text_column: str) -> Iterator[str]:
+    """An Arrow IPC file, memory-mapped: the stream format `datasets` writes its shards in, or
+    the file format."""
+    import pyarrow as pa
+
     try:
-        for batch in file.iter_batches(batch_size=ROWS_PER_BATCH, columns=[text_column]):
-            for value in batch.column(0).to_pylist():
-                record += 1
-                yield _checked(value, path, record, text_column)
+        source = pa.memory_map(str(path))
+        try:
+            reader = pa.ipc.open_stream(source)
+            schema, batches = reader.schema, iter(reader)
+        except pa.ArrowInvalid:
+            source.seek(0)
+            reader = pa.ipc.open_file(source)
+            schema = reader.schema
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
     except (pa.ArrowException, OSError) as error:
         raise DataError(
-            f"{path}, after record {record}: the file is truncated or damaged ({error})"
+            f"{path}: not a readable Arrow file, truncated or damaged ({error})"
         ) from None
+    if text_column not in schema.names:
+        raise _no_column(path, text_column, schema.names)
+    index = schema.get_field_index(text_column)
+    yield from _rows(path, text_column, (batch.column(index).to_pylist() for batch in batches))
 
 
 def _open_lines(path: Path) -> io.TextIOBase:
@@ -251,8 +289,5 @@ def _datasets(path: Path, text_column: str) -> Iterator[str]:
         dataset = dataset["train"]
     if text_column not in dataset.column_names:
         raise _no_column(path, text_column, dataset.column_names)
-    record = 0
-    for batch in dataset.select_columns([text_column]).iter(batch_size=ROWS_PER_BATCH):
-        for value in batch[text_column]:
-            record += 1
-            yield _checked(value, path, record, text_column)
+    batches = dataset.select_columns([text_column]).iter(batch_size=ROWS_PER_BATCH)
+    yield from _rows(path, text_column, (batch[text_column] for batch in batches))

@@ -89,6 +89,28 @@ def test_plain_json_and_text_files_stay_text(tmp_path):
     assert read_corpus(tmp_path).text == 'plain\n{"a": 1}'
 
 
+@pytest.mark.parametrize("layout", ["stream", "file"])
+def test_arrow_files(tmp_path, layout):
+    """Arrow IPC files (the stream format is what `datasets` writes its shards in), in a folder
+    beside other files; a missing column and a truncated file are one line each."""
+    table = pa.table({"text": DOCS, "n": list(range(len(DOCS)))})
+    path = tmp_path / "shards" / "data-00000-of-00001.arrow"
+    path.parent.mkdir()
+    new = pa.ipc.new_stream if layout == "stream" else pa.ipc.new_file
+    with pa.OSFile(str(path), "wb") as sink, new(sink, table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=2):
+            writer.write_batch(batch)
+    (tmp_path / "shards" / "README.md").write_text("# card")
+    assert read_corpus(tmp_path / "shards").text == joined(DOCS)
+    with pytest.raises(DataError, match="no column 'body'"):
+        read_corpus(path, text_column="body")
+    cut = tmp_path / "cut.arrow"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size * 2 // 3])
+    with pytest.raises(DataError) as error:
+        read_corpus(cut)
+    assert str(cut) in str(error.value) and "truncated or damaged" in str(error.value)
+
+
 def test_datasets_folders(tmp_path):
     datasets = pytest.importorskip("datasets")
     dataset = datasets.Dataset.from_dict({"text": DOCS, "n": list(range(len(DOCS)))})
