@@ -89,31 +89,34 @@ class MetricsLog:
     ) -> None:
         self.warn, self.loggers = warn, {}
         for kind in dict.fromkeys(kinds):
-            self._guard(
-                kind, lambda k=kind: self.loggers.__setitem__(k, self._open(k, folder, config))
-            )
+            backend = _TensorBoard if kind == "tensorboard" else _WandB
+            try:
+                self.loggers[kind] = backend(folder, config)
+            except Exception as error:  # whatever the logger raises: training goes on
+                self._drop(kind, error)
 
-    @staticmethod
-    def _open(kind: str, folder: Path, config: dict):
-        return (_TensorBoard if kind == "tensorboard" else _WandB)(folder, config)
-
-    def _guard(self, kind: str, action) -> None:
-        try:
-            action()
-        except Exception as error:  # whatever the logger raises: training goes on
-            self.loggers.pop(kind, None)
-            self.warn(
-                f"warning: the {kind} logger failed ({type(error).__name__}: {error}); "
-                "training goes on without it"
-            )
+    def _drop(self, kind: str, error: Exception) -> None:
+        self.loggers.pop(kind, None)
+        self.warn(
+            f"warning: the {kind} logger failed ({type(error).__name__}: {error}); "
+            "training goes on without it"
+        )
 
     def log(self, metrics: dict[str, float | None], step: int, flush: bool = False) -> None:
         """`metrics` (None values left out) at `step`; flush: written to disk now."""
         metrics = {name: float(value) for name, value in metrics.items() if value is not None}
         for kind, logger in list(self.loggers.items()):
-            self._guard(kind, lambda lg=logger: (lg.log(metrics, step), flush and lg.flush()))
+            try:
+                logger.log(metrics, step)
+                if flush:
+                    logger.flush()
+            except Exception as error:
+                self._drop(kind, error)
 
     def close(self) -> None:
         for kind, logger in list(self.loggers.items()):
-            self._guard(kind, logger.close)
+            try:
+                logger.close()
+            except Exception as error:
+                self._drop(kind, error)
         self.loggers.clear()

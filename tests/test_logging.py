@@ -80,14 +80,19 @@ def test_wandb_offline(corpus, tmp_path, capsys, monkeypatch):
     assert all(json.dumps(loss).encode() in data for loss in losses)
 
 
-def test_a_failing_logger_warns_once_and_training_goes_on(corpus, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("failing", ["__init__", "add_scalar"])
+def test_a_failing_logger_warns_once_and_training_goes_on(
+    corpus, tmp_path, capsys, monkeypatch, failing
+):
+    """A logger that cannot start, or fails at its first write: one warning, then the run
+    trains to its end without it."""
     pytest.importorskip("tensorboard")
     from torch.utils.tensorboard import SummaryWriter
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(SummaryWriter, "add_scalar", full_disk)
+    monkeypatch.setattr(SummaryWriter, failing, full_disk)
     args = ["--data", corpus, *TOY, "--steps", "6", "--out", tmp_path / "run"]
     status, summary, err = run_main([*args, "--log", "tensorboard"], capsys)
     assert status == 0 and summary["steps"] == 6, err
