@@ -9,7 +9,9 @@
   keeps the shard's last `val_fraction` as its held-out part.
 - Batches are a pure function of (seed, rank, step, micro-step): a resumed run draws exactly the
   batches the uninterrupted run would have drawn, with no sampler state to save.
-- Packed documents (`--pack-documents`): each corpus file is a document (and, with
+- `--data` is read by `fastlm.corpus`: text files, Parquet, JSON Lines or a `datasets` folder;
+  a folder written by `fastlm-prepare` (`fastlm.token_cache`) is memory-mapped instead.
+- Packed documents (`--pack-documents`): each corpus file (or record) is a document (and, with
   `--document-separator TEXT`, each stretch of text that ends with TEXT). Its text is tokenized
   on its own, its start recorded, and a batch then carries cu_seqlens that split its windows
   at those starts (and at each row's start), so that attention and positions stay within a
@@ -29,11 +31,10 @@ from pathlib import Path
 
 import torch
 
+from fastlm import corpus
+from fastlm.corpus import DataError, Reading, Source
+
 DEFAULT_CORPUS_BYTES = 2_000_000
-
-
-class DataError(ValueError):
-    """Bad user input about the corpus or tokenizer (the command prints it and exits with 2)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,53 +183,33 @@ def default_corpus_files(limit_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:
     return files
 
 
-def corpus_files(path: str | os.PathLike | None) -> list[Path]:
-    """The files of `--data`: one file, or every non-hidden file below a folder in name order."""
-    if path is None:
-        return default_corpus_files()
-    root = Path(path)
-    if root.is_file():
-        return [root]
-    if not root.is_dir():
-        raise DataError(f"--data: no such file or folder: {root}")
-
-    def hidden(p: Path) -> bool:
-        return any(part.startswith(".") for part in p.relative_to(root).parts)
-
-    return sorted(p for p in root.rglob("*") if p.is_file() and not hidden(p))
+def corpus_sources(data: str | os.PathLike | None) -> list[Source]:
+    """The sources of `--data` (`fastlm.corpus.sources`), or the default corpus's files."""
+    if data is None:
+        return [Source(path, "text") for path in default_corpus_files()]
+    return corpus.sources(data)
 
 
 @dataclass
 class Corpus:
-    """The text of the corpus files, and what reading them skipped or repaired."""
+    """The text of the corpus's documents, and what reading its text files skipped or repaired."""
 
     text: str
     skipped: list[Path]  # binary files (a NUL byte: also UTF-16 and UTF-32 text)
     replaced: dict[Path, int]  # files that are not valid UTF-8: bytes replaced by U+FFFD
-    starts: list[int]  # where each file's text begins in `text` (the documents)
+    starts: list[int]  # where each document's text begins in `text`
 
 
-def read_text(files: list[Path]) -> Corpus:
-    """The files' text joined by newlines. Files with a NUL byte are skipped as binary; bytes
-    that are not UTF-8 become U+FFFD (one per undecodable sequence) and are counted."""
-    parts, skipped, replaced = [], [], {}
-    for path in files:
-        raw = path.read_bytes()
-        if b"\0" in raw:
-            skipped.append(path)
-            continue
-        try:
-            parts.append(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            # surrogateescape keeps each undecodable byte as one lone surrogate: count them.
-            escaped = raw.decode("utf-8", errors="surrogateescape")
-            replaced[path] = sum(0xDC80 <= ord(c) <= 0xDCFF for c in escaped)
-            parts.append(raw.decode("utf-8", errors="replace"))
+def read_corpus(data: str | os.PathLike | None, text_column: str = "text") -> Corpus:
+    """The documents of `--data` (a text file each, or a record each; `fastlm.corpus`) joined
+    by newlines, in memory."""
+    reading = Reading()
+    parts = list(corpus.documents(corpus_sources(data), text_column, reading))
     starts, offset = [], 0
     for part in parts:
         starts.append(offset)
         offset += len(part) + 1  # the newline that joins it to the next
-    return Corpus("\n".join(parts), skipped, replaced, starts)
+    return Corpus("\n".join(parts), reading.skipped, reading.replaced, starts)
 
 
 def _names(paths: list[Path], limit: int = 5) -> str:
@@ -271,6 +252,7 @@ def load_split(
     warn: Callable[[str], None] | None = None,
     pack_documents: bool = False,
     document_separator: str | None = None,
+    text_column: str = "text",
 ) -> TokenSplit:
     """Read the corpus, tokenize this rank's shard and split it into training and held-out tokens.
 
@@ -278,30 +260,47 @@ def load_split(
     `warn` receives a line for each file that is not valid UTF-8. pack_documents: tokenize each
     document (file) of the shard on its own and record where each begins; document_separator:
     a document also ends after each occurrence of this text (which stays its last token).
+    text_column: the column or field of a Parquet, JSON Lines or `datasets` corpus.
+
+    A folder written by `fastlm-prepare` (`fastlm.token_cache`) is not read into memory: its
+    parts are memory-mapped, and this rank's windows read from the file as batches need them.
     """
     check_split_options(val_fraction, pack_documents, document_separator)
-    corpus = read_text(corpus_files(data))
-    for path, count in corpus.replaced.items():
+    from fastlm import token_cache  # it builds on this module
+
+    if data is not None:
+        token_cache.check_not_partial(data)
+    if data is not None and token_cache.is_cache(data):
+        if document_separator is not None:
+            raise DataError(
+                "--document-separator is fastlm-prepare's option for a prepared corpus: its "
+                "documents were split when it was tokenized"
+            )
+        return token_cache.load_split(
+            data, tokenizer, context_length, rank, world_size, pack_documents, warn, val_fraction
+        )
+    text_corpus = read_corpus(data, text_column)
+    for path, count in text_corpus.replaced.items():
         if warn is not None:
             warn(
                 f"warning: {path} is not valid UTF-8: {count} undecodable bytes replaced by U+FFFD"
             )
-    text = corpus.text
+    text = text_corpus.text
     if not text.strip():
         where = f"the corpus at {data}" if data else "the default corpus"
         skipped = (
             (
-                f" (skipped as binary, with NUL bytes: {_names(corpus.skipped)}; UTF-16 text "
+                f" (skipped as binary, with NUL bytes: {_names(text_corpus.skipped)}; UTF-16 text "
                 "must be converted to UTF-8)"
             )
-            if corpus.skipped
+            if text_corpus.skipped
             else ""
         )
         raise DataError(f"{where} is empty{skipped}")
     shard = len(text) // world_size
     first, end = rank * shard, (rank + 1) * shard
     if pack_documents:
-        starts = corpus.starts
+        starts = text_corpus.starts
         if document_separator:
             ends = (m.end() for m in re.finditer(re.escape(document_separator), text))
             starts = sorted({*starts, *(e for e in ends if e < len(text))})
@@ -314,15 +313,22 @@ def load_split(
     if starts is not None:
         split.train_starts = starts[starts < n_train]
         split.val_starts = starts[starts >= n_train] - n_train
-    shortest = min(len(split.train), len(split.val))
-    if shortest <= context_length:
+    check_long_enough(split, context_length, world_size, "the corpus")
+    return split
+
+
+def check_long_enough(
+    split: TokenSplit, context_length: int, world_size: int, corpus_name: str
+) -> None:
+    """DataError unless both parts of this rank's split hold more than `context_length` tokens
+    (one window plus its next token)."""
+    if min(len(split.train), len(split.val)) <= context_length:
         per_rank = f" per rank ({world_size} ranks)" if world_size > 1 else ""
         raise DataError(
-            f"the corpus is too small: {len(tokens)} tokens{per_rank}, split "
-            f"{len(split.train)}/{len(split.val)} for training/held-out, but each part "
+            f"{corpus_name} is too small: {len(split.train) + len(split.val)} tokens{per_rank}, "
+            f"split {len(split.train)}/{len(split.val)} for training/held-out, but each part "
             f"needs more than --context-length={context_length}"
         )
-    return split
 
 
 def _encode_documents(

@@ -2,6 +2,7 @@
 checkpoints that survive a crash during their save, torchrun with DDP and FSDP2 on gloo, and the
 one-line errors for bad input."""
 
+import contextlib
 import hashlib
 import json
 import os
@@ -74,6 +75,25 @@ def file_hashes(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
 
 
+@contextlib.contextmanager
+def sigint_in_step(step: int):
+    """A real SIGINT in the middle of training step `step` (during its gradient clip, the
+    reference's, which CPU runs call once a step)."""
+    clip, calls = train_cli.reference.gradient_clip, []
+
+    def clip_then_interrupt(parameters, max_norm):
+        calls.append(1)
+        if len(calls) == step:
+            signal.raise_signal(signal.SIGINT)
+        return clip(parameters, max_norm)
+
+    train_cli.reference.gradient_clip = clip_then_interrupt
+    try:
+        yield
+    finally:
+        train_cli.reference.gradient_clip = clip
+
+
 def test_trains_end_to_end(corpus, tmp_path, capsys):
     out = tmp_path / "run"
     status, summary, err = run_main(
@@ -121,20 +141,11 @@ def test_resume_after_ctrl_c_matches_uninterrupted_run(
 
     # A real SIGINT in the middle of step 5 (during its gradient clip): the loop finishes the
     # step, checkpoints it, and exits with 130.
-    clip, calls = train_cli.reference.gradient_clip, []
-
-    def clip_then_interrupt(parameters, max_norm):
-        calls.append(1)
-        if len(calls) == 5:
-            signal.raise_signal(signal.SIGINT)
-        return clip(parameters, max_norm)
-
-    monkeypatch.setattr(train_cli.reference, "gradient_clip", clip_then_interrupt)
     out = tmp_path / "split"
-    status, part, err = run_main([*args, "--out", out], capsys)
+    with sigint_in_step(5):
+        status, part, err = run_main([*args, "--out", out], capsys)
     assert status == 130 and part["interrupted"] and part["steps"] == 5, err
     assert checkpoint.load_state(out)["step"] == 5
-    monkeypatch.setattr(train_cli.reference, "gradient_clip", clip)
 
     status, resumed, err = run_main([*args, "--out", out, "--resume"], capsys)
     assert status == 0, err

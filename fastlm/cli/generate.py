@@ -11,6 +11,9 @@ any other with the byte tokenizer, shown as U+FFFD as a sampled one would be; a 
 tokenizer takes text only and refuses it.
 Exit status: 0, or 2 with one line on stderr for a bad checkpoint or argument.
 
+`--checkpoint` also takes a Hugging Face model folder (config.json, weights, tokenizer.json) of a
+Llama, Mistral or Qwen2 model that `fastlm.hf.from_hf` converts, such as fastlm-export writes.
+
 This module is the command; `fastlm.sample` is the function to call from Python.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -38,7 +42,11 @@ from fastlm.data import ByteTokenizer, DataError, load_tokenizer
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="fastlm-generate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="folder written by fastlm-train")
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        help="folder written by fastlm-train, or a Hugging Face Llama/Mistral/Qwen2 folder",
+    )
     parser.add_argument("--prompt", required=True, help="text to continue (not empty)")
     parser.add_argument("--max-new-tokens", type=int, default=200, help="default: %(default)s")
     parser.add_argument(
@@ -75,9 +83,18 @@ def check_args(args: argparse.Namespace) -> torch.device:
     return pick_device(args.device)
 
 
+#: A Hugging Face model folder's config file (a fastlm checkpoint has none).
+HF_CONFIG = "config.json"
+#: config.json's record of the tokenizer a model was trained with ("bytes", or "hf-<digest>"),
+#: written by fastlm-export.
+TOKENIZER_FIELD = "fastlm_tokenizer"
+
+
 def load_model(folder, model_name: str, device: torch.device | str):
     """The checkpoint's model (weights checked against its stored configuration and checksum)
-    and tokenizer."""
+    and tokenizer; or those of a Hugging Face model folder (`load_hf_model`)."""
+    if (Path(folder) / HF_CONFIG).is_file():
+        return load_hf_model(Path(folder), model_name, device)
     folder = checkpoint.resolve(folder)
     stored = checkpoint.load_config(folder)
     try:
@@ -103,6 +120,37 @@ def load_model(folder, model_name: str, device: torch.device | str):
     model = build_model(config, model_name, device)
     checkpoint.fit_weights(model, checkpoint.load_weights(folder), folder)
     return model.eval(), tokenizer
+
+
+def load_hf_model(folder: Path, model_name: str, device: torch.device | str):
+    """A Llama, Mistral or Qwen2 model folder (`fastlm.hf.from_hf` converts it, in float32) and
+    its tokenizer.json, or the byte tokenizer for a folder fastlm-export wrote from a byte-level
+    model."""
+    from fastlm.hf import from_hf
+    from fastlm.hf.families import transformers_module
+
+    try:
+        transformers = transformers_module()
+    except ModuleNotFoundError as error:
+        raise CheckpointError(f"{folder} is a Hugging Face model folder: {error}") from None
+    try:
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as error:
+        raise CheckpointError(f"{folder}: cannot load the Hugging Face model ({error})") from None
+    try:
+        model = from_hf(hf_model, model=model_name)
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{folder}: {error}") from None
+    if (folder / checkpoint.TOKENIZER).is_file():
+        tokenizer = load_tokenizer(folder / checkpoint.TOKENIZER)
+    elif getattr(hf_model.config, TOKENIZER_FIELD, None) == "bytes":
+        tokenizer = ByteTokenizer()
+    else:
+        raise CheckpointError(
+            f"{folder} holds no {checkpoint.TOKENIZER} (fastlm-generate reads a fast "
+            "tokenizer's file)"
+        )
+    return model.to(device).eval(), tokenizer
 
 
 def stream(args: argparse.Namespace) -> int:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from fastlm import checkpoint, reference
+from fastlm import checkpoint, metrics_log, reference
 from fastlm.checkpoint import CheckpointError
 from fastlm.cli.trainer import (
     LOSS_CURVE,
@@ -62,6 +62,7 @@ from fastlm.config import (
     with_defaults,
 )
 from fastlm.data import DataError, check_split_options, load_split, load_tokenizer
+from fastlm.metrics_log import LOGGERS, MetricsLog
 
 
 def flag(key: str) -> str:
@@ -87,7 +88,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--data",
-        help="text file or folder (default: the Python standard library's sources, a few MB)",
+        help="text file or folder, Parquet/JSON Lines files or folders of them, a datasets "
+        "folder, or a fastlm-prepare folder (default: the Python standard library's sources)",
+    )
+    parser.add_argument(
+        "--text-column", default="text", help="Parquet column or JSON field (%(default)s)"
     )
     parser.add_argument("--tokenizer", help="Hugging Face tokenizers JSON (default: UTF-8 bytes)")
     parser.add_argument(
@@ -191,6 +196,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"(default: known for {', '.join(PEAK_BF16_FLOPS)})",
     )
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument(
+        "--log",
+        "--logger",  # under torchrun: its parser takes --log for an abbreviation of its own
+        dest="log",
+        action="append",
+        choices=LOGGERS,
+        default=[],
+        help="also log the metrics to TensorBoard or Weights & Biases (offline without "
+        "WANDB_API_KEY); may be given twice; --logger under torchrun",
+    )
+    run.add_argument("--log-dir", help="where --log writes (default: OUT.logs beside --out)")
     args = parser.parse_args(argv)
 
     preset = PRESETS[args.preset]
@@ -198,6 +214,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     args.out = args.out or os.path.join("checkpoints", args.preset)
+    args.log_dir = args.log_dir or os.path.normpath(args.out) + ".logs"
     args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
     args.warmup = args.steps // 20 if args.warmup is None else args.warmup
     return args
@@ -279,6 +296,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.resume and args.overwrite:
         raise ConfigError("--resume and --overwrite exclude each other")
     check_split_options(args.val_fraction, args.pack_documents, args.document_separator)
+    metrics_log.check_available(args.log)
     check_integers(vars(args), exempt=("seed",))  # any seed: torch_seed reduces it
     check_context_parallel(args)
 
@@ -457,6 +475,7 @@ def prepare(
             say,
             args.pack_documents,
             args.document_separator,
+            args.text_column,
         ),
     )
     return Trainer(args, run, config, tokenizer.name, out, split, saved)
@@ -503,6 +522,10 @@ def run_training(args: argparse.Namespace, run: Run, out: Path, stack: contextli
         return work_per_token * tokens_per_second / (peak * run.world_size) if peak else None
 
     throughput = Throughput(tokens_per_step)
+    # --log: TensorBoard / Weights & Biases, on the main rank (a failing logger only warns).
+    logged = {**trainer.config, **curve_settings(args, run.data_size), "preset": args.preset}
+    metrics = MetricsLog(args.log if run.is_main else [], Path(args.log_dir), logged, say)
+    stack.callback(metrics.close)
     interrupted, plot_note, diverged = False, None, None  # diverged: what went non-finite
     saved_step = trainer.step if args.resume else None  # what --out holds of this run
     # A bar only on a terminal: in a log file each redraw would be a line of its own. The
@@ -529,9 +552,28 @@ def run_training(args: argparse.Namespace, run: Run, out: Path, stack: contextli
                 postfix["mfu"] = f"{mfu(throughput.tokens_per_second):.1%}"
             progress.set_postfix(postfix, refresh=False)
             progress.update()
+            if metrics.loggers:
+                norm = trainer.grad_norm
+                lr = trainer.optimizer.param_groups[0]["lr"]
+                metrics.log(
+                    {
+                        "train/loss": loss,
+                        "train/lr": lr,
+                        "train/grad_norm": None if norm is None else float(norm),
+                        "train/tokens_per_second": throughput.tokens_per_second,
+                    },
+                    step,
+                )
             held_out = None
             if not diverged and (step % args.eval_every == 0 or step == args.steps):
                 held_out = trainer.evaluate()
+                if metrics.loggers:
+                    measured = {
+                        "eval/loss": held_out,
+                        "system/mfu": mfu(throughput.tokens_per_second),
+                    }
+                    measured["system/peak_memory_bytes"] = peak_memory_bytes(run.device)
+                    metrics.log(measured, step, flush=True)
                 say(
                     f"step {step}/{args.steps}: training loss {loss:.4f}, held-out loss "
                     f"{held_out:.4f}, {throughput.tokens_per_second:,.0f} tokens/s"

@@ -241,16 +241,18 @@ def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
     return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
-def clip_gradients(module: nn.Module, max_norm: float, device: torch.device, fsdp: bool) -> None:
-    """Scale the gradients to a global norm of at most `max_norm` (0: leave them)."""
+def clip_gradients(
+    module: nn.Module, max_norm: float, device: torch.device, fsdp: bool
+) -> torch.Tensor | float | None:
+    """Scale the gradients to a global norm of at most `max_norm` (0: leave them); the norm
+    before clipping (None with 0), a tensor where reading it back would wait for the GPU."""
     if max_norm == 0:
-        return
+        return None
     if fsdp or device.type == "cuda":
         # PyTorch's clip takes the norm of DTensor (FSDP) gradients over all ranks, and it never
         # waits for the GPU (the reference reads the norm back) nor launches a kernel per tensor.
-        torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm, foreach=True)
-    else:
-        reference.gradient_clip(module.parameters(), max_norm)
+        return torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm, foreach=True)
+    return reference.gradient_clip(module.parameters(), max_norm)
 
 
 def state_dict_options(**kwargs):
@@ -415,6 +417,7 @@ class Trainer:
             load_optimizer(self.loss_module, self.optimizer, saved["optimizer"])
         self.loss_fn = torch.compile(self.wrapped) if args.compile else self.wrapped
         self.step = saved["step"] if saved else 0
+        self.grad_norm = None  # the last step's, before clipping (None without clipping)
         self.train_losses: list[float] = list(saved["train_losses"]) if saved else []
         # Targets this rank's training batches left out (document starts under --pack-documents)
         # and all of them, this run: rows are windows of the token stream, never padded.
@@ -473,7 +476,11 @@ class Trainer:
                 loss = self.loss(token_ids, targets, cu_seqlens)
                 (loss / args.grad_accum).backward()
             total += loss.detach().float()
-        clip_gradients(self.wrapped, args.grad_clip, self.run.device, args.fsdp)
+        # Kept for --log (read back only there: on a GPU reading it waits for the step).
+        norm = clip_gradients(self.wrapped, args.grad_clip, self.run.device, args.fsdp)
+        if args.log and hasattr(norm, "full_tensor"):  # FSDP's DTensor: every rank gathers it
+            norm = norm.full_tensor()
+        self.grad_norm = norm
         self.optimizer.step()
         self.step += 1
         flags = torch.tensor(float(stop.requested), device=self.run.device)

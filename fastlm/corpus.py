@@ -1,0 +1,293 @@
+"""The documents of `--data`, read from the formats corpora are kept in, one at a time.
+
+- Plain text: a file, or every non-hidden file below a folder in name order; each file is a
+  document. A file with a NUL byte is skipped as binary; bytes that are not UTF-8 become U+FFFD.
+- Parquet (`.parquet`): each row's `text_column` is a document (FineWeb, DCLM, SlimPajama...).
+- Arrow (`.arrow`, the IPC stream or file format: the shards `datasets` writes): the same.
+- JSON Lines (`.jsonl`, `.ndjson`, also gzip'd `.gz` and zstandard `.zst` where the `zstandard`
+  package is installed): each line an object whose `text_column` is a document.
+- A `datasets` `save_to_disk` folder (`state.json` or `dataset_dict.json`; its "train" split):
+  each row a document, read through `datasets` (`pip install fastlm[data]`).
+
+A folder that holds Parquet, Arrow or JSON Lines files anywhere below it (a local copy of a
+Hugging Face dataset, which `load_dataset` reads the same way) is read as those files in name
+order; its other files (README.md, licences) are not text of the corpus. Everything streams:
+Parquet by record batches, Arrow and `datasets` folders memory-mapped, JSON Lines line by line,
+so a corpus larger than memory goes through `fastlm-prepare`. Bad input is one DataError line
+naming the file and the record (counted from 1): a missing column, a record that is not text,
+a truncated file.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PARQUET = (".parquet",)
+ARROW = (".arrow",)
+JSON_LINES = (".jsonl", ".ndjson", ".json")  # .json only compressed: .json.gz, .json.zst
+COMPRESSED = (".gz", ".zst")
+DATASETS_MARKERS = ("state.json", "dataset_dict.json")
+
+# Rows read from a Parquet file or a `datasets` folder at a time: a few MB of text.
+ROWS_PER_BATCH = 1024
+
+
+class DataError(ValueError):
+    """Bad user input about the corpus or tokenizer (the command prints it and exits with 2)."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """One file (or `datasets` folder) of the corpus and how to read it."""
+
+    path: Path
+    kind: str  # "text", "parquet", "arrow", "jsonl" or "datasets"
+
+
+@dataclass
+class Reading:
+    """What reading the text files skipped or repaired (records are never skipped)."""
+
+    skipped: list[Path] = field(default_factory=list)  # binary: a NUL byte (also UTF-16/32)
+    replaced: dict[Path, int] = field(default_factory=dict)  # bytes that are not UTF-8
+
+
+def kind_of(path: Path) -> str:
+    """ "parquet", "arrow", "jsonl" or "text", from the file's name."""
+    name = path.name.lower()
+    if name.endswith(PARQUET):
+        return "parquet"
+    if name.endswith(ARROW):
+        return "arrow"
+    stem = name
+    for suffix in COMPRESSED:
+        if stem.endswith(suffix):
+            stem = stem[: -len(suffix)]
+            if stem.endswith(JSON_LINES):
+                return "jsonl"
+    return "jsonl" if stem.endswith(JSON_LINES[:2]) else "text"
+
+
+def is_datasets_folder(path: Path) -> bool:
+    return path.is_dir() and any((path / marker).is_file() for marker in DATASETS_MARKERS)
+
+
+def sources(data: str | os.PathLike) -> list[Source]:
+    """The sources of `--data` in reading order (see the module docstring)."""
+    root = Path(data)
+    if root.is_file():
+        return [Source(root, kind_of(root))]
+    if not root.is_dir():
+        raise DataError(f"--data: no such file or folder: {root}")
+    if is_datasets_folder(root):
+        return [Source(root, "datasets")]
+
+    def hidden(p: Path) -> bool:
+        return any(part.startswith(".") for part in p.relative_to(root).parts)
+
+    files = sorted(p for p in root.rglob("*") if p.is_file() and not hidden(p))
+    records = [Source(p, kind_of(p)) for p in files if kind_of(p) != "text"]
+    return records or [Source(p, "text") for p in files]
+
+
+def stats(found: list[Source]) -> list[dict]:
+    """Each source's path, size and modification time (a folder: the sums and the latest)."""
+    rows = []
+    for source in found:
+        files = [source.path] if source.path.is_file() else sorted(source.path.rglob("*"))
+        infos = [p.stat() for p in files if p.is_file()]
+        rows.append(
+            {
+                "path": str(source.path.absolute()),
+                "size": sum(i.st_size for i in infos),
+                "mtime": max((i.st_mtime for i in infos), default=0.0),
+            }
+        )
+    return rows
+
+
+def documents(found: list[Source], text_column: str, reading: Reading) -> Iterator[str]:
+    """The documents of the sources in order, as text."""
+    for source in found:
+        yield from read_source(source, text_column, reading)
+
+
+def read_source(source: Source, text_column: str, reading: Reading) -> Iterator[str]:
+    """One source's documents in order (its records, or the text file's whole text)."""
+    if source.kind == "text":
+        return _text_file(source.path, reading)
+    readers = {"parquet": _parquet, "arrow": _arrow, "jsonl": _json_lines, "datasets": _datasets}
+    return readers[source.kind](source.path, text_column)
+
+
+# --------------------------------------------------------------------------------------------
+# Readers
+# --------------------------------------------------------------------------------------------
+
+
+def _text_file(path: Path, reading: Reading) -> Iterator[str]:
+    raw = path.read_bytes()
+    if b"\0" in raw:
+        reading.skipped.append(path)
+        return
+    try:
+        yield raw.decode("utf-8")
+    except UnicodeDecodeError:
+        # surrogateescape keeps each undecodable byte as one lone surrogate: count them.
+        escaped = raw.decode("utf-8", errors="surrogateescape")
+        reading.replaced[path] = sum(0xDC80 <= ord(c) <= 0xDCFF for c in escaped)
+        yield raw.decode("utf-8", errors="replace")
+
+
+def _checked(value: object, path: Path, record: int, text_column: str) -> str:
+    if isinstance(value, str):
+        return value
+    what = "null" if value is None else f"a {type(value).__name__}"
+    raise DataError(f"{path}, record {record}: {text_column!r} is {what}, not text")
+
+
+def _no_column(path: Path, text_column: str, columns: list[str]) -> DataError:
+    shown = ", ".join(map(repr, columns[:8])) + (", ..." if len(columns) > 8 else "")
+    return DataError(
+        f"{path}: no column {text_column!r} (it has {shown or 'none'}): pass --text-column"
+    )
+
+
+def _rows(path: Path, text_column: str, batches: Iterator[list]) -> Iterator[str]:
+    """The text of each row of `batches` (lists of the column's values), checked."""
+    import pyarrow as pa
+
+    record = 0
+    try:
+        for values in batches:
+            for value in values:
+                record += 1
+                yield _checked(value, path, record, text_column)
+    except (pa.ArrowException, OSError) as error:
+        raise DataError(
+            f"{path}, after record {record}: the file is truncated or damaged ({error})"
+        ) from None
+
+
+def _parquet(path: Path, text_column: str) -> Iterator[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        file = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as error:
+        raise DataError(
+            f"{path}: not a readable Parquet file, truncated or damaged ({error})"
+        ) from None
+    if text_column not in file.schema_arrow.names:
+        raise _no_column(path, text_column, file.schema_arrow.names)
+    batches = file.iter_batches(batch_size=ROWS_PER_BATCH, columns=[text_column])
+    yield from _rows(path, text_column, (batch.column(0).to_pylist() for batch in batches))
+
+
+def _arrow(path: Path, text_column: str) -> Iterator[str]:
+    """An Arrow IPC file, memory-mapped: the stream format `datasets` writes its shards in, or
+    the file format."""
+    import pyarrow as pa
+
+    try:
+        source = pa.memory_map(str(path))
+        try:
+            reader = pa.ipc.open_stream(source)
+            schema, batches = reader.schema, iter(reader)
+        except pa.ArrowInvalid:
+            source.seek(0)
+            reader = pa.ipc.open_file(source)
+            schema = reader.schema
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+    except (pa.ArrowException, OSError) as error:
+        raise DataError(
+            f"{path}: not a readable Arrow file, truncated or damaged ({error})"
+        ) from None
+    if text_column not in schema.names:
+        raise _no_column(path, text_column, schema.names)
+    index = schema.get_field_index(text_column)
+    yield from _rows(path, text_column, (batch.column(index).to_pylist() for batch in batches))
+
+
+def _open_lines(path: Path) -> io.TextIOBase:
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    if name.endswith(".zst"):
+        try:
+            import zstandard
+        except ImportError:
+            raise DataError(
+                f"{path}: reading .zst files needs the zstandard package: pip install zstandard"
+            ) from None
+        stream = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+        return io.TextIOWrapper(stream, encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _json_lines(path: Path, text_column: str) -> Iterator[str]:
+    record = 0
+    try:
+        with _open_lines(path) as lines:
+            for line in lines:
+                if not line.strip():
+                    continue
+                record += 1
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as error:
+                    ends = "" if line.endswith("\n") else " (the last line is cut: truncated?)"
+                    raise DataError(
+                        f"{path}, record {record}: not valid JSON ({error.msg}){ends}"
+                    ) from None
+                if not isinstance(row, dict):
+                    raise DataError(
+                        f"{path}, record {record}: a JSON {type(row).__name__}, not an object"
+                    )
+                if text_column not in row:
+                    raise DataError(
+                        f"{path}, record {record}: no field {text_column!r} (it has "
+                        f"{', '.join(map(repr, list(row)[:8])) or 'none'}): pass --text-column"
+                    )
+                yield _checked(row[text_column], path, record, text_column)
+    except (EOFError, OSError, UnicodeDecodeError) as error:
+        # gzip: EOFError at a cut stream; zstandard: its ZstdError, an OSError... or a
+        # ValueError subclass in some versions (caught below).
+        raise DataError(
+            f"{path}, after record {record}: the file is truncated or damaged ({error})"
+        ) from None
+    except ValueError as error:
+        if isinstance(error, DataError):
+            raise
+        raise DataError(
+            f"{path}, after record {record}: the file is truncated or damaged ({error})"
+        ) from None
+
+
+def _datasets(path: Path, text_column: str) -> Iterator[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            f"{path} is a `datasets` folder: reading it needs the datasets package: "
+            "pip install 'fastlm[data]'"
+        ) from None
+    try:
+        dataset = datasets.load_from_disk(str(path))
+    except Exception as error:  # datasets raises FileNotFoundError, ValueError, ArrowInvalid...
+        raise DataError(f"{path}: not a readable `datasets` folder ({error})") from None
+    if isinstance(dataset, datasets.DatasetDict):
+        if "train" not in dataset:
+            raise DataError(f"{path}: no 'train' split (it has {', '.join(dataset)})")
+        dataset = dataset["train"]
+    if text_column not in dataset.column_names:
+        raise _no_column(path, text_column, dataset.column_names)
+    batches = dataset.select_columns([text_column]).iter(batch_size=ROWS_PER_BATCH)
+    yield from _rows(path, text_column, (batch[text_column] for batch in batches))

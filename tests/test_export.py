@@ -1,0 +1,121 @@
+"""`fastlm-export --to-hf`: transformers' `from_pretrained` on the folder gives the logits of
+fastlm-generate's model (interleaved RoPE included, by its exact q/k row permutation), with the
+tokenizer's files when the run had one; fastlm-generate reads such a folder back."""
+
+import json
+
+import pytest
+import torch
+from test_train import TOY, run_main
+
+from fastlm.cli import export as export_cli
+from fastlm.cli import generate as generate_cli
+from fastlm.testing import assert_close
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("The quick brown fox jumps over the lazy dog. " * 80)
+    return path
+
+
+@pytest.fixture
+def hf_tokenizer(tmp_path, corpus):
+    tokenizers = pytest.importorskip("tokenizers")
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.train([str(corpus)], tokenizers.trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    path = tmp_path / "tok.json"
+    tokenizer.save(str(path))
+    return path
+
+
+def train(tmp_path, corpus, capsys, name, *options):
+    out = tmp_path / name
+    args = ["--data", corpus, *TOY, "--model", "fastlm", "--steps", "3", "--out", out, *options]
+    status, _, err = run_main(args, capsys)
+    assert status == 0, err
+    return out
+
+
+def export(argv, capsys):
+    status = export_cli.main([str(a) for a in argv])
+    return status, capsys.readouterr().err
+
+
+LLAMA = ["--no-rope-interleaved", "--num-kv-heads", "1", "--tie-embeddings"]
+CASES = {  # (training options, family)
+    "interleaved": ([], "llama"),
+    "llama": (LLAMA, "llama"),
+    "qwen2": (LLAMA, "qwen2"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_export_then_from_pretrained_gives_the_same_logits(
+    tmp_path, corpus, capsys, monkeypatch, case
+):
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")  # the interpreted kernels are test_model's
+    options, family = CASES[case]
+    run = train(tmp_path, corpus, capsys, "run", "--rope-theta", "5000", *options)
+    out = tmp_path / "hf"
+    status, err = export(["--checkpoint", run, "--to-hf", out, "--family", family], capsys)
+    assert status == 0, err
+    assert {"config.json", "model.safetensors", "generation_config.json"} <= {
+        p.name for p in out.iterdir()
+    }
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(hf_model).__name__ == {"llama": "Llama", "qwen2": "Qwen2"}[family] + "ForCausalLM"
+    config = json.loads((out / "config.json").read_text())
+    assert config["fastlm_tokenizer"] == "bytes" and config["max_position_embeddings"] == 16
+    model, _ = generate_cli.load_model(run, "fastlm", "cpu")
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        expected = model(ids).double()
+        got = hf_model(ids).logits.double()
+    assert_close(got, expected, torch.float32, "transformers' logits")
+    # fastlm-generate reads the folder back: the same model.
+    again, tokenizer = generate_cli.load_model(out, "fastlm", "cpu")
+    assert tokenizer.name == "bytes"
+    with torch.no_grad():
+        assert_close(again(ids).double(), expected, torch.float32, "re-imported logits")
+
+
+def test_export_with_a_tokenizer_and_generate_from_the_folder(
+    tmp_path, corpus, capsys, monkeypatch, hf_tokenizer
+):
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")
+    run = train(tmp_path, corpus, capsys, "run", "--tokenizer", hf_tokenizer)
+    out = tmp_path / "hf"
+    status, err = export(["--checkpoint", run, "--to-hf", out], capsys)
+    assert status == 0, err
+    assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
+    hf_tokenizer_loaded = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf_tokenizer_loaded("the quick fox")["input_ids"] == (
+        generate_cli.load_tokenizer(hf_tokenizer).encode("the quick fox").tolist()
+    )
+    argv = ["--checkpoint", str(out), "--prompt", "the quick", "--temperature", "0"]
+    status = generate_cli.main([*argv, "--max-new-tokens", "4"])
+    captured = capsys.readouterr()
+    assert status == 0 and captured.out.startswith("the quick"), captured.err
+    status = generate_cli.main(["--checkpoint", str(run), *argv[2:], "--max-new-tokens", "4"])
+    assert status == 0 and capsys.readouterr().out == captured.out  # the same greedy text
+
+
+def test_export_refusals(tmp_path, corpus, capsys):
+    run = train(tmp_path, corpus, capsys, "run")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("mine")
+    status, err = export(["--checkpoint", run, "--to-hf", tmp_path / "taken"], capsys)
+    assert status == 2 and "already exists" in err and (tmp_path / "taken" / "x").is_file()
+    status, err = export(["--checkpoint", tmp_path / "nothing", "--to-hf", tmp_path / "o"], capsys)
+    assert status == 2 and "no checkpoint at" in err and not (tmp_path / "o").exists()
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "config.json").write_text("{}")
+    argv = ["--checkpoint", str(tmp_path / "bare"), "--prompt", "x"]
+    assert generate_cli.main(argv) == 2
+    assert "cannot load the Hugging Face model" in capsys.readouterr().err
