@@ -123,9 +123,12 @@ def scaled_tanh(t, c):
 
     Worst error, ulp of |c tanh(t / c)|: 1.7 in the interpreter (correctly rounded exp2 and
     division; tests/test_attention.py), 2.9 in an fp32 model of the GPU's, with ex2.approx 2 ulp
-    and the reciprocal 1 ulp off in the worst direction (3.3 at 2 ulp).
+    and the reciprocal 1 ulp off in the worst direction (3.3 at 2 ulp). c = inf (a natural cap
+    above 2.4e38) returns t; from c = 2^127 (a cap of 1.2e38) 2 c overflows, and scores above
+    1e38 come out wrong.
     """
     v = tl.abs(t) * (2.8853900817779268 / c)  # 2 log2(e) |x|
+    # 1 / (1 + 2^v) is MUFU.RCP alone; 2 / (1 + 2^v) would take div.approx's range check
     r = _reciprocal(1.0 + tl.math.exp2(v))
     far = c - (2.0 * c) * r  # >= 0
     far = far.to(tl.uint32, bitcast=True) | (t.to(tl.uint32, bitcast=True) & 0x80000000)
