@@ -32,7 +32,7 @@ from fastlm import flash_attention
 from fastlm.kernels._common import tl, triton
 from fastlm.kernels.attention import flash_attention_ref, forward
 from fastlm.kernels.attention.backward import attention_backward
-from fastlm.kernels.attention.blocks import exp2_fma, exp2_split, tanh
+from fastlm.kernels.attention.blocks import capped, exp2_fma, exp2_split, tanh
 from fastlm.kernels.attention.configs import (
     DKDV_CUDA_CONFIGS,
     FWD_CUDA_CONFIGS,
@@ -268,6 +268,42 @@ def test_triton_tanh_is_exact_to_fp32_rounding(device):
     worst = ((y.double() - ref).abs() / ulp).max().item()
     assert worst <= 3.0, f"tanh is {worst:.1f} ulp off"
     assert torch.equal(torch.sign(y), torch.sign(x)), "tanh keeps the sign (and tanh(0) = 0)"
+
+
+@triton.jit
+def _capped_kernel(T, Y, D, n, softcap, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    y, dcap = capped(tl.load(T + offs, mask=offs < n), softcap)
+    tl.store(Y + offs, y, mask=offs < n)
+    tl.store(D + offs, dcap, mask=offs < n)
+
+
+@pytest.mark.parametrize(
+    "softcap", [1e-2, 1.0, 20 * math.log2(math.e), 50 * math.log2(math.e), 1e8, 1e30]
+)
+def test_capped_scores_are_exact_to_fp32_rounding(device, softcap):
+    """What the kernels run: c * tanh(t / c) with the cap folded into the tanh's two forms, for
+    caps far below and far above the scores, over t / c from 1e-30 to 30 and densely across 0..2,
+    where the two forms meet (0.6): within 3 ulp of the float64 truth and of t's sign; the
+    backward's 1 - tanh^2 within 3 fp32 epsilons."""
+    ratios = torch.cat(
+        [
+            torch.logspace(-30, 1.5, 3000, dtype=torch.float64),
+            torch.linspace(0.0, 2.0, 20001, dtype=torch.float64),
+        ]
+    )
+    t = (torch.cat([ratios, -ratios]) * softcap).to(torch.float32).to(device)
+    y, dcap = torch.full_like(t, math.nan), torch.full_like(t, math.nan)
+    _capped_kernel[(triton.cdiv(t.numel(), 1024),)](t, y, dcap, t.numel(), softcap, BLOCK=1024)
+    th = torch.tanh(t.double() / softcap)
+    ref = softcap * th
+    eps = torch.finfo(torch.float32).eps
+    ulp = eps * ref.abs().clamp_min(torch.finfo(torch.float32).tiny)
+    worst = ((y.double() - ref).abs() / ulp).max().item()
+    assert worst <= 3.0, f"c * tanh(t / c) is {worst:.1f} ulp off at c = {softcap:g}"
+    assert torch.equal(torch.sign(y), torch.sign(t)), "the cap keeps the sign"
+    worst_dcap = ((dcap.double() - (1.0 - th * th)).abs() / eps).max().item()
+    assert worst_dcap <= 3.0, f"1 - tanh^2 is {worst_dcap:.1f} eps off at c = {softcap:g}"
 
 
 @triton.jit

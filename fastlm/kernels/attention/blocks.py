@@ -4,6 +4,8 @@ of queries (or keys) visits, split into masked and unmasked phases."""
 
 from __future__ import annotations
 
+import inspect
+
 from fastlm.kernels._common import tl, triton
 
 
@@ -80,24 +82,69 @@ def block_start_and_batch_head(n_rows, BLOCK: tl.constexpr, LAST_BLOCK_FIRST: tl
     return block * BLOCK, pid // num_blocks
 
 
+def _fdiv_takes_approx() -> bool:
+    """Whether this Triton's fdiv takes approx=True (div.approx.f32; Triton 3.9 has it)."""
+    try:
+        return "approx" in inspect.signature(tl.math.fdiv).parameters
+    except (AttributeError, TypeError, ValueError):  # no Triton (`_no_triton`'s stand-ins)
+        return False
+
+
+@triton.jit
+def _reciprocal_approx(d):
+    """1 / d by div.approx.f32: MUFU.RCP alone, within 2 ulp; 0 for d = inf."""
+    return tl.math.fdiv(1.0, d, approx=True)
+
+
+@triton.jit
+def _reciprocal_full_range(d):
+    """1 / d by div.full.f32, for a Triton without approx division: a range check (|d| above
+    2^126) and two multiplies more per element."""
+    return 1.0 / d
+
+
+_reciprocal = _reciprocal_approx if _fdiv_takes_approx() else _reciprocal_full_range
+
+
+@triton.jit
+def scaled_tanh(t, c):
+    """c * tanh(t / c) to fp32 rounding at every t, for a scalar c > 0 (the interpreter has no
+    tanh, and the GPU's tanh.approx is 2^-11 off).
+
+    With x = t / c and v = 2 log2(e) |x|, two forms, both computed and one selected:
+
+    - |x| >= 0.6: c (1 - 2 r) with the sign of t, r = 1 / (1 + 2^v) <= 0.23, so 1 - 2 r >= 0.53
+      cancels nothing and r's rounding weighs a quarter of an ulp at most; 2^v = inf past
+      |x| = 44 gives r = 0, the cap. One ex2 and one reciprocal (MUFU), an FFMA.
+    - |x| < 0.6, where 1 + 2^v rounds away the digits of tanh: t + t x^2 q(x^2), q the degree-3
+      minimax polynomial of (tanh(x) - x) / x^3 on [0, 0.6] (relative error 8.3e-8 of tanh),
+      evaluated in v^2 = x^2 (2 log2(e))^2 (its coefficients scaled to match): no multiply for
+      x itself. The leading term is t: a cap far above the scores leaves them as they are.
+
+    Worst error, ulp of |c tanh(t / c)|: 1.7 in the interpreter (correctly rounded exp2 and
+    division; tests/test_attention.py), 2.9 in an fp32 model of the GPU's, with ex2.approx 2 ulp
+    and the reciprocal 1 ulp off in the worst direction (3.3 at 2 ulp). c = inf (a natural cap
+    above 2.4e38) returns t; from c = 2^127 (a cap of 1.2e38) 2 c overflows, and scores above
+    1e38 come out wrong.
+    """
+    v = tl.abs(t) * (2.8853900817779268 / c)  # 2 log2(e) |x|
+    # 1 / (1 + 2^v) is MUFU.RCP alone; 2 / (1 + 2^v) would take div.approx's range check
+    r = _reciprocal(1.0 + tl.math.exp2(v))
+    far = c - (2.0 * c) * r  # >= 0
+    far = far.to(tl.uint32, bitcast=True) | (t.to(tl.uint32, bitcast=True) & 0x80000000)
+    # x^2 q(x^2) = v^2 q'(v^2), q' with q's k-th coefficient times (ln(2) / 2)^(2 k + 2)
+    v2 = v * v
+    q = v2 * 3.2496573112439364e-06 - 9.04776097740978e-05
+    q = v2 * q + 0.0019207090372219682
+    q = v2 * q - 0.040036868304014206
+    near = t + (t * v2) * q
+    return tl.where(v < 1.731234073638916, near, far.to(tl.float32, bitcast=True))  # |x| < 0.6
+
+
 @triton.jit
 def tanh(x):
-    """tanh to fp32 rounding at every x, from exp2 (the interpreter has no tanh).
-
-    From |x| = 0.3 up, (1 - e) / (1 + e) with e = 2^(-2 log2(e) |x|) in (0, 0.55]: no overflow,
-    and 1 - e loses about a bit. Below, 1 - e cancels (at |x| = 1e-6 one digit is left), so the
-    odd Taylor series up to x^11 takes over: the first term it leaves out is below 2e-9 of tanh.
-    """
-    a = tl.abs(x)
-    e = tl.math.exp2(-2.8853900817779268 * a)
-    t = (1.0 - e) / (1.0 + e)
-    x2 = x * x
-    series = x2 * (-1382.0 / 155925.0) + 62.0 / 2835.0
-    series = x2 * series - 17.0 / 315.0
-    series = x2 * series + 2.0 / 15.0
-    series = x2 * series - 1.0 / 3.0
-    t = tl.where(a < 0.3, a + a * x2 * series, t)
-    return tl.where(x < 0.0, -t, t)
+    """tanh to fp32 rounding at every x (`scaled_tanh`)."""
+    return scaled_tanh(x, 1.0)
 
 
 @triton.jit
@@ -169,9 +216,11 @@ def exp2_split(x, FMA_SHIFT: tl.constexpr):
 @triton.jit
 def capped(t, softcap):
     """softcap * tanh(t / softcap) of base-2 scores t (softcap in base-2 units too: the cap of the
-    natural scores times log2(e)) and its derivative 1 - tanh^2, which the backward needs."""
-    th = tanh(t * (1.0 / softcap))
-    return softcap * th, 1.0 - th * th
+    natural scores times log2(e)), the cap folded into the tanh (`scaled_tanh`), and the
+    derivative 1 - tanh^2, which the backward needs."""
+    capped_t = scaled_tanh(t, softcap)
+    th = capped_t * (1.0 / softcap)
+    return capped_t, 1.0 - th * th
 
 
 @triton.jit
