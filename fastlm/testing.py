@@ -3,6 +3,8 @@
 - `TOLERANCE[dtype]`: the largest relative error ||out - ref|| / ||ref|| accepted for a kernel
   computing in that dtype (fp32 bounded by the interpreter and by tf32 dots on a GPU).
 - `assert_close(out, ref, dtype, name)`: relative error against a float64 reference.
+- `recomputed_softmax_bound(q, k, scale, dtype)`: the bound for what a backward builds from P
+  recomputed out of the saved log-sum-exp, which grows with the scores' magnitude.
 - `call_through(mode, func, args, kwargs)`: a dispatch mode's view inside a fastlm op.
 - `mixed_gemms_on_cpu()`: the CPU lent CUDA's GEMMs with an fp32 result from half inputs.
 
@@ -68,6 +70,32 @@ def assert_close(
     err = relative_error(out, ref)
     bound = scale * TOLERANCE[dtype]
     assert err <= bound, f"{name}: relative error {err:.3e} > {bound:.1e} ({dtype})"
+
+
+def recomputed_softmax_bound(q: torch.Tensor, k: torch.Tensor, scale: float, dtype) -> float:
+    """The relative-error bound for what a backward builds from P recomputed out of the saved
+    log-sum-exp (dV = P^T dO): `TOLERANCE[dtype] + 2 u kappa`.
+
+    P = exp(s - lse) with s = scale * q k^T computed twice, by the forward (inside lse) and again
+    by the backward, each time by an fp32 dot whose rounding error is about u * kappa with
+    kappa = max_ij scale * sum_d |q_id k_jd| (u = 2^-24, fp32's unit roundoff). The two dots need
+    not round alike (their operands come transposed; BLAS and MMA pick their summation order by
+    shape), so the exponent is off by up to 2 u kappa and P, the dominant P ~ 1 included, by that
+    relative amount. kappa grows with the scores: at |s| ~ 1e3, 2 u kappa ~ 1e-3, above fp32's
+    usual 1e-4. An explicit softmax computes s once and subtracts its own row max, so its
+    dominant P is exactly 1; any flash-style backward carries this term.
+
+    Args:
+        q: (..., Nq, D) queries, k: (..., Nk, D) keys (grouped heads already repeated).
+        scale: the softmax scale.
+        dtype: the dtype the kernel computed in (picks `TOLERANCE[dtype]`).
+
+    Returns:
+        The bound, a float.
+    """
+    q64, k64 = q.detach().to(torch.float64).abs(), k.detach().to(torch.float64).abs()
+    kappa = abs(scale) * (q64 @ k64.transpose(-1, -2)).amax().item()
+    return TOLERANCE[dtype] + 2 * (torch.finfo(torch.float32).eps / 2) * kappa
 
 
 def call_through(mode, func, args=(), kwargs=None):

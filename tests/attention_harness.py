@@ -127,8 +127,8 @@ def gradients(outputs, inputs, do):
 
 
 def check(out, lse, grads, ref_out, ref_lse, ref_grads, dtype, single_key=None):
-    """o, lse and (dq, dk, dv) against the reference by `assert_close`'s per-dtype bound; lse is
-    -inf exactly on the rows that see no key.
+    """o and (dq, dk, dv) against the reference by `assert_close`'s per-dtype bound, lse (fp32
+    whatever the dtype) by fp32's; lse is -inf exactly on the rows that see no key.
 
     single_key: (do, q, k, v, scale) when every query sees one key at most. Then P = 1 whatever q
     and k are, so dq and dk are 0 but for the round-off of dP - Delta (|dO| |v| at most), scaled
@@ -137,7 +137,9 @@ def check(out, lse, grads, ref_out, ref_lse, ref_grads, dtype, single_key=None):
     assert_close(out, ref_out, dtype, "o")
     empty_rows = torch.isinf(ref_lse)
     assert torch.equal(torch.isneginf(lse), empty_rows), "lse = -inf exactly on rows with no key"
-    assert_close(lse[~empty_rows], ref_lse[~empty_rows], dtype, "lse")
+    # lse is computed in fp32 from products of the inputs that fp32 holds exactly (half inputs
+    # too; run_dense and run_varlen ask for full-precision dots): fp32's bound, whatever the dtype.
+    assert_close(lse[~empty_rows], ref_lse[~empty_rows], torch.float32, "lse")
     assert_close(grads[2], ref_grads[2], dtype, "dv")
     if single_key is None:
         assert_close(grads[0], ref_grads[0], dtype, "dq")

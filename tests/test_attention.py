@@ -43,7 +43,7 @@ from fastlm.kernels.attention.forward import attention_forward
 from fastlm.kernels.attention.launch import empty_heads_like, use_tensor_descriptors
 from fastlm.kernels.attention.qkv import split_heads
 from fastlm.reference import ScaledDotProductAttention
-from fastlm.testing import TOLERANCE, assert_close
+from fastlm.testing import assert_close, recomputed_softmax_bound, relative_error
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,causal", [(2, 4, 2, 9, 9, True), (1, 2, 1, 5, 12, True)])
@@ -383,7 +383,10 @@ def test_keys_outside_every_window_are_never_read(device):
 def test_large_scores_do_not_overflow(device, dtype):
     """Scores of magnitude ~1e3 (e^1000 overflows every float type): all finite and accurate.
 
-    O and dV are well conditioned and meet the usual bound. At such scores P is almost one-hot and
+    O meets the usual bound. dV = P^T dO is built from P recomputed out of the saved lse, whose
+    exponent carries the rounding of two fp32 dots of size ~ kappa = max scale |q| |k|: it is
+    bounded by `recomputed_softmax_bound` (2 u kappa ~ 1e-3 here; measured 2e-6..2e-5 on one
+    x86 machine, 1.2e-4..2e-4 on another). At such scores P is almost one-hot and
     dS = P * (dP - Delta) cancels: the error of any floating-point dQ is relative to the terms that
     cancel, s * (P * (|dP| + |Delta|)) |K| (and likewise for dK), not to the tiny result.
     """
@@ -397,7 +400,11 @@ def test_large_scores_do_not_overflow(device, dtype):
     ref_o, _ = reference(*leaves, visible(77, 77, True), scale)
     ref_grads = gradients(ref_o, leaves, do64)
     assert_close(o, ref_o, dtype, "o")
-    assert_close(grads[2], ref_grads[2], dtype, "dv")
+    dv_err, dv_bound = (
+        relative_error(grads[2], ref_grads[2]),
+        recomputed_softmax_bound(q, k, scale, dtype),
+    )
+    assert dv_err <= dv_bound, f"dv: relative error {dv_err:.3e} > {dv_bound:.1e} ({dtype})"
 
     scores = scale * q64 @ k64.transpose(-1, -2)
     assert scores.abs().amax() > 1000
@@ -413,8 +420,8 @@ def test_large_scores_do_not_overflow(device, dtype):
         err = torch.linalg.vector_norm(grad.double() - ref_grad) / torch.linalg.vector_norm(
             magnitude
         )
-        assert err <= TOLERANCE[dtype], (
-            f"{name}: error {err:.2e} of the cancelling terms' size ({dtype})"
+        assert err <= dv_bound, (  # the same recomputed P, relative to the terms that cancel
+            f"{name}: error {err:.2e} of the cancelling terms' size > {dv_bound:.1e} ({dtype})"
         )
 
 
