@@ -90,7 +90,8 @@ def check_cross_entropy(logits, targets, dtype, **kwargs):
     assert loss.dtype == torch.float32 and loss.shape == ()
     (loss * grad_output).backward()
     ref_loss, (ref_grad,) = reference_loss_and_grads([logits], lambda x: x, targets, grad_output)
-    assert_close(loss, ref_loss, dtype, "loss")
+    # The loss is computed in fp32 from logits that fp32 holds exactly: fp32's bound, any dtype.
+    assert_close(loss, ref_loss, torch.float32, "loss")
     assert logits.grad.dtype == dtype
     assert_close(logits.grad, ref_grad, dtype, "dlogits")
 
@@ -174,7 +175,7 @@ def test_gradient_in_the_forward_on_both_row_paths(device, dtype, path):
     loss = cross_entropy(leaf.clone(), targets, IGNORE, inplace_backward=True)  # a non-leaf
     (loss * grad_output).backward()
     ref_loss, (ref_grad,) = reference_loss_and_grads([leaf], lambda x: x, targets, grad_output)
-    assert_close(loss, ref_loss, dtype, "loss")
+    assert_close(loss, ref_loss, torch.float32, "loss")  # fp32 math on exact logits
     assert_close(leaf.grad, ref_grad, dtype, "dlogits")
 
 
@@ -242,7 +243,7 @@ def test_cross_entropy_at_the_ends_of_the_range(device, monkeypatch, dtype, path
             loss = cross_entropy(leaf * 1, targets, inplace_backward=path == "inplace_backward")
             loss.backward()
             assert_close(leaf.grad, logits64.grad, dtype, f"dlogits, {kind}")
-        assert_close(loss, expected, dtype, f"loss, {kind}")
+        assert_close(loss, expected, torch.float32, f"loss, {kind}")  # fp32 math, exact logits
 
 
 @pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning")
@@ -664,8 +665,10 @@ def test_bad_inputs(device):
     chunk_size=st.integers(1, 9),
     dtype=st.sampled_from(DTYPES),
     ignored_fraction=st.sampled_from([0.0, 0.3, 0.9]),
+    seed=st.integers(0, 2**31 - 1),
 )
-def test_fuzz(device, leading, vocab, n_features, chunk_size, dtype, ignored_fraction):
+def test_fuzz(device, leading, vocab, n_features, chunk_size, dtype, ignored_fraction, seed):
+    torch.manual_seed(seed)  # drawn by Hypothesis, so a failing example replays and shrinks
     targets = random_targets(tuple(leading), vocab, device, ignored_fraction)
     logits = (3 * torch.randn(*leading, vocab, device=device)).to(dtype)
     check_cross_entropy(logits, targets, dtype)
