@@ -151,6 +151,32 @@ def check(out, lse, grads, ref_out, ref_lse, ref_grads, dtype, single_key=None):
     assert grads[1].double().norm() <= bound * q.norm(), "dk of a single key is not ~0"
 
 
+def check_cancelling_gradients(grads, ref_grads, q, k, v, do, ref_o, seen, scale, softcap, bound):
+    """dq and dk where dS = P * (dP - Delta) * dcap cancels: P almost one-hot (scores ~1e3), or
+    a cap's slope dcap = 1 - tanh^2(s / cap) tiny. Each factor of dS is computed to a relative
+    error, so the error of any floating-point dq is relative to the terms that cancel,
+    scale * P * (|dP| + |Delta|) * dcap |K| (likewise dK with |Q|), not to the small result:
+    bounded by `bound` times the norm of that. One kv head per query head."""
+    assert q.shape[-3] == k.shape[-3], "grouped heads: not handled here"
+    q, k, v, do, ref_o = (t.detach().double() for t in (q, k, v, do, ref_o))
+    scores = scale * q @ k.transpose(-1, -2)
+    dcap = 1 - torch.tanh(scores / softcap) ** 2 if softcap else torch.ones_like(scores)
+    capped = softcap * torch.tanh(scores / softcap) if softcap else scores
+    p = capped.masked_fill(~seen.to(q.device), -math.inf).softmax(-1)
+    dp = do @ v.transpose(-1, -2)
+    delta = (ref_o * do).sum(-1, keepdim=True)
+    cancelling = scale * p * (dp.abs() + delta.abs()) * dcap
+    for name, grad, ref_grad, magnitude in (
+        ("dq", grads[0], ref_grads[0], cancelling @ k.abs()),
+        ("dk", grads[1], ref_grads[1], cancelling.transpose(-1, -2) @ q.abs()),
+    ):
+        assert torch.isfinite(grad).all(), f"{name} is not finite"
+        err = torch.linalg.vector_norm(grad.double() - ref_grad) / torch.linalg.vector_norm(
+            magnitude
+        )
+        assert err <= bound, f"{name}: error {err:.2e} of the cancelling terms' size > {bound:.1e}"
+
+
 def run_dense(
     q, k, v, causal, window=NO_WINDOW, softcap=0.0, scale=None, deterministic=True, seen=None
 ):

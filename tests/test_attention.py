@@ -17,6 +17,7 @@ from attention_harness import (
     TMA_PATHS,
     AllocationRecorder,
     CopyRecorder,
+    check_cancelling_gradients,
     gradients,
     make_heads,
     record_dq_paths,
@@ -43,7 +44,7 @@ from fastlm.kernels.attention.forward import attention_forward
 from fastlm.kernels.attention.launch import empty_heads_like, use_tensor_descriptors
 from fastlm.kernels.attention.qkv import split_heads
 from fastlm.reference import ScaledDotProductAttention
-from fastlm.testing import assert_close, recomputed_softmax_bound, relative_error
+from fastlm.testing import TOLERANCE, assert_close, recomputed_softmax_bound, relative_error
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,causal", [(2, 4, 2, 9, 9, True), (1, 2, 1, 5, 12, True)])
@@ -226,13 +227,31 @@ def test_window_softcap_other_data_path(device, monkeypatch, tma, case):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_softcap_with_large_scores(device, dtype):
-    """Scores of ~1e3 capped at 20: accurate, finite, and tanh saturates without overflow."""
-    q, k, v = make_heads(1, 2, 2, 70, 70, 32, dtype, device, std=1000**0.5 / 32**0.25)
+    """Scores of ~1e3 capped at 20: accurate, finite, and tanh saturates without overflow.
+
+    o, lse and dv meet the usual bounds. dq and dk go through the cap's slope 1 - tanh^2(s / 20),
+    tiny for all but the few scores near 0, and P * (dP - Delta) cancels there: they are checked
+    relative to the terms that cancel (`check_cancelling_gradients`), not to their small norm (a
+    bare bound on that failed 2 of 150 fp16 seeds at 5.7e-3 and 7.4e-3)."""
+    D, scale = 32, 32**-0.5
+    q, k, v = make_heads(1, 2, 2, 70, 70, D, dtype, device, std=1000**0.5 / D**0.25)
     with torch.no_grad():
-        scores = (q.double() @ k.double().transpose(-1, -2)) * 32**-0.5
-    assert scores.abs().amax() > 500
-    o, lse, grads = run_dense(q, k, v, True, NO_WINDOW, 20.0)
+        assert (scale * q.double() @ k.double().transpose(-1, -2)).abs().amax() > 500
+    o, lse = flash_attention(
+        q, k, v, True, return_lse=True, softcap=20.0, allow_tf32=False, deterministic=True
+    )
+    do = torch.randn_like(o)
+    grads = gradients(o, (q, k, v), do)
+    seen = visible(70, 70, True)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_o, ref_lse = reference(*leaves, seen, scale, 20.0)
+    ref_grads = gradients(ref_o, leaves, do.double())
+    assert_close(o, ref_o, dtype, "o")
+    assert_close(lse, ref_lse, torch.float32, "lse")
     assert lse.abs().amax() < 20 * math.log2(math.e) + math.log(70) + 1
+    assert_close(grads[2], ref_grads[2], dtype, "dv")
+    bound = TOLERANCE[dtype]
+    check_cancelling_gradients(grads, ref_grads, q, k, v, do, ref_o, seen, scale, 20.0, bound)
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["two-pass", "atomic-dq"])
@@ -406,23 +425,10 @@ def test_large_scores_do_not_overflow(device, dtype):
     )
     assert dv_err <= dv_bound, f"dv: relative error {dv_err:.3e} > {dv_bound:.1e} ({dtype})"
 
-    scores = scale * q64 @ k64.transpose(-1, -2)
-    assert scores.abs().amax() > 1000
-    p = scores.masked_fill(~visible(77, 77, True).to(device), -math.inf).softmax(-1)
-    dp = do64 @ v64.transpose(-1, -2)
-    delta = (ref_o.detach() * do64).sum(-1, keepdim=True)
-    cancelling = scale * p * (dp.abs() + delta.abs())
-    for name, grad, ref_grad, magnitude in (
-        ("dq", grads[0], ref_grads[0], cancelling @ k64.abs()),
-        ("dk", grads[1], ref_grads[1], cancelling.transpose(-1, -2) @ q64.abs()),
-    ):
-        assert torch.isfinite(grad).all(), f"{name} is not finite"
-        err = torch.linalg.vector_norm(grad.double() - ref_grad) / torch.linalg.vector_norm(
-            magnitude
-        )
-        assert err <= dv_bound, (  # the same recomputed P, relative to the terms that cancel
-            f"{name}: error {err:.2e} of the cancelling terms' size > {dv_bound:.1e} ({dtype})"
-        )
+    assert (scale * q64 @ k64.transpose(-1, -2)).abs().amax() > 1000
+    # dq and dk: the same recomputed P, relative to the terms that cancel.
+    seen = visible(77, 77, True)
+    check_cancelling_gradients(grads, ref_grads, q, k, v, do, ref_o, seen, scale, 0.0, dv_bound)
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["two-pass", "atomic-dq"])
