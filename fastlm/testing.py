@@ -130,19 +130,20 @@ def mixed_gemms_on_cpu() -> Iterator[None]:
     builds have and CPU builds lack.
 
     Those are `torch.mm(..., out_dtype=)` and `torch.addmm(..., out_dtype=, out=)`; with them a CPU
-    run takes the path fastlm takes on CUDA (`fastlm.kernels.linear.has_mixed_gemm`). The product
-    is computed in the inputs' dtype and cast: the op stream is CUDA's, the rounding is autocast's.
-    A context manager; the CPU kernels are removed when the block ends.
+    run takes the path fastlm takes on CUDA (`fastlm.kernels.linear.has_mixed_gemm`). Like CUDA's,
+    they accumulate the half inputs' products (exact in fp32) in out_dtype, so a test can tell
+    their result from a half round trip. A context manager; the CPU kernels are removed when the
+    block ends.
 
     Returns:
         A context manager that yields None.
     """
 
     def mm(a, b, out_dtype):
-        return torch.mm(a, b).to(out_dtype)
+        return torch.mm(a.to(out_dtype), b.to(out_dtype))
 
     def addmm_out(acc, a, b, out_dtype, *, beta=1, alpha=1, out):
-        return out.copy_(beta * acc + alpha * torch.mm(a, b).to(out_dtype))
+        return out.copy_(beta * acc + alpha * torch.mm(a.to(out_dtype), b.to(out_dtype)))
 
     library = torch.library.Library("aten", "IMPL")
     try:
