@@ -2,6 +2,8 @@
 
 - `TOLERANCE[dtype]`: the largest relative error ||out - ref|| / ||ref|| accepted for a kernel
   computing in that dtype (fp32 bounded by the interpreter and by tf32 dots on a GPU).
+- `attention_dtype(dtype, device, allow_tf32)`: the bound's dtype for attention on a device (TF32
+  is the float32 contract of the attention kernels on a GPU).
 - `assert_close(out, ref, dtype, name)`: relative error against a float64 reference.
 - `recomputed_softmax_bound(q, k, scale, dtype)`: the bound for what a backward builds from P
   recomputed out of the saved log-sum-exp, which grows with the scores' magnitude.
@@ -20,6 +22,27 @@ from collections.abc import Iterator
 import torch
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+def attention_dtype(dtype: torch.dtype, device, allow_tf32: bool = True) -> torch.dtype:
+    """The dtype whose `TOLERANCE` bounds fastlm's attention (and so the model) on `device`.
+
+    TF32 is the float32 contract of the attention kernels on a GPU: with `allow_tf32=True` (the
+    default) their float32 dots run in TF32, whose 10-bit mantissa is float16's, so float16's
+    bound (about 1e-3 measured, more than float32's 1e-4). `allow_tf32=False` asks for IEEE fp32
+    dots. The interpreter's dots are exact fp32 either way, and PyTorch's own float32 matmuls do
+    not use TF32 unless `torch.get_float32_matmul_precision()` says so.
+
+    Args:
+        dtype: the inputs' dtype.
+        device: where the attention runs ("cuda", "cpu" or a torch.device).
+        allow_tf32: the `allow_tf32` the call passes (default True, as `flash_attention`'s).
+
+    Returns:
+        torch.float16 for float32 with TF32 on CUDA, else dtype.
+    """
+    tf32 = allow_tf32 and torch.device(device).type == "cuda" and dtype == torch.float32
+    return torch.float16 if tf32 else dtype
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
