@@ -1,7 +1,7 @@
 """Helpers for checking kernels against a float64 reference (used by tests/ and benchmarks/).
 
 - `TOLERANCE[dtype]`: the largest relative error ||out - ref|| / ||ref|| accepted for a kernel
-  computing in that dtype (fp32 bounded by the interpreter and by tf32 dots on a GPU).
+  computing in that dtype (fp32: IEEE fp32 dots; attention's TF32 dots: `attention_dtype`).
 - `attention_dtype(dtype, device, allow_tf32)`: the bound's dtype for attention on a device (TF32
   is the float32 contract of the attention kernels on a GPU).
 - `assert_close(out, ref, dtype, name)`: relative error against a float64 reference.
