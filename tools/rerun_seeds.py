@@ -27,6 +27,7 @@ class _Tally:
     def __init__(self):
         self.runs = defaultdict(int)
         self.failed = defaultdict(list)
+        self.xfailed = defaultdict(int)  # expected failures (pytest.mark.xfail): not counted failed
 
     def pytest_runtest_logreport(self, report):
         # One count per run: its call, or the set-up or tear-down that failed instead.
@@ -34,6 +35,7 @@ class _Tally:
             return
         test = re.sub(r"run\d+-?|-run\d+", "", report.nodeid).replace("[]", "")
         self.runs[test] += report.when in ("call", "setup")  # a failed set-up never calls
+        self.xfailed[test] += hasattr(report, "wasxfail") and report.skipped
         if report.failed:
             self.failed[test].append(dict(report.user_properties).get("seed"))
 
@@ -54,10 +56,11 @@ def main(argv: list[str] | None = None) -> int:
         [*args.tests, f"--fresh-seeds={args.runs}", "-q", "-p", "no:cacheprovider", *args.pytest],
         plugins=[tally],
     )
-    print(f"\n{'test':<90} {'runs':>5} {'failed':>6}  failing seeds")
+    print(f"\n{'test':<90} {'runs':>5} {'failed':>6} {'xfail':>5}  failing seeds")
     for test in sorted(tally.runs):
         seeds = ", ".join(str(s) for s in tally.failed[test][:10])
-        print(f"{test:<90} {tally.runs[test]:>5} {len(tally.failed[test]):>6}  {seeds}")
+        counts = f"{tally.runs[test]:>5} {len(tally.failed[test]):>6} {tally.xfailed[test]:>5}"
+        print(f"{test:<90} {counts}  {seeds}")
     total, failures = sum(tally.runs.values()), sum(map(len, tally.failed.values()))
     print(f"total: {total} runs, {failures} failed")
     return int(failures > 0 or total == 0)
