@@ -1,8 +1,12 @@
 """Helpers for checking kernels against a float64 reference (used by tests/ and benchmarks/).
 
 - `TOLERANCE[dtype]`: the largest relative error ||out - ref|| / ||ref|| accepted for a kernel
-  computing in that dtype (fp32 bounded by the interpreter and by tf32 dots on a GPU).
+  computing in that dtype (fp32: IEEE fp32 dots; attention's TF32 dots: `attention_dtype`).
+- `attention_dtype(dtype, device, allow_tf32)`: the bound's dtype for attention on a device (TF32
+  is the float32 contract of the attention kernels on a GPU).
 - `assert_close(out, ref, dtype, name)`: relative error against a float64 reference.
+- `recomputed_softmax_bound(q, k, scale, dtype)`: the bound for what a backward builds from P
+  recomputed out of the saved log-sum-exp, which grows with the scores' magnitude.
 - `call_through(mode, func, args, kwargs)`: a dispatch mode's view inside a fastlm op.
 - `mixed_gemms_on_cpu()`: the CPU lent CUDA's GEMMs with an fp32 result from half inputs.
 
@@ -18,6 +22,27 @@ from collections.abc import Iterator
 import torch
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+def attention_dtype(dtype: torch.dtype, device, allow_tf32: bool = True) -> torch.dtype:
+    """The dtype whose `TOLERANCE` bounds fastlm's attention (and so the model) on `device`.
+
+    TF32 is the float32 contract of the attention kernels on a GPU: with `allow_tf32=True` (the
+    default) their float32 dots run in TF32, whose 10-bit mantissa is float16's, so float16's
+    bound (about 1e-3 measured, more than float32's 1e-4). `allow_tf32=False` asks for IEEE fp32
+    dots. The interpreter's dots are exact fp32 either way, and PyTorch's own float32 matmuls do
+    not use TF32 unless `torch.get_float32_matmul_precision()` says so.
+
+    Args:
+        dtype: the inputs' dtype.
+        device: where the attention runs ("cuda", "cpu" or a torch.device).
+        allow_tf32: the `allow_tf32` the call passes (default True, as `flash_attention`'s).
+
+    Returns:
+        torch.float16 for float32 with TF32 on CUDA, else dtype.
+    """
+    tf32 = allow_tf32 and torch.device(device).type == "cuda" and dtype == torch.float32
+    return torch.float16 if tf32 else dtype
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -70,6 +95,32 @@ def assert_close(
     assert err <= bound, f"{name}: relative error {err:.3e} > {bound:.1e} ({dtype})"
 
 
+def recomputed_softmax_bound(q: torch.Tensor, k: torch.Tensor, scale: float, dtype) -> float:
+    """The relative-error bound for what a backward builds from P recomputed out of the saved
+    log-sum-exp (dV = P^T dO): `TOLERANCE[dtype] + 2 u kappa`.
+
+    P = exp(s - lse) with s = scale * q k^T computed twice, by the forward (inside lse) and again
+    by the backward, each time by an fp32 dot whose rounding error is about u * kappa with
+    kappa = max_ij scale * sum_d |q_id k_jd| (u = 2^-24, fp32's unit roundoff). The two dots need
+    not round alike (their operands come transposed; BLAS and MMA pick their summation order by
+    shape), so the exponent is off by up to 2 u kappa and P, the dominant P ~ 1 included, by that
+    relative amount. kappa grows with the scores: at |s| ~ 1e3, 2 u kappa ~ 1e-3, above fp32's
+    usual 1e-4. An explicit softmax computes s once and subtracts its own row max, so its
+    dominant P is exactly 1; any flash-style backward carries this term.
+
+    Args:
+        q: (..., Nq, D) queries, k: (..., Nk, D) keys (grouped heads already repeated).
+        scale: the softmax scale.
+        dtype: the dtype the kernel computed in (picks `TOLERANCE[dtype]`).
+
+    Returns:
+        The bound, a float.
+    """
+    q64, k64 = q.detach().to(torch.float64).abs(), k.detach().to(torch.float64).abs()
+    kappa = abs(scale) * (q64 @ k64.transpose(-1, -2)).amax().item()
+    return TOLERANCE[dtype] + 2 * (torch.finfo(torch.float32).eps / 2) * kappa
+
+
 def call_through(mode, func, args=(), kwargs=None):
     """`func(*args, **kwargs)` for a TorchDispatchMode's `__torch_dispatch__` that must see inside
     fastlm's ops.
@@ -102,19 +153,20 @@ def mixed_gemms_on_cpu() -> Iterator[None]:
     builds have and CPU builds lack.
 
     Those are `torch.mm(..., out_dtype=)` and `torch.addmm(..., out_dtype=, out=)`; with them a CPU
-    run takes the path fastlm takes on CUDA (`fastlm.kernels.linear.has_mixed_gemm`). The product
-    is computed in the inputs' dtype and cast: the op stream is CUDA's, the rounding is autocast's.
-    A context manager; the CPU kernels are removed when the block ends.
+    run takes the path fastlm takes on CUDA (`fastlm.kernels.linear.has_mixed_gemm`). Like CUDA's,
+    they accumulate the half inputs' products (exact in fp32) in out_dtype, so a test can tell
+    their result from a half round trip. A context manager; the CPU kernels are removed when the
+    block ends.
 
     Returns:
         A context manager that yields None.
     """
 
     def mm(a, b, out_dtype):
-        return torch.mm(a, b).to(out_dtype)
+        return torch.mm(a.to(out_dtype), b.to(out_dtype))
 
     def addmm_out(acc, a, b, out_dtype, *, beta=1, alpha=1, out):
-        return out.copy_(beta * acc + alpha * torch.mm(a, b).to(out_dtype))
+        return out.copy_(beta * acc + alpha * torch.mm(a.to(out_dtype), b.to(out_dtype)))
 
     library = torch.library.Library("aten", "IMPL")
     try:

@@ -97,6 +97,32 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--fresh-seeds",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run each selected test N times, each with a fresh seed (tools/rerun_seeds.py)",
+    )
+
+
+def pytest_generate_tests(metafunc):
+    """--fresh-seeds N: each test once per run index, so one session draws N seeds for it."""
+    runs = metafunc.config.getoption("fresh_seeds")
+    if runs > 0:
+        if "FASTLM_TEST_SEED" in os.environ:
+            raise pytest.UsageError("--fresh-seeds draws its own seeds: unset FASTLM_TEST_SEED")
+        metafunc.fixturenames.append("seed_run")
+        metafunc.parametrize("seed_run", range(runs), indirect=True, ids=lambda i: f"run{i}")
+
+
+@pytest.fixture
+def seed_run(request):
+    """The run index under --fresh-seeds (the seed itself is fresh_seed's)."""
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def fresh_seed(request):
     """A new random seed for each test, reported when the test fails.

@@ -90,7 +90,8 @@ def check_cross_entropy(logits, targets, dtype, **kwargs):
     assert loss.dtype == torch.float32 and loss.shape == ()
     (loss * grad_output).backward()
     ref_loss, (ref_grad,) = reference_loss_and_grads([logits], lambda x: x, targets, grad_output)
-    assert_close(loss, ref_loss, dtype, "loss")
+    # The loss is computed in fp32 from logits that fp32 holds exactly: fp32's bound, any dtype.
+    assert_close(loss, ref_loss, torch.float32, "loss")
     assert logits.grad.dtype == dtype
     assert_close(logits.grad, ref_grad, dtype, "dlogits")
 
@@ -174,7 +175,7 @@ def test_gradient_in_the_forward_on_both_row_paths(device, dtype, path):
     loss = cross_entropy(leaf.clone(), targets, IGNORE, inplace_backward=True)  # a non-leaf
     (loss * grad_output).backward()
     ref_loss, (ref_grad,) = reference_loss_and_grads([leaf], lambda x: x, targets, grad_output)
-    assert_close(loss, ref_loss, dtype, "loss")
+    assert_close(loss, ref_loss, torch.float32, "loss")  # fp32 math on exact logits
     assert_close(leaf.grad, ref_grad, dtype, "dlogits")
 
 
@@ -242,7 +243,7 @@ def test_cross_entropy_at_the_ends_of_the_range(device, monkeypatch, dtype, path
             loss = cross_entropy(leaf * 1, targets, inplace_backward=path == "inplace_backward")
             loss.backward()
             assert_close(leaf.grad, logits64.grad, dtype, f"dlogits, {kind}")
-        assert_close(loss, expected, dtype, f"loss, {kind}")
+        assert_close(loss, expected, torch.float32, f"loss, {kind}")  # fp32 math, exact logits
 
 
 @pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning")
@@ -503,6 +504,33 @@ def test_linear_cross_entropy_fp32_weight(device, backend, half):
     assert_close(weight.grad, ref_dweight, half, "dweight")
 
 
+@pytest.mark.parametrize(
+    "backend_name",
+    [
+        "auto",
+        pytest.param(
+            "torch",
+            marks=pytest.mark.xfail(
+                strict=True, reason="the PyTorch backend's fp32 dweight is a half round trip"
+            ),
+        ),
+    ],
+)
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_linear_cross_entropy_fp32_weight_is_accumulated_in_fp32(
+    device, monkeypatch, backend_name, half
+):
+    """The fp32 weight's gradient is accumulated in fp32, not in the half dtype, which the
+    half-precision bound above cannot tell: most entries are not half numbers (a half accumulator
+    or a final round trip makes them all so)."""
+    monkeypatch.setenv("FASTLM_BACKEND", backend_name)
+    x = torch.randn(37, 16, device=device).to(half).requires_grad_()
+    weight = (torch.randn(300, 16, device=device) / 4).requires_grad_()
+    linear_cross_entropy(x, weight, random_targets((37,), 300, device), chunk_size=8).backward()
+    in_half = (weight.grad == weight.grad.to(half).float()).float().mean().item()
+    assert in_half < 0.5, f"{in_half:.0%} of the fp32 dweight is {half} numbers"
+
+
 def test_linear_cross_entropy_never_holds_all_logits(device):
     n_tokens, n_features, vocab, chunk_size = 64, 8, 400, 12
     x = torch.randn(n_tokens, n_features, device=device, requires_grad=True)
@@ -605,6 +633,9 @@ def test_default_chunk_size():
 
 
 def test_deterministic(device, backend):
+    """Two backwards give bitwise-equal gradients. Under Triton's interpreter this cannot fail
+    (NumPy runs every launch, atomics included, in one order): it is a GPU check, and
+    tools/gpu_check runs the whole suite on CUDA."""
     logits = torch.randn(9, 1337, device=device, dtype=torch.bfloat16, requires_grad=True)
     x = torch.randn(21, 16, device=device, requires_grad=True)
     weight = torch.randn(300, 16, device=device, requires_grad=True)
@@ -664,8 +695,10 @@ def test_bad_inputs(device):
     chunk_size=st.integers(1, 9),
     dtype=st.sampled_from(DTYPES),
     ignored_fraction=st.sampled_from([0.0, 0.3, 0.9]),
+    seed=st.integers(0, 2**31 - 1),
 )
-def test_fuzz(device, leading, vocab, n_features, chunk_size, dtype, ignored_fraction):
+def test_fuzz(device, leading, vocab, n_features, chunk_size, dtype, ignored_fraction, seed):
+    torch.manual_seed(seed)  # drawn by Hypothesis, so a failing example replays and shrinks
     targets = random_targets(tuple(leading), vocab, device, ignored_fraction)
     logits = (3 * torch.randn(*leading, vocab, device=device)).to(dtype)
     check_cross_entropy(logits, targets, dtype)

@@ -69,6 +69,13 @@ def test_half_linear_against_float64(device, gemms, rows):
     for w, dw64 in zip(weights, w64.grad.split(rows)):
         assert w.grad.dtype == torch.float32
         assert_close(w.grad, dw64, torch.bfloat16, "dW")
+    # From the bf16 operands the GEMM reads, the mixed GEMM's fp32 accumulation is fp32-exact, which
+    # a bf16 round trip (2^-9) is not; without it (the CPU's own GEMM) the product is rounded.
+    dy_half, x_half = (t.to(torch.bfloat16).double() for t in (dy, x))
+    read = (dy_half.reshape(-1, sum(rows)).T @ x_half.reshape(-1, C)).split(rows)
+    for w, dw_read in zip(weights, read):
+        exact_to = torch.float32 if gemms else torch.bfloat16
+        assert_close(w.grad, dw_read, exact_to, "dW from the operands the GEMM reads")
 
 
 def test_half_linear_on_the_cpu_gemm_is_autocast_bit_for_bit(device):
@@ -112,11 +119,14 @@ def test_product_and_add_product(device, gemms):
     a = torch.randn(9, 5, device=device, dtype=torch.bfloat16)
     b = torch.randn(5, 4, device=device, dtype=torch.bfloat16)
     exact = a.double() @ b.double()
+    # The mixed GEMM sums the exact products in fp32: fp32's bound, which a bf16 round trip of
+    # the product (2^-9) misses; the CPU's own GEMM rounds the product to bf16.
+    exact_to = torch.float32 if gemms else torch.bfloat16
     out = product(a, b, torch.float32)
     assert out.dtype == torch.float32
-    assert_close(out, exact, torch.bfloat16, "a @ b")
+    assert_close(out, exact, exact_to, "a @ b")
     acc = torch.randn(9, 4, device=device)
     start = acc.double()
     add_product(acc, a, b)
     assert acc.dtype == torch.float32
-    assert_close(acc, start + exact, torch.bfloat16, "acc + a @ b")
+    assert_close(acc, start + exact, exact_to, "acc + a @ b")

@@ -8,7 +8,11 @@ from conftest import TINY_MODEL
 import fastlm
 from fastlm import reference as R
 from fastlm.kernels._common import HAVE_TRITON
-from fastlm.testing import assert_close, relative_error
+from fastlm.testing import assert_close, attention_dtype, relative_error
+
+#: float32's bound, or float16's where the model's attention runs its float32 dots in TF32 (on
+#: CUDA: TF32 is the attention kernels' float32 contract, `fastlm.testing.attention_dtype`).
+FLOAT32 = attention_dtype(torch.float32, "cuda" if torch.cuda.is_available() else "cpu")
 
 #: The LLaMA-style options at once: grouped-query (2 query heads on 1 kv head), half-split RoPE,
 #: tied embeddings, another norm eps.
@@ -66,7 +70,7 @@ def test_drop_in_block_matches_reference(device):
     ref = R.TransformerBlock(32, 2, 48, 24, 10000.0, device=device, dtype=torch.float64)
     ref.load_state_dict(block.state_dict())
     x = torch.randn(2, 11, 32, device=device)
-    assert_close(block(x), ref(x.double()), torch.float32, "block output")
+    assert_close(block(x), ref(x.double()), FLOAT32, "block output")
 
 
 @pytest.mark.parametrize("offset", [0, 7])
@@ -75,16 +79,16 @@ def test_logits_match_reference(device, offset):
     tokens = _tokens(device)
     positions = torch.arange(offset, offset + tokens.shape[1], device=device)
     expected = ref(tokens, positions.expand(tokens.shape[0], -1))
-    assert_close(model(tokens, positions), expected, torch.float32, "logits")
+    assert_close(model(tokens, positions), expected, FLOAT32, "logits")
 
 
 def _assert_loss_and_grads_match(model, ref, loss, tokens, targets, what):
     """`loss` (the model's on tokens and targets) and every gradient against the reference's."""
     expected = R.CrossEntropyLoss()(ref(tokens), targets)
-    assert_close(loss, expected, torch.float32, f"{what}loss")
+    assert_close(loss, expected, FLOAT32, f"{what}loss")
     loss.backward()
     expected.backward()
-    _assert_grads_match(model, ref, torch.float32, f"{what}grad")
+    _assert_grads_match(model, ref, FLOAT32, f"{what}grad")
 
 
 def test_loss_and_every_gradient_match_reference(device):
@@ -92,10 +96,10 @@ def test_loss_and_every_gradient_match_reference(device):
     tokens, targets = _tokens(device), _tokens(device)
     loss = model.loss(tokens, targets)
     expected = R.CrossEntropyLoss()(ref(tokens), targets)
-    assert_close(loss, expected, torch.float32, "loss")
+    assert_close(loss, expected, FLOAT32, "loss")
     loss.backward()
     expected.backward()
-    _assert_grads_match(model, ref, torch.float32)
+    _assert_grads_match(model, ref, FLOAT32)
 
 
 def test_loss_ignore_index(device):
@@ -106,10 +110,10 @@ def test_loss_ignore_index(device):
     keep = targets != -100
     loss = model.loss(tokens, targets)
     expected = R.CrossEntropyLoss()(ref(tokens)[keep], targets[keep])
-    assert_close(loss, expected, torch.float32, "loss with ignore_index")
+    assert_close(loss, expected, FLOAT32, "loss with ignore_index")
     loss.backward()
     expected.backward()
-    _assert_grads_match(model, ref, torch.float32, "grad with ignore_index")
+    _assert_grads_match(model, ref, FLOAT32, "grad with ignore_index")
 
 
 def test_torch_backend_gives_the_same_logits(device, monkeypatch):
@@ -117,7 +121,7 @@ def test_torch_backend_gives_the_same_logits(device, monkeypatch):
     tokens = _tokens(device)
     kernels = model(tokens)
     monkeypatch.setenv("FASTLM_BACKEND", "torch")
-    assert_close(kernels, model(tokens), torch.float32, "torch-backend logits")
+    assert_close(kernels, model(tokens), FLOAT32, "torch-backend logits")
 
 
 def test_training_curves_match_reference(device):
@@ -184,7 +188,7 @@ def test_kv_cache_logits_match_full_forward(device, autocast):
     assert cache.length == 9
     if autocast:
         assert cache.k[0].dtype == torch.bfloat16
-    dtype = torch.bfloat16 if autocast else torch.float32
+    dtype = torch.bfloat16 if autocast else FLOAT32
     assert_close(torch.cat(steps, dim=1), full, dtype, "cached logits")
 
 
@@ -234,7 +238,7 @@ def test_heads_the_kernel_cannot_take_run_on_the_torch_backend(device, monkeypat
     monkeypatch.setenv("FASTLM_BACKEND", "torch")
     model, ref = _pair(device, config=config)
     tokens, targets = _tokens(device), _tokens(device)
-    assert_close(model(tokens), ref(tokens), torch.float32, "logits, heads of 4 dims")
+    assert_close(model(tokens), ref(tokens), FLOAT32, "logits, heads of 4 dims")
     loss = model.loss(tokens, targets)
     _assert_loss_and_grads_match(model, ref, loss, tokens, targets, "heads of 4 dims: ")
 
@@ -320,7 +324,7 @@ def test_llama_options_match_reference(device, options):
     model, ref = _pair(device, config=config)
     assert model.state_dict().keys() == ref.state_dict().keys()
     tokens, targets = _tokens(device), _tokens(device)
-    assert_close(model(tokens), ref(tokens), torch.float32, "logits")
+    assert_close(model(tokens), ref(tokens), FLOAT32, "logits")
     loss = model.loss(tokens, targets)
     _assert_loss_and_grads_match(model, ref, loss, tokens, targets, f"{options}: ")
 
@@ -331,7 +335,7 @@ def test_llama_options_kv_cache_logits_match_full_forward(device):
     cache = model.make_kv_cache()
     steps = [model(tokens[:, :6], kv_cache=cache), model(tokens[:, 6:], kv_cache=cache)]
     assert cache.k[0].shape[1] == 1  # one key/value head cached
-    assert_close(torch.cat(steps, dim=1), model(tokens), torch.float32, "cached logits")
+    assert_close(torch.cat(steps, dim=1), model(tokens), FLOAT32, "cached logits")
 
 
 def test_tied_model_loads_its_own_state_dict(device):
@@ -376,14 +380,14 @@ def test_packed_documents_match_each_document_alone(device, monkeypatch, backend
         cu = torch.stack([cu, torch.full_like(cu, 10**6)], 1)[:, 0]
     logits = model(tokens, cu_seqlens=cu)
     expected_logits = _packed_reference(ref, tokens, PACKED_DOCS)
-    assert_close(logits.reshape(-1, logits.shape[-1]), expected_logits, torch.float32, "logits")
+    assert_close(logits.reshape(-1, logits.shape[-1]), expected_logits, FLOAT32, "logits")
     loss = model.loss(tokens, targets, cu_seqlens=cu, max_seqlen=11)
     keep = targets.reshape(-1) != -100
     expected = R.CrossEntropyLoss()(expected_logits[keep], targets.reshape(-1)[keep])
-    assert_close(loss, expected, torch.float32, "packed loss")
+    assert_close(loss, expected, FLOAT32, "packed loss")
     loss.backward()
     expected.backward()
-    _assert_grads_match(model, ref, torch.float32, "packed grad")
+    _assert_grads_match(model, ref, FLOAT32, "packed grad")
 
 
 def test_packed_documents_match_the_reference_with_cu_seqlens(device):
@@ -400,12 +404,12 @@ def test_packed_documents_match_the_reference_with_cu_seqlens(device):
         torch.float64,
         "reference",
     )
-    assert_close(model(tokens, cu_seqlens=cu), expected, torch.float32, "logits")
+    assert_close(model(tokens, cu_seqlens=cu), expected, FLOAT32, "logits")
     positions = torch.randint(0, TINY_MODEL["context_length"], tokens.shape, device=device)
     assert_close(
         model(tokens, positions, cu_seqlens=cu),
         ref(tokens, positions, cu_seqlens=cu),
-        torch.float32,
+        FLOAT32,
         "logits at given positions",
     )
     with pytest.raises(ValueError, match="rise from 0"):

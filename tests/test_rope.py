@@ -183,7 +183,9 @@ def reference_rope_autograd(x64, positions, max_seq_len, interleaved):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_input_gradient_and_determinism(dtype, device):
-    """d x0 for x = x0 * s rotated in place, twice bitwise equal, against the reference."""
+    """d x0 for x = x0 * s rotated in place, twice bitwise equal, against the reference. Under
+    Triton's interpreter the bitwise check cannot fail (NumPy runs every launch in one order): it
+    is a GPU check, and tools/gpu_check runs the whole suite on CUDA."""
     B, H, T, D, max_seq_len = 2, 3, 37, 48, 64
     x0 = torch.randn(B, H, T, D, device=device, dtype=dtype, requires_grad=True)
     scale = torch.rand(D, device=device, dtype=dtype) + 0.5
@@ -313,8 +315,10 @@ def test_module_state_and_buffers(device):
     offset=st.integers(0, 50),
     interleaved=st.booleans(),
     dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**31 - 1),
 )
-def test_fuzz_shapes(batch, heads, kv_heads, seq, half_dim, offset, interleaved, dtype):
+def test_fuzz_shapes(batch, heads, kv_heads, seq, half_dim, offset, interleaved, dtype, seed):
+    torch.manual_seed(seed)  # drawn by Hypothesis, so a failing example replays and shrinks
     device = "cuda" if torch.cuda.is_available() else "cpu"
     D, max_seq_len = 2 * half_dim, offset + seq
     qkv = torch.randn(batch, seq, (heads + 2 * kv_heads) * D, device=device, dtype=dtype)

@@ -1,16 +1,30 @@
 """rope_attention: RoPE and flash attention on a packed q|k|v projection, against float64 RoPE +
-attention (`rope_attention_ref`); qkv rotated in place on both backends, its gradient one buffer
-with no glue ops, packed documents."""
+attention written from the definitions (`_definition`: not `rope_attention_ref`, which the
+PyTorch backend runs, so that backend is not compared with itself); qkv rotated in place on
+both backends, its gradient one buffer with no glue ops, packed documents."""
 
 import pytest
 import torch
-from attention_harness import GlueRecorder
+from attention_harness import GlueRecorder, reference, visible
+from test_rope import reference_rope_autograd
 
 from fastlm import flash_attention
-from fastlm.kernels.attention import flash_attention_ref, rope_attention, rope_attention_ref
+from fastlm.kernels.attention import rope_attention
 from fastlm.kernels.attention.qkv import split_heads
-from fastlm.kernels.rope import apply_rope_, rope_ref, rope_tables
+from fastlm.kernels.rope import apply_rope_, rope_tables
 from fastlm.testing import assert_close
+
+
+def _definition(qkv64, positions, Hq, Hkv, interleaved, max_seq_len):
+    """o (B, Hq, T, D) in float64 from the definitions, sharing no code with either backend:
+    q, k, v cut from qkv's last dim by hand, rotated by `reference.RoPE` (test_rope's), causal
+    attention by the harness's scores-and-softmax reference."""
+    B, T, width = qkv64.shape
+    D = width // (Hq + 2 * Hkv)
+    heads = qkv64.reshape(B, T, Hq + 2 * Hkv, D).transpose(1, 2)  # (B, H, T, D)
+    q, k, v = heads[:, :Hq], heads[:, Hq : Hq + Hkv], heads[:, Hq + Hkv :]
+    q, k = (reference_rope_autograd(t, positions, max_seq_len, interleaved) for t in (q, k))
+    return reference(q, k, v, visible(T, T, True), D**-0.5)[0]
 
 
 def _packed(B, T, Hq, Hkv, D, dtype, device):
@@ -43,8 +57,8 @@ def test_rope_attention_matches_reference(device, Hq, Hkv, D, T, interleaved, dt
     o.backward(do)
 
     leaf64 = leaf.detach().double().requires_grad_()
-    o64 = rope_attention_ref(
-        leaf64, cos.double(), sin.double(), positions, Hq, Hkv, interleaved=interleaved
+    o64 = torch.cat(
+        [_definition(leaf64[b : b + 1], positions[b], Hq, Hkv, interleaved, 200) for b in range(B)]
     )
     o64.backward(do.double())
     assert_close(o, o64, dtype, "o")
@@ -68,10 +82,11 @@ def test_rope_attention_qkv_read_after_the_call(device, monkeypatch, backend):
 
     leaf64 = leaf.detach().double().requires_grad_()
     q64, k64, v64 = split_heads(leaf64, 2, 2)  # (B, H, T, D)
-    q64, k64 = (rope_ref(t, cos.double(), sin.double(), positions) for t in (q64, k64))
+    q64, k64 = (reference_rope_autograd(t, positions, 64, True) for t in (q64, k64))
     rotated = [t.transpose(1, 2).reshape(2, 21, -1) for t in (q64, k64)]  # (B, T, H * D)
     qkv64 = torch.cat([*rotated, leaf64[..., 64:]], dim=-1)
-    (flash_attention_ref(q64, k64, v64).sum() + (qkv64 * weight.double()).sum()).backward()
+    o64 = reference(q64, k64, v64, visible(21, 21, True), 16**-0.5)[0]
+    (o64.sum() + (qkv64 * weight.double()).sum()).backward()
     assert_close(qkv, qkv64, torch.float32, "qkv after the call: q and k rotated in place")
     assert_close(leaf.grad, leaf64.grad, torch.float32, "dqkv with qkv read again")
 
@@ -95,6 +110,9 @@ def test_rope_attention_gradient_is_one_buffer(device):
 
 
 def test_rope_attention_is_deterministic_and_matches_the_torch_backend(device, monkeypatch):
+    """Two backwards give bitwise-equal gradients. Under Triton's interpreter this cannot fail
+    (NumPy runs every launch, atomics included, in one order): it is a GPU check, and
+    tools/gpu_check runs the whole suite on CUDA."""
     leaf, _ = _packed(1, 50, 4, 2, 16, torch.float16, device)
     cos, sin = rope_tables(10000.0, 16, 64, device=device)
     positions = torch.arange(50, device=device)
@@ -179,17 +197,7 @@ def test_rope_attention_packed_documents(device, monkeypatch, backend, Hq, Hkv, 
     outs, start = [], 0
     for n in docs:
         doc = rows64[:, start : start + n]
-        outs.append(
-            rope_attention_ref(
-                doc,
-                cos.double(),
-                sin.double(),
-                torch.arange(n, device=device),
-                Hq,
-                Hkv,
-                interleaved=interleaved,
-            )
-        )
+        outs.append(_definition(doc, torch.arange(n, device=device), Hq, Hkv, interleaved, 64))
         start += n
     o64 = torch.cat(outs, dim=2)  # (1, Hq, B * T, D)
     o64.backward(do.double())

@@ -86,6 +86,9 @@ def test_packed_strided_input(device):
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_backward_is_deterministic(packed, device):
+    """Two backwards give bitwise-equal gradients. Under Triton's interpreter this cannot fail
+    (NumPy runs every launch, atomics included, in one order): it is a GPU check, and
+    tools/gpu_check runs the whole suite on CUDA."""
     gate_up = torch.randn(37, 2 * 1000, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad_out = torch.randn(37, 1000, device=device, dtype=torch.bfloat16)
     grads = []
@@ -155,8 +158,10 @@ def test_bad_arguments_raise(device):
     d_ff=st.integers(1, 300),
     dtype=st.sampled_from(DTYPES),
     packed=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
 )
-def test_fuzz_shapes(rows, d_ff, dtype, packed):
+def test_fuzz_shapes(rows, d_ff, dtype, packed, seed):
+    torch.manual_seed(seed)  # drawn by Hypothesis, so a failing example replays and shrinks
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gate_up = torch.randn(*rows, 2 * d_ff, device=device, dtype=dtype, requires_grad=True)
     grad_out = torch.randn(*rows, d_ff, device=device, dtype=dtype)
