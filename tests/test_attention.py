@@ -283,8 +283,9 @@ def test_large_caps_are_exact(device, softcap, deterministic):
     with torch.no_grad():
         largest = (q.double() @ k.double().transpose(-1, -2)).abs().amax().item() * 16**-0.5
     bound = 4 * 2**-24 * largest + largest**3 / softcap**2
-    for name, capped, plain in zip(("o", "lse", "dq", "dk", "dv"), outputs(softcap), outputs(0.0)):
-        err = relative_error(capped, plain)
+    names = ("o", "lse", "dq", "dk", "dv")
+    for name, with_cap, plain in zip(names, outputs(softcap), outputs(0.0)):
+        err = relative_error(with_cap, plain)
         assert err <= bound, f"{name}: capped at {softcap:g} differs by {err:.2e} > {bound:.1e}"
 
 

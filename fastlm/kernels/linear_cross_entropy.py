@@ -33,7 +33,7 @@ from fastlm.kernels.cross_entropy import (
     check_ignore_index,
     cross_entropy_ref,
 )
-from fastlm.kernels.linear import add_product
+from fastlm.kernels.linear import add_product, half_linear
 
 #: Logits bytes one chunk of linear_cross_entropy may hold (the default chunk_size): 128 MiB is
 #: 2048 tokens at vocab 32000 in bf16, an eighth of the logits of 16k tokens, while the chunk's
@@ -49,7 +49,12 @@ def linear_cross_entropy_ref(
     x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
 ) -> torch.Tensor:
     """cross_entropy_ref(x @ weight.T, ...) with the weight in x's dtype: the logits
-    materialised, as an unfused model has them."""
+    materialised, as an unfused model has them. An fp32 weight with half-precision x gets its
+    gradient out of the GEMM in fp32 (`half_linear`), as the fused path accumulates it, not a
+    half-precision product cast up."""
+    if weight.dtype == torch.float32 and x.dtype != torch.float32:
+        weight_x = weight.detach().to(x.dtype)  # what the GEMM reads; the gradient goes to weight
+        return cross_entropy_ref(half_linear(x, weight_x, weight), targets, ignore_index)
     return cross_entropy_ref(x @ weight.to(x.dtype).T, targets, ignore_index)
 
 
