@@ -76,9 +76,8 @@ OPTIONS: dict[str, Range] = {
     "z_loss": _real(0.0, BIG, meaning="weight of lse^2; 0 is off"),
     "eps": _real(0.0, low_open=True, meaning="added to the mean square"),
     "offset": _real(-BIG, BIG, meaning="added to the weight (1 is Gemma's norm)"),
-    # Not 0 or below: PyTorch's SDPA (the torch backend) and the reference give NaN with a causal
-    # mask there (the mask's -inf times the scale).
-    "softmax_scale": _real(0.0, BIG, low_open=True, meaning="None: 1 / sqrt(head dim)"),
+    # 0 and negative scales are the kernels' (tests/test_attention.py::test_softmax_scale).
+    "softmax_scale": _real(-BIG, BIG, meaning="None: 1 / sqrt(head dim); 0: equal weights"),
     "window_size": _int(-1, WINDOW_MAX, meaning="each side of (left, right); -1 is unbounded"),
     "chunk_size": _int(1, meaning="tokens per chunk; None: the default"),
     "temperature": _real(0.0, meaning="0 is greedy"),

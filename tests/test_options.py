@@ -287,7 +287,7 @@ def _entries() -> list[Entry]:
                 "softmax_scale",
                 lambda v, r=run: r(softmax_scale=v),
                 none_ok=True,
-                valid=[None, 1e-3, 0.125, 1e6],
+                valid=[None, -1e6, -1, 0, 0.125, 1e6],
             ),
             Entry(f"fastlm.{name}", "softcap", lambda v, r=run: r(softcap=v)),
         ]
@@ -318,7 +318,7 @@ def _entries() -> list[Entry]:
             "softmax_scale",
             lambda v: rope_attention(softmax_scale=v),
             none_ok=True,
-            valid=[None, 1e-3, 1e6],
+            valid=[None, 1e-3, 1e6],  # causal: <= 0 is NaN on PyTorch (docs/options.md)
         ),
         Entry(
             "fastlm.rope_attention",
@@ -427,7 +427,7 @@ def _op_entries() -> list[Entry]:
     ):
         # A backward op takes the forward's options with its lse: only those run there.
         backward = op.endswith("backward")
-        add(op, make_args, "softmax_scale", valid=[0.25] if backward else [1e-3, 0.125, 1e6])
+        add(op, make_args, "softmax_scale", valid=[0.25] if backward else [-1e6, 0, 0.125, 1e6])
         add(op, make_args, "softcap", **(dict(valid=[0.0]) if backward else {}))
         add(op, make_args, "window_left", **dict(side, **(dict(valid=[-1]) if backward else {})))
         add(op, make_args, "window_right", **dict(side, **(dict(valid=[-1]) if backward else {})))

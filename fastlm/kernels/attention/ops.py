@@ -313,7 +313,7 @@ def flash_attention(
         ValueError: q, k, v not 4-D, on two devices, k and v of two shapes, head dims that differ
             or are 0, Hq not a multiple of Hkv, batch sizes that differ, Nk = 0 or Nq > Nk; a
             window side outside [-1, 2**30], or window_size[1] > 0 with causal=True; softmax_scale
-            outside (0, 1e6], softcap outside [0, 1e6] (nan, inf: the rule of every option,
+            outside [-1e6, 1e6], softcap outside [0, 1e6] (nan, inf: the rule of every option,
             `fastlm.options`); with the Triton kernel, a head dim it does not take.
     """
     check_inputs(q, k, v, causal, softmax_scale)
