@@ -724,12 +724,6 @@ def _widths(sizes: dict) -> str:
     return str(high) if low == high else f"{low}-{high}"
 
 
-def _config(row: dict) -> str:
-    blocks = " ".join(f"{k.removeprefix('BLOCK_')}{v}" for k, v in row["blocks"].items())
-    text = f"{blocks} w{row.get('num_warps', '?')} s{row.get('num_stages', '?')}"
-    return text + " (default)" if row["default"] else text
-
-
 def table(rows: list[dict]) -> str:
     columns = ["op", "kernel", "case", "config", "arch", "regs", "spill st/ld B"]
     columns += ["smem KB / limit", "tensor cores", "TMA", "cp.async", "main ld B", "main st B"]
@@ -737,7 +731,8 @@ def table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
         if "registers" not in row:
-            cells = [row["op"], f"`{row['kernel']}`", row["case"], _config(row), row["arch"]]
+            config = hot_loop.config_label(row)
+            cells = [row["op"], f"`{row['kernel']}`", row["case"], config, row["arch"]]
             cells += ["-"] * 9 + ["; ".join(row["problems"])]
         else:
             accesses = row["accesses"]
@@ -746,7 +741,7 @@ def table(rows: list[dict]) -> str:
                 row["op"],
                 f"`{row['kernel']}`",
                 row["case"],
-                _config(row),
+                hot_loop.config_label(row),
                 row["arch"],
                 str(row["registers"]),
                 f"{row['spill_stores']}/{row['spill_loads']}",
@@ -795,7 +790,7 @@ def code_changes(before: list[dict], after: list[dict]) -> tuple[list[str], list
     digests = {_row_key(row): row.get("ptx_sha256") for row in before}
 
     def describe(row):
-        return f"{row['op']} {row['case']} {_config(row)} {row['arch']}"
+        return f"{row['op']} {row['case']} {hot_loop.config_label(row)} {row['arch']}"
 
     changed = [
         describe(row)

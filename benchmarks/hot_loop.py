@@ -27,24 +27,14 @@ cheapest of them when there are several (a kernel's unmasked phase). From it:
   to that MMA's clocks: MMA / (MMA + softmax - hidden).
 
 The compile report keeps these figures in its rows (`hot_loop`) and prints them as a second
-table. This command prints that table alone for causal attention, and compiles configs that are
-not shipped (`--config`) to try one before shipping it:
-
-    python benchmarks/hot_loop.py [--op TEXT] [--arch sm_90a sm_80] [--dtype bf16 fp16 fp32]
-        [--head-dim 64 128] [--config M,N,WARPS,STAGES ...] [--json PATH]
-
-Like the compile report it compiles for CUDA targets and refuses to run with TRITON_INTERPRET=1.
-Triton's on-disk cache makes a rerun with unchanged kernels fast.
+table (`table`). `attention_hot_loops.py` prints that table alone for causal attention, also for
+configs not shipped yet. This module imports neither of them: they build on it.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import re
 import subprocess
-import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
@@ -300,49 +290,15 @@ def disassemble(cubin: bytes) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Command line: compile the attention kernels' configs (compile_report's launches) and read them
+# The table (compile_report.py prints it after its own; attention_hot_loops.py alone)
 # --------------------------------------------------------------------------------------------
 
 
-def _compile_report():
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import compile_report
-
-    return compile_report
-
-
-def attention_tasks(
-    ops: list[str], archs: list[str], dtypes: list[str], head_dims: list[int], configs: list[tuple]
-):
-    """compile_report's tasks of the attention kernels that multiply matrices (causal), the
-    shipped configs, or `configs` (M, N, warps, stages) in their place."""
-    cr = _compile_report()
-    specs = [(dtype, d, True, None) for dtype in dtypes for d in head_dims]
-    cases = [case for case in cr.attention_cases(specs) if any(text in case.op for text in ops)]
-    tasks = [t for t in cr.tasks(cases, archs) if t.kernel in KERNEL_DOTS]
-    if not configs:
-        return tasks
-    chosen, seen = [], set()
-    for task in tasks:
-        key = (task.op, task.label, task.kernel, task.arch)
-        if key in seen:
-            continue
-        seen.add(key)
-        for m, n, warps, stages in configs:
-            blocks = {"BLOCK_M": m, "BLOCK_N": n}
-            chosen.append(
-                cr.Task(
-                    **{
-                        **task.__dict__,
-                        "blocks": blocks,
-                        "default": False,
-                        "fallback": False,
-                        "constexprs": {**task.constexprs, **blocks},
-                        "options": dict(num_warps=warps, num_stages=stages),
-                    }
-                )
-            )
-    return chosen
+def config_label(row: dict) -> str:
+    """A compile report row's config: its blocks, warps and stages ("M128 N64 w4 s3")."""
+    blocks = " ".join(f"{k.removeprefix('BLOCK_')}{v}" for k, v in row["blocks"].items())
+    text = f"{blocks} w{row.get('num_warps', '?')} s{row.get('num_stages', '?')}"
+    return text + " (default)" if row["default"] else text
 
 
 def _mix(row: dict) -> str:
@@ -378,61 +334,12 @@ FIGURES = {
 def table(rows: list[dict]) -> str:
     """Markdown table of compile report rows with their hot loop's figures (`analyse`, kept as
     the row's `hot_loop`); a row that did not compile or has no MMA loop: dashes."""
-    config = _compile_report()._config
     heading = ["op", "kernel", "case", "config", "arch", *FIGURES, "flags"]
     lines = [f"| {' | '.join(heading)} |", "|" + "---|" * len(heading)]
     for row in rows:
         figures = row.get("hot_loop") or {}
         cells = [cell(figures) if "mix" in figures else "-" for cell in FIGURES.values()]
         flags = "; ".join(row["problems"] + row.get("notes", [])) or "ok"
-        where = [row["op"], f"`{row['kernel']}`", row["case"], config(row), row["arch"]]
+        where = [row["op"], f"`{row['kernel']}`", row["case"], config_label(row), row["arch"]]
         lines.append(f"| {' | '.join([*where, *cells, flags])} |")
     return "\n".join(lines)
-
-
-def _parse_config(text: str) -> tuple[int, int, int, int]:
-    try:
-        m, n, warps, stages = (int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--config wants M,N,WARPS,STAGES, got {text!r}") from None
-    return m, n, warps, stages
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", nargs="+", choices=list(MMA_RATE), default=list(MMA_RATE))
-    parser.add_argument(
-        "--op",
-        action="append",
-        metavar="TEXT",
-        help="only attention ops whose name contains TEXT (repeatable; default: all)",
-    )
-    parser.add_argument("--dtype", nargs="+", choices=["bf16", "fp16", "fp32"], default=["bf16"])
-    parser.add_argument("--head-dim", nargs="+", type=int, default=[64, 128])
-    parser.add_argument(
-        "--config",
-        nargs="+",
-        type=_parse_config,
-        default=[],
-        metavar="M,N,WARPS,STAGES",
-        help="compile these configs instead of the shipped ones",
-    )
-    parser.add_argument("--json", type=Path, metavar="PATH", help="write the rows as JSON here")
-    args = parser.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        parser.error("unset TRITON_INTERPRET; this compiles for CUDA targets")
-    tasks = attention_tasks(
-        args.op or ["attention"], args.arch, args.dtype, args.head_dim, args.config
-    )
-    if not tasks:
-        parser.error(f"no attention op matches {args.op}")
-    cr = _compile_report()
-    rows = [cr.compile_task(task) for task in tasks]
-    print(table(rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
-    return 1 if any(row["problems"] for row in rows) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

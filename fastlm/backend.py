@@ -10,6 +10,9 @@
 
 Each op's public function asks `use_triton` once and nothing else; `selected()` says what
 FASTLM_BACKEND asks for. (`fastlm.backend` is this module: no function of the package has its name.)
+
+This module imports nothing of fastlm: `fastlm.kernels` builds on it (`HAVE_TRITON`,
+`interpreting`), never the other way round.
 """
 
 from __future__ import annotations
@@ -18,7 +21,20 @@ import os
 
 import torch
 
+try:
+    import triton  # noqa: F401 (only whether it imports: fastlm.kernels._common takes it from here)
+
+    HAVE_TRITON = True
+except ImportError:  # Linux is the only platform with Triton wheels
+    HAVE_TRITON = False
+
 CHOICES = ("auto", "triton", "torch")
+
+MISSING_MESSAGE = (
+    "fastlm's Triton kernels need the `triton` package, which is not installed "
+    "(pip install triton; it has wheels for Linux). Use FASTLM_BACKEND=torch (or "
+    "auto, the default) to run every op on PyTorch instead."
+)
 
 
 def selected() -> str:
@@ -66,12 +82,8 @@ def use_triton(x: torch.Tensor) -> bool:
     choice = selected()
     if choice == "torch":
         return False
-    from fastlm.kernels._common import HAVE_TRITON  # the one module that imports triton
-
     if not HAVE_TRITON:
         if choice == "triton":
-            from fastlm.kernels._no_triton import MISSING_MESSAGE
-
             raise ModuleNotFoundError(f"FASTLM_BACKEND=triton: {MISSING_MESSAGE}")
         return False
     if x.is_cuda or (x.device.type == "cpu" and interpreting()):

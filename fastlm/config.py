@@ -11,20 +11,14 @@ here: `ConfigError` (one line on stderr, exit status 2), `pick_device`, `check_i
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
 
 from fastlm import reference
-from fastlm.kernels.rope import rope_angles_finite
 from fastlm.model import Transformer, check_heads, kernels_run_on
-
-#: The largest float32, the dtype of the weights, the kernels' math and the RoPE tables.
-FLOAT32_MAX = torch.finfo(torch.float32).max
-#: The largest integer torch takes for a size, an index or a seed's signed form.
-INT64_MAX = 2**63 - 1
+from fastlm.options import ALIASES, INT64_MAX, check
 
 
 class ConfigError(ValueError):
@@ -119,13 +113,10 @@ class ModelConfig:
         for field in MODEL_FIELDS:
             value = getattr(self, field)
             if field in ("rope_theta", "norm_eps"):
-                if not (
-                    isinstance(value, (int, float))
-                    and not isinstance(value, bool)
-                    and math.isfinite(value)
-                    and value > 0
-                ):
-                    raise ValueError(f"{name(field)} must be a positive number, got {value}")
+                try:  # the rule of every numeric option, its type errors a ValueError here
+                    check(name(field), value, spec=ALIASES[field])
+                except TypeError as error:
+                    raise ValueError(str(error)) from None
             elif field in ("rope_interleaved", "tie_embeddings"):
                 if not isinstance(value, bool):
                     raise ValueError(f"{name(field)} must be true or false, got {value!r}")
@@ -143,19 +134,6 @@ class ModelConfig:
             raise ValueError(
                 f"{name('num_heads')} {self.num_heads} must be a multiple of "
                 f"{name('num_kv_heads')} {self.num_kv_heads}"
-            )
-        # Both models compute in float32: an epsilon it rounds to inf normalises every row to 0.
-        if self.norm_eps > FLOAT32_MAX:
-            raise ValueError(
-                f"{name('norm_eps')} must be at most {FLOAT32_MAX:.2g} (float32's largest), got "
-                f"{self.norm_eps}"
-            )
-        head_dim = self.d_model // self.num_heads
-        if not rope_angles_finite(self.rope_theta, head_dim, self.context_length):
-            raise ValueError(
-                f"{name('rope_theta')} {self.rope_theta} gives RoPE angles that are not finite "
-                f"in float32 (theta^(-2i/{head_dim}) times positions up to "
-                f"{self.context_length - 1}): use a larger one (10000 is the usual)"
             )
 
     def num_parameters(self) -> int:

@@ -17,6 +17,7 @@ from fastlm.kernels.linear import half_linear
 from fastlm.kernels.rmsnorm import rms_norm
 from fastlm.kernels.rope import rope_tables, rotate_in_place
 from fastlm.kernels.swiglu import swiglu, swiglu_packed
+from fastlm.options import check
 
 
 class RmsNorm(reference.RmsNorm):
@@ -24,9 +25,16 @@ class RmsNorm(reference.RmsNorm):
 
     Args:
         d_model: the normalised (last) dim.
-        eps: added to the mean square (default 1e-5).
+        eps: added to the mean square (default 1e-5), a finite number > 0 (`fastlm.options`).
         device, dtype: of the gain `g`, initialised to ones (default: PyTorch's defaults).
+
+    Raises:
+        TypeError, ValueError: an eps that `fastlm.options` refuses (at construction, not at the
+            first forward).
     """
+
+    def __init__(self, d_model: int, eps: float = 1e-5, device=None, dtype=None):
+        super().__init__(d_model, check("eps", eps), device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The normalised x, by `fastlm.rms_norm`.

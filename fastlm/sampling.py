@@ -13,39 +13,35 @@ once rather than once per length. When the context is full, both keep the last
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Iterator
 
 import torch
 
+from fastlm.options import check
+
 
 def check_sampling(
     temperature: float, top_k: int | None = None, top_p: float | None = None
-) -> None:
-    """Check the sampler's settings.
+) -> tuple[float, int | None, float | None]:
+    """The sampler's settings, checked, as Python numbers (a huge int temperature as a float).
 
     Args:
         temperature: a finite number >= 0 (0: greedy).
         top_k: an integer >= 1, or None.
         top_p: a number in (0, 1], or None.
 
+    Returns:
+        (temperature as a float, top_k, top_p as a float or None).
+
     Raises:
-        ValueError: naming the argument, for a setting the sampler cannot use.
+        TypeError: naming the argument, for a setting that is not a number of its kind.
+        ValueError: naming the argument, for a setting out of its range (`fastlm.options`).
     """
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, numbers.Real)
-        or not math.isfinite(temperature)
-        or temperature < 0
-    ):
-        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature}")
-    if top_k is not None and (
-        isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1
-    ):
-        raise ValueError(f"top_k must be an integer >= 1, got {top_k}")
-    if top_p is not None and (not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
-        raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+    return (
+        check("temperature", temperature),
+        check("top_k", top_k, none_ok=True),
+        check("top_p", top_p, none_ok=True),
+    )
 
 
 def sample_next(
@@ -76,7 +72,7 @@ def sample_next(
         ValueError: a bad setting (`check_sampling`), or (temperature > 0) logits that are not all
             finite.
     """
-    check_sampling(temperature, top_k, top_p)
+    temperature, top_k, top_p = check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1)
     if not torch.isfinite(logits).all():
@@ -135,10 +131,8 @@ def sample_stream(
     tokens = prompt_ids if prompt_ids.dim() == 2 else prompt_ids.unsqueeze(0)  # (B, T)
     if tokens.shape[-1] == 0:
         raise ValueError("prompt_ids must hold at least one token")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if vocab_size is not None and vocab_size < 1:
-        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    check("max_new_tokens", max_new_tokens)
+    check("vocab_size", vocab_size, none_ok=True)
     context = model.context_length
     use_cache = hasattr(model, "make_kv_cache")
     cache, cached_len = None, 0  # tokens of `window` already in the cache

@@ -4,8 +4,8 @@ descriptor forward compiled for sm_90a, whose softmax must keep running beside a
 and the shipped descriptor dQ pass, whose loop must be shorter than the pointer one's.
 
 The parser is checked on a hand-written listing in nvdisasm's format, where every figure is
-known; the compile runs `benchmarks/hot_loop.py` in a subprocess without TRITON_INTERPRET (which
-conftest.py sets here), as test_compile_report.py does.
+known; the compile runs `benchmarks/attention_hot_loops.py` in a subprocess without
+TRITON_INTERPRET (which conftest.py sets here), as test_compile_report.py does.
 """
 
 import importlib.util
@@ -232,14 +232,14 @@ def _compile_missing() -> str | None:
 
 
 def _hot_loops(tmp_path, *args: str) -> list[dict]:
-    """The rows of `benchmarks/hot_loop.py --arch sm_90a --dtype bf16 *args`, run in a subprocess
-    without TRITON_INTERPRET."""
+    """The rows of `benchmarks/attention_hot_loops.py --arch sm_90a --dtype bf16 *args`, run in a
+    subprocess without TRITON_INTERPRET."""
     out = tmp_path / "rows.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
         [
             sys.executable,
-            str(REPO / "benchmarks" / "hot_loop.py"),
+            str(REPO / "benchmarks" / "attention_hot_loops.py"),
             "--arch",
             "sm_90a",
             "--dtype",

@@ -85,14 +85,17 @@ def test_checkpoints_from_before_the_options_have_their_defaults():
         (dict(vocab_size=0), "vocab_size must be a positive integer, got 0"),
         (dict(num_layers=2.5), "num_layers must be a positive integer, got 2.5"),
         (dict(context_length=True), "context_length must be a positive integer, got True"),
-        (dict(rope_theta=0.0), "rope_theta must be a positive number, got 0.0"),
-        (dict(rope_theta=float("nan")), "rope_theta must be a positive number, got nan"),
-        (dict(norm_eps=0.0), "norm_eps must be a positive number, got 0.0"),
+        (dict(rope_theta=0.0), "rope_theta must be a finite number in [1, 3.4e38], got 0.0"),
+        (
+            dict(rope_theta=float("nan")),
+            "rope_theta must be a finite number in [1, 3.4e38], got nan",
+        ),
+        (dict(rope_theta="1e4"), "rope_theta must be a real number (int or float), got str"),
+        (dict(norm_eps=0.0), "norm_eps must be a finite number in (0, 3.4e38], got 0.0"),
         # float32 (the kernels' and the reference's math) cannot hold these.
-        (dict(norm_eps=1e300), "norm_eps must be at most 3.4e+38 (float32's largest), got 1e+300"),
-        (dict(rope_theta=1e-300), "rope_theta 1e-300 gives RoPE angles that are not finite"),
-        # Frequencies up to 3e37, finite; at position 127 the angle is not.
-        (dict(rope_theta=1e-40), "rope_theta 1e-40 gives RoPE angles that are not finite"),
+        (dict(norm_eps=1e300), "norm_eps must be a finite number in (0, 3.4e38], got 1e+300"),
+        # Below 1 the frequencies theta^(-2i/d) outgrow 1, and soon float32 (fastlm.options).
+        (dict(rope_theta=1e-40), "rope_theta must be a finite number in [1, 3.4e38], got 1e-40"),
         (dict(num_kv_heads=0), "num_kv_heads must be a positive integer, got 0"),
         (dict(num_kv_heads=3), "num_heads 4 must be a multiple of num_kv_heads 3"),
         (dict(rope_interleaved=1), "rope_interleaved must be true or false, got 1"),

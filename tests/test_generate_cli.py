@@ -120,10 +120,13 @@ def test_byte_stream_never_splits_a_character():
     [
         (["--checkpoint", "{tmp}/nowhere"], "no checkpoint"),
         (["--checkpoint", "{ckpt}", "--prompt", ""], "--prompt must not be empty"),
-        (["--checkpoint", "{ckpt}", "--top-p", "1.5"], "top_p must lie in (0, 1], got 1.5"),
+        (
+            ["--checkpoint", "{ckpt}", "--top-p", "1.5"],
+            "top_p must be a finite number in (0, 1], got 1.5",
+        ),
         (
             ["--checkpoint", "{ckpt}", "--temperature", "-1"],
-            "temperature must be a finite number >= 0",
+            "temperature must be a finite number in [0, 3.4e38], got -1.0",
         ),
         (["--checkpoint", "{ckpt}", "--temperature", "nan"], "temperature must be a finite number"),
         (["--checkpoint", "{ckpt}", "--max-new-tokens", "-1"], "--max-new-tokens"),

@@ -137,7 +137,11 @@ def test_rope_attention_is_deterministic_and_matches_the_torch_backend(device, m
         (lambda qkv, c, s, p: rope_attention(qkv[..., :-1], c, s, p, 2), ValueError, "qkv must be"),
         (lambda qkv, c, s, p: rope_attention(qkv, c, s, p, 0), ValueError, "num_heads"),
         (lambda qkv, c, s, p: rope_attention(qkv, c, s, p, 4, 2), ValueError, "head dim 12"),
-        (lambda qkv, c, s, p: rope_attention(qkv, c, s, p, 2, 5), ValueError, "not a multiple"),
+        (
+            lambda qkv, c, s, p: rope_attention(qkv, c, s, p, 2, 5),
+            ValueError,
+            "must be a multiple of num_kv_heads",
+        ),
         (
             lambda qkv, c, s, p: rope_attention(qkv.detach().requires_grad_(), c, s, p, 2),
             ValueError,

@@ -323,12 +323,12 @@ def good_checkpoint(corpus, tmp_path, capsys) -> Path:
         (
             "rope theta 0",
             ["--rope-theta", "0", "--overwrite"],
-            "--rope-theta must be a positive number, got 0.0",
+            "--rope-theta must be a finite number in [1, 3.4e38], got 0.0",
         ),
         (
             "rope theta -5",
             ["--rope-theta", "-5", "--overwrite"],
-            "--rope-theta must be a positive number, got -5.0",
+            "--rope-theta must be a finite number in [1, 3.4e38], got -5.0",
         ),
         ("rope theta nan", ["--rope-theta", "nan", "--overwrite"], "--rope-theta must be a finite"),
         ("betas", ["--betas", "1.5", "0.9", "--overwrite"], "--betas must both lie in [0, 1)"),
@@ -354,9 +354,13 @@ def good_checkpoint(corpus, tmp_path, capsys) -> Path:
         (
             "rope theta 1e-300",
             ["--rope-theta", "1e-300", "--overwrite"],
-            "--rope-theta 1e-300 gives RoPE angles that are not finite",
+            "--rope-theta must be a finite number in [1, 3.4e38], got 1e-300",
         ),
-        ("norm eps 1e300", ["--norm-eps", "1e300", "--overwrite"], "--norm-eps must be at most"),
+        (
+            "norm eps 1e300",
+            ["--norm-eps", "1e300", "--overwrite"],
+            "--norm-eps must be a finite number in (0, 3.4e38], got 1e+300",
+        ),
         # Integers past 64 bits, and sizes no memory here holds.
         ("steps 2**70", ["--steps", str(2**70), "--overwrite"], "--steps must be at most 2**63"),
         ("grad accum 10**20", ["--grad-accum", "1" + "0" * 20, "--overwrite"], "--grad-accum"),

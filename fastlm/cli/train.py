@@ -52,7 +52,6 @@ from fastlm.cli.trainer import (
     start_run,
 )
 from fastlm.config import (
-    FLOAT32_MAX,
     MODEL_FIELDS,
     OPTION_DEFAULTS,
     PRESETS,
@@ -63,6 +62,7 @@ from fastlm.config import (
 )
 from fastlm.data import DataError, check_split_options, load_split, load_tokenizer
 from fastlm.metrics_log import LOGGERS, MetricsLog
+from fastlm.options import FLOAT32_MAX
 
 
 def flag(key: str) -> str:

@@ -1,8 +1,9 @@
 """What every op file shares: the Triton import, argument checks, output allocation, launch helpers.
 
-This is the one module that imports Triton. Where Triton is not installed, `triton` and `tl` are
-`fastlm.kernels._no_triton`'s stand-ins, which let the op files define their kernels and refuse to
-launch them; `fastlm.backend` then runs every op on PyTorch.
+This is the one module the op files take Triton from (`fastlm.backend.HAVE_TRITON` says whether it
+imports). Where Triton is not installed, `triton` and `tl` are `fastlm.kernels._no_triton`'s
+stand-ins, which let the op files define their kernels and refuse to launch them;
+`fastlm.backend` then runs every op on PyTorch.
 """
 
 from __future__ import annotations
@@ -11,18 +12,15 @@ import functools
 
 import torch
 
-from fastlm.backend import interpreting
+from fastlm.backend import HAVE_TRITON, interpreting
 
-try:
+if HAVE_TRITON:  # fastlm.backend tried the import
     import triton
     import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # Linux is the only platform with Triton wheels
+else:
     from fastlm.kernels import _no_triton as triton
 
     tl = triton.language
-    HAVE_TRITON = False
 
 #: Kernel dtypes. Anything else is a TypeError naming the argument.
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

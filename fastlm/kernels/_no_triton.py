@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import types
 
-MISSING_MESSAGE = (
-    "fastlm's Triton kernels need the `triton` package, which is not installed "
-    "(pip install triton; it has wheels for Linux). Use FASTLM_BACKEND=torch (or "
-    "auto, the default) to run every op on PyTorch instead."
-)
+from fastlm.backend import MISSING_MESSAGE
 
 
 class _UnlaunchableKernel:

@@ -49,12 +49,17 @@ from __future__ import annotations
 import torch
 
 from fastlm.backend import interpreting, use_triton
+from fastlm.kernels import cross_entropy_options
 from fastlm.kernels._common import as_rows, check_float, empty, refuse_double_backward, tl, triton
+from fastlm.kernels._vocab_blocks import (  # noqa: F401 (MAX_BLOCK_V: the tests read it here)
+    MAX_BLOCK_V,
+    MAX_BLOCK_V_INTERPRETER,
+    _block_v,
+    _load_block,
+    _online_lse_step,
+)
+from fastlm.options import check
 
-#: Largest vocabulary block a program loads at once (a row of more entries loops over blocks).
-#: The interpreter's is smaller so that the test suite's vocabularies span several blocks.
-MAX_BLOCK_V = 4096
-MAX_BLOCK_V_INTERPRETER = 1024
 #: Longest row the forward keeps on chip (in registers, 64 fp32 a thread at 32 warps) when it also
 #: writes the gradient, so that the row is read from memory once instead of twice. A longer row
 #: streams through MAX_BLOCK_V blocks twice. The interpreter's is MAX_BLOCK_V_INTERPRETER, so
@@ -88,26 +93,6 @@ def cross_entropy_ref(
 # --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _load_block(logits_row, start, n_cols, BLOCK_V: tl.constexpr):
-    """(x, cols, mask): logits [start, start + BLOCK_V) in fp32, -inf past the row's end."""
-    cols = start + tl.arange(0, BLOCK_V)
-    mask = cols < n_cols
-    x = tl.load(logits_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-    return x, cols, mask
-
-
-@triton.jit
-def _online_lse_step(x, running_max, running_sum):
-    """Fold a block x into (running max m, running sum of exp(x - m))."""
-    new_max = tl.maximum(running_max, tl.max(x, axis=0))
-    # Every logit so far -inf (masked): new_max is -inf and exp(-inf - (-inf)) would be NaN.
-    # Any finite reference works while the sum is 0, so take 0 until a finite logit is seen.
-    max_ref = tl.where(new_max == float("-inf"), 0.0, new_max)
-    running_sum = running_sum * tl.exp(running_max - max_ref) + tl.sum(tl.exp(x - max_ref), axis=0)
-    return new_max, running_sum
 
 
 @triton.jit
@@ -223,13 +208,6 @@ def _scale_rows_kernel(DLogits, Scale,  #
 # --------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------
-
-
-def _block_v(n_cols: int) -> tuple[int, int]:
-    """(BLOCK_V, num_warps) for rows of n_cols logits streamed through blocks."""
-    max_block = MAX_BLOCK_V_INTERPRETER if interpreting() else MAX_BLOCK_V
-    block_v = min(triton.next_power_of_2(n_cols), max_block)
-    return block_v, 8 if block_v >= 2048 else 4
 
 
 def _row_on_chip(n_cols: int) -> tuple[int, int] | None:
@@ -468,8 +446,7 @@ def _check_targets(
 
 
 def check_ignore_index(ignore_index: object) -> None:
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    check("ignore_index", ignore_index)
 
 
 def _check_target_values(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
@@ -560,12 +537,11 @@ def cross_entropy(
         )
     _check_targets(targets, logits.shape[:-1], logits.device, "logits")
     check_ignore_index(ignore_index)
+    options = cross_entropy_options.check_options(
+        softcap, reduction, label_smoothing, z_loss, return_accuracy
+    )
     _check_target_values(targets, logits.shape[-1], ignore_index)
-    options = (softcap, reduction, label_smoothing, z_loss, return_accuracy)
-    if options != (0.0, "mean", 0.0, 0.0, False):
-        from fastlm.kernels import cross_entropy_options
-
-        cross_entropy_options.check_options(*options)
+    if options != cross_entropy_options.NO_OPTIONS:
         return cross_entropy_options.cross_entropy_with_options(
             logits, targets, ignore_index, *options
         )

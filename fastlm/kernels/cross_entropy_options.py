@@ -35,10 +35,13 @@ import torch
 
 from fastlm.backend import use_triton
 from fastlm.kernels._common import as_rows, empty, refuse_double_backward, tl, triton
-from fastlm.kernels.cross_entropy import _block_v, _load_block, _online_lse_step
+from fastlm.kernels._vocab_blocks import _block_v, _load_block, _online_lse_step
 from fastlm.kernels.linear import add_product
+from fastlm.options import check
 
 REDUCTIONS = ("mean", "sum", "none")
+#: (softcap, reduction, label_smoothing, z_loss, return_accuracy) that take the plain kernels.
+NO_OPTIONS = (0.0, "mean", 0.0, 0.0, False)
 
 # --------------------------------------------------------------------------------------------
 # Reference math (the PyTorch backend, and what the tests compare with)
@@ -192,6 +195,8 @@ def _options_bwd_kernel(
 
 
 def _option_args(softcap: float, label_smoothing: float, z_loss: float) -> tuple:
+    # Every launch passes here: the ops called directly (torch.ops.fastlm) obey the same rule.
+    check_op_options(softcap, label_smoothing, z_loss)
     # A cap of 0 is no cap; the kernels divide by it only under SOFTCAP.
     return float(softcap) or 1.0, float(label_smoothing), float(z_loss)
 
@@ -302,6 +307,7 @@ def _linear_cross_entropy_options_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(summed loss, correct (N,) fp32 1 or 0, unscaled dx or empty, unscaled fp32 dweight or
     empty): x (..., C) @ weight^T chunk by chunk, as linear_cross_entropy's plain op."""
+    check("chunk_size", chunk_size)  # a direct torch.ops call, by the public function's rule
     options = (softcap, label_smoothing, z_loss)
     rows = x.reshape(-1, x.shape[-1])
     flat_targets = targets.reshape(-1).contiguous()
@@ -375,21 +381,24 @@ torch.library.register_autograd(
 # --------------------------------------------------------------------------------------------
 
 
-def check_options(softcap, reduction, label_smoothing, z_loss, return_accuracy) -> None:
-    """ValueError/TypeError naming the option that is out of range."""
-    for name, value in (
-        ("softcap", softcap), ("label_smoothing", label_smoothing), ("z_loss", z_loss)
-    ):
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-        if not value >= 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
-    if label_smoothing > 1:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if reduction not in REDUCTIONS:
+def check_options(softcap, reduction, label_smoothing, z_loss, return_accuracy) -> tuple:
+    """The options checked (`fastlm.options`: ValueError/TypeError naming the one out of range),
+    the numbers as floats, in the order given."""
+    softcap, label_smoothing, z_loss = (
+        check(name, value) for name, value in
+        (("softcap", softcap), ("label_smoothing", label_smoothing), ("z_loss", z_loss))
+    )
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if not isinstance(return_accuracy, bool):
         raise TypeError(f"return_accuracy must be a bool, got {type(return_accuracy).__name__}")
+    return softcap, reduction, label_smoothing, z_loss, return_accuracy
+
+
+def check_op_options(softcap: float, label_smoothing: float, z_loss: float) -> None:
+    """The ops' float arguments, by the public functions' rule (a direct `torch.ops.fastlm` call
+    with softcap=inf is refused as `cross_entropy` refuses it)."""
+    check_options(softcap, "mean", label_smoothing, z_loss, False)
 
 
 def _finish(rows_or_sum, correct, targets, ignore_index, reduction, return_accuracy):

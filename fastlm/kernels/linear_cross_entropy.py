@@ -22,6 +22,7 @@ import math
 import torch
 
 from fastlm.backend import use_triton
+from fastlm.kernels import cross_entropy_options
 from fastlm.kernels._common import check_float, check_match, empty
 from fastlm.kernels.cross_entropy import (
     _check_target_values,
@@ -34,6 +35,7 @@ from fastlm.kernels.cross_entropy import (
     cross_entropy_ref,
 )
 from fastlm.kernels.linear import add_product, half_linear
+from fastlm.options import check
 
 #: Logits bytes one chunk of linear_cross_entropy may hold (the default chunk_size): 128 MiB is
 #: 2048 tokens at vocab 32000 in bf16, an eighth of the logits of 16k tokens, while the chunk's
@@ -113,6 +115,7 @@ def _linear_cross_entropy_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, n_valid, unscaled dx of x's shape or empty, unscaled fp32 dweight or empty): a
     gradient not asked for is an empty tensor (custom ops return tensors, not None)."""
+    check("chunk_size", chunk_size)  # a direct torch.ops call, by the public function's rule
     loss, n_valid, dx, dweight = _linear_cross_entropy_chunks(
         x, weight, targets, ignore_index, chunk_size, need_dx, need_dweight
     )
@@ -239,17 +242,12 @@ def linear_cross_entropy(
         )
     _check_targets(targets, x.shape[:-1], x.device, "x")
     check_ignore_index(ignore_index)
-    if chunk_size is not None and (
-        not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
-    ):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    chunk_size = check("chunk_size", chunk_size, none_ok=True)
+    options = cross_entropy_options.check_options(*options)
     _check_target_values(targets, weight.shape[0], ignore_index)
     if chunk_size is None:
         chunk_size = default_chunk_size(targets.numel(), weight.shape[0], x.dtype)
-    if options != (0.0, "mean", 0.0, 0.0, False):
-        from fastlm.kernels import cross_entropy_options
-
-        cross_entropy_options.check_options(*options)
+    if options != cross_entropy_options.NO_OPTIONS:
         return cross_entropy_options.linear_cross_entropy_with_options(
             x, weight, targets, ignore_index, chunk_size, *options
         )

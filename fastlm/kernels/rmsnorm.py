@@ -55,6 +55,7 @@ from fastlm.kernels._common import (
     tl,
     triton,
 )
+from fastlm.options import check
 
 #: The largest hidden size the kernels take: a row lives in one block of registers.
 MAX_HIDDEN = 65536
@@ -223,6 +224,9 @@ def _rms_norm_forward(
     dtype of x and residual or None, rstd), allocated in `shape` (rows' by default; rstd in
     shape[:-1]), so that an op returns them as tensors of their own, not views. The weight
     scales by weight + offset."""
+    # Every forward launch passes here: the ops called directly obey the public functions' rule.
+    check("eps", eps)
+    check("offset", offset)
     weight = weight.contiguous()  # the kernels read it with a unit stride
     M, N = x.shape
     shape = shape or (M, N)
@@ -256,6 +260,7 @@ def _rms_norm_backward(
     """Launch the backward on (rows, N) views. Returns (dx, dx2 or None, dweight): dx (already
     holding d_summed) in dx_dtype and, if dx2_dtype is given, the same gradient in that dtype,
     allocated in `shape` (rows' by default); the forward scaled by weight + offset."""
+    check("offset", offset)
     M, N = x.shape
     weight = weight.contiguous()
     shape = shape or (M, N)
@@ -459,18 +464,18 @@ def rms_norm(
 
     Raises:
         TypeError: x or weight not a tensor of float32, float16 or bfloat16, a weight whose dtype
-            is neither x's nor float32, an out_dtype that is not one of those three, or an offset
-            that is not a float.
-        ValueError: an empty last dim, a weight not (N,) or on another device than x; with the
-            Triton kernels, N above 65536 (`MAX_HIDDEN`; FASTLM_BACKEND=torch runs any size).
+            is neither x's nor float32, an out_dtype that is not one of those three, or an eps or
+            offset that is not a real number.
+        ValueError: an empty last dim, a weight not (N,) or on another device than x; eps
+            outside (0, 3.4e38] or offset outside [-1e6, 1e6] (`fastlm.options`); with the Triton
+            kernels, N above 65536 (`MAX_HIDDEN`; FASTLM_BACKEND=torch runs any size).
     """
     _check_args(x, weight)
     out_dtype = _out_dtype(out_dtype, x.dtype)
-    if not isinstance(offset, (int, float)) or isinstance(offset, bool):
-        raise TypeError(f"offset must be a float, got {type(offset).__name__}")
+    eps, offset = check("eps", eps), check("offset", offset)
     if not _kernels_take(x):
-        return rms_norm_ref(x, weight, eps, out_dtype, float(offset))
-    return _rms_norm_op(x, weight, float(eps), out_dtype, float(offset))[0]
+        return rms_norm_ref(x, weight, eps, out_dtype, offset)
+    return _rms_norm_op(x, weight, eps, out_dtype, offset)[0]
 
 
 def add_rms_norm(
@@ -500,14 +505,15 @@ def add_rms_norm(
     Raises:
         TypeError: an input that is not a tensor of float32, float16 or bfloat16, a weight whose
             dtype is neither x's nor float32, or an out_dtype that is not one of those three.
-        ValueError: an empty last dim, a weight not (N,), a residual of another shape, or an input
-            on another device than x; with the Triton kernels, N above 65536 (`MAX_HIDDEN`;
-            FASTLM_BACKEND=torch runs any size).
+        ValueError: an empty last dim, a weight not (N,), a residual of another shape, an input
+            on another device than x, or eps as in `rms_norm`; with the Triton kernels, N above
+            65536 (`MAX_HIDDEN`; FASTLM_BACKEND=torch runs any size).
     """
     _check_args(x, weight)
     _check_residual(residual, x)
     out_dtype = _out_dtype(out_dtype, torch.promote_types(x.dtype, residual.dtype))
+    eps = check("eps", eps)
     if not _kernels_take(x):
         return add_rms_norm_ref(x, residual, weight, eps, out_dtype)
-    normed, summed, _ = _add_rms_norm_op(x, residual, weight, float(eps), out_dtype)
+    normed, summed, _ = _add_rms_norm_op(x, residual, weight, eps, out_dtype)
     return normed, summed

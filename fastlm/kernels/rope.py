@@ -35,6 +35,7 @@ from fastlm.kernels._common import (
     tl,
     triton,
 )
+from fastlm.options import check
 
 # --------------------------------------------------------------------------------------------
 # Reference math (the PyTorch backend, and what the tests and benchmarks compare with)
@@ -357,25 +358,10 @@ def rope_frequencies(theta: float, d_k: int, device=None) -> torch.Tensor:
     Returns:
         The angle of each pair per position.
     """
+    theta = check("theta", theta)
     if d_k % 2:
         raise ValueError(f"d_k must be even, got {d_k}")
     return 1.0 / theta**(torch.arange(0, d_k, 2, device=device, dtype=torch.float32) / d_k)
-
-
-def rope_angles_finite(theta: float, d_k: int, max_seq_len: int) -> bool:
-    """Whether every angle of `rope_tables(theta, d_k, max_seq_len)` is finite in float32 (a
-    tiny theta overflows the frequencies, or the last position times the largest of them),
-    without building the tables.
-
-    Args:
-        theta, d_k, max_seq_len: as `rope_tables` takes them.
-
-    Returns:
-        True when the tables are finite.
-    """
-    inv_freq = rope_frequencies(theta, d_k)
-    last = torch.tensor(max_seq_len - 1, dtype=torch.float32)
-    return bool(torch.isfinite(inv_freq).all() and torch.isfinite(last * inv_freq).all())
 
 
 def rope_tables(theta: float, d_k: int, max_seq_len: int,
@@ -396,7 +382,9 @@ def rope_tables(theta: float, d_k: int, max_seq_len: int,
         (cos, sin), each (max_seq_len, d_k // 2) float32.
 
     Raises:
-        ValueError: max_seq_len below 1, or an odd d_k.
+        TypeError: a theta that is not a real number.
+        ValueError: max_seq_len below 1, an odd d_k, or a theta outside [1, 3.4e38] (below 1 the
+            frequencies outgrow float32; `fastlm.options`).
     """
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")

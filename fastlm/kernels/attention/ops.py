@@ -22,6 +22,21 @@ from fastlm.kernels.attention.launch import (
     empty_heads_like,
 )
 from fastlm.kernels.attention.reference import flash_attention_ref, flash_attention_varlen_ref
+from fastlm.options import check
+
+
+def _check_op_options(
+    softmax_scale, window_left, window_right, softcap, max_seqlen_q=0, max_seqlen_k=0
+) -> None:
+    """The ops' numeric arguments by the public functions' rule (`fastlm.options`), so that a
+    direct `torch.ops.fastlm` call refuses what `flash_attention` refuses (the varlen ops' max
+    lengths by their range only: their cu_seqlens are not read on the host here)."""
+    check("max_seqlen_q", max_seqlen_q)
+    check("max_seqlen_k", max_seqlen_k)
+    check("softmax_scale", softmax_scale)
+    check("window_size[0]", window_left, spec="window_size")
+    check("window_size[1]", window_right, spec="window_size")
+    check("softcap", softcap)
 
 
 @torch.library.custom_op("fastlm::flash_attention", mutates_args=())
@@ -31,6 +46,7 @@ def flash_attention_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse): o (B, Hq, Nq, D) in q's memory layout, lse (B, Hq, Nq) fp32 base 2.
     deterministic picks the backward's schedule (the forward has one)."""
+    _check_op_options(softmax_scale, window_left, window_right, softcap)
     return attention_forward(
         q, k, v, causal, softmax_scale, allow_tf32, (window_left, window_right), softcap
     )
@@ -48,6 +64,7 @@ def _flash_attention_backward_op(
     lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int, window_right: int,
     softcap: float, allow_tf32: bool, deterministic: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_op_options(softmax_scale, window_left, window_right, softcap)
     return attention_backward(
         do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, deterministic,
         window=(window_left, window_right), softcap=softcap
@@ -89,6 +106,7 @@ def flash_attention_varlen_op(
     deterministic: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse): o (total_q, Hq, D) in q's memory layout, lse (Hq, total_q) fp32 base 2."""
+    _check_op_options(softmax_scale, window_left, window_right, softcap, max_seqlen_q, max_seqlen_k)
     varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     o, lse = attention_forward(
         as_heads(q), as_heads(k), as_heads(v), causal, softmax_scale, allow_tf32,
@@ -110,6 +128,7 @@ def _flash_attention_varlen_backward_op(
     max_seqlen_k: int, causal: bool, softmax_scale: float, window_left: int, window_right: int,
     softcap: float, allow_tf32: bool, deterministic: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_op_options(softmax_scale, window_left, window_right, softcap, max_seqlen_q, max_seqlen_k)
     grads = attention_backward(
         *(as_heads(t) for t in (do, q, k, v, o)), lse[None], causal, softmax_scale, allow_tf32,
         deterministic, window=(window_left, window_right), softcap=softcap,
@@ -173,12 +192,7 @@ def _check_heads(names: tuple[str, str, str], q, k, v, dims: int, layout: str) -
 def _check_causal_and_scale(causal, softmax_scale) -> None:
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if softmax_scale is not None and (
-        isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
-    ):
-        raise TypeError(
-            f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}"
-        )
+    check("softmax_scale", softmax_scale, none_ok=True)
 
 
 def check_inputs(q, k, v, causal, softmax_scale) -> None:
@@ -203,23 +217,18 @@ def check_options(causal: bool, window_size, softcap, return_lse) -> tuple[tuple
         not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)
     ):
         raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
-    left, right = (int(w) for w in window_size)
-    if left < -1 or right < -1:
-        raise ValueError(
-            f"window_size sides must be -1 (unbounded) or at least 0, got {(left, right)}"
-        )
+    left, right = (
+        check(f"window_size[{side}]", w, spec="window_size") for side, w in enumerate(window_size)
+    )
     if causal and right > 0:
         raise ValueError(
             f"window_size[1] is {right}, but with causal=True no query sees a later key: "
             "use -1 or 0 (or causal=False)"
         )
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a real number, got {type(softcap).__name__}")
-    if not 0.0 <= softcap < math.inf:
-        raise ValueError(f"softcap must be 0 (off) or a positive finite number, got {softcap}")
+    softcap = check("softcap", softcap)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    return (left, right), float(softcap)
+    return (left, right), softcap
 
 
 def check_cu_seqlens(name: str, cu: object, total: int, max_seqlen: object, device) -> None:
@@ -228,10 +237,7 @@ def check_cu_seqlens(name: str, cu: object, total: int, max_seqlen: object, devi
     compiling) with `torch._assert_async`, which reports a bad value as a device-side assertion
     without a host sync."""
     max_name = name.replace("cu_seqlens", "max_seqlen")
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral):
-        raise TypeError(f"{max_name} must be an int, got {type(max_seqlen).__name__}")
-    if max_seqlen < 0:
-        raise ValueError(f"{max_name} must be at least 0, got {max_seqlen}")
+    check(max_name, max_seqlen, spec="max_seqlen")
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -306,8 +312,9 @@ def flash_attention(
             not a pair of ints; softcap not a real number.
         ValueError: q, k, v not 4-D, on two devices, k and v of two shapes, head dims that differ
             or are 0, Hq not a multiple of Hkv, batch sizes that differ, Nk = 0 or Nq > Nk; a
-            window side below -1, or window_size[1] > 0 with causal=True; a negative or infinite
-            softcap; with the Triton kernel, a head dim it does not take.
+            window side outside [-1, 2**30], or window_size[1] > 0 with causal=True; softmax_scale
+            outside [-1e6, 1e6], softcap outside [0, 1e6] (nan, inf: the rule of every option,
+            `fastlm.options`); with the Triton kernel, a head dim it does not take.
     """
     check_inputs(q, k, v, causal, softmax_scale)
     window, softcap = check_options(causal, window_size, softcap, return_lse)

@@ -32,6 +32,7 @@ from fastlm.kernels.attention.ops import (
 )
 from fastlm.kernels.attention.reference import flash_attention_ref
 from fastlm.kernels.rope import check_rope_args, check_rotatable, rope_ref
+from fastlm.options import check
 
 
 @torch.library.custom_op("fastlm::flash_attention_backward_", mutates_args=("dq", "dk", "dv"))
@@ -44,6 +45,8 @@ def _flash_attention_backward_into_op(
     """flash_attention's backward written into dq, dk, dv (views of one buffer, say); with
     cu_seqlens, of packed sequences (self-attention: the same bounds for queries and keys) held
     as the launchers' (1, H, total, D) views, lse (1, H, total)."""
+    check("softmax_scale", softmax_scale)  # a direct torch.ops call, by the public rule
+    check("max_seqlen", max_seqlen)
     varlen = None if cu_seqlens is None else Varlen(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
     attention_backward(
         do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, deterministic, out=(dq, dk, dv),
@@ -193,10 +196,11 @@ def rope_attention(
             `apply_rope_` and `flash_attention`.
     """
     check_float("qkv", qkv)
-    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    num_heads = check("num_heads", num_heads, spec="num_kv_heads")  # the same range
+    num_kv_heads = check("num_kv_heads", num_kv_heads, none_ok=True) or num_heads
+    check("max_seqlen", max_seqlen, none_ok=True)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
     if qkv.dim() != 3 or qkv.shape[-1] % (num_heads + 2 * num_kv_heads):
         raise ValueError(
             f"qkv must be (B, T, (num_heads + 2 * num_kv_heads) * head_dim) = "
