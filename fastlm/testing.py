@@ -5,6 +5,7 @@
 - `assert_close(out, ref, dtype, name)`: relative error against a float64 reference.
 - `call_through(mode, func, args, kwargs)`: a dispatch mode's view inside a fastlm op.
 - `mixed_gemms_on_cpu()`: the CPU lent CUDA's GEMMs with an fp32 result from half inputs.
+- `LargestTensor`: a dispatch mode recording the largest tensor any aten op returns.
 
 Kernel outputs are poisoned (NaN-filled) by `fastlm.kernels._common.empty` when the test suite sets
 `POISON_OUTPUTS`, so an element a kernel never wrote fails these comparisons.
@@ -16,6 +17,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
@@ -123,3 +125,20 @@ def mixed_gemms_on_cpu() -> Iterator[None]:
         yield
     finally:
         library._destroy()
+
+
+class LargestTensor(TorchDispatchMode):
+    """A dispatch mode that records, in `largest`, the most elements of any tensor an aten op
+    returns while it is active: evidence that an op never makes a tensor of some size (the
+    logits, say). Use as `with LargestTensor() as mode: ...; mode.largest`."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out

@@ -1,0 +1,200 @@
+"""Tensor parallelism (`fastlm.tensor_parallel`) on the CPU: gloo groups spawned here (one spawn
+per group size runs every check). The vocabulary-parallel loss against float64 autograd of the
+whole-vocabulary reference (loss, x's and the weight shard's gradients), with ignored targets and
+every option it takes, on the kernels (Triton's interpreter) and the PyTorch backend; the
+collectives it runs (two all-reduces forward, one backward) and that no tensor as large as the
+logits or the whole weight is ever made. Argument errors run in this process."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_distributed import _backend, spawn
+
+from fastlm.kernels.cross_entropy_options import cross_entropy_options_ref
+from fastlm.tensor_parallel import (
+    vocab_parallel_cross_entropy,
+    vocab_parallel_linear_cross_entropy,
+    vocab_range,
+)
+from fastlm.testing import LargestTensor, assert_close
+
+pytestmark = pytest.mark.skipif(not dist.is_gloo_available(), reason="needs gloo")
+
+COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+@dataclass(frozen=True)
+class LossCase:
+    backend: str = "triton"
+    tokens: int = 13
+    features: int = 24
+    vocab_shard: int = 19  # V = 19 * P: odd shards
+    chunk: int = 5
+    softcap: float = 0.0
+    smoothing: float = 0.0
+    z_loss: float = 0.0
+    reduction: str = "mean"
+    sequence_parallel: bool = False
+    logits: bool = False  # vocab_parallel_cross_entropy on a shard's logits
+
+
+LOSS_CASES = [
+    LossCase(),
+    LossCase(softcap=3.0, smoothing=0.1, z_loss=1e-3),
+    LossCase(reduction="sum", sequence_parallel=True, tokens=7),
+    LossCase(reduction="none", smoothing=0.2),
+    LossCase(logits=True, softcap=2.0, z_loss=1e-2),
+    LossCase(backend="torch", softcap=3.0, smoothing=0.1, z_loss=1e-3),
+    LossCase(backend="torch", logits=True, reduction="sum", smoothing=0.1),
+]
+
+
+class _Counting:
+    """Counts the collectives the module calls, by name (torch.distributed's functions
+    wrapped while it lasts)."""
+
+    def __init__(self):
+        self.calls = Counter()
+        self._saved = {}
+
+    def __enter__(self):
+        for name in COLLECTIVES:
+            original = getattr(dist, name)
+            self._saved[name] = original
+
+            def wrapped(*args, _name=name, _original=original, **kwargs):
+                self.calls[_name] += 1
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+
+def _reference(case, x, weight, targets):
+    """float64 autograd of the whole-vocabulary loss under a random upstream gradient:
+    (loss, dx, dweight, dlogits, upstream)."""
+    x64 = x.double().requires_grad_()
+    w64 = weight.double().requires_grad_()
+    logits = x64 @ w64.T
+    logits.retain_grad()
+    rows, _ = cross_entropy_options_ref(
+        logits,
+        targets,
+        -100,
+        softcap=case.softcap,
+        label_smoothing=case.smoothing,
+        z_loss=case.z_loss,
+    )
+    if case.reduction == "none":
+        loss = rows.view(targets.shape)
+    else:
+        loss = rows.sum()
+        if case.reduction == "mean":
+            loss = loss / (targets != -100).sum().clamp_min(1)
+    upstream = torch.randn(loss.shape, dtype=torch.float64)
+    (loss * upstream).sum().backward()
+    return loss, x64.grad, w64.grad, logits.grad, upstream.float()
+
+
+def _check_loss_case(case: LossCase, rank: int, world: int) -> None:
+    vocab = case.vocab_shard * world
+    x = torch.randn(case.tokens * (world if case.sequence_parallel else 1), case.features)
+    weight = torch.randn(vocab, case.features) / case.features**0.5
+    targets = torch.randint(0, vocab, (x.shape[0],))
+    targets[::3] = -100  # ignored rows
+    targets[1] = vocab - 1  # a target in the last shard
+    loss_ref, dx_ref, dw_ref, dlogits_ref, upstream = _reference(case, x, weight, targets)
+    start, end = vocab_range(vocab, rank, world)
+    mine = slice(rank * case.tokens, (rank + 1) * case.tokens) if case.sequence_parallel else None
+    options = dict(
+        softcap=case.softcap,
+        reduction=case.reduction,
+        label_smoothing=case.smoothing,
+        z_loss=case.z_loss,
+    )
+    with _backend(case.backend), _Counting() as counting, LargestTensor() as sizes:
+        if case.logits:
+            logits = (x @ weight[start:end].T).requires_grad_()
+            loss = vocab_parallel_cross_entropy(logits, targets, **options)
+            forward = dict(counting.calls)
+            (loss * upstream).sum().backward()
+            assert_close(logits.grad, dlogits_ref[:, start:end], torch.float32, f"{case} dlogits")
+        else:
+            x_in = (x[mine] if mine else x).clone().requires_grad_()
+            shard = weight[start:end].clone().requires_grad_()
+            loss = vocab_parallel_linear_cross_entropy(
+                x_in,
+                shard,
+                targets[mine] if mine else targets,
+                chunk_size=case.chunk,
+                sequence_parallel=case.sequence_parallel,
+                **options,
+            )
+            forward = dict(counting.calls)
+            (loss * upstream).sum().backward()
+            assert_close(x_in.grad, dx_ref[mine] if mine else dx_ref, torch.float32, f"{case} dx")
+            assert_close(shard.grad, dw_ref[start:end], torch.float32, f"{case} dweight")
+            # Never the logits (tokens x V) nor the whole weight: one chunk of the shard's.
+            assert sizes.largest < min(x.shape[0] * vocab, vocab * case.features), sizes.largest
+    assert_close(loss, loss_ref, torch.float32, f"{case} loss")
+    backward = counting.calls - Counter(forward)
+    gathered = 2 if case.sequence_parallel else 0  # x and targets
+    assert forward == {"all_reduce": 2, **({"all_gather_into_tensor": 2} if gathered else {})}, (
+        forward
+    )
+    expected_backward = (
+        {}
+        if case.logits
+        else {"reduce_scatter_tensor": 1}
+        if case.sequence_parallel
+        else {"all_reduce": 1}
+    )
+    assert dict(backward) == expected_backward, (case, backward)
+
+
+def _loss_worker(rank: int, world: int, seed: int) -> None:
+    for index, case in enumerate(LOSS_CASES):
+        torch.manual_seed(seed + index)  # the same whole problem on every rank
+        _check_loss_case(case, rank, world)
+
+
+def test_vocab_parallel_loss(tmp_path):
+    spawn(2, tmp_path, _loss_worker, int(torch.randint(2**31, ())))
+
+
+def test_vocab_parallel_errors(tmp_path):
+    """Argument errors before any collective: a one-process gloo group."""
+    store = tmp_path / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        x, w, t = torch.randn(4, 8), torch.randn(6, 8), torch.randint(0, 6, (4,))
+        with pytest.raises(ValueError, match="weight must be this rank's"):
+            vocab_parallel_linear_cross_entropy(x, torch.randn(6, 7), t)
+        with pytest.raises(ValueError, match=r"targets must lie in \[0, 6\)"):
+            vocab_parallel_linear_cross_entropy(x, w, torch.full((4,), 6))
+        with pytest.raises(ValueError, match="return_accuracy"):
+            vocab_parallel_linear_cross_entropy(x, w, t, return_accuracy=True)
+        with pytest.raises(ValueError, match="chunk_size"):
+            vocab_parallel_linear_cross_entropy(x, w, t, chunk_size=0)
+        with pytest.raises(ValueError, match="reduction"):
+            vocab_parallel_cross_entropy(torch.randn(4, 6), t, reduction="avg")
+        with pytest.raises(TypeError, match="group must be"):
+            vocab_parallel_cross_entropy(torch.randn(4, 6), t, group="tensor")
+        with pytest.raises(ValueError, match="divisible by the tensor-parallel size 4"):
+            vocab_range(10, 0, 4)
+        # One rank: the whole vocabulary, the single-process loss.
+        from fastlm.kernels.linear_cross_entropy import linear_cross_entropy_ref
+
+        loss = vocab_parallel_linear_cross_entropy(x, w, t)
+        assert_close(loss, linear_cross_entropy_ref(x.double(), w.double(), t), torch.float32)
+    finally:
+        dist.destroy_process_group()
