@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from test_distributed import _backend, spawn
 
+from fastlm.cli.trainer import NextTokenLoss
 from fastlm.kernels.cross_entropy_options import cross_entropy_options_ref
 from fastlm.tensor_parallel import (
     vocab_parallel_cross_entropy,
@@ -198,3 +199,131 @@ def test_vocab_parallel_errors(tmp_path):
         assert_close(loss, linear_cross_entropy_ref(x.double(), w.double(), t), torch.float32)
     finally:
         dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------
+# fastlm.Transformer under the plan: TP, TP x CP, FSDP x TP against one process
+# --------------------------------------------------------------------------------------------
+
+MODEL = dict(
+    vocab_size=62,
+    context_length=24,
+    d_model=64,
+    num_layers=2,
+    num_heads=4,
+    d_ff=48,
+    rope_theta=10000.0,
+)
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    tensor: int = 2
+    context: int = 1
+    fsdp: bool = False
+    num_kv_heads: int | None = None
+    tie_embeddings: bool = False
+    count: bool = False  # check the collectives of one step
+
+
+MODEL_CASES = {
+    2: [
+        ModelCase(count=True),  # MHA
+        ModelCase(num_kv_heads=2, tie_embeddings=True),  # GQA, the LM head tied
+    ],
+    4: [
+        ModelCase(context=2, num_kv_heads=2),  # TP=2 x CP=2
+        ModelCase(fsdp=True),  # FSDP=2 x TP=2
+    ],
+}
+
+
+def _model(case: ModelCase, seed: int):
+    from fastlm import Transformer
+
+    torch.manual_seed(seed)
+    return Transformer(**MODEL, num_kv_heads=case.num_kv_heads, tie_embeddings=case.tie_embeddings)
+
+
+def _check_model_case(case: ModelCase, rank: int, world: int, seed: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fastlm.distributed import shard_sequence
+    from fastlm.tensor_parallel import parallelize, reduce_gradients, shard_tensor
+
+    data = world // (case.tensor * case.context)
+    mesh = init_device_mesh(
+        "cpu", (data, case.context, case.tensor), mesh_dim_names=("data", "context", "tensor")
+    )
+    torch.manual_seed(seed + 1)
+    B, T = 2 * data, 16
+    tokens = torch.randint(0, MODEL["vocab_size"], (B, T))
+    targets = torch.randint(0, MODEL["vocab_size"], (B, T))
+    if not case.fsdp:  # FSDP averages the data ranks' means: the same count on each
+        targets[:, ::5] = -100
+
+    reference = _model(case, seed)
+    reference.loss(tokens, targets).backward()
+    expected = reference.loss(tokens, targets).detach()
+    truth = dict(reference.named_parameters(remove_duplicate=False))
+
+    model = parallelize(_model(case, seed), mesh["tensor"])
+    heads = model.tensor_heads
+    d_rank, c_rank = mesh["data"].get_local_rank(), mesh["context"].get_local_rank()
+    t_rank = mesh["tensor"].get_local_rank()
+    rows = slice(d_rank * B // data, (d_rank + 1) * B // data)
+    my_tokens, my_targets = tokens[rows], targets[rows]
+    if case.context > 1:
+        model.set_context_parallel(mesh["context"])
+        my_tokens = shard_sequence(my_tokens, c_rank, case.context)
+        my_targets = shard_sequence(my_targets, c_rank, case.context)
+    step = NextTokenLoss(model)  # the trainer's: FSDP2 gathers the weights in its forward
+    if case.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["data"])
+        step = fully_shard(step, mesh=mesh["data"])
+    with _Counting() as counting:
+        loss = step(my_tokens, my_targets)
+        loss.backward()
+        reduce_gradients(model)
+    if case.count:
+        layers = MODEL["num_layers"]
+        # Per layer and step: an all-gather in and a reduce-scatter out of attention and of the
+        # feed-forward, each transposed in the backward; the embedding's reduce-scatter; the
+        # loss: tokens and targets gathered, 2 all-reduces, dx reduce-scattered; one all-reduce
+        # of the norms' gradients.
+        assert dict(counting.calls) == {
+            "all_gather_into_tensor": 4 * layers + 3,
+            "reduce_scatter_tensor": 4 * layers + 2,
+            "all_reduce": 3,
+        }, counting.calls
+    # The mean over the data x context ranks of their losses (and gradients), as DDP or FSDP.
+    data_context = [mesh["data"], mesh["context"]]
+    total = loss.detach().clone()
+    for dim in data_context:
+        dist.all_reduce(total, group=dim.get_group())
+    assert_close(total / (data * case.context), expected, torch.float32, f"{case} loss")
+    for name, param in model.named_parameters(remove_duplicate=False):
+        grad = param.grad.full_tensor() if case.fsdp else param.grad.clone()
+        if not case.fsdp:  # FSDP averaged over the data ranks already
+            for dim in data_context:
+                dist.all_reduce(grad, group=dim.get_group())
+            grad /= data * case.context
+        want = shard_tensor(name, truth[name].grad, t_rank, case.tensor, heads)
+        assert_close(grad, want, torch.float32, f"{case} grad {name}")
+
+
+def _model_worker(rank: int, world: int, seed: int) -> None:
+    for case in MODEL_CASES[world]:
+        _check_model_case(case, rank, world, seed)
+
+
+def test_model_tensor_parallel(tmp_path):
+    spawn(2, tmp_path, _model_worker, int(torch.randint(2**31, ())))
+
+
+@pytest.mark.slow
+def test_model_tensor_parallel_4(tmp_path):
+    spawn(4, tmp_path, _model_worker, int(torch.randint(2**31, ())))
