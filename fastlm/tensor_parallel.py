@@ -568,12 +568,13 @@ def unshard_tensor(name: str, shards: list[torch.Tensor], heads=None) -> torch.T
     return torch.cat(shards, dim=0 if layout == "rows" else 1)
 
 
-def check_plan(config: dict, tensor_parallel: int) -> None:
+def check_plan(config: dict, tensor_parallel: int, name=str) -> None:
     """ValueError (one line) unless `tensor_parallel` ranks can split a model of `config`.
 
     Args:
         config: the model's vocab_size, num_heads, num_kv_heads (None: num_heads), d_ff.
         tensor_parallel: T, the tensor-parallel group's size.
+        name: spells the fields in the message (default `str`; the commands pass their flags).
 
     Raises:
         ValueError: T below 1, or query heads, KV heads, d_ff or the vocabulary not divisible by
@@ -590,7 +591,8 @@ def check_plan(config: dict, tensor_parallel: int) -> None:
     ):
         if count % tensor_parallel:
             raise ValueError(
-                f"{what} {count} is not divisible by the tensor-parallel size {tensor_parallel}: "
+                f"{name(what)} {count} is not divisible by the tensor-parallel size "
+                f"{tensor_parallel}: "
                 "each rank holds an equal share (a KV head with its query heads)"
             )
 
@@ -796,3 +798,63 @@ def full_state_dict(state: dict, model) -> dict:
         dist.all_gather(parts, shard.contiguous(), group=group)
         full[key] = unshard_tensor(key, parts, heads)
     return full
+
+
+def _state_tensors(state: dict):
+    """(parameter key, entry name, tensor) of each per-parameter tensor of an optimizer's full
+    state dict ({"state": {key: {name: tensor}}, "param_groups": ...}) shaped like its
+    parameter (a scalar `step` is left alone)."""
+    for key, entries in state["state"].items():
+        for name, value in entries.items():
+            if isinstance(value, torch.Tensor) and value.ndim > 0:
+                yield key, name, value
+
+
+def full_optimizer_state(state: dict, model, device=None) -> dict:
+    """`full_state_dict` for an optimizer's full state dict (AdamW's moments are shaped like
+    their parameters): every rank of the group gets the whole tensors (moved to `device` when
+    given)."""
+    out = {**state, "state": {k: dict(v) for k, v in state["state"].items()}}
+    for key, name, value in _state_tensors(state):
+        out["state"][key][name] = full_state_dict({key: value}, model)[key].to(device)
+    return out
+
+
+def shard_optimizer_state(state: dict, model) -> dict:
+    """An optimizer's full state dict cut to this rank's shards (`shard_tensor`), to load into
+    the optimizer of a model `parallelize` prepared."""
+    group = _tensor_group(model)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    out = {**state, "state": {k: dict(v) for k, v in state["state"].items()}}
+    for key, name, value in _state_tensors(state):
+        out["state"][key][name] = shard_tensor(key, value, rank, world, model.tensor_heads).clone()
+    return out
+
+
+def clip_grad_norm_(model, max_norm: float, data_group=None) -> torch.Tensor:
+    """Scale every gradient by max_norm / (norm + 1e-6) where the global norm is above max_norm
+    (`fastlm.reference.gradient_clip`'s rule), the norm counting each
+    sharded weight's shards and each replicated gain once. Call after `reduce_gradients`.
+
+    Args:
+        model: a model `parallelize` prepared, or a module holding it.
+        max_norm: the largest norm kept.
+        data_group: with FSDP2 (each rank a disjoint shard of the data ranks' gradients), the
+            group of the data (x context) ranks; None when they hold whole copies (DDP).
+
+    Returns:
+        The norm before clipping, fp32.
+    """
+    group = _tensor_group(model)
+    world = dist.get_world_size(group)
+    grads = [(name, _local(p.grad)) for name, p in model.named_parameters() if p.grad is not None]
+    squares = [g.float().square().sum() / (1 if _layout(n) else world) for n, g in grads]
+    total = torch.stack(squares).sum()
+    dist.all_reduce(total, group=group)
+    if data_group is not None:
+        dist.all_reduce(total, group=data_group)
+    norm = total.sqrt()
+    scale = torch.where(norm > max_norm, max_norm / (norm + 1e-6), 1.0)
+    for _, grad in grads:
+        grad.mul_(scale.to(grad.dtype))
+    return norm

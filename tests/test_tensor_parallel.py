@@ -7,14 +7,20 @@ logits or the whole weight is ever made. Argument errors run in this process."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections import Counter
 from dataclasses import dataclass
 
 import pytest
+import test_train
 import torch
 import torch.distributed as dist
-from test_distributed import _backend, spawn
+from test_distributed import FASTLM_TOY, _backend, _train, spawn
+from test_train import TOY, run_main, torchrun
 
+import fastlm.cli.trainer as training
+from fastlm import checkpoint
 from fastlm.cli.trainer import NextTokenLoss
 from fastlm.kernels.cross_entropy_options import cross_entropy_options_ref
 from fastlm.tensor_parallel import (
@@ -327,3 +333,86 @@ def test_model_tensor_parallel(tmp_path):
 @pytest.mark.slow
 def test_model_tensor_parallel_4(tmp_path):
     spawn(4, tmp_path, _model_worker, int(torch.randint(2**31, ())))
+
+
+# --------------------------------------------------------------------------------------------
+# fastlm-train --tensor-parallel
+# --------------------------------------------------------------------------------------------
+
+corpus = test_train.corpus  # the fixture
+TP_ARGS = ["--num-kv-heads", "2"]  # every head count divisible by 2 (the byte vocabulary: 256)
+
+
+def test_train_resumes_into_and_out_of_tensor_parallelism(tmp_path, corpus, capsys, monkeypatch):
+    """The step-2 checkpoint of a one-process run resumes under torchrun with --tensor-parallel
+    2 (each layer over both ranks), and that run's step-4 checkpoint (whole tensors: weights and
+    AdamW's moments gathered) back in one process: every loss is the uninterrupted
+    single-process run's, to rounding, and the final weights match."""
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")  # as torchrun's ranks run
+    save = training.Trainer.save
+
+    def save_and_keep(trainer):
+        note = save(trainer)
+        shutil.copytree(trainer.out, tmp_path / f"{trainer.out.name}-{trainer.step}")
+        return note
+
+    monkeypatch.setattr(training.Trainer, "save", save_and_keep)
+    uninterrupted = _train(tmp_path, corpus, capsys, "single", *TP_ARGS, "--save-every", "2")
+    shutil.copytree(tmp_path / "single-2", tmp_path / "tp")
+    extra = ["--steps", "6", "--save-every", "2", "--tensor-parallel", "2", "--resume"]
+    result, records = torchrun(tmp_path, corpus, "tp", *FASTLM_TOY[len(TOY) :], *TP_ARGS, *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "tensor parallel 2" in result.stderr and "note:" not in result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 6 and summary["world_size"] == 2
+    parallel = checkpoint.load_state(tmp_path / "tp")["train_losses"]
+    shutil.copytree(records / "checkpoint-4", tmp_path / "back")
+    back = _train(tmp_path, corpus, capsys, "back", *TP_ARGS, "--resume")
+    assert parallel[:2] == back[:2] == uninterrupted[:2]
+    assert parallel == pytest.approx(uninterrupted, rel=1e-5)
+    assert back == pytest.approx(uninterrupted, rel=1e-5)
+    weights = checkpoint.load_weights(tmp_path / "back")
+    for key, value in checkpoint.load_weights(tmp_path / "single").items():
+        assert torch.allclose(weights[key], value, rtol=1e-4, atol=1e-6), key
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--tensor-parallel", "0"], "--tensor-parallel must be at least 1, got 0"),
+        (["--tensor-parallel", "3"], "16 tokens must be divisible by --tensor-parallel 3"),
+        (["--tensor-parallel", "2", "--model", "reference"], "runs fastlm's model"),
+        (["--tensor-parallel", "2", "--pack-documents"], "does not take --pack-documents"),
+        (
+            ["--tensor-parallel", "2", *TP_ARGS],
+            "--tensor-parallel 2 x --context-parallel 1 must divide the number of processes (1)",
+        ),
+    ],
+)
+def test_train_bad_tensor_parallel_is_one_line(tmp_path, corpus, capsys, extra, message):
+    argv = [*FASTLM_TOY, "--data", corpus, "--out", tmp_path / "out", *extra]
+    status, summary, err = run_main(argv, capsys)
+    assert status == 2 and summary is None
+    assert err.count("\n") == 1 and err.startswith("fastlm-train: error: "), err
+    assert message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (dict(num_heads=6), "num_heads 6 is not divisible by the tensor-parallel size 4"),
+        (dict(num_kv_heads=2), "num_kv_heads 2 is not divisible"),
+        (dict(d_ff=42), "d_ff 42 is not divisible"),
+        (dict(vocab_size=258), "vocab_size 258 is not divisible"),
+    ],
+)
+def test_plan_refuses_what_does_not_divide(config, message):
+    """The model's sizes each rank must hold an equal share of (fastlm-train checks them with
+    the model's configuration, naming the flags)."""
+    from fastlm.tensor_parallel import check_plan
+
+    fits = dict(vocab_size=256, num_heads=8, num_kv_heads=None, d_ff=64)
+    check_plan(fits, 4)
+    with pytest.raises(ValueError, match=message):
+        check_plan({**fits, **config}, 4)
