@@ -45,6 +45,13 @@ from fastlm.kernels.cross_entropy_options import _rows_backward, _rows_forward, 
 from fastlm.kernels.linear import add_product
 from fastlm.kernels.linear_cross_entropy import default_chunk_size
 
+#: torch.distributed's names of the collectives into and out of one buffer (torch 2.13 renamed
+#: them: the old names warn; older torch has only those).
+ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+REDUCE_SCATTER = (
+    "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+)
+
 __all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy", "vocab_range"]
 
 
@@ -244,14 +251,14 @@ class _VocabParallelLogits(torch.autograd.Function):
 def _all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
     """(n, ...) on each rank -> (P n, ...), rank r's rows at [r n, (r + 1) n)."""
     out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    getattr(dist, ALL_GATHER)(out, x.contiguous(), group=group)
     return out
 
 
 def _reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
     """(P n, ...) partial sums on each rank -> rank r's rows [r n, (r + 1) n) of their sum."""
     out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    getattr(dist, REDUCE_SCATTER)(out, x.contiguous(), group=group)
     return out
 
 
@@ -858,3 +865,79 @@ def clip_grad_norm_(model, max_norm: float, data_group=None) -> torch.Tensor:
     for _, grad in grads:
         grad.mul_(scale.to(grad.dtype))
     return norm
+
+
+# --------------------------------------------------------------------------------------------
+# What a rank holds and sends: the memory and traffic models (docs/tensor-parallel.md)
+# --------------------------------------------------------------------------------------------
+
+
+def _sizes(config: dict) -> tuple[int, ...]:
+    C, H = config["d_model"], config["num_heads"]
+    Hkv = config.get("num_kv_heads") or H
+    return C, H, Hkv, C // H, config["d_ff"], config["vocab_size"], config["num_layers"]
+
+
+def memory_model(config: dict, tensor: int, tokens: int, *, data: int = 1) -> dict:
+    """Bytes one rank holds training a fastlm.Transformer under `parallelize` (fp32 weights,
+    AdamW, no autocast; FSDP2 over `data` ranks shards every parameter `data` ways).
+
+    Args:
+        config: the model's constructor arguments (d_model, num_heads, num_kv_heads, d_ff,
+            vocab_size, num_layers, tie_embeddings).
+        tensor: T, the tensor-parallel group's size.
+        tokens: N, the tokens of the rows the tensor group computes together (B x the sequence,
+            or x its context shard).
+        data: the FSDP2 ranks each parameter is sharded over (1: none, or DDP).
+
+    Returns:
+        parameters, gradients, optimizer (AdamW's two moments), and activations_per_layer: what
+        one block saves for the backward (fp32): per sub-layer the sequence-parallel norm's input
+        and rstd (N / T tokens), the gathered normed input of its first GEMM (N tokens), and the
+        rank's share of q|k|v (rotated), the attention output and its log-sum-exp, or of gate,
+        up and silu(gate) * up.
+    """
+    C, H, Hkv, D, F, V, L = _sizes(config)
+    T = tensor
+    layer = ((H + 2 * Hkv) * D * C + H * D * C + 3 * F * C) // T + 2 * C
+    heads = 1 if config.get("tie_embeddings") else 2
+    parameters = 4 * (L * layer + heads * V * C // T + C) // data
+    local = tokens // T
+    activations = 4 * (
+        2 * (local * C + local)  # each norm's input and rstd
+        + 2 * tokens * C  # the gathered normed inputs of qkv and W1|W3
+        + tokens * ((H + 2 * Hkv) * D + H * D + 3 * F) // T  # qkv, o; gate, up, h
+        + tokens * H // T  # the log-sum-exp
+    )
+    return dict(
+        parameters=parameters,
+        gradients=parameters,
+        optimizer=2 * parameters,
+        activations_per_layer=activations,
+    )
+
+
+def collective_model(config: dict, tensor: int, tokens: int) -> dict:
+    """The collectives of one training step (loss, backward, `reduce_gradients`) on one rank of
+    the tensor group, and their output buffers' bytes (fp32 activations).
+
+    Per block: an all-gather of the N tokens into attention and into the feed-forward, and a
+    reduce-scatter of their outputs (N / T tokens out), each transposed in the backward. Once per
+    step: the embedding's reduce-scatter (and its all-gather back), the loss's all-gathers of the
+    hidden states and targets, its two all-reduces (MAX of the row maxima; SUM of the sums of
+    exps and target logits) and the reduce-scatter of its input gradient, and one all-reduce of
+    the norms' gradients.
+
+    Returns:
+        calls: (all-gathers, reduce-scatters, all-reduces); bytes: {kind: bytes}.
+    """
+    C, H, Hkv, D, F, V, L = _sizes(config)
+    tokens_bytes, shard_bytes = 4 * tokens * C, 4 * tokens * C // tensor
+    return dict(
+        calls=(4 * L + 3, 4 * L + 2, 3),
+        bytes=dict(
+            **{ALL_GATHER: (4 * L + 2) * tokens_bytes + 8 * tokens},
+            **{REDUCE_SCATTER: (4 * L + 2) * shard_bytes},
+            all_reduce=4 * tokens + 4 * 3 * tokens + 4 * (2 * L + 1) * C,
+        ),
+    )

@@ -24,6 +24,8 @@ from fastlm import checkpoint
 from fastlm.cli.trainer import NextTokenLoss
 from fastlm.kernels.cross_entropy_options import cross_entropy_options_ref
 from fastlm.tensor_parallel import (
+    ALL_GATHER,
+    REDUCE_SCATTER,
     vocab_parallel_cross_entropy,
     vocab_parallel_linear_cross_entropy,
     vocab_range,
@@ -32,7 +34,7 @@ from fastlm.testing import LargestTensor, assert_close
 
 pytestmark = pytest.mark.skipif(not dist.is_gloo_available(), reason="needs gloo")
 
-COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+COLLECTIVES = ("all_reduce", ALL_GATHER, REDUCE_SCATTER)
 
 
 @dataclass(frozen=True)
@@ -155,13 +157,11 @@ def _check_loss_case(case: LossCase, rank: int, world: int) -> None:
     assert_close(loss, loss_ref, torch.float32, f"{case} loss")
     backward = counting.calls - Counter(forward)
     gathered = 2 if case.sequence_parallel else 0  # x and targets
-    assert forward == {"all_reduce": 2, **({"all_gather_into_tensor": 2} if gathered else {})}, (
-        forward
-    )
+    assert forward == {"all_reduce": 2, **({ALL_GATHER: 2} if gathered else {})}, forward
     expected_backward = (
         {}
         if case.logits
-        else {"reduce_scatter_tensor": 1}
+        else {REDUCE_SCATTER: 1}
         if case.sequence_parallel
         else {"all_reduce": 1}
     )
@@ -301,8 +301,8 @@ def _check_model_case(case: ModelCase, rank: int, world: int, seed: int) -> None
         # loss: tokens and targets gathered, 2 all-reduces, dx reduce-scattered; one all-reduce
         # of the norms' gradients.
         assert dict(counting.calls) == {
-            "all_gather_into_tensor": 4 * layers + 3,
-            "reduce_scatter_tensor": 4 * layers + 2,
+            ALL_GATHER: 4 * layers + 3,
+            REDUCE_SCATTER: 4 * layers + 2,
             "all_reduce": 3,
         }, counting.calls
     # The mean over the data x context ranks of their losses (and gradients), as DDP or FSDP.
@@ -416,3 +416,30 @@ def test_plan_refuses_what_does_not_divide(config, message):
     check_plan(fits, 4)
     with pytest.raises(ValueError, match=message):
         check_plan({**fits, **config}, 4)
+
+
+def _benchmark():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "tensor_parallel.py"
+    spec = importlib.util.spec_from_file_location("tensor_parallel_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_simulates_the_models(capsys):
+    """One process as rank 0 of a fake group: one step's collectives and their bytes, the
+    parameters' bytes and one layer's saved activations equal `collective_model` and
+    `memory_model` (exit status 0 only if every row does)."""
+    argv = ["--simulate", "--tensor", "2", "--models", "llama3-8b", "--seq-len", "16"]
+    assert _benchmark().main(argv) == 0
+    assert "| llama3-8b | 2 | 11 | 10 | 3 |" in capsys.readouterr().out
+
+
+def test_benchmark_without_cuda_says_so(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("measures on GPUs: benchmarks/tensor_parallel.py")
+    assert _benchmark().main([]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
