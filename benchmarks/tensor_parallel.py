@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -42,6 +41,7 @@ MODELS = {
     "llama3-70b": dict(d_model=8192, num_heads=64, num_kv_heads=8, d_ff=28672, vocab_size=128256),
 }
 from fastlm.tensor_parallel import ALL_GATHER, REDUCE_SCATTER  # noqa: E402
+from fastlm.testing import CollectiveCounter  # noqa: E402
 
 COLLECTIVES = ("all_reduce", ALL_GATHER, REDUCE_SCATTER)
 
@@ -60,31 +60,6 @@ def model_config(name: str, layers: int, seq_len: int, scale: int = 1) -> dict:
         d_ff=sizes["d_ff"] // scale,
         rope_theta=500000.0,
     )
-
-
-class Recorder:
-    """Counts the collectives fastlm.tensor_parallel calls and their output buffers' bytes (the
-    module's `dist` functions wrapped while it lasts)."""
-
-    def __init__(self):
-        self.calls, self.bytes = Counter(), Counter()
-        self._saved = {}
-
-    def __enter__(self):
-        for name in COLLECTIVES:
-            original = self._saved[name] = getattr(dist, name)
-
-            def wrapped(*args, _name=name, _original=original, **kwargs):
-                self.calls[_name] += 1
-                self.bytes[_name] += args[0].numel() * args[0].element_size()
-                return _original(*args, **kwargs)
-
-            setattr(dist, name, wrapped)
-        return self
-
-    def __exit__(self, *exc):
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
 
 
 def saved_bytes(step, model) -> int:
@@ -121,7 +96,7 @@ def simulate_one(name: str, tensor: int, args) -> dict:
             tokens = torch.randint(0, config["vocab_size"], (args.batch, args.seq_len))
             forward = model.loss
             measured[layers] = saved_bytes(lambda f=forward, t=tokens: f(t, t), model)
-        with Recorder() as recorder:  # one step of the two-layer model
+        with CollectiveCounter(COLLECTIVES) as recorder:  # one step of the two-layer model
             model.loss(tokens, tokens).backward()
             reduce_gradients(model)
         params = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -6,6 +6,7 @@
 - `call_through(mode, func, args, kwargs)`: a dispatch mode's view inside a fastlm op.
 - `mixed_gemms_on_cpu()`: the CPU lent CUDA's GEMMs with an fp32 result from half inputs.
 - `LargestTensor`: a dispatch mode recording the largest tensor any aten op returns.
+- `CollectiveCounter`: counts torch.distributed collectives and their buffers' bytes.
 
 Kernel outputs are poisoned (NaN-filled) by `fastlm.kernels._common.empty` when the test suite sets
 `POISON_OUTPUTS`, so an element a kernel never wrote fails these comparisons.
@@ -142,3 +143,37 @@ class LargestTensor(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
         return out
+
+
+class CollectiveCounter:
+    """Counts the calls of torch.distributed's collectives `names` (its module functions, wrapped
+    while the context lasts, so only callers that look them up at call time are seen) in `calls`,
+    and their first argument's bytes (the output buffer of the single-buffer collectives, the
+    tensor of all_reduce) in `bytes`."""
+
+    def __init__(self, names):
+        from collections import Counter
+
+        self.names = tuple(names)
+        self.calls, self.bytes = Counter(), Counter()
+        self._saved = {}
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        for name in self.names:
+            original = self._saved[name] = getattr(dist, name)
+
+            def wrapped(*args, _name=name, _original=original, **kwargs):
+                self.calls[_name] += 1
+                self.bytes[_name] += args[0].numel() * args[0].element_size()
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for name, original in self._saved.items():
+            setattr(dist, name, original)

@@ -30,7 +30,7 @@ from fastlm.tensor_parallel import (
     vocab_parallel_linear_cross_entropy,
     vocab_range,
 )
-from fastlm.testing import LargestTensor, assert_close
+from fastlm.testing import CollectiveCounter, LargestTensor, assert_close
 
 pytestmark = pytest.mark.skipif(not dist.is_gloo_available(), reason="needs gloo")
 
@@ -61,31 +61,6 @@ LOSS_CASES = [
     LossCase(backend="torch", softcap=3.0, smoothing=0.1, z_loss=1e-3),
     LossCase(backend="torch", logits=True, reduction="sum", smoothing=0.1),
 ]
-
-
-class _Counting:
-    """Counts the collectives the module calls, by name (torch.distributed's functions
-    wrapped while it lasts)."""
-
-    def __init__(self):
-        self.calls = Counter()
-        self._saved = {}
-
-    def __enter__(self):
-        for name in COLLECTIVES:
-            original = getattr(dist, name)
-            self._saved[name] = original
-
-            def wrapped(*args, _name=name, _original=original, **kwargs):
-                self.calls[_name] += 1
-                return _original(*args, **kwargs)
-
-            setattr(dist, name, wrapped)
-        return self
-
-    def __exit__(self, *exc):
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
 
 
 def _reference(case, x, weight, targets):
@@ -130,7 +105,11 @@ def _check_loss_case(case: LossCase, rank: int, world: int) -> None:
         label_smoothing=case.smoothing,
         z_loss=case.z_loss,
     )
-    with _backend(case.backend), _Counting() as counting, LargestTensor() as sizes:
+    with (
+        _backend(case.backend),
+        CollectiveCounter(COLLECTIVES) as counting,
+        LargestTensor() as sizes,
+    ):
         if case.logits:
             logits = (x @ weight[start:end].T).requires_grad_()
             loss = vocab_parallel_cross_entropy(logits, targets, **options)
@@ -159,11 +138,7 @@ def _check_loss_case(case: LossCase, rank: int, world: int) -> None:
     gathered = 2 if case.sequence_parallel else 0  # x and targets
     assert forward == {"all_reduce": 2, **({ALL_GATHER: 2} if gathered else {})}, forward
     expected_backward = (
-        {}
-        if case.logits
-        else {REDUCE_SCATTER: 1}
-        if case.sequence_parallel
-        else {"all_reduce": 1}
+        {} if case.logits else {REDUCE_SCATTER: 1} if case.sequence_parallel else {"all_reduce": 1}
     )
     assert dict(backward) == expected_backward, (case, backward)
 
@@ -290,7 +265,7 @@ def _check_model_case(case: ModelCase, rank: int, world: int, seed: int) -> None
         for block in model.blocks:
             fully_shard(block, mesh=mesh["data"])
         step = fully_shard(step, mesh=mesh["data"])
-    with _Counting() as counting:
+    with CollectiveCounter(COLLECTIVES) as counting:
         loss = step(my_tokens, my_targets)
         loss.backward()
         reduce_gradients(model)
