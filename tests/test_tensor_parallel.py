@@ -205,12 +205,13 @@ class ModelCase:
     num_kv_heads: int | None = None
     tie_embeddings: bool = False
     count: bool = False  # check the collectives of one step
+    packed: bool = False  # documents packed in the rows (cu_seqlens over the B x T tokens)
 
 
 MODEL_CASES = {
     2: [
         ModelCase(count=True),  # MHA
-        ModelCase(num_kv_heads=2, tie_embeddings=True),  # GQA, the LM head tied
+        ModelCase(num_kv_heads=2, tie_embeddings=True, packed=True),  # GQA, tied, packed
     ],
     4: [
         ModelCase(context=2, num_kv_heads=2),  # TP=2 x CP=2
@@ -243,9 +244,12 @@ def _check_model_case(case: ModelCase, rank: int, world: int, seed: int) -> None
     if not case.fsdp:  # FSDP averages the data ranks' means: the same count on each
         targets[:, ::5] = -100
 
+    packed = {}
+    if case.packed:  # documents crossing the rows, cut anywhere (not at shard bounds)
+        packed = dict(cu_seqlens=torch.tensor([0, 5, 21, 27, B * T], dtype=torch.int32))
     reference = _model(case, seed)
-    reference.loss(tokens, targets).backward()
-    expected = reference.loss(tokens, targets).detach()
+    reference.loss(tokens, targets, **packed).backward()
+    expected = reference.loss(tokens, targets, **packed).detach()
     truth = dict(reference.named_parameters(remove_duplicate=False))
 
     model = parallelize(_model(case, seed), mesh["tensor"])
@@ -266,7 +270,7 @@ def _check_model_case(case: ModelCase, rank: int, world: int, seed: int) -> None
             fully_shard(block, mesh=mesh["data"])
         step = fully_shard(step, mesh=mesh["data"])
     with CollectiveCounter(COLLECTIVES) as counting:
-        loss = step(my_tokens, my_targets)
+        loss = step(my_tokens, my_targets, **packed)
         loss.backward()
         reduce_gradients(model)
     if case.count:
