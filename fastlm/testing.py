@@ -166,7 +166,10 @@ class CollectiveCounter:
 
             def wrapped(*args, _name=name, _original=original, **kwargs):
                 self.calls[_name] += 1
-                self.bytes[_name] += args[0].numel() * args[0].element_size()
+                # FSDP2 passes its buffers by keyword: the first tensor given, either way.
+                given = [*args, *kwargs.values()]
+                buffer = next(t for t in given if isinstance(t, torch.Tensor))
+                self.bytes[_name] += buffer.numel() * buffer.element_size()
                 return _original(*args, **kwargs)
 
             setattr(dist, name, wrapped)
