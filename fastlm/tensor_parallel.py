@@ -276,18 +276,22 @@ class _GatherRows(torch.autograd.Function):
         return _reduce_scatter_rows(grad, ctx.group), None
 
 
-class _ReduceScatterRows(torch.autograd.Function):
-    """Partial sums reduced and scattered to each rank's rows (a row-parallel layer's exit into
-    sequence parallelism); the backward all-gathers the gradient."""
+class _ScatterTokens(torch.autograd.Function):
+    """Partial sums (B, T, ...) reduced and scattered to each rank's tokens (B, T / P, ...) (a
+    row-parallel layer's exit into sequence parallelism), returned in a tensor of their own
+    (a block's output that is no view: FSDP2 warns of views); the backward all-gathers."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter_rows(x, group)
+        rows = _reduce_scatter_rows(x.transpose(0, 1), group)  # (T / P, B, ...)
+        return torch.empty_like(rows.transpose(0, 1), memory_format=torch.contiguous_format).copy_(
+            rows.transpose(0, 1)
+        )
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_rows(grad, ctx.group), None
+        return _all_gather_rows(grad.transpose(0, 1), ctx.group).transpose(0, 1), None
 
 
 def gather_rows(x: torch.Tensor, group) -> torch.Tensor:
@@ -494,7 +498,7 @@ def scatter_tokens(x: torch.Tensor, group) -> torch.Tensor:
     """(B, T, ...) partial sums reduced over the group, rank r keeping tokens
     [r T / P, (r + 1) T / P); the backward all-gathers."""
     _check_tokens_divide(x, dist.get_world_size(group))
-    return _ReduceScatterRows.apply(x.transpose(0, 1), group).transpose(0, 1)
+    return _ScatterTokens.apply(x, group)
 
 
 def token_shard(x: torch.Tensor, group) -> torch.Tensor:
