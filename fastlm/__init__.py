@@ -69,3 +69,7 @@ __all__ = [
     "cross_entropy",
     "linear_cross_entropy",
 ]
+
+from fastlm import sharding  # noqa: E402
+
+sharding.register()  # DTensor sharding rules for torch.ops.fastlm.* (where torch.distributed is)

@@ -58,6 +58,7 @@ __all__ = [
     "context_parallel_mesh",
     "gather_sequence",
     "mean_share",
+    "mesh_group",
     "sequence_positions",
     "shard_sequence",
 ]
@@ -501,8 +502,46 @@ def _local_backward(attend, do, q, k, v, o, stats, plan: ExchangePlan, group):
     return dq, grads
 
 
+def mesh_group(group, dim: str) -> dist.ProcessGroup | None:
+    """The process group `group` names for one kind of parallelism.
+
+    Args:
+        group: a ProcessGroup; a DeviceMesh, 1-D or with a dimension named `dim`; or None, the
+            default group.
+        dim: the mesh dimension's name ("context", "tensor").
+
+    Returns:
+        The ProcessGroup, or None when `group` is None and torch.distributed is not initialised
+        (one process).
+
+    Raises:
+        ValueError: a DeviceMesh of more than one dimension without a `dim` one.
+        TypeError: anything other than a ProcessGroup, a DeviceMesh or None.
+    """
+    if group is None:
+        return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch.distributed without device meshes
+        DeviceMesh = ()
+    if isinstance(group, DeviceMesh):
+        names = group.mesh_dim_names or ()
+        if group.ndim == 1:
+            return group.get_group()
+        if dim in names:
+            return group[dim].get_group()
+        raise ValueError(
+            f"a {group.ndim}-D DeviceMesh needs a '{dim}' dimension, got dimensions {names}"
+        )
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group must be a ProcessGroup, a DeviceMesh or None, got {type(group).__name__}"
+        )
+    return group
+
+
 def context_group(group) -> dist.ProcessGroup | None:
-    """The context-parallel process group `group` names.
+    """The context-parallel process group `group` names: `mesh_group(group, "context")`.
 
     Args:
         group: a ProcessGroup; a DeviceMesh, 1-D or with a "context" dimension; or None, the
@@ -516,26 +555,7 @@ def context_group(group) -> dist.ProcessGroup | None:
         ValueError: a DeviceMesh of more than one dimension without a "context" one.
         TypeError: anything other than a ProcessGroup, a DeviceMesh or None.
     """
-    if group is None:
-        return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:  # pragma: no cover - torch.distributed without device meshes
-        DeviceMesh = ()
-    if isinstance(group, DeviceMesh):
-        names = group.mesh_dim_names or ()
-        if group.ndim == 1:
-            return group.get_group()
-        if "context" in names:
-            return group["context"].get_group()
-        raise ValueError(
-            f"a {group.ndim}-D DeviceMesh needs a 'context' dimension, got dimensions {names}"
-        )
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            f"group must be a ProcessGroup, a DeviceMesh or None, got {type(group).__name__}"
-        )
-    return group
+    return mesh_group(group, "context")
 
 
 @torch.compiler.disable

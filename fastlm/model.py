@@ -320,7 +320,7 @@ class MultiHeadAttentionWithRoPE(nn.Module):
                 max_seqlen=max_seqlen,
             )
             # (B, H, T, D) views of (B, T, H, D) memory: the reshape is free
-            return self.output_proj(out.transpose(1, 2).reshape(B, T, C), half_out)
+            return self.output_proj(out.transpose(1, 2).reshape(B, T, -1), half_out)
         # q (B, H, T, D), k and v (B, Hkv, T, D): views of the projection; q and k rotated in its
         # storage, in one launch.
         q, k, v = split_heads(self.qkv_proj(x, half_qkv), H, Hkv)
@@ -337,7 +337,7 @@ class MultiHeadAttentionWithRoPE(nn.Module):
             out = flash_attention(q, k, v, causal=True)  # (B, H, T, D)
         else:  # (B, H, T, D) in (B, T, H, D) memory, the keys exchanged with the group
             out = context_parallel_attention(q, k, v, context_parallel)
-        return self.output_proj(out.transpose(1, 2).reshape(B, T, C), half_out)
+        return self.output_proj(out.transpose(1, 2).reshape(B, T, -1), half_out)
 
 
 class TransformerBlock(reference.TransformerBlock):

@@ -9,6 +9,8 @@
   recomputed out of the saved log-sum-exp, which grows with the scores' magnitude.
 - `call_through(mode, func, args, kwargs)`: a dispatch mode's view inside a fastlm op.
 - `mixed_gemms_on_cpu()`: the CPU lent CUDA's GEMMs with an fp32 result from half inputs.
+- `LargestTensor`: a dispatch mode recording the largest tensor any aten op returns.
+- `CollectiveCounter`: counts torch.distributed collectives and their buffers' bytes.
 
 Kernel outputs are poisoned (NaN-filled) by `fastlm.kernels._common.empty` when the test suite sets
 `POISON_OUTPUTS`, so an element a kernel never wrote fails these comparisons.
@@ -20,6 +22,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
@@ -175,3 +178,57 @@ def mixed_gemms_on_cpu() -> Iterator[None]:
         yield
     finally:
         library._destroy()
+
+
+class LargestTensor(TorchDispatchMode):
+    """A dispatch mode that records, in `largest`, the most elements of any tensor an aten op
+    returns while it is active: evidence that an op never makes a tensor of some size (the
+    logits, say). Use as `with LargestTensor() as mode: ...; mode.largest`."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+class CollectiveCounter:
+    """Counts the calls of torch.distributed's collectives `names` (its module functions, wrapped
+    while the context lasts, so only callers that look them up at call time are seen) in `calls`,
+    and their first argument's bytes (the output buffer of the single-buffer collectives, the
+    tensor of all_reduce) in `bytes`."""
+
+    def __init__(self, names):
+        from collections import Counter
+
+        self.names = tuple(names)
+        self.calls, self.bytes = Counter(), Counter()
+        self._saved = {}
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        for name in self.names:
+            original = self._saved[name] = getattr(dist, name)
+
+            def wrapped(*args, _name=name, _original=original, **kwargs):
+                self.calls[_name] += 1
+                # FSDP2 passes its buffers by keyword: the first tensor given, either way.
+                given = [*args, *kwargs.values()]
+                buffer = next(t for t in given if isinstance(t, torch.Tensor))
+                self.bytes[_name] += buffer.numel() * buffer.element_size()
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for name, original in self._saved.items():
+            setattr(dist, name, original)

@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 
 import fastlm  # noqa: E402
 from fastlm import hf  # noqa: E402
-from fastlm.testing import assert_close, relative_error  # noqa: E402
+from fastlm.testing import LargestTensor, assert_close, relative_error  # noqa: E402
 
 VOCAB = 61
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -372,19 +372,6 @@ def test_padding_free_on_the_kernels_counts_the_ops():
         _assert_grads_match(model, truth, torch.float32, what)
 
 
-class _LargestTensor(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def test_padding_free_memory_is_linear_in_tokens(monkeypatch):
     """The largest tensor any op makes in a padding-free forward grows with the tokens, not
     their square: 4x the tokens (documents of 16) give at most 4x the largest tensor, and no
@@ -399,7 +386,7 @@ def test_padding_free_memory_is_linear_in_tokens(monkeypatch):
         batch = _flattened_batch([16] * (tokens // 16))
         batch.pop("labels")
         for name, m in (("patched", model), ("unpatched", unpatched)):
-            with torch.no_grad(), _LargestTensor() as mode:
+            with torch.no_grad(), LargestTensor() as mode:
                 m(**batch)
             largest[name, tokens] = mode.largest
     assert largest["patched", 256] <= 4 * largest["patched", 64], largest

@@ -8,6 +8,7 @@ bar and notes go to stderr; stdout gets one JSON line (the run's summary) at the
     python -m fastlm.cli.train --data my_texts/ --preset gpt2-small --compile
     torchrun --nproc_per_node=8 -m fastlm.cli.train --preset gpt2-medium [--fsdp]
     torchrun --nproc_per_node=8 -m fastlm.cli.train --context-parallel 4   # 2 data x 4 context
+    torchrun --nproc_per_node=8 -m fastlm.cli.train --tensor-parallel 2 --context-parallel 2 --fsdp
 
 Exit status: 0 done, 2 bad input (one line on stderr, no checkpoint touched), 3 diverged (a loss
 or a weight became NaN or infinite: the run stopped there and saved nothing from then on, so
@@ -63,6 +64,7 @@ from fastlm.config import (
 from fastlm.data import DataError, check_split_options, load_split, load_tokenizer
 from fastlm.metrics_log import LOGGERS, MetricsLog
 from fastlm.options import FLOAT32_MAX
+from fastlm.tensor_parallel import check_plan
 
 
 def flag(key: str) -> str:
@@ -190,6 +192,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "the processes, 2P the context length); the others hold other data (1)",
     )
     run.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="T",
+        help="under torchrun, split each layer over T ranks (tensor and sequence parallelism: "
+        "heads, d_ff and the vocabulary divisible by T); a (data x context x tensor) mesh (1)",
+    )
+    run.add_argument(
         "--peak-tflops",
         type=float,
         help="the GPU's dense bf16 peak, for the MFU "
@@ -299,6 +309,31 @@ def check_args(args: argparse.Namespace) -> None:
     metrics_log.check_available(args.log)
     check_integers(vars(args), exempt=("seed",))  # any seed: torch_seed reduces it
     check_context_parallel(args)
+    check_tensor_parallel(args)
+
+
+def check_tensor_parallel(args: argparse.Namespace) -> None:
+    """ConfigError for a --tensor-parallel the run cannot take (the model's heads, d_ff and
+    vocabulary are checked with its configuration, the processes in `start_run`)."""
+    T = args.tensor_parallel
+    if T < 1:
+        raise ConfigError(f"--tensor-parallel must be at least 1, got {T}")
+    if T == 1:
+        return
+    shard = args.context_length // args.context_parallel
+    if shard % T:
+        raise ConfigError(
+            f"--context-length {args.context_length} / --context-parallel "
+            f"{args.context_parallel} = {shard} tokens must be divisible by --tensor-parallel {T} "
+            "(sequence parallelism splits them)"
+        )
+    for refused, reason in (
+        (args.model != "fastlm", "runs fastlm's model (--model fastlm)"),
+        (args.pack_documents, "does not take --pack-documents yet"),
+        (args.compile, "does not run under --compile yet"),
+    ):
+        if refused:
+            raise ConfigError(f"--tensor-parallel {reason}")
 
 
 def check_context_parallel(args: argparse.Namespace) -> None:
@@ -338,6 +373,7 @@ def model_config(args: argparse.Namespace, tokenizer, run: Run) -> ModelConfig:
     device = run.device
     try:
         config.check(args.model, device, name=flag)
+        check_plan(config.as_dict(), args.tensor_parallel, name=flag)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     return config
@@ -511,6 +547,7 @@ def run_training(args: argparse.Namespace, run: Run, out: Path, stack: contextli
         f"{run.world_size} x {run.device.type}"
         + (", FSDP" if args.fsdp else "")
         + (f", context parallel {run.context}" if run.context > 1 else "")
+        + (f", tensor parallel {run.tensor}" if run.tensor > 1 else "")
     )
     if peak:
         say(

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastlm import checkpoint, reference
+from fastlm import checkpoint, reference, tensor_parallel
 from fastlm.checkpoint import CheckpointError
 from fastlm.config import ConfigError, ModelConfig, build_model, pick_device, torch_seed
 from fastlm.data import IGNORE_INDEX, DataError, TokenSplit, eval_batches, training_batch
@@ -116,25 +116,30 @@ def curve_settings(args: argparse.Namespace, world_size: int) -> dict:
 class Run:
     """Where this process trains: its rank among `world_size` and its device; with context
     parallelism, the `context` ranks of its `context_group` (neighbours in rank order) share
-    each sequence, and the data is split `world_size / context` ways."""
+    each sequence, and the data is split `world_size / context` ways. With tensor parallelism
+    the `tensor` ranks of `tensor_group` (neighbours) share each layer, DDP and FSDP2 run over
+    `data_mesh` (the data x context ranks) and the data is split world / (context x tensor)."""
 
     rank: int
     world_size: int
     device: torch.device
     context: int = 1
     context_group: dist.ProcessGroup | None = None
+    tensor: int = 1
+    tensor_group: dist.ProcessGroup | None = None
+    data_mesh: object = None
 
     @property
     def data_rank(self) -> int:
-        return self.rank // self.context
+        return self.rank // (self.context * self.tensor)
 
     @property
     def data_size(self) -> int:
-        return self.world_size // self.context
+        return self.world_size // (self.context * self.tensor)
 
     @property
     def context_rank(self) -> int:
-        return self.rank % self.context
+        return self.rank // self.tensor % self.context
 
     @property
     def is_main(self) -> bool:
@@ -159,6 +164,11 @@ def start_run(args: argparse.Namespace) -> Run:
             f"--context-parallel {args.context_parallel} must divide the number of processes "
             f"({world_size}): start with torchrun --nproc_per_node=<a multiple of it>"
         )
+    if world_size % (args.context_parallel * args.tensor_parallel):
+        raise ConfigError(
+            f"--tensor-parallel {args.tensor_parallel} x --context-parallel "
+            f"{args.context_parallel} must divide the number of processes ({world_size})"
+        )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if device.type == "cpu":
@@ -169,7 +179,16 @@ def start_run(args: argparse.Namespace) -> Run:
         return Run(0, 1, device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     run = Run(dist.get_rank(), world_size, device, args.context_parallel)
-    if run.context > 1:  # DDP and FSDP2 keep the whole world: gradients average over both
+    if args.tensor_parallel > 1:  # a (data x context x tensor) mesh, tensor ranks neighbours
+        from torch.distributed.device_mesh import init_device_mesh
+
+        run.tensor = args.tensor_parallel
+        shape = (world_size // (run.context * run.tensor), run.context, run.tensor)
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=("data", "context", "tensor"))
+        run.tensor_group = mesh["tensor"].get_group()
+        run.context_group = mesh["context"].get_group() if run.context > 1 else None
+        run.data_mesh = mesh["data", "context"]._flatten("data_context")
+    elif run.context > 1:  # DDP and FSDP2 keep the whole world: gradients average over both
         run.context_group = context_parallel_mesh(run.context, device.type)["context"].get_group()
     return run
 
@@ -202,8 +221,8 @@ def distribute(loss_module: NextTokenLoss, run: Run, fsdp: bool) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
 
         for block in loss_module.model.blocks:
-            fully_shard(block)
-        return fully_shard(loss_module)
+            fully_shard(block, mesh=run.data_mesh)
+        return fully_shard(loss_module, mesh=run.data_mesh)
     device_ids = [run.device.index] if run.device.type == "cuda" else None
     # The buffers (RoPE tables, causal masks) are constants: no broadcast before each forward.
     # torch 2.13 renamed the option (the old name warns on every rank).
@@ -211,8 +230,9 @@ def distribute(loss_module: NextTokenLoss, run: Run, fsdp: bool) -> nn.Module:
     no_sync = (
         "forward_sync_buffers" if "forward_sync_buffers" in ddp_options else "broadcast_buffers"
     )
+    group = run.data_mesh.get_group() if run.data_mesh is not None else None
     return nn.parallel.DistributedDataParallel(
-        loss_module, device_ids=device_ids, **{no_sync: False}
+        loss_module, device_ids=device_ids, process_group=group, **{no_sync: False}
     )
 
 
@@ -268,9 +288,15 @@ def full_state(loss_module: NextTokenLoss, optimizer: torch.optim.Optimizer):
         get_optimizer_state_dict,
     )
 
-    options = state_dict_options(cpu_offload=True)
-    weights = get_model_state_dict(loss_module.model, options=options)
-    return weights, get_optimizer_state_dict(loss_module, optimizer, options=options)
+    model = loss_module.model
+    tensor = hasattr(model, "tensor_heads")  # tensor-parallel: every rank gathers its shards
+    options = state_dict_options(cpu_offload=not tensor)
+    weights = get_model_state_dict(model, options=options)
+    state = get_optimizer_state_dict(loss_module, optimizer, options=options)
+    if tensor:  # whole tensors: the checkpoint resumes on any mesh
+        weights = {k: v.cpu() for k, v in tensor_parallel.full_state_dict(weights, model).items()}
+        state = tensor_parallel.full_optimizer_state(state, model, device="cpu")
+    return weights, state
 
 
 def load_optimizer(
@@ -400,10 +426,19 @@ class Trainer:
         self.config = {**config.as_dict(), "tokenizer": tokenizer_name}  # what a checkpoint keeps
         torch.manual_seed(torch_seed(args.seed))  # the same initial weights on every rank
         self.model = build_model(config, args.model, run.device)
+        if saved is not None:  # whole tensors, before any sharding
+            checkpoint.fit_weights(self.model, saved["weights"], out)
+        if run.tensor > 1:
+            tensor_parallel.parallelize(self.model, run.tensor_group)
+            if saved is not None:
+                saved = {
+                    **saved,
+                    "optimizer": tensor_parallel.shard_optimizer_state(
+                        saved["optimizer"], self.model
+                    ),
+                }
         if run.context_group is not None:
             self.model.set_context_parallel(run.context_group)
-        if saved is not None:
-            checkpoint.fit_weights(self.model, saved["weights"], out)
         self.loss_module = NextTokenLoss(self.model)
         self.wrapped = distribute(self.loss_module, run, args.fsdp)
         self.optimizer = make_optimizer(self.wrapped.parameters(), args, run.device)
@@ -476,8 +511,15 @@ class Trainer:
                 loss = self.loss(token_ids, targets, cu_seqlens)
                 (loss / args.grad_accum).backward()
             total += loss.detach().float()
+        if self.run.tensor > 1:  # the norms' gains: each tensor rank's tokens' share
+            tensor_parallel.reduce_gradients(self.model)
+            norm = None
+            if args.grad_clip:
+                data = self.run.data_mesh.get_group() if args.fsdp else None
+                norm = tensor_parallel.clip_grad_norm_(self.model, args.grad_clip, data)
+        else:
+            norm = clip_gradients(self.wrapped, args.grad_clip, self.run.device, args.fsdp)
         # Kept for --log (read back only there: on a GPU reading it waits for the step).
-        norm = clip_gradients(self.wrapped, args.grad_clip, self.run.device, args.fsdp)
         if args.log and hasattr(norm, "full_tensor"):  # FSDP's DTensor: every rank gathers it
             norm = norm.full_tensor()
         self.grad_norm = norm

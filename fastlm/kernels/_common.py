@@ -38,8 +38,13 @@ def empty(shape, *, device, dtype) -> torch.Tensor:
 
 
 def empty_like(t: torch.Tensor, dtype=None) -> torch.Tensor:
-    """A contiguous output like `t` (poisoned under POISON_OUTPUTS)."""
-    return empty(t.shape, device=t.device, dtype=dtype or t.dtype)
+    """A contiguous output like `t` (poisoned under POISON_OUTPUTS); a DTensor's is a DTensor
+    of the same placements (torch's *_like functions keep them)."""
+    dtype = dtype or t.dtype
+    fmt = torch.contiguous_format
+    if POISON_OUTPUTS:
+        return torch.full_like(t, float("nan"), dtype=dtype, memory_format=fmt)
+    return torch.empty_like(t, dtype=dtype, memory_format=fmt)
 
 
 def check_float(name: str, t: object) -> None:

@@ -14,7 +14,7 @@ import math
 import torch
 
 from fastlm.backend import use_triton
-from fastlm.kernels._common import check_float, empty
+from fastlm.kernels._common import check_float, empty_like
 from fastlm.kernels.attention.backward import attention_backward
 from fastlm.kernels.attention.launch import (
     Varlen,
@@ -122,7 +122,7 @@ class _PackedRopeAttention(torch.autograd.Function):
             ctx.args
         )
         packed = cu_seqlens is not None
-        dqkv = empty(qkv.shape, device=qkv.device, dtype=qkv.dtype)
+        dqkv = empty_like(qkv)  # a DTensor qkv's is one of its placements
         dq, dk, dv = split_heads(dqkv, num_heads, num_kv_heads, packed)
         if do is None:
             dqkv.zero_()

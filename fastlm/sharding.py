@@ -1,0 +1,452 @@
+"""DTensor sharding rules for every `torch.ops.fastlm.*` op and its backward op.
+
+A DTensor reaching a custom op runs the op's fake implementation for shapes, then asks for a
+sharding strategy: the placements of the inputs under which running the op on each rank's local
+shards gives the local shards of the outputs, and the outputs' placements. Each rule below lists
+them for one mesh dimension (`register_sharding`; DTensor expands them over every dimension of the
+mesh) as `(output placements, input placements)`, None for non-tensor arguments:
+
+- rows / tokens: every dim but the one an op reduces over may be `Shard`ed (RMSNorm's rows,
+  RoPE's batch, heads and tokens with the positions sharded alike, attention's batch and heads);
+  elementwise ops (SwiGLU, GeGLU) on any dim, the last included;
+- heads: attention and RoPE shard q by query heads and k, v by KV heads (GQA: every query head
+  finds its KV head on its own rank when both counts divide the mesh), rejected otherwise;
+- weights: a `Replicate` weight (RMSNorm's gain, the LM head in fused linear cross-entropy) whose
+  inputs are sharded by rows gets a `Partial` gradient: the sum of the ranks' partial sums, which
+  DTensor reduces when it is read (`full_tensor`, `redistribute`, the optimizer), never dropped;
+  likewise a summed loss;
+- a placement the op cannot run on its local shards is either one DTensor redistributes to a
+  listed one (a `Partial` input is reduced first, the ops being non-linear; token-sharded logits
+  become row-sharded ones) or one that would silently cost a gather of what the op is meant to
+  keep sharded, or be wrong: the dim an op reduces over (a norm's features, a head's dims, a
+  vocabulary, packed [gate | up] halves), keys sharded by sequence, causal queries sharded by
+  sequence, heads that do not divide the mesh. Those raise ValueError naming the op, the argument
+  and the placement, and what to use instead.
+
+Mean losses (`fastlm::cross_entropy`, `fastlm::cross_entropy_`, `fastlm::linear_cross_entropy`)
+run replicated only: a rank's mean over its rows is not a share of the global mean. Their
+`reduction="sum"` / `"none"` forms (the options ops, whose sums are `Partial` and rows `Shard`)
+and their backward ops take sharded rows; a vocabulary-sharded LM head goes through
+`fastlm.tensor_parallel.vocab_parallel_linear_cross_entropy`.
+
+Registered when fastlm is imported, where torch.distributed exists (`register`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _placements():
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    return Partial, Replicate, Shard
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers: what an input spec shards, refusals, the strategy lists
+# --------------------------------------------------------------------------------------------
+
+
+def _sharded_dims(spec) -> list[tuple[int, object]]:
+    """(tensor dim, placement) for each mesh dim on which `spec` is a Shard."""
+    if spec is None:
+        return []
+    return [(p.dim % spec.ndim, p) for p in spec.placements if p.is_shard()]
+
+
+def _refuse(op: str, name: str, spec, dims, why: str) -> None:
+    """ValueError if `spec` (argument `name` of `op`) is sharded on one of `dims` (negative
+    dims count from the end)."""
+    if spec is None:
+        return
+    wanted = {d % spec.ndim for d in dims}
+    for dim, placement in _sharded_dims(spec):
+        if dim in wanted:
+            raise ValueError(
+                f"fastlm::{op}: {name} {tuple(spec.shape)} is {placement!r} on its dim {dim}: {why}"
+            )
+
+
+def _mesh_size(spec) -> int:
+    return spec.mesh.size()
+
+
+def _replicated(n_out: int, inputs) -> tuple[list, list]:
+    """Every output and tensor input Replicate; None where `inputs` marks a non-tensor."""
+    _, Replicate, _ = _placements()
+    R = Replicate()
+    return [R] * n_out, [None if x is None else R for x in inputs]
+
+
+# --------------------------------------------------------------------------------------------
+# The rules
+# --------------------------------------------------------------------------------------------
+
+
+def _norm_rules():
+    Partial, Replicate, Shard = _placements()
+    R = Replicate()
+    why = (
+        "RMSNorm reduces over the last dim, which no rank holds whole: shard x by rows "
+        "(Shard of a leading dim) or replicate it"
+    )
+
+    def rms_norm(x, weight, eps, out_dtype, offset=0.0):
+        _refuse("rms_norm", "x", x, [-1], why)
+        rules = [([Shard(d), Shard(d)], [Shard(d), R, None, None, None]) for d in range(x.ndim - 1)]
+        return rules + [_replicated(2, [x, weight, None, None, None])]
+
+    def add_rms_norm(x, residual, weight, eps, out_dtype):
+        for name, spec in (("x", x), ("residual", residual)):
+            _refuse("add_rms_norm", name, spec, [-1], why)
+        rules = [([Shard(d)] * 3, [Shard(d), Shard(d), R, None, None]) for d in range(x.ndim - 1)]
+        return rules + [_replicated(3, [x, residual, weight, None, None])]
+
+    def rms_norm_backward(dy, d_summed, x, weight, rstd, dx_dtype, dx2_dtype, offset=0.0):
+        for name, spec in (("dy", dy), ("d_summed", d_summed), ("x", x)):
+            _refuse("rms_norm_backward", name, spec, [-1], why)
+        summed = None if d_summed is None else True
+
+        def rows(d):
+            dx2 = Shard(d) if dx2_dtype is not None else R  # else an empty placeholder
+            d_summed_placement = None if d_summed is None else Shard(d)
+            inputs = [Shard(d), d_summed_placement, Shard(d), R, Shard(d), None, None, None]
+            # Each rank's dweight sums its own rows only: a Partial sum over the ranks.
+            return [Shard(d), dx2, Partial()], inputs
+
+        replicated = _replicated(3, [dy, summed, x, weight, rstd, None, None, None])
+        return [rows(d) for d in range(x.ndim - 1)] + [replicated]
+
+    return dict(rms_norm=rms_norm, add_rms_norm=add_rms_norm, rms_norm_backward=rms_norm_backward)
+
+
+def _glu_rules():
+    _, Replicate, Shard = _placements()
+    why = (
+        "gate_up packs [gate | up] along its last dim, so a Shard of it splits the halves: "
+        "shard gate and up apart (fastlm.swiglu), or keep each rank's [gate_r | up_r] local "
+        "(fastlm.tensor_parallel)"
+    )
+
+    def elementwise(n_out, n_in, extra=0):
+        def rule(first, *rest):
+            dims = range(first.ndim)
+            rules = [([Shard(d)] * n_out, [Shard(d)] * n_in + [None] * extra) for d in dims]
+            return rules + [_replicated(n_out, [first] * n_in + [None] * extra)]
+
+        return rule
+
+    def packed(op, n_in):
+        def rule(*tensors):
+            for name, spec in zip(("dy", "gate_up")[2 - n_in :], tensors):
+                _refuse(op, name, spec, [-1], why)
+            dims = range(tensors[-1].ndim - 1)
+            return [([Shard(d)], [Shard(d)] * n_in) for d in dims] + [_replicated(1, tensors)]
+
+        return rule
+
+    return dict(
+        swiglu=elementwise(1, 2),
+        swiglu_backward=elementwise(2, 3),
+        geglu=elementwise(1, 2, extra=1),
+        geglu_backward=elementwise(2, 3, extra=1),
+        swiglu_packed=packed("swiglu_packed", 1),
+        swiglu_packed_backward=packed("swiglu_packed_backward", 2),
+    )
+
+
+def _rope_rules():
+    _, Replicate, Shard = _placements()
+    R = Replicate()
+    why = "RoPE rotates pairs along the last dim (head dim): shard another dim"
+
+    def layouts(x, positions):
+        """(dim of x, placement of the positions) for each dim of x (..., T, D) RoPE can shard:
+        the leading dims (batch, heads; a (B, T) positions table sharded with the batch) and
+        the tokens (the positions sharded alike)."""
+        token_dim = x.ndim - 2
+        out = [(token_dim, Shard(positions.ndim - 1))]
+        for d in range(token_dim):
+            by_batch = positions.ndim == 2 and d == 0
+            out.append((d, Shard(0) if by_batch else R))
+        return out
+
+    def rope(x, cos, sin, positions, interleaved, inverse):
+        _refuse("rope", "x", x, [-1], why)
+        rules = [([Shard(d)], [Shard(d), R, R, p, None, None]) for d, p in layouts(x, positions)]
+        return rules + [_replicated(1, [x, cos, sin, positions, None, None])]
+
+    def rope_(q, k, cos, sin, positions, interleaved, inverse):
+        for name, spec in (("q", q), ("k", k)):
+            _refuse("rope_", name, spec, [-1], why)
+        on_k = None if k is None else True
+        rules = [
+            ([], [Shard(d), None if k is None else Shard(d), R, R, p, None, None])
+            for d, p in layouts(q, positions)
+        ]
+        return rules + [_replicated(0, [q, on_k, cos, sin, positions, None, None])]
+
+    return dict(rope=rope, rope_=rope_)
+
+
+def _check_heads(op: str, q, k, head_dim: int) -> bool:
+    """Whether q and k can be sharded by heads over the whole mesh: both head counts divide it
+    (then each rank's query heads share the KV heads it holds). ValueError if one already is
+    sharded by heads while they do not."""
+    size = _mesh_size(q)
+    fits = q.shape[head_dim] % size == 0 and k.shape[head_dim] % size == 0
+    if not fits:
+        for name, spec in (("q", q), ("k", k)):
+            _refuse(
+                op,
+                name,
+                spec,
+                [head_dim],
+                f"{q.shape[head_dim]} query and {k.shape[head_dim]} KV heads do not both divide "
+                f"the mesh's {size} ranks, so a rank's query heads would miss their KV heads",
+            )
+    return fits
+
+
+def _attention_rules():
+    Partial, Replicate, Shard = _placements()
+    R = Replicate()
+    head_why = "a head's dims are reduced over (q . k): shard batch or heads instead"
+    sequence_why = (
+        "attention over a sequence sharded by tokens needs every key: use "
+        "fastlm.distributed.context_parallel_attention (context parallelism)"
+    )
+
+    def dense_refusals(op, q, k, v, causal, window):
+        for name, spec in (("q", q), ("k", k), ("v", v)):
+            _refuse(op, name, spec, [3], head_why)
+        for name, spec in (("k", k), ("v", v)):
+            _refuse(op, name, spec, [2], sequence_why)
+        if causal or window != (-1, -1):
+            _refuse(op, "q", q, [2], f"causal or windowed queries: {sequence_why}")
+
+    def dense(q, k, causal, window):
+        """(placement of q-like tensors, of k and v, of lse, of dk and dv) per strategy."""
+        rules = [(Shard(0), Shard(0), Shard(0), Shard(0))]
+        if _check_heads("flash_attention", q, k, 1):
+            rules.append((Shard(1), Shard(1), Shard(1), Shard(1)))
+        if not causal and window == (-1, -1):  # queries alone: every rank's keys are all keys
+            rules.append((Shard(2), R, Shard(2), Partial()))
+        return rules + [(R, R, R, R)]
+
+    def flash_attention(q, k, v, causal, scale, left, right, softcap, allow_tf32, deterministic):
+        dense_refusals("flash_attention", q, k, v, causal, (left, right))
+        return [
+            ([sq, sl], [sq, skv, skv] + [None] * 7)
+            for sq, skv, sl, _ in dense(q, k, causal, (left, right))
+        ]
+
+    def flash_attention_backward(do, q, k, v, o, lse, causal, scale, left, right, *flags):
+        dense_refusals("flash_attention_backward", q, k, v, causal, (left, right))
+        return [
+            ([sq, dkv, dkv], [sq, sq, skv, skv, sq, sl] + [None] * 7)
+            for sq, skv, sl, dkv in dense(q, k, causal, (left, right))
+        ]
+
+    def flash_attention_backward_(
+        do,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        causal,
+        scale,
+        allow_tf32,
+        deterministic,
+        dq,
+        dk,
+        dv,
+        cu_seqlens=None,
+        max_seqlen=0,
+    ):
+        op = "flash_attention_backward_"
+        dense_refusals(op, q, k, v, True, (-1, -1))
+        # Written in place into dq, dk, dv: they keep q's and k's placements (no Partial).
+        layouts = [(Shard(1), Shard(1))] if _check_heads(op, q, k, 1) else []
+        if cu_seqlens is None:  # packed documents are one (1, H, total, D) row
+            layouts.append((Shard(0), Shard(0)))
+        layouts.append((R, R))
+        packed = None if cu_seqlens is None else R
+        return [
+            ([], [sq, sq, skv, skv, sq, sq, None, None, None, None, sq, skv, skv, packed, None])
+            for sq, skv in layouts
+        ]
+
+    def varlen_refusals(op, q, k, v):
+        for name, spec in (("q", q), ("k", k), ("v", v)):
+            _refuse(op, name, spec, [0], "packed documents cut across a token shard: shard heads")
+            _refuse(op, name, spec, [2], head_why)
+
+    def flash_attention_varlen(q, k, v, cu_q, cu_k, *rest):
+        varlen_refusals("flash_attention_varlen", q, k, v)
+        rules = [_replicated(2, [q, k, v, cu_q, cu_k] + [None] * 9)]
+        if _check_heads("flash_attention_varlen", q, k, 1):  # lse is (Hq, total)
+            rules.append(([Shard(1), Shard(0)], [Shard(1)] * 3 + [R, R] + [None] * 9))
+        return rules
+
+    def flash_attention_varlen_backward(do, q, k, v, o, lse, cu_q, cu_k, *rest):
+        varlen_refusals("flash_attention_varlen_backward", q, k, v)
+        rules = [_replicated(3, [do, q, k, v, o, lse, cu_q, cu_k] + [None] * 9)]
+        if _check_heads("flash_attention_varlen_backward", q, k, 1):
+            rules.append(([Shard(1)] * 3, [Shard(1)] * 5 + [Shard(0), R, R] + [None] * 9))
+        return rules
+
+    return dict(
+        flash_attention=flash_attention,
+        flash_attention_backward=flash_attention_backward,
+        flash_attention_backward_=flash_attention_backward_,
+        flash_attention_varlen=flash_attention_varlen,
+        flash_attention_varlen_backward=flash_attention_varlen_backward,
+    )
+
+
+def _row_dims(x) -> bool:
+    """Whether x (..., C)'s rows may be sharded: the ops flatten the leading dims to rows, so a
+    Shard(0) of x is a Shard(0) of its rows only when dim 0 divides evenly over the mesh (or x is
+    2-D)."""
+    return x.ndim == 2 or x.shape[0] % _mesh_size(x) == 0
+
+
+def _loss_rules():
+    Partial, Replicate, Shard = _placements()
+    R = Replicate()
+    vocab_why = (
+        "a vocabulary-sharded row needs the max, the sum of exps and the target logit "
+        "combined across ranks: use fastlm.tensor_parallel.vocab_parallel_cross_entropy "
+        "(or vocab_parallel_linear_cross_entropy)"
+    )
+    mean_why = (
+        "the op returns the mean over its rows, which rank-local means cannot give: pass "
+        "reduction='sum' (a Partial sum) or 'none' and divide by the count, or replicate"
+    )
+
+    def loss_refusals(op, logits, targets, mean: bool):
+        _refuse(op, "logits", logits, [-1], vocab_why)
+        if mean:
+            _refuse(op, "logits", logits, range(logits.ndim - 1), mean_why)
+            _refuse(op, "targets", targets, range(targets.ndim), mean_why)
+
+    def cross_entropy(logits, targets, ignore_index):
+        loss_refusals("cross_entropy", logits, targets, True)
+        return [_replicated(3, [logits, targets, None])]
+
+    def cross_entropy_(logits, targets, ignore_index):
+        loss_refusals("cross_entropy_", logits, targets, True)
+        return [_replicated(2, [logits, targets, None])]
+
+    def cross_entropy_backward(logits, targets, ignore_index, stats, scale):
+        loss_refusals("cross_entropy_backward", logits, targets, False)
+        rules = [_replicated(1, [logits, targets, None, stats, scale])]
+        if _row_dims(logits):  # scale: the mean's 1 / n_valid scalar
+            rules.append(([Shard(0)], [Shard(0), Shard(0), None, Shard(0), R]))
+        return rules
+
+    def cross_entropy_options(logits, targets, ignore_index, softcap, label_smoothing, z_loss):
+        loss_refusals("cross_entropy_options", logits, targets, False)
+        rules = [_replicated(3, [logits, targets] + [None] * 4)]
+        if _row_dims(logits):  # row losses, stats, correct: by rows
+            rules.append(([Shard(0)] * 3, [Shard(0), Shard(0)] + [None] * 4))
+        return rules
+
+    def cross_entropy_options_backward(logits, targets, ignore_index, stats, scale, *options):
+        loss_refusals("cross_entropy_options_backward", logits, targets, False)
+        rules = [_replicated(1, [logits, targets, None, stats, scale] + [None] * 3)]
+        if _row_dims(logits):  # scale: per row
+            rules.append(([Shard(0)], [Shard(0), Shard(0), None, Shard(0), Shard(0)] + [None] * 3))
+        return rules
+
+    def weight_refusals(op, x, weight):
+        _refuse(op, "weight", weight, [0], vocab_why)
+        _refuse(op, "x", x, [-1], "x's features are reduced over (x @ weight.T): shard rows")
+        _refuse(op, "weight", weight, [1], "the features are reduced over: replicate weight")
+
+    def linear_cross_entropy(x, weight, targets, ignore_index, chunk_size, need_dx, need_dweight):
+        op = "linear_cross_entropy"
+        weight_refusals(op, x, weight)
+        loss_refusals(op, x, targets, True)
+        return [_replicated(4, [x, weight, targets] + [None] * 4)]
+
+    def linear_cross_entropy_options(
+        x,
+        weight,
+        targets,
+        ignore_index,
+        chunk_size,
+        softcap,
+        label_smoothing,
+        z_loss,
+        need_dx,
+        need_dweight,
+    ):
+        op = "linear_cross_entropy_options"
+        weight_refusals(op, x, weight)
+        loss_refusals(op, x, targets, False)
+        rules = [_replicated(4, [x, weight, targets] + [None] * 7)]
+        if _row_dims(x):
+            # The summed loss and dweight add every rank's rows: Partial sums. An empty
+            # placeholder (a gradient not asked for) is Replicate.
+            dx = Shard(0) if need_dx else R
+            dweight = Partial() if need_dweight else R
+            outputs = [Partial(), Shard(0), dx, dweight]
+            rules.append((outputs, [Shard(0), R, Shard(0)] + [None] * 7))
+        return rules
+
+    return dict(
+        cross_entropy=cross_entropy,
+        cross_entropy_=cross_entropy_,
+        cross_entropy_backward=cross_entropy_backward,
+        cross_entropy_options=cross_entropy_options,
+        cross_entropy_options_backward=cross_entropy_options_backward,
+        linear_cross_entropy=linear_cross_entropy,
+        linear_cross_entropy_options=linear_cross_entropy_options,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Registration
+# --------------------------------------------------------------------------------------------
+
+
+def rules() -> dict:
+    """{name in torch.ops.fastlm: its sharding rule}, for every fastlm op."""
+    table = {
+        **_norm_rules(),
+        **_glu_rules(),
+        **_rope_rules(),
+        **_attention_rules(),
+        **_loss_rules(),
+    }
+    return table
+
+
+_registered = False
+
+
+def register() -> bool:
+    """Register the rules with DTensor (once; fastlm's import does it).
+
+    Returns:
+        True where they are registered, False where torch.distributed is not available.
+    """
+    global _registered
+    if _registered:
+        return True
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor.experimental import register_sharding
+
+    import fastlm.kernels.attention.qkv  # noqa: F401  (registers flash_attention_backward_)
+    import fastlm.kernels.cross_entropy_options  # noqa: F401  (registers the options ops)
+
+    for name, rule in rules().items():
+        register_sharding(getattr(torch.ops.fastlm, name).default)(rule)
+    _registered = True
+    return True
