@@ -39,7 +39,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fastlm import token_cache
-from fastlm.data import load_split, load_tokenizer
+from fastlm.data import load_split
+from fastlm.tokens import load_tokenizer
 
 SHARD_MB = 64
 TOY = ["--d-model", "32", "--num-layers", "1", "--num-heads", "2", "--d-ff", "64"]

@@ -24,6 +24,7 @@ import gzip
 import io
 import json
 import os
+import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +95,31 @@ def sources(data: str | os.PathLike) -> list[Source]:
     files = sorted(p for p in root.rglob("*") if p.is_file() and not hidden(p))
     records = [Source(p, kind_of(p)) for p in files if kind_of(p) != "text"]
     return records or [Source(p, "text") for p in files]
+
+
+#: The default corpus's size: top-level standard-library sources, in name order, up to this.
+DEFAULT_CORPUS_BYTES = 2_000_000
+
+
+def default_corpus_files(limit_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:
+    """Top-level standard-library `.py` files in name order, up to `limit_bytes` in all."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files, total = [], 0
+    for path in sorted(stdlib.glob("*.py")):
+        if total >= limit_bytes:
+            break
+        files.append(path)
+        total += path.stat().st_size
+    if not files:
+        raise DataError(f"no Python sources found in {stdlib} for the default corpus; pass --data")
+    return files
+
+
+def corpus_sources(data: str | os.PathLike | None) -> list[Source]:
+    """The sources of `--data` (`sources`), or the default corpus's files."""
+    if data is None:
+        return [Source(path, "text") for path in default_corpus_files()]
+    return sources(data)
 
 
 def stats(found: list[Source]) -> list[dict]:

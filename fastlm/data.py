@@ -1,10 +1,11 @@
-"""Corpus, tokenizers and batches for the training command.
+"""The training command's tokens and batches: the corpus read and tokenized, or a prepared cache
+memory-mapped, split by rank, and drawn into batches.
 
 - The default corpus is the Python standard library's own source: every Python installation ships
   it, so `fastlm-train` needs no download. A deterministic subset (top-level `.py` files
-  in name order, up to `DEFAULT_CORPUS_BYTES`) keeps the run short.
-- `ByteTokenizer` (vocabulary 256, UTF-8 bytes) is the default; `load_tokenizer(path)` reads a
-  Hugging Face `tokenizers` JSON file instead (the package is imported only then).
+  in name order, up to `fastlm.corpus.DEFAULT_CORPUS_BYTES`) keeps the run short.
+- The tokenizers (`ByteTokenizer`, the default, and a Hugging Face `tokenizer.json`) are in
+  `fastlm.tokens`.
 - Under torchrun each rank reads its own contiguous shard of the text, tokenizes only that, and
   keeps the shard's last `val_fraction` as its held-out part.
 - Batches are a pure function of (seed, rank, step, micro-step): a resumed run draws exactly the
@@ -20,174 +21,21 @@
 
 from __future__ import annotations
 
-import codecs
-import hashlib
 import os
 import re
-import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from fastlm import corpus
-from fastlm.corpus import DataError, Reading, Source
-
-DEFAULT_CORPUS_BYTES = 2_000_000
-
-
-# --------------------------------------------------------------------------------------------
-# Tokenizers
-# --------------------------------------------------------------------------------------------
-
-
-def _not_utf8(text: str, error: UnicodeEncodeError) -> str:
-    """What in `text` has no UTF-8 form: a byte a surrogate escape stands for (how Python hands
-    over the bytes of a command-line argument or file name that are not UTF-8), or a lone
-    surrogate."""
-    code = ord(text[error.start])
-    if 0xDC80 <= code <= 0xDCFF:
-        return f"byte 0x{code - 0xDC00:02x}, which is not UTF-8"
-    return f"U+{code:04X}, a lone surrogate that no bytes encode"
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as token ids: vocabulary 256, no download, every text encodes, and so does
-    a byte that is not UTF-8 standing in a text as its surrogate escape (os.fsdecode's form)."""
-
-    name = "bytes"
-    vocab_size = 256
-
-    def encode(self, text: str) -> torch.Tensor:
-        try:
-            data = text.encode("utf-8", errors="surrogateescape")
-        except UnicodeEncodeError as error:
-            raise DataError(f"the text holds {_not_utf8(text, error)}") from None
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(ids).decode("utf-8", errors="replace")
-
-    def stream_decoder(self) -> StreamDecoder:
-        return _ByteStreamDecoder()
-
-
-class HFTokenizer:
-    """A Hugging Face `tokenizers` JSON file."""
-
-    def __init__(self, path: str | os.PathLike):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise DataError(
-                "--tokenizer needs the `tokenizers` package: pip install tokenizers"
-            ) from None
-        self.path = Path(path)
-        try:
-            self._tokenizer = Tokenizer.from_file(str(self.path))
-        except Exception as error:  # the library raises bare Exceptions for unreadable files
-            raise DataError(f"cannot read tokenizer {self.path}: {error}") from None
-        # The file's digest names the tokenizer, so a checkpoint records exactly which one it used.
-        self.name = "hf-" + hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
-        self.vocab_size = self._tokenizer.get_vocab_size()
-
-    def encode(self, text: str) -> torch.Tensor:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as error:
-            raise DataError(
-                f"the text holds {_not_utf8(text, error)}: a tokenizer.json tokenizer takes text "
-                "only (the byte tokenizer, a model trained without --tokenizer, takes any bytes)"
-            ) from None
-        return torch.tensor(self._tokenizer.encode(text).ids, dtype=torch.int32)
-
-    def decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids)
-
-    def stream_decoder(self) -> StreamDecoder:
-        return _PrefixStreamDecoder(self)
-
-
-Tokenizer = ByteTokenizer | HFTokenizer
-
-
-def load_tokenizer(path: str | os.PathLike | None) -> Tokenizer:
-    """The byte tokenizer for `None`, else the Hugging Face tokenizer JSON at `path`."""
-    if path is None:
-        return ByteTokenizer()
-    if not Path(path).is_file():
-        raise DataError(f"tokenizer file not found: {path}")
-    return HFTokenizer(path)
-
-
-class StreamDecoder:
-    """Turns token ids arriving one at a time into text, never splitting a character."""
-
-    def push(self, token_id: int) -> str:
-        raise NotImplementedError
-
-    def flush(self) -> str:
-        return ""
-
-
-class _ByteStreamDecoder(StreamDecoder):
-    # An incremental UTF-8 decoder holds back the first bytes of a multibyte character until
-    # the rest arrive, and replaces bytes that can never form one.
-    def __init__(self):
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def push(self, token_id: int) -> str:
-        return self._decoder.decode(bytes([token_id]))
-
-    def flush(self) -> str:
-        return self._decoder.decode(b"", final=True)
-
-
-class _PrefixStreamDecoder(StreamDecoder):
-    # Subword decoders merge pieces (spaces, byte fallbacks), so decode everything and emit what
-    # is new; a trailing U+FFFD is an unfinished character and waits for the next token.
-    def __init__(self, tokenizer: HFTokenizer):
-        self._tokenizer, self._ids, self._emitted = tokenizer, [], 0
-
-    def push(self, token_id: int) -> str:
-        self._ids.append(token_id)
-        text = self._tokenizer.decode(self._ids)
-        if text.endswith("\ufffd"):
-            return ""
-        new, self._emitted = text[self._emitted :], len(text)
-        return new
-
-    def flush(self) -> str:
-        text = self._tokenizer.decode(self._ids)
-        new, self._emitted = text[self._emitted :], len(text)
-        return new
-
+from fastlm import corpus, token_cache
+from fastlm.corpus import DataError, Reading, corpus_sources
+from fastlm.tokens import Tokenizer, TokenSplit, check_long_enough
 
 # --------------------------------------------------------------------------------------------
 # Corpus
 # --------------------------------------------------------------------------------------------
-
-
-def default_corpus_files(limit_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:
-    """Top-level standard-library `.py` files in name order, up to `limit_bytes` in all."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files, total = [], 0
-    for path in sorted(stdlib.glob("*.py")):
-        if total >= limit_bytes:
-            break
-        files.append(path)
-        total += path.stat().st_size
-    if not files:
-        raise DataError(f"no Python sources found in {stdlib} for the default corpus; pass --data")
-    return files
-
-
-def corpus_sources(data: str | os.PathLike | None) -> list[Source]:
-    """The sources of `--data` (`fastlm.corpus.sources`), or the default corpus's files."""
-    if data is None:
-        return [Source(path, "text") for path in default_corpus_files()]
-    return corpus.sources(data)
 
 
 @dataclass
@@ -215,17 +63,6 @@ def read_corpus(data: str | os.PathLike | None, text_column: str = "text") -> Co
 def _names(paths: list[Path], limit: int = 5) -> str:
     shown = ", ".join(str(p) for p in paths[:limit])
     return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
-
-
-@dataclass
-class TokenSplit:
-    """One rank's training and held-out tokens (uint8 for bytes, int32 for subwords)."""
-
-    train: torch.Tensor
-    val: torch.Tensor
-    # With pack_documents: the token positions where documents begin in each part (int64).
-    train_starts: torch.Tensor | None = None
-    val_starts: torch.Tensor | None = None
 
 
 def check_split_options(
@@ -266,8 +103,6 @@ def load_split(
     parts are memory-mapped, and this rank's windows read from the file as batches need them.
     """
     check_split_options(val_fraction, pack_documents, document_separator)
-    from fastlm import token_cache  # it builds on this module
-
     if data is not None:
         token_cache.check_not_partial(data)
     if data is not None and token_cache.is_cache(data):
@@ -315,20 +150,6 @@ def load_split(
         split.val_starts = starts[starts >= n_train] - n_train
     check_long_enough(split, context_length, world_size, "the corpus")
     return split
-
-
-def check_long_enough(
-    split: TokenSplit, context_length: int, world_size: int, corpus_name: str
-) -> None:
-    """DataError unless both parts of this rank's split hold more than `context_length` tokens
-    (one window plus its next token)."""
-    if min(len(split.train), len(split.val)) <= context_length:
-        per_rank = f" per rank ({world_size} ranks)" if world_size > 1 else ""
-        raise DataError(
-            f"{corpus_name} is too small: {len(split.train) + len(split.val)} tokens{per_rank}, "
-            f"split {len(split.train)}/{len(split.val)} for training/held-out, but each part "
-            f"needs more than --context-length={context_length}"
-        )
 
 
 def _encode_documents(

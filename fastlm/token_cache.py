@@ -43,8 +43,8 @@ import torch
 
 import fastlm
 from fastlm import corpus
-from fastlm.corpus import DataError, Reading
-from fastlm.data import Tokenizer, TokenSplit, check_long_enough, corpus_sources, load_tokenizer
+from fastlm.corpus import DataError, Reading, corpus_sources
+from fastlm.tokens import Tokenizer, TokenSplit, check_long_enough, load_tokenizer
 
 FORMAT = "fastlm-token-cache"
 FORMAT_VERSION = 1

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from fastlm import corpus
-from fastlm.data import ByteTokenizer, DataError, load_split, read_corpus
+from fastlm.data import DataError, load_split, read_corpus
+from fastlm.tokens import ByteTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -145,7 +145,7 @@ def broken_links(page: Path, root: Path = REPO) -> list[str]:
 STANDARD_TOOLS = set(
     ". source bash sh cd export env nice time timeout python python3 pip pip3 pytest torchrun "
     "git ruff yapf pre-commit tar unzip grep sed head tail diff rm mkdir cp mv ls cat echo "
-    "nvidia-smi".split()
+    "nvidia-smi nproc tensorboard".split()
 )
 PYTHONS = {"python", "python3"}
 OPERATORS = {"&&", "||", ";", "|", "&", "(", ")"}

@@ -11,7 +11,8 @@ import torch
 import fastlm
 import fastlm.cli.generate as generate_cli
 import fastlm.cli.train as train_cli
-from fastlm.data import ByteTokenizer, DataError, load_tokenizer
+from fastlm.data import DataError
+from fastlm.tokens import ByteTokenizer, load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -184,7 +185,10 @@ def test_cli_streams_and_errors_without_traceback(trained):
         timeout=120,
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip() == "fastlm-generate: error: top_k must be an integer >= 1, got 0"
+    assert (
+        result.stderr.strip()
+        == "fastlm-generate: error: top_k must be an int in [1, 2**63 - 1], got 0"
+    )
     # A prompt byte that is not UTF-8, as a shell passes it: the byte tokenizer takes the byte.
     raw = [os.fsencode(a) for a in command]
     result = subprocess.run(

@@ -14,7 +14,8 @@ import torch
 
 import fastlm.cli.prepare as prepare_cli
 from fastlm import checkpoint, token_cache
-from fastlm.data import ByteTokenizer, DataError, load_split, load_tokenizer
+from fastlm.data import DataError, load_split
+from fastlm.tokens import ByteTokenizer, load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

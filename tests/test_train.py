@@ -820,7 +820,8 @@ def test_pack_documents_splits_windows_at_document_starts():
 
 def test_pack_documents_tokenizes_each_file(corpus):
     """Each corpus file is a document: its tokens begin where its text does, in both parts."""
-    from fastlm.data import ByteTokenizer, load_split
+    from fastlm.data import load_split
+    from fastlm.tokens import ByteTokenizer
 
     split = load_split(corpus, ByteTokenizer(), 16, 0.1, pack_documents=True)
     plain = load_split(corpus, ByteTokenizer(), 16, 0.1)
@@ -853,7 +854,8 @@ def test_pack_documents_trains(corpus, tmp_path, capsys, monkeypatch):
 def test_document_separator_ends_documents(tmp_path, corpus, capsys):
     """--document-separator: a document also ends after each occurrence of the separator, which
     stays its last token; without --pack-documents it is refused."""
-    from fastlm.data import ByteTokenizer, DataError, load_split
+    from fastlm.data import DataError, load_split
+    from fastlm.tokens import ByteTokenizer
 
     path = tmp_path / "many.txt"
     docs = ["first document. " * 3, "second one. " * 4, "third. " * 9]

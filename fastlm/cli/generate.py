@@ -37,7 +37,8 @@ from fastlm.config import (
     pick_device,
     torch_seed,
 )
-from fastlm.data import ByteTokenizer, DataError, load_tokenizer
+from fastlm.data import DataError
+from fastlm.tokens import ByteTokenizer, load_tokenizer
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

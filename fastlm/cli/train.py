@@ -61,10 +61,11 @@ from fastlm.config import (
     check_integers,
     with_defaults,
 )
-from fastlm.data import DataError, check_split_options, load_split, load_tokenizer
+from fastlm.data import DataError, check_split_options, load_split
 from fastlm.metrics_log import LOGGERS, MetricsLog
 from fastlm.options import FLOAT32_MAX
 from fastlm.tensor_parallel import check_plan
+from fastlm.tokens import load_tokenizer
 
 
 def flag(key: str) -> str:

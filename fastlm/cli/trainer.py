@@ -23,8 +23,9 @@ from torch import nn
 from fastlm import checkpoint, reference, tensor_parallel
 from fastlm.checkpoint import CheckpointError
 from fastlm.config import ConfigError, ModelConfig, build_model, pick_device, torch_seed
-from fastlm.data import IGNORE_INDEX, DataError, TokenSplit, eval_batches, training_batch
+from fastlm.data import IGNORE_INDEX, DataError, eval_batches, training_batch
 from fastlm.distributed import context_parallel_mesh, shard_sequence
+from fastlm.tokens import TokenSplit
 
 LOSS_CURVE = checkpoint.LOSS_CURVE
 
