@@ -329,7 +329,6 @@ def check_tensor_parallel(args: argparse.Namespace) -> None:
         )
     for refused, reason in (
         (args.model != "fastlm", "runs fastlm's model (--model fastlm)"),
-        (args.pack_documents, "does not take --pack-documents yet"),
         (args.compile, "does not run under --compile yet"),
     ):
         if refused:
