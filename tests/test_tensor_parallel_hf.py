@@ -137,9 +137,14 @@ def _worker(rank: int, world: int, folder: str, seed: int) -> None:
     finally:
         forwards.linear_cross_entropy = hooked
 
-    # RoPE in place on q and k, views of the local tensors transformers' colwise projections
-    # return from DTensor.to_local(): autograd refuses (documented; patch with rope=False).
-    model = _sharded(folder, cross_entropy=False)
+    # RoPE in place on q and k: without grad (inference, generation) transformers' colwise
+    # projections run on the local weights and return plain tensors, rotated in place; with
+    # grad they are views of DTensor.to_local()'s output and autograd refuses (documented:
+    # patch with rope=False to train).
+    model = _sharded(folder, cross_entropy=False).eval()
+    assert model.fastlm_patched == ("rms_norm", "swiglu", "rope", "attention")
+    with torch.no_grad():
+        assert_close(model(input_ids=tokens).logits, truth[1], torch.float32, "inference logits")
     with pytest.raises(RuntimeError, match="This view was created inside a custom Function"):
         model(input_ids=tokens, labels=labels)
 
