@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fastlm.backend import use_triton
 from fastlm.distributed import mesh_group
@@ -43,7 +44,7 @@ from fastlm.kernels._common import check_float
 from fastlm.kernels.cross_entropy import _check_target_values, _check_targets, check_ignore_index
 from fastlm.kernels.cross_entropy_options import _rows_backward, _rows_forward, check_options
 from fastlm.kernels.linear import add_product
-from fastlm.kernels.linear_cross_entropy import default_chunk_size
+from fastlm.kernels.linear_cross_entropy import default_chunk_size, linear_cross_entropy
 
 #: torch.distributed's names of the collectives into and out of one buffer (torch 2.13 renamed
 #: them: the old names warn; older torch has only those).
@@ -52,7 +53,13 @@ REDUCE_SCATTER = (
     "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 )
 
-__all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy", "vocab_range"]
+__all__ = [
+    "lm_head_cross_entropy",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_linear_cross_entropy",
+    "vocab_range",
+    "writable_in_place",
+]
 
 
 def vocab_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -473,6 +480,89 @@ def vocab_parallel_cross_entropy(
         rows, targets.reshape(-1), group, span, ignore_index, options
     )
     return _reduce(losses, targets, ignore_index, reduction)
+
+
+def lm_head_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    **options,
+) -> torch.Tensor:
+    """`fastlm.linear_cross_entropy(x, weight, targets)` for an LM head that may be a DTensor.
+
+    Hugging Face's tensor parallelism (`from_pretrained(..., tp_plan="auto")`) keeps the LM head
+    `colwise_gather_output`: its weight a DTensor sharded by vocabulary rows (Shard(0)) over the
+    tensor mesh, while the final norm's output reaches the loss as a plain tensor, the same on
+    every rank. Such a weight goes through `vocab_parallel_linear_cross_entropy` on its local
+    shard (no logits, no gathered weight; x's gradient all-reduced, the shard's gradient flowing
+    back into the DTensor's); a replicated DTensor through its local tensor; a plain tensor
+    straight to `fastlm.linear_cross_entropy`.
+
+    Args:
+        x: (..., C) float tensor, plain or a DTensor replicated on every mesh dim.
+        weight: (V, C), a plain tensor or a DTensor over a 1-D mesh, Shard(0) with V divisible
+            by the mesh's size, or Replicate.
+        targets, ignore_index, chunk_size, options: as `fastlm.linear_cross_entropy`
+            (return_accuracy refused with a sharded weight).
+
+    Returns:
+        The loss, fp32, the same on every rank of the weight's mesh.
+
+    Raises:
+        ValueError: a weight sharded otherwise (another dim, a mesh of more dims, a vocabulary
+            that does not divide the mesh), or a sharded x; the rest as the losses called.
+    """
+    if isinstance(x, DTensor):
+        if any(p != Replicate() for p in x.placements):
+            raise ValueError(
+                f"x must be a plain tensor or a replicated DTensor, got placements {x.placements}"
+            )
+        x = x.to_local()
+    if not isinstance(weight, DTensor):
+        return linear_cross_entropy(x, weight, targets, ignore_index, chunk_size, **options)
+    placements = tuple(weight.placements)
+    if all(p == Replicate() for p in placements):
+        local = weight.to_local(grad_placements=[Replicate()] * len(placements))
+        return linear_cross_entropy(x, local, targets, ignore_index, chunk_size, **options)
+    world = weight.device_mesh.size()
+    if placements != (Shard(0),) or weight.shape[0] % world:
+        raise ValueError(
+            f"weight: an LM head DTensor must be Shard(0) (vocabulary rows) over a 1-D mesh with "
+            f"the vocabulary divisible by its size, or replicated; got {placements} of shape "
+            f"{tuple(weight.shape)} over a mesh of shape {tuple(weight.device_mesh.shape)}"
+        )
+    return vocab_parallel_linear_cross_entropy(
+        x,
+        weight.to_local(),
+        targets,
+        weight.device_mesh.get_group(),
+        ignore_index,
+        chunk_size,
+        **options,
+    )
+
+
+def writable_in_place(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy of it where autograd would refuse an in-place write (RoPE's): a view that
+    takes part in autograd while its base does not, which only a custom autograd Function
+    returning its input as it is makes. Hugging Face's tensor parallelism hands each
+    column-parallel projection's output on through `DTensor.to_local()`, such a Function, and
+    the attention's q and k are views of it. Without grad (inference) the projections return
+    plain tensors, and any t whose base is in the graph (a linear layer's output) comes back
+    as it is, uncopied.
+
+    Args:
+        t: any tensor.
+
+    Returns:
+        t itself, or t.clone() (the copy an out-of-place rotation would allocate anyway).
+    """
+    base = t._base
+    if base is not None and torch.is_grad_enabled() and t.requires_grad and not base.requires_grad:
+        return t.clone()
+    return t
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import textwrap
 from collections import Counter
 from dataclasses import dataclass
 
@@ -355,13 +356,66 @@ def test_train_resumes_into_and_out_of_tensor_parallelism(tmp_path, corpus, caps
         assert torch.allclose(weights[key], value, rtol=1e-4, atol=1e-6), key
 
 
+def test_train_packs_documents_under_tensor_parallelism(tmp_path, corpus, capsys, monkeypatch):
+    """--pack-documents under --tensor-parallel 2: both tensor ranks read the same rows and
+    their documents' bounds (cu_seqlens over the whole B x T tokens, which attention sees
+    gathered), so every loss equals the single-process run's, to rounding. A document ends at
+    each ". " so that many windows hold several."""
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")  # as torchrun's ranks run
+    packed = ["--pack-documents", "--document-separator", ". ", *TP_ARGS]
+    argv = [*FASTLM_TOY, "--data", corpus, "--steps", 4, "--out", tmp_path / "single", *packed]
+    status, single, err = run_main(argv, capsys)
+    assert status == 0, err
+    assert 0 < single["targets_ignored"] < single["targets"]  # documents start inside windows
+    extra = [*packed, "--tensor-parallel", "2"]
+    result, _ = torchrun(tmp_path, corpus, "tp", *FASTLM_TOY[len(TOY) :], *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "tensor parallel 2" in result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["world_size"] == 2 and summary["targets_ignored"] == single["targets_ignored"]
+    parallel = checkpoint.load_state(tmp_path / "tp")["train_losses"]
+    expected = checkpoint.load_state(tmp_path / "single")["train_losses"]
+    assert len(parallel) == len(expected) == 4
+    assert parallel == pytest.approx(expected, rel=1e-5)
+    assert summary["val_loss"] == pytest.approx(single["val_loss"], rel=1e-5)
+
+
+def test_train_compiles_under_tensor_parallelism(tmp_path, corpus, capsys, monkeypatch):
+    """--compile under --tensor-parallel 2 (torch.compile of the DDP-wrapped model and loss,
+    the plan's collectives traced inside its autograd Functions; aot_eager here, inductor's C++
+    build being minutes on this CPU): every loss equals the single-process eager run's."""
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")  # as torchrun's ranks run
+    aot_eager = textwrap.dedent("""
+        import sys, torch
+        compile_ = torch.compile
+        def aot_eager(model, **options):
+            print("compiling with aot_eager", file=sys.stderr)
+            return compile_(model, backend="aot_eager", **options)
+        torch.compile = aot_eager
+    """)
+    monkeypatch.setattr(test_train, "RANK_SCRIPT", aot_eager + test_train.RANK_SCRIPT)
+    argv = [*FASTLM_TOY, "--data", corpus, "--steps", 4, "--out", tmp_path / "single", *TP_ARGS]
+    status, single, err = run_main(argv, capsys)
+    assert status == 0, err
+    extra = [*TP_ARGS, "--tensor-parallel", "2", "--compile"]
+    result, _ = torchrun(tmp_path, corpus, "tp", *FASTLM_TOY[len(TOY) :], *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "tensor parallel 2" in result.stderr
+    assert result.stderr.count("compiling with aot_eager") == 2  # each rank's trainer
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    parallel = checkpoint.load_state(tmp_path / "tp")["train_losses"]
+    expected = checkpoint.load_state(tmp_path / "single")["train_losses"]
+    assert len(parallel) == len(expected) == 4
+    assert parallel == pytest.approx(expected, rel=1e-5)
+    assert summary["val_loss"] == pytest.approx(single["val_loss"], rel=1e-5)
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
         (["--tensor-parallel", "0"], "--tensor-parallel must be at least 1, got 0"),
         (["--tensor-parallel", "3"], "16 tokens must be divisible by --tensor-parallel 3"),
         (["--tensor-parallel", "2", "--model", "reference"], "runs fastlm's model"),
-        (["--tensor-parallel", "2", "--pack-documents"], "does not take --pack-documents"),
         (
             ["--tensor-parallel", "2", *TP_ARGS],
             "--tensor-parallel 2 x --context-parallel 1 must divide the number of processes (1)",

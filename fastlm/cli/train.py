@@ -328,13 +328,8 @@ def check_tensor_parallel(args: argparse.Namespace) -> None:
             f"{args.context_parallel} = {shard} tokens must be divisible by --tensor-parallel {T} "
             "(sequence parallelism splits them)"
         )
-    for refused, reason in (
-        (args.model != "fastlm", "runs fastlm's model (--model fastlm)"),
-        (args.pack_documents, "does not take --pack-documents yet"),
-        (args.compile, "does not run under --compile yet"),
-    ):
-        if refused:
-            raise ConfigError(f"--tensor-parallel {reason}")
+    if args.model != "fastlm":
+        raise ConfigError("--tensor-parallel runs fastlm's model (--model fastlm)")
 
 
 def check_context_parallel(args: argparse.Namespace) -> None:
