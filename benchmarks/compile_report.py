@@ -120,7 +120,6 @@ def _attention_internals() -> SimpleNamespace:
         max_head_dim=configs.MAX_HEAD_DIM,
         tma_max_block_d=configs.TMA_MAX_BLOCK_D,
         fitting_configs=configs.fitting_configs,
-        launch_head_block=configs.launch_head_block,
         has_options=configs.has_options,
         configs={
             forward._attention_fwd_kernel: configs.FWD_CUDA_CONFIGS,
@@ -501,9 +500,10 @@ def shipped_configs(launch: Launch) -> list:
     last is the one FASTLM_AUTOTUNE=0 keeps."""
     return ATTENTION.fitting_configs(
         ATTENTION.configs[launch.kernel],
-        ATTENTION.launch_head_block(launch.args),
+        launch.args["BLOCK_D"],
         launch.args["Q"].element_size(),
         ATTENTION.has_options(launch.args),
+        launch.args["BLOCK_DV"],
     )
 
 
