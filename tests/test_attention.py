@@ -209,6 +209,21 @@ def test_softmax_scale(device, monkeypatch, causal, tma, scale):
     run_dense(q, k, v, causal, scale=scale)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("scale", [0.3, -0.3, 0.0])
+def test_torch_backend_softmax_scale(device, monkeypatch, causal, scale):
+    """FASTLM_BACKEND=torch takes any scale the option rule does: SDPA scales q and k by
+    sqrt(scale) each (NaN below 0, and 0 with the causal mask gave NaN too), so a scale <= 0
+    goes through the explicit scores."""
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")
+    for Nq, Nk in ((77, 77), (77, 130)):  # SDPA's own causal mask, and a mask of ours
+        q, k, v = make_heads(1, 2, 1, Nq, Nk, 32, torch.float32, device)
+        o = flash_attention(q, k, v, causal, scale)  # no lse asked: the path that may take SDPA
+        ref_o, _ = reference(q, k, v, visible(Nq, Nk, causal), scale)
+        assert_close(o, ref_o, torch.float32, "o")
+        run_dense(q, k, v, causal, scale=scale)  # with lse and gradients: the explicit scores
+
+
 # --------------------------------------------------------------------------------------------
 # A window, a cap, the log-sum-exp
 # --------------------------------------------------------------------------------------------

@@ -46,7 +46,11 @@ def flash_attention_ref(
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     visible = _visible_keys(Nq, Nk, causal, window_size, q.device)
-    if window_size == (-1, -1) and not softcap and not return_lse and sinks is None and Nk > 0:
+    # SDPA scales q and k by sqrt(scale) each: a scale <= 0 (equal or reversed weights) takes
+    # the explicit scores below.
+    plain_scale = softmax_scale is None or softmax_scale > 0
+    plain = window_size == (-1, -1) and not softcap and not return_lse and sinks is None
+    if plain and plain_scale and Nk > 0:
         if not causal or Nq == Nk:  # SDPA's own causal mask is aligned to the start
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=softmax_scale)
