@@ -566,6 +566,37 @@ def test_option(entry: Entry, backend: str, monkeypatch):
         assert named in message or entry.option in message, f"{entry!r} = {value!r}: {message}"
 
 
+# Tensor options: one value per head, so the rule is applied to each element (and the tensor's
+# type, dtype and shape). `sinks` (attention sinks, one logit per query head): -inf is "no sink"
+# (the plain result, tested bit for bit in test_attention), any finite logit runs, nan and +inf
+# are refused; a number where a tensor belongs, an integer tensor or another shape too.
+TENSOR_OPTIONS = [
+    ("flash_attention", flash_attention),
+    ("flash_attention_varlen", flash_attention_varlen),
+]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("where, run", TENSOR_OPTIONS, ids=[w for w, _ in TENSOR_OPTIONS])
+def test_sinks_follow_the_rule(where, run, backend, monkeypatch):
+    monkeypatch.setenv("FASTLM_BACKEND", backend)
+    for fill in (-math.inf, -1e30, -1.0, 0.0, 1.0, 1e30):
+        _leaves.clear()
+        for t in run(sinks=torch.full((H,), fill)):
+            assert torch.isfinite(t).all(), f"{where}: sinks = {fill}: a non-finite result"
+    refused = [
+        (torch.full((H,), math.nan), ValueError),
+        (torch.full((H,), math.inf), ValueError),
+        (torch.zeros(H + 1), ValueError),
+        (torch.zeros(H, dtype=torch.int64), TypeError),
+        (0.5, TypeError),
+    ]
+    for value, error in refused:
+        _leaves.clear()
+        with pytest.raises(error, match="sinks"):
+            run(sinks=value)
+
+
 def test_a_wide_window_is_no_window():
     """The largest window side the rule accepts is the unbounded window, not an int32 overflow
     inside the kernel (which would mask every key): the float64 reference of full attention, at
