@@ -255,7 +255,7 @@ def test_family_on_the_kernels(family):
     if family in ("phi3", "mixtral", "qwen3_moe"):
         gated = "swiglu_packed"  # fused gate_up projections
     head = "linear_cross_entropy_options" if family == "gemma2" else "linear_cross_entropy"
-    kernels = {"rms_norm", "rope_", "flash_attention_varlen", head, gated}  # gemma2: a soft cap
+    kernels = {"rms_norm", "rope", "flash_attention_varlen", head, gated}  # gemma2: a soft cap
     kernels |= {name + "_backward" for name in ("rms_norm", "flash_attention_varlen", gated)}
     assert kernels <= ops.names, kernels - ops.names
     _assert_attention_on_the_kernels(ops.names)
@@ -502,15 +502,14 @@ def test_what_the_kernels_do_not_run_goes_to_sdpa_with_a_warning():
 
 def test_patch_names_what_it_supports_and_leaves_what_it_cannot(monkeypatch):
     monkeypatch.setenv("FASTLM_BACKEND", "torch")
-    with pytest.raises(
-        TypeError, match="LlamaForCausalLM, .*Gemma3ForCausalLM, .*Qwen3MoeForCausal"
-    ):
+    with pytest.raises(TypeError, match="model must be a transformers PreTrainedModel with a c"):
         hf.patch(torch.nn.Linear(2, 2))
     relu = _model("llama", hidden_act="relu")
     truth = _truth(relu)
-    with pytest.warns(UserWarning, match=r"left unpatched: mlp of LlamaMLP \(ReLU activation\)"):
+    with pytest.warns(UserWarning, match=r"left unpatched: LlamaMLP \(ReLU activation\)"):
         hf.patch(relu)
     assert relu.fastlm_patched == ("rms_norm", "rope", "attention", "cross_entropy")
+    assert relu.fastlm_patched.left == {"LlamaMLP": "ReLU activation"}
     _assert_matches_truth(relu, truth, _padded_batch(), "relu")
     exact = _patched(_model("llama", hidden_act="gelu"))  # the exact GELU: geglu
     assert exact.fastlm_patched[1] == "geglu"
