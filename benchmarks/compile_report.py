@@ -120,6 +120,7 @@ def _attention_internals() -> SimpleNamespace:
         max_head_dim=configs.MAX_HEAD_DIM,
         tma_max_block_d=configs.TMA_MAX_BLOCK_D,
         fitting_configs=configs.fitting_configs,
+        launch_head_block=configs.launch_head_block,
         has_options=configs.has_options,
         configs={
             forward._attention_fwd_kernel: configs.FWD_CUDA_CONFIGS,
@@ -455,7 +456,9 @@ class Task:
 
 
 def _blocks(args: dict) -> dict:
-    return {k: v for k, v in args.items() if k.startswith("BLOCK_") and k != "BLOCK_D"}
+    return {
+        k: v for k, v in args.items() if k.startswith("BLOCK_") and k not in ("BLOCK_D", "BLOCK_DV")
+    }
 
 
 def shipped_configs(launch: Launch) -> list:
@@ -463,7 +466,7 @@ def shipped_configs(launch: Launch) -> list:
     last is the one FASTLM_AUTOTUNE=0 keeps."""
     return ATTENTION.fitting_configs(
         ATTENTION.configs[launch.kernel],
-        launch.args["BLOCK_D"],
+        ATTENTION.launch_head_block(launch.args),
         launch.args["Q"].element_size(),
         ATTENTION.has_options(launch.args),
     )

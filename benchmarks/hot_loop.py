@@ -9,8 +9,9 @@ cheapest of them when there are several (a kernel's unmasked phase). From it:
   other floating point, loads, stores, barriers and synchronisation, the rest, total;
 - the MMA the loop issues against the tile's FLOPs: each HGMMA is one warpgroup's m x n x k
   product, run once per warpgroup (num_warps / 4), each HMMA one warp's, run once per warp; the
-  tile's FLOPs are 2 * rows * cols * BLOCK_D per dot of the loop (the forward 2 dots, dQ 3,
-  dK/dV 4, 5 with the atomic dQ). A ratio above 1 is work duplicated across warps;
+  tile's FLOPs are 2 * rows * cols * BLOCK_D per dot of the loop over q's head dim and
+  2 * rows * cols * BLOCK_DV per dot over v's (the forward 1 + 1 dots, dQ 2 + 1, dK/dV 2 + 2,
+  3 + 2 with the atomic dQ). A ratio above 1 is work duplicated across warps;
 - the deepest `wgmma.wait_group N` in the PTX, and the `WARPGROUP.DEPBAR.LE gsb0, N` waits inside
   the loop: a wait of N >= 1 leaves N warpgroup MMA groups in flight across the code after it, 0
   waits for every one;
@@ -58,11 +59,11 @@ MUFU_RATE = 16
 ISSUE_RATE = 4
 #: tl.dot calls per iteration of each kernel's key (or query) loop: (dots, tile rows, tile cols)
 #: with the tile's sides named by their BLOCK_ constexprs.
-KERNEL_DOTS = {
-    "_attention_fwd_kernel": (2, "BLOCK_M", "BLOCK_N"),
-    "_attention_fwd_tma_kernel": (2, "BLOCK_M", "BLOCK_N"),
-    "_attention_bwd_dq_kernel": (3, "BLOCK_M", "BLOCK_N"),
-    "_attention_bwd_dkdv_kernel": (4, "BLOCK_N", "BLOCK_M"),  # + 1 with ATOMIC_DQ
+KERNEL_DOTS = {  # (dots over q's head dim, dots over v's, the score block's rows and cols)
+    "_attention_fwd_kernel": (1, 1, "BLOCK_M", "BLOCK_N"),
+    "_attention_fwd_tma_kernel": (1, 1, "BLOCK_M", "BLOCK_N"),
+    "_attention_bwd_dq_kernel": (2, 1, "BLOCK_M", "BLOCK_N"),
+    "_attention_bwd_dkdv_kernel": (2, 2, "BLOCK_N", "BLOCK_M"),  # + 1 over q's with ATOMIC_DQ
 }
 
 _LINE = re.compile(
@@ -219,10 +220,11 @@ def in_flight(body: list[Instruction], num_warps: int) -> dict | None:
 
 def tile_flops(kernel: str, constexprs: dict) -> tuple[int, str]:
     """The FLOPs of one iteration's dots and the tile (rows x cols of its score block)."""
-    dots, rows, cols = KERNEL_DOTS[kernel]
-    dots += bool(constexprs.get("ATOMIC_DQ"))
+    qk_dots, v_dots, rows, cols = KERNEL_DOTS[kernel]
+    qk_dots += bool(constexprs.get("ATOMIC_DQ"))
     r, c, d = constexprs[rows], constexprs[cols], constexprs["BLOCK_D"]
-    return dots * 2 * r * c * d, f"{r}x{c}"
+    d_v = constexprs.get("BLOCK_DV", d)  # v's head block (MLA: narrower than q's)
+    return 2 * r * c * (qk_dots * d + v_dots * d_v), f"{r}x{c}"
 
 
 def analyse(sass: str, ptx: str, kernel: str, constexprs: dict, num_warps: int, arch: str) -> dict:

@@ -385,7 +385,10 @@ class _Kernels:
         return flash_attention_op(q, k, v, *self.options)
 
     def backward(self, do, q, k, v, o, lse):
-        return torch.ops.fastlm.flash_attention_backward(do, q, k, v, o, lse, *self.options)
+        dq, dk, dv, _ = torch.ops.fastlm.flash_attention_backward(
+            do, q, k, v, o, lse, *self.options
+        )  # the fourth, the sinks' gradient, is empty without sinks
+        return dq, dk, dv
 
     @staticmethod
     def natural(lse):

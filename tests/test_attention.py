@@ -19,6 +19,7 @@ from attention_harness import (
     CopyRecorder,
     gradients,
     make_heads,
+    make_sinks,
     record_dq_paths,
     reference,
     run_dense,
@@ -456,6 +457,179 @@ def test_scores_all_far_below_zero(device, causal, window, deterministic):
 
 
 # --------------------------------------------------------------------------------------------
+# Attention sinks (gpt-oss); a value head dim of its own (MLA)
+# --------------------------------------------------------------------------------------------
+
+# (B, Hq, Hkv, Nq, Nk, D, causal, window, softcap, dtype): sinks with GQA and MQA, causal and
+# full, gpt-oss's sliding window, a cap (the sink is not capped), Nq < Nk, every dtype.
+SINK_CASES = [
+    (2, 4, 2, 77, 77, 32, True, NO_WINDOW, 0.0, torch.float32),
+    (1, 4, 1, 45, 70, 16, True, (9, 0), 0.0, torch.float16),  # sliding window, MQA, Nq < Nk
+    (1, 2, 2, 70, 70, 16, False, (5, 17), 2.0, torch.float32),  # both sides, capped
+    (1, 2, 1, 64, 64, 64, False, NO_WINDOW, 0.0, torch.bfloat16),
+    (1, 3, 1, 33, 33, 16, True, NO_WINDOW, 1.5, torch.float16),  # capped, causal
+]
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["two-pass", "atomic-dq"])
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,window,softcap,dtype", SINK_CASES)
+def test_sinks_match_reference(
+    device, deterministic, B, Hq, Hkv, Nq, Nk, D, causal, window, softcap, dtype
+):
+    """o, lse (the sink in its sum) and dq, dk, dv, dsinks against float64 autograd of the
+    eager formula (a column of sink logits, softmax, the column dropped)."""
+    q, k, v = make_heads(B, Hq, Hkv, Nq, Nk, D, dtype, device)
+    run_dense(
+        q, k, v, causal, window, softcap, deterministic=deterministic, sinks=make_sinks(Hq, device)
+    )
+
+
+@pytest.mark.parametrize("tma", TMA_PATHS[1:], ids=["other-path"])
+@pytest.mark.parametrize("case", [SINK_CASES[i] for i in (1, 2, 3)])
+def test_sinks_other_data_path(device, monkeypatch, tma, case):
+    monkeypatch.setenv("FASTLM_ATTENTION_TMA", tma)
+    B, Hq, Hkv, Nq, Nk, D, causal, window, softcap, dtype = case
+    q, k, v = make_heads(B, Hq, Hkv, Nq, Nk, D, dtype, device)
+    run_dense(q, k, v, causal, window, softcap, sinks=make_sinks(Hq, device))
+
+
+@pytest.mark.parametrize("sink_dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_sinks_of_any_float_dtype(device, sink_dtype):
+    """Sinks of another dtype than q: fp32 math, and their gradient in their own dtype."""
+    q, k, v = make_heads(1, 2, 1, 40, 40, 16, torch.float32, device)
+    sinks = make_sinks(2, device, sink_dtype)
+    _, _, grads = run_dense(q, k, v, True, sinks=sinks)
+    assert grads[3].dtype == sink_dtype
+
+
+@pytest.mark.parametrize("tma", TMA_PATHS, ids=["default-path", "other-path"])
+@pytest.mark.parametrize("deterministic", [True, False], ids=["two-pass", "atomic-dq"])
+def test_minus_inf_sink_is_no_sink(device, monkeypatch, tma, deterministic):
+    """A sink of -inf is no sink: o, lse, dq, dk, dv bitwise those of a call without sinks, on
+    its head, with a finite sink on the other; its gradient is 0."""
+    if tma is not None:
+        monkeypatch.setenv("FASTLM_ATTENTION_TMA", tma)
+    q, k, v = make_heads(1, 2, 1, 45, 70, 16, torch.float16, device)
+    sinks = torch.tensor([-math.inf, 0.5], device=device, requires_grad=True)
+    do = torch.randn(1, 2, 45, 16, device=device, dtype=torch.float16)
+    results = []
+    for s in (sinks, None):
+        o, lse = flash_attention(
+            q, k, v, window_size=(20, 0), return_lse=True, sinks=s, deterministic=deterministic
+        )
+        results.append((o, lse, *gradients(o, (q, k, v) if s is None else (q, k, v, s), do)))
+    with_sinks, without = results
+    for name, a, b in zip(("o", "lse"), with_sinks, without):
+        assert torch.equal(a[:, 0], b[:, 0]), f"{name} of the -inf sink's head"
+        assert not torch.equal(a[:, 1], b[:, 1]), f"{name} of the finite sink's head"
+    assert torch.equal(with_sinks[2][:, 0], without[2][:, 0]), "dq of the -inf sink's head"
+    assert with_sinks[5][0] == 0 and with_sinks[5][1] != 0
+    all_minus_inf = torch.full((2,), -math.inf, device=device)
+    o, lse = flash_attention(q, k, v, return_lse=True, sinks=all_minus_inf)
+    o_plain, lse_plain = flash_attention(q, k, v, return_lse=True)
+    assert torch.equal(o, o_plain) and torch.equal(lse, lse_plain)
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["two-pass", "atomic-dq"])
+def test_sinks_on_rows_without_keys(device, deterministic):
+    """Rows that see no key (here the first Nq - Nk of a causal launch, which the public function
+    refuses but packed sequences have): the sink is all they see, so o = 0 and lse = the sink
+    (base 2 in the kernels), and their dq is 0."""
+    Nq, Nk, D = 77, 40, 16
+    q, k, v = (t.detach() for t in make_heads(1, 2, 1, Nq, Nk, D, torch.float32, device))
+    sinks = torch.tensor([0.7, -1.3], device=device)
+    o, lse = attention_forward(q, k, v, True, D**-0.5, False, sinks=sinks)
+    do = torch.randn_like(o)
+    dq, dk, dv, dsinks = attention_backward(
+        do, q, k, v, o, lse, True, D**-0.5, False, deterministic, sinks=sinks
+    )
+    leaves = [t.double().requires_grad_() for t in (q, k, v, sinks)]
+    ref_o, ref_lse = reference(*leaves[:3], visible(Nq, Nk, True), D**-0.5, 0.0, leaves[3])
+    ref_grads = gradients(ref_o, leaves, do.double())
+    for name, out, ref in zip(
+        ("o", "dq", "dk", "dv", "dsinks"), (o, dq, dk, dv, dsinks), (ref_o, *ref_grads)
+    ):
+        assert_close(out, ref, torch.float32, name)
+    empty = slice(0, Nq - Nk)
+    assert torch.equal(o[:, :, empty], torch.zeros_like(o[:, :, empty]))
+    assert torch.equal(dq[:, :, empty], torch.zeros_like(dq[:, :, empty]))
+    assert_close(
+        lse[0, :, empty] * math.log(2),
+        sinks[:, None].double().expand(2, Nq - Nk),
+        torch.float32,
+        "lse",
+    )
+
+
+def test_sink_gradient_is_deterministic(device):
+    """Two backward passes give bitwise-equal dsinks (a fixed-order reduction, no atomics)."""
+    q, k, v = make_heads(1, 4, 2, 77, 77, 16, torch.float16, device)
+    sinks = make_sinks(4, device)
+    o = flash_attention(q, k, v, sinks=sinks)
+    do = torch.randn_like(o)
+    first = gradients(o, (q, k, v, sinks), do)
+    o = flash_attention(q, k, v, sinks=sinks)
+    second = gradients(o, (q, k, v, sinks), do)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+# (B, Hq, Hkv, Nq, Nk, D, Dv, causal, dtype): q and k's head dim and v's differ: MLA's 192 / 128
+# (padded to head blocks 256 / 128), 96 / 64, v wider than q, GQA, Nq < Nk.
+VALUE_DIM_CASES = [
+    (1, 2, 1, 40, 40, 192, 128, True, torch.bfloat16),
+    (1, 2, 2, 45, 70, 96, 64, True, torch.float16),
+    (2, 4, 2, 33, 33, 32, 16, False, torch.float32),
+    (1, 2, 1, 70, 70, 16, 48, True, torch.float32),
+]
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["two-pass", "atomic-dq"])
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,Dv,causal,dtype", VALUE_DIM_CASES)
+def test_value_head_dim_of_its_own(device, deterministic, B, Hq, Hkv, Nq, Nk, D, Dv, causal, dtype):
+    """o and dv take v's head dim; every output and gradient against float64."""
+    q, k, v = make_heads(B, Hq, Hkv, Nq, Nk, D, dtype, device, Dv=Dv)
+    o, _, grads = run_dense(q, k, v, causal, deterministic=deterministic)
+    assert o.shape == (B, Hq, Nq, Dv) and grads[2].shape == v.shape
+
+
+@pytest.mark.parametrize("tma", TMA_PATHS[1:], ids=["other-path"])
+@pytest.mark.parametrize("case", [VALUE_DIM_CASES[i] for i in (1, 3)])
+def test_value_head_dim_other_data_path(device, monkeypatch, tma, case):
+    monkeypatch.setenv("FASTLM_ATTENTION_TMA", tma)
+    B, Hq, Hkv, Nq, Nk, D, Dv, causal, dtype = case
+    dq_paths = record_dq_paths(monkeypatch)
+    run_dense(*make_heads(B, Hq, Hkv, Nq, Nk, D, dtype, device, Dv=Dv), causal)
+    assert dq_paths == [tma == "1"]
+
+
+@pytest.mark.parametrize("tma", TMA_PATHS, ids=["default-path", "other-path"])
+def test_value_head_dim_strided_with_sinks_and_window(device, monkeypatch, tma):
+    """MLA-shaped q|k and v as views of token-major projections (v the first 64 channels of
+    wider heads), a window and sinks at once."""
+    if tma is not None:
+        monkeypatch.setenv("FASTLM_ATTENTION_TMA", tma)
+    B, T, Hq, Hkv, D, Dv = 1, 77, 4, 2, 96, 64
+    qk = torch.randn(B, T, Hq + Hkv, D, device=device, dtype=torch.float16)
+    q = qk[:, :, :Hq].transpose(1, 2).requires_grad_()
+    k = qk[:, :, Hq:].transpose(1, 2).requires_grad_()
+    v = torch.randn(B, T, Hkv, D, device=device, dtype=torch.float16)[..., :Dv]
+    v = v.transpose(1, 2).requires_grad_()
+    assert v.stride(-2) == Hkv * D
+    run_dense(q, k, v, True, (30, 0), sinks=make_sinks(Hq, device))
+
+
+@pytest.mark.parametrize("Dv", [16, 40])
+def test_torch_backend_sinks_and_value_head_dim(device, monkeypatch, Dv):
+    """FASTLM_BACKEND=torch: flash_attention_ref with sinks and v's own head dim."""
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")
+    q, k, v = make_heads(2, 4, 2, 30, 41, 12, torch.float32, device, Dv=Dv)
+    run_dense(q, k, v, True, (5, 0), scale=0.2, sinks=make_sinks(4, device))
+    q, k, v = make_heads(2, 4, 2, 30, 41, 12, torch.float64, device, Dv=Dv)
+    o_explicit, _ = flash_attention_ref(q, k, v, False, return_lse=True)
+    assert_close(flash_attention_ref(q, k, v, False), o_explicit, torch.float64, "o (SDPA)")
+
+
+# --------------------------------------------------------------------------------------------
 # Strides, determinism, memory
 # --------------------------------------------------------------------------------------------
 
@@ -567,7 +741,16 @@ def _heads(B=1, H=2, N=8, D=16, **kwargs):
 BAD_INPUTS = [
     (dict(q=torch.randn(2, 8, 16)), ValueError, "q must have 4 dims"),
     (dict(k=torch.randn(1, 2, 8, 16, 1)), ValueError, "k must have 4 dims"),
-    (dict(k=_heads(D=32)), ValueError, "v has shape"),
+    (dict(k=_heads(N=9)), ValueError, "v has shape"),
+    (dict(v=_heads(D=0)), ValueError, "v has head dim 0"),
+    (dict(v=_heads(D=12)), ValueError, "v has head dim 12"),
+    (dict(sinks=[0.0, 1.0]), TypeError, "sinks must be a torch.Tensor or None"),
+    (dict(sinks=torch.zeros(2, dtype=torch.int64)), TypeError, "sinks must be a floating"),
+    (dict(sinks=torch.zeros(3)), ValueError, "sinks must have shape \\(Hq,\\) = \\(2,\\)"),
+    (dict(sinks=torch.zeros(1, 2)), ValueError, "sinks must have shape"),
+    (dict(sinks=torch.zeros(2, device="meta")), ValueError, "sinks is on meta"),
+    (dict(sinks=torch.tensor([0.0, math.nan])), ValueError, "sinks must hold no NaN or \\+inf"),
+    (dict(sinks=torch.tensor([math.inf, 0.0])), ValueError, "sinks must hold no NaN or \\+inf"),
     (dict(k=_heads(D=32), v=_heads(D=32)), ValueError, "k has head dim 32"),
     (dict(k=_heads(dtype=torch.float16)), TypeError, "k has dtype"),
     (dict(v=_heads(device="meta")), ValueError, "v is on meta"),

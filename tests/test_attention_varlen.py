@@ -2,6 +2,8 @@
 (`attention_harness`), each sequence with its own causal mask and window aligned to its end; more
 queries than keys, empty sequences, strided cu_seqlens, bad input, compile, memory."""
 
+import math
+
 import pytest
 import torch
 from attention_harness import (
@@ -10,6 +12,7 @@ from attention_harness import (
     AllocationRecorder,
     cu_seqlens,
     make,
+    make_sinks,
     record_dq_paths,
     run_varlen,
     takes_descriptors,
@@ -149,6 +152,77 @@ def _cu(*values, dtype=torch.int32):
     return torch.tensor(values, dtype=dtype)
 
 
+# (lens_q, lens_k, Hq, Hkv, D, Dv, causal, window, softcap, dtype): packed sequences with sinks
+# (an empty sequence, more queries than keys: rows that see only the sink) and with v's own
+# head dim (MLA's 192 / 128 among them), together or apart.
+VARLEN_SINK_CASES = [
+    ([6, 0, 20, 4], [3, 5, 0, 40], 4, 2, 16, 16, True, NO_WINDOW, 0.0, torch.float32),
+    ([5, 70, 9, 1], None, 2, 1, 16, 16, True, (7, 0), 3.0, torch.float16),
+    ([33, 1, 40], None, 2, 1, 192, 128, True, NO_WINDOW, 0.0, torch.bfloat16),
+    ([70, 2, 45], None, 2, 2, 32, 16, False, (4, 40), 0.0, torch.float32),
+]
+
+
+@pytest.mark.parametrize("with_sinks", [True, False], ids=["sinks", "no-sinks"])
+@pytest.mark.parametrize("deterministic", [True, False], ids=["two-pass", "atomic-dq"])
+@pytest.mark.parametrize("lens_q,lens_k,Hq,Hkv,D,Dv,causal,window,softcap,dtype", VARLEN_SINK_CASES)
+def test_varlen_sinks_and_value_head_dim(
+    device,
+    with_sinks,
+    deterministic,
+    lens_q,
+    lens_k,
+    Hq,
+    Hkv,
+    D,
+    Dv,
+    causal,
+    window,
+    softcap,
+    dtype,
+):
+    sinks = make_sinks(Hq, device) if with_sinks else None
+    run_varlen(
+        lens_q,
+        lens_k or lens_q,
+        Hq,
+        Hkv,
+        D,
+        causal,
+        window,
+        softcap,
+        dtype,
+        device,
+        deterministic,
+        sinks=sinks,
+        Dv=Dv,
+    )
+
+
+@pytest.mark.parametrize("tma", TMA_PATHS[1:], ids=["other-path"])
+@pytest.mark.parametrize("case", [VARLEN_SINK_CASES[i] for i in (0, 1, 3)])
+def test_varlen_sinks_and_value_head_dim_other_data_path(device, monkeypatch, tma, case):
+    monkeypatch.setenv("FASTLM_ATTENTION_TMA", tma)
+    lens_q, lens_k, Hq, Hkv, D, Dv, *rest = case
+    run_varlen(
+        lens_q, lens_k or lens_q, Hq, Hkv, D, *rest, device, sinks=make_sinks(Hq, device), Dv=Dv
+    )
+
+
+def test_varlen_rows_that_see_only_the_sink(device):
+    """A sequence with more queries than keys and one without keys: their rows see the sink
+    alone, so o = 0 and lse = the head's sink (not -inf), and dq = 0 there."""
+    sinks = torch.tensor([0.25, -2.0], device=device, requires_grad=True)
+    o, lse = run_varlen(
+        [6, 4], [2, 0], 2, 1, 16, True, NO_WINDOW, 0.0, torch.float32, device, sinks=sinks
+    )
+    unseen = [0, 1, 2, 3, 6, 7, 8, 9]  # the first 4 queries of sequence 0, all of sequence 1
+    assert torch.equal(o[unseen], torch.zeros_like(o[unseen]))
+    assert_close(
+        lse[:, unseen], sinks.detach()[:, None].double().expand(2, 8), torch.float32, "lse"
+    )
+
+
 # Each replaces some of q, k, v = (8, 2, 16), cu_seqlens = [0, 3, 8], max_seqlen = 5.
 BAD_VARLEN = [
     (dict(cu_seqlens_q=_cu(0, 3, 8, dtype=torch.int64)), ValueError, "cu_seqlens_q must be int32"),
@@ -168,7 +242,10 @@ BAD_VARLEN = [
     ),
     (dict(q=torch.randn(1, 8, 2, 16)), ValueError, "q must have 3 dims"),
     (dict(q=torch.randn(8, 3, 16)), ValueError, "not a multiple of k's 2 heads"),
-    (dict(v=torch.randn(8, 2, 8)), ValueError, "v has shape"),
+    (dict(v=torch.randn(8, 1, 16)), ValueError, "v has shape"),
+    (dict(v=torch.randn(8, 2, 12)), ValueError, "v has head dim 12"),
+    (dict(sinks=torch.zeros(8)), ValueError, "sinks must have shape \\(Hq,\\) = \\(2,\\)"),
+    (dict(sinks=torch.tensor([0.0, math.nan])), ValueError, "sinks must hold no NaN"),
     (dict(causal=1), TypeError, "causal must be a bool"),
     (dict(window_size=(4, 2)), ValueError, "window_size\\[1\\] is 2, but with causal=True"),
     (dict(softcap=-1.0), ValueError, "softcap must be 0 \\(off\\) or a positive finite"),

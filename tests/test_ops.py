@@ -40,6 +40,22 @@ def _op_cases(device):
     o_varlen, lse_varlen = torch.ops.fastlm.flash_attention_varlen(
         *(t.detach() for t in packed), cu, cu, 31, 31, *varlen_flags
     )
+    # Attention sinks (one per query head) and v of its own head dim (24 against q's 16).
+    sinks, v24 = _randn(2, **g), _randn(1, 1, 37, 24, **g)
+    sink_flags = (True, 0.25, 9, 0, 0.0, False, True)
+    o_sinks, lse_sinks = torch.ops.fastlm.flash_attention(
+        q.detach(), k.detach(), v24.detach(), *sink_flags, sinks.detach()
+    )
+    packed_v24 = v24[0].transpose(0, 1)
+    o_varlen_sinks, lse_varlen_sinks = torch.ops.fastlm.flash_attention_varlen(
+        *(t.detach() for t in (*packed[:2], packed_v24)),
+        cu,
+        cu,
+        31,
+        31,
+        *varlen_flags,
+        sinks.detach(),
+    )
     cos, sin = rope_tables(10000.0, 16, 64, device=device)
     positions = torch.arange(3, 40, device=device)
     targets = torch.randint(0, 300, (6,), device=device)
@@ -93,9 +109,40 @@ def _op_cases(device):
                 False,
             ),
         ),
+        "flash_attention_sinks": (ops.flash_attention, (q, k, v24, *sink_flags, sinks)),
+        "flash_attention_backward_sinks": (
+            ops.flash_attention_backward,
+            (
+                _randn(1, 2, 37, 24, **n),
+                *(t.detach() for t in (q, k, v24)),
+                o_sinks,
+                lse_sinks,
+                *sink_flags,
+                sinks.detach(),
+            ),
+        ),
         "flash_attention_varlen": (
             ops.flash_attention_varlen,
             (*packed, cu, cu, 31, 31, *varlen_flags),
+        ),
+        "flash_attention_varlen_sinks": (
+            ops.flash_attention_varlen,
+            (*packed[:2], packed_v24, cu, cu, 31, 31, *varlen_flags, sinks),
+        ),
+        "flash_attention_varlen_backward_sinks": (
+            ops.flash_attention_varlen_backward,
+            (
+                _randn(37, 2, 24, **n),
+                *(t.detach() for t in (*packed[:2], packed_v24)),
+                o_varlen_sinks,
+                lse_varlen_sinks,
+                cu,
+                cu,
+                31,
+                31,
+                *varlen_flags,
+                sinks.detach(),
+            ),
         ),
         "flash_attention_varlen_backward": (
             ops.flash_attention_varlen_backward,
@@ -209,6 +256,10 @@ OP_NAMES = [
     "flash_attention_backward_",
     "flash_attention_varlen",
     "flash_attention_varlen_backward",
+    "flash_attention_sinks",
+    "flash_attention_backward_sinks",
+    "flash_attention_varlen_sinks",
+    "flash_attention_varlen_backward_sinks",
     "rope",
     "rope_",
     "cross_entropy",
@@ -228,6 +279,8 @@ def test_every_registered_op_is_checked(device):
     # An option of an op with its own kernel specialisation gets a case of its own, named
     # <op>_<option>.
     options = {"rms_norm_offset", "geglu_exact"}
+    options |= {"flash_attention_sinks", "flash_attention_backward_sinks"}
+    options |= {"flash_attention_varlen_sinks", "flash_attention_varlen_backward_sinks"}
     assert registered == set(OP_NAMES) - options and set(OP_NAMES) == set(_op_cases(device))
 
 

@@ -81,10 +81,11 @@ def _dkdv_query_blocks(
     Q_head, DO_head, LSE_head, DELTA_head, DQ_head,  #
     stride_qm, stride_qd, stride_dom, stride_dod,  #
     stride_dqm, stride_dqd,  #
-    offs_n, offs_d, lo, hi, n_q, n_k, causal_shift, softmax_scale, qk_scale, window_left,  #
-    window_right, softcap,  #
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,  #
-    CHECK_ROWS: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,  #
+    offs_n, offs_d, offs_dv, lo, hi, n_q, n_k, causal_shift, softmax_scale, qk_scale,  #
+    window_left, window_right, softcap,  #
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,  #
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, CHECK_ROWS: tl.constexpr, MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,  #
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, TO_FP32: tl.constexpr,  #
     DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr
 ):
@@ -95,10 +96,10 @@ def _dkdv_query_blocks(
     offs_m = lo + tl.arange(0, BLOCK_M)
     dq_ptrs = DQ_head + offs_m.to(tl.int64)[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
     q_ptrs = Q_head + offs_m.to(tl.int64)[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    do_ptrs = DO_head + offs_m.to(tl.int64)[:, None] * stride_dom + offs_d[None, :] * stride_dod
+    do_ptrs = DO_head + offs_m.to(tl.int64)[:, None] * stride_dom + offs_dv[None, :] * stride_dod
     for _ in range(lo, hi, BLOCK_M):
         q = load_tile(q_ptrs, offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS, TO_FP32)
-        do = load_tile(do_ptrs, offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS, TO_FP32)
+        do = load_tile(do_ptrs, offs_m, n_q, offs_dv, HEAD_DIM_V, BLOCK_DV, CHECK_ROWS, TO_FP32)
         if CHECK_ROWS:  # rows past n_q: q = dO = 0 and LSE = inf give P = dS = 0
             lse = tl.load(LSE_head + offs_m, mask=offs_m < n_q, other=float("inf"))
             delta = tl.load(DELTA_head + offs_m, mask=offs_m < n_q, other=0.0)
@@ -151,10 +152,11 @@ def _attention_bwd_dkdv_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,  #
     num_kv_heads, group, n_q, n_k, softmax_scale, qk_scale, total_q, window_left,  #
     window_right, softcap, q_bucket, k_bucket,  #
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,  #
-    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,  #
-    TO_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,  #
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,  #
+    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,  #
+    SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, TO_FP32: tl.constexpr,  #
+    DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr,  #
+    BLOCK_N: tl.constexpr
 ):
     """dK and dV of one key block; with ATOMIC_DQ also dQ, added with fp32 atomics into a zeroed
     DQ (FA2's 5-matmul schedule: one pass, no dQ kernel, sums in no fixed order). Without it
@@ -169,6 +171,7 @@ def _attention_bwd_dkdv_kernel(
         return
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     rows = offs_n.to(tl.int64)[:, None]
     k = load_tile(
         K + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn + rows * stride_kn +
@@ -176,10 +179,10 @@ def _attention_bwd_dkdv_kernel(
     )  # (BLOCK_N, BLOCK_D)
     v = load_tile(
         V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn + rows * stride_vn +
-        offs_d[None, :] * stride_vd, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True, TO_FP32
-    )
+        offs_dv[None, :] * stride_vd, offs_n, n_k, offs_dv, HEAD_DIM_V, BLOCK_DV, True, TO_FP32
+    )  # (BLOCK_N, BLOCK_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     causal_shift = n_k - n_q
     lo, full_lo, full_hi, hi = query_range(
@@ -205,10 +208,11 @@ def _attention_bwd_dkdv_kernel(
         for phase in tl.static_range(3):
             dk, dv = _dkdv_query_blocks(
                 dk, dv, k, v, Q_head, DO_head, LSE_head, DELTA_head, DQ_head, stride_qm, stride_qd,
-                stride_dom, stride_dod, stride_dqm, stride_dqd, offs_n, offs_d, starts[phase],
-                ends[phase], n_q, n_k, causal_shift, softmax_scale, qk_scale, window_left,
-                window_right, softcap, HEAD_DIM, BLOCK_D, BLOCK_M, phase != 1, masked[phase],
-                CAUSAL, HAS_WINDOW, SOFTCAP, TO_FP32, DOT_PRECISION, ATOMIC_DQ
+                stride_dom, stride_dod, stride_dqm, stride_dqd, offs_n, offs_d, offs_dv,
+                starts[phase], ends[phase], n_q, n_k, causal_shift, softmax_scale, qk_scale,
+                window_left, window_right, softcap, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
+                BLOCK_M, phase != 1, masked[phase], CAUSAL, HAS_WINDOW, SOFTCAP, TO_FP32,
+                DOT_PRECISION, ATOMIC_DQ
             )
 
     dk_ptrs = (
@@ -217,10 +221,10 @@ def _attention_bwd_dkdv_kernel(
     )
     dv_ptrs = (
         DV + batch * stride_dvb + kv_head * stride_dvh + k_start * stride_dvn + rows * stride_dvn +
-        offs_d[None, :] * stride_dvd
+        offs_dv[None, :] * stride_dvd
     )
     store_tile(dk_ptrs, dk * softmax_scale, offs_n, n_k, offs_d, HEAD_DIM)
-    store_tile(dv_ptrs, dv, offs_n, n_k, offs_d, HEAD_DIM)
+    store_tile(dv_ptrs, dv, offs_n, n_k, offs_dv, HEAD_DIM_V)
 
 
 _attention_bwd_dkdv_dq_kernel = triton.autotune(
@@ -234,11 +238,12 @@ def _dq_key_blocks(
     dq, q, do, lse, delta,  #
     K_head, V_head,  #
     stride_kn, stride_kd, stride_vn, stride_vd,  #
-    offs_m, offs_d, lo, hi, n_k, causal_shift, qk_scale, window_left, window_right, softcap,  #
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,  #
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,  #
-    SOFTCAP: tl.constexpr, TO_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,  #
-    TMA: tl.constexpr
+    offs_m, offs_d, offs_dv, lo, hi, n_k, causal_shift, qk_scale, window_left, window_right,  #
+    softcap,  #
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,  #
+    BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,  #
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, TO_FP32: tl.constexpr,  #
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr
 ):
     """Add to dq of one query block the key blocks starting in [lo, hi) (MASKED as in the
     forward). With TMA, K_head and V_head are tensor descriptors of the head's key rows
@@ -246,14 +251,14 @@ def _dq_key_blocks(
     offs_n = lo + tl.arange(0, BLOCK_N)
     if not TMA:
         k_ptrs = K_head + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd
-        v_ptrs = V_head + offs_n.to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        v_ptrs = V_head + offs_n.to(tl.int64)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
     for start_n in range(lo, hi, BLOCK_N):
         if TMA:
             k = load_rows(K_head, start_n, TO_FP32)
             v = load_rows(V_head, start_n, TO_FP32)
         else:
             k = load_tile(k_ptrs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TO_FP32)
-            v = load_tile(v_ptrs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TO_FP32)
+            v = load_tile(v_ptrs, offs_n, n_k, offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED, TO_FP32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         scores = qk * qk_scale
         if SOFTCAP:
@@ -291,10 +296,11 @@ def _attention_bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,  #
     num_heads, group, n_q, n_k, softmax_scale, qk_scale, total_q, window_left, window_right,  #
     softcap, q_bucket, k_bucket,  #
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,  #
-    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,  #
-    TO_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,  #
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,  #
+    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,  #
+    SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, TO_FP32: tl.constexpr,  #
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,  #
+    BLOCK_N: tl.constexpr
 ):
     """dQ of one query block. TMA: the key blocks the loop streams, k and v, come through tensor
     descriptors (K and V need a unit last stride and 16-byte aligned rows); the query block's q,
@@ -309,6 +315,7 @@ def _attention_bwd_dq_kernel(
         return
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     rows = offs_m.to(tl.int64)[:, None]
     q = load_tile(
         Q + batch * stride_qb + head * stride_qh + q_start * stride_qm + rows * stride_qm +
@@ -316,8 +323,8 @@ def _attention_bwd_dq_kernel(
     )  # (BLOCK_M, BLOCK_D)
     do = load_tile(
         DO + batch * stride_dob + head * stride_doh + q_start * stride_dom + rows * stride_dom +
-        offs_d[None, :] * stride_dod, offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True, TO_FP32
-    )
+        offs_dv[None, :] * stride_dod, offs_m, n_q, offs_dv, HEAD_DIM_V, BLOCK_DV, True, TO_FP32
+    )  # (BLOCK_M, BLOCK_DV)
     row_stats = stats_offset(batch_head, head, n_q, q_start, total_q, VARLEN) + offs_m
     lse = tl.load(LSE + row_stats, mask=offs_m < n_q, other=float("inf"))
     delta = tl.load(DELTA + row_stats, mask=offs_m < n_q, other=0.0)
@@ -325,7 +332,7 @@ def _attention_bwd_dq_kernel(
     V_head = V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
     if TMA:
         K_head = rows_descriptor(K_head, n_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D)
-        V_head = rows_descriptor(V_head, n_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
+        V_head = rows_descriptor(V_head, n_k, stride_vn, HEAD_DIM_V, BLOCK_N, BLOCK_DV)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     causal_shift = n_k - n_q
@@ -337,9 +344,9 @@ def _attention_bwd_dq_kernel(
     for phase in tl.static_range(0 if HAS_WINDOW else 1, 3):
         dq = _dq_key_blocks(
             dq, q, do, lse, delta, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd,
-            offs_m, offs_d, bounds[phase], bounds[phase + 1], n_k, causal_shift, qk_scale,
-            window_left, window_right, softcap, HEAD_DIM, BLOCK_D, BLOCK_N, phase != 1, CAUSAL,
-            HAS_WINDOW, SOFTCAP, TO_FP32, DOT_PRECISION, TMA
+            offs_m, offs_d, offs_dv, bounds[phase], bounds[phase + 1], n_k, causal_shift, qk_scale,
+            window_left, window_right, softcap, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N,
+            phase != 1, CAUSAL, HAS_WINDOW, SOFTCAP, TO_FP32, DOT_PRECISION, TMA
         )
     dq_ptrs = (
         DQ + batch * stride_dqb + head * stride_dqh + q_start * stride_dqm + rows * stride_dqm +
@@ -353,10 +360,20 @@ _attention_bwd_dq_tma_autotuned = triton.autotune(
 )(_attention_bwd_dq_kernel.fn)
 
 
+def sink_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """The sinks' gradient in their dtype: dsink_h = -sum over head h's rows of P_sink * Delta,
+    P_sink = 2^(sink - LSE) (base 2; lse and delta (B, H, N) fp32). A row that saw neither a key
+    nor a sink (LSE = +inf) adds 0, and so does every row of a -inf sink. A fixed-order torch
+    reduction: deterministic, and as cheap as reading LSE and Delta once."""
+    p_sink = torch.exp2(sinks.float()[:, None] * LOG2_E - lse)  # (B, H, N)
+    return (-(p_sink * delta).sum((0, 2))).to(sinks.dtype)
+
+
 def attention_backward(
     do, q, k, v, o, lse, causal: bool, softmax_scale: float, allow_tf32: bool, deterministic: bool,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    window: tuple[int, int] = (-1, -1), softcap: float = 0.0, varlen: Varlen | None = None
+    window: tuple[int, int] = (-1, -1), softcap: float = 0.0, varlen: Varlen | None = None,
+    sinks: torch.Tensor | None = None
 ):
     """dq, dk, dv from the saved forward inputs, output and log-sum-exp; written into `out`
     (any strides: views of one packed gradient, say) when given.
@@ -364,35 +381,41 @@ def attention_backward(
     deterministic: a dK/dV pass and a dQ pass, no atomics (bitwise reproducible); otherwise one
     pass that adds dQ with fp32 atomics into a zeroed fp32 buffer, then casts it into dq. Head
     blocks above ATOMIC_MAX_BLOCK_D take the deterministic schedule either way: the one pass holds
-    one more tile, and no config of it compiles there without spilling."""
-    B, Hq, Nq, D = q.shape
+    one more tile, and no config of it compiles there without spilling.
+
+    sinks (Hq,): the forward's attention sinks. The kernels need nothing of them (lse holds them,
+    and P of the keys is 2^(t - LSE) as without); their gradient `sink_grad` is returned fourth,
+    (dq, dk, dv, dsinks); without sinks (dq, dk, dv)."""
+    B, Hq, Nq, _ = q.shape
     Hkv = k.shape[1]
     group = Hq // Hkv
     lse = lse.contiguous()  # the kernels index the row statistics densely; the forward's are
     cu_q, cu_k, sequences, n_q, n_k = sequence_args(q, k, varlen)
-    flags = kernel_flags(q, causal, allow_tf32)
+    flags = kernel_flags(q, v, causal, allow_tf32)
     delta = empty((B, Hq, Nq), device=q.device, dtype=torch.float32)
     delta_block = 32 if interpreting() else 64
     # Row by row: packed sequences need no bounds here (Delta's rows are o's and dO's).
     _attention_bwd_delta_kernel[block_grid(Nq, "BLOCK_M", B * Hq)](
-        o, do, delta, *o.stride(), *do.stride(), Hq, Nq, HEAD_DIM=D, BLOCK_D=flags["BLOCK_D"],
-        BLOCK_M=delta_block,
+        o, do, delta, *o.stride(), *do.stride(), Hq, Nq, HEAD_DIM=v.shape[-1],
+        BLOCK_D=flags["BLOCK_DV"], BLOCK_M=delta_block,
         num_warps=8,  # at 4, fp32 O and dO tiles of head dim 64 spill on sm_90a (compile_report.py)
     )
 
+    # The sinks' gradient needs only the row statistics.
+    dsinks = () if sinks is None else (sink_grad(sinks, lse, delta), )
     dq, dk, dv = out or (empty_heads_like(q), empty_heads_like(k), empty_heads_like(v))
     mask_args, mask_flags = option_args(causal, window, softcap, n_q, n_k)
     args = (n_q, n_k, softmax_scale, softmax_scale * LOG2_E, Nq, *mask_args)
     args = (*args, tuning_bucket(n_q), tuning_bucket(n_k))
     flags = dict(flags, **mask_flags, VARLEN=varlen is not None)
-    if not deterministic and flags["BLOCK_D"] <= ATOMIC_MAX_BLOCK_D:
+    if not deterministic and max(flags["BLOCK_D"], flags["BLOCK_DV"]) <= ATOMIC_MAX_BLOCK_D:
         dq_acc = empty_heads_like(q, torch.float32).zero_()
         _attention_bwd_dkdv_dq_kernel[block_grid(n_k, "BLOCK_N", sequences * Hkv)](
             q, k, v, do, dk, dv, dq_acc, lse, delta, cu_q, cu_k,
             *(s for t in (q, k, v, do, dk, dv, dq_acc) for s in kernel_strides(t, varlen)), Hkv,
             group, *args, ATOMIC_DQ=True, **flags
         )
-        return dq.copy_(dq_acc), dk, dv
+        return dq.copy_(dq_acc), dk, dv, *dsinks
     _attention_bwd_dkdv_kernel[block_grid(n_k, "BLOCK_N", sequences * Hkv)](
         q, k, v, do, dk, dv, dk,  # stands in for the unused DQ
         lse, delta, cu_q, cu_k,
@@ -407,4 +430,4 @@ def attention_backward(
         *(s for t in (q, k, v, do, dq) for s in kernel_strides(t, varlen)), Hq, group, *args,
         TMA=tma, **flags
     )
-    return dq, dk, dv
+    return dq, dk, dv, *dsinks

@@ -44,6 +44,12 @@ def has_options(args: dict) -> bool:
     return any(args.get(flag) for flag in OPTION_FLAGS)
 
 
+def launch_head_block(args: dict) -> int:
+    """The head block a launch's configs must fit: the wider of q's and k's (BLOCK_D) and v's
+    (BLOCK_DV), which differ in MLA-style attention (192 / 128: 256 and 128)."""
+    return max(args["BLOCK_D"], args.get("BLOCK_DV", 0))
+
+
 def fitting_configs(cuda: list[CudaConfig], block_d: int, element_size: int,
                     options: bool = False) -> list[CudaConfig]:
     """The configs of a CUDA list that take head blocks of BLOCK_D at this input element size
@@ -81,7 +87,7 @@ def prune_to_fitting(cuda: list[CudaConfig]):
         if interpreting():
             return configs
         fitting = fitting_configs(
-            cuda, kwargs["BLOCK_D"], named_args["Q"].element_size(), has_options(kwargs)
+            cuda, launch_head_block(kwargs), named_args["Q"].element_size(), has_options(kwargs)
         )
         if os.environ.get("FASTLM_AUTOTUNE", "1") == "0":
             fitting = fitting[-1:]
@@ -147,7 +153,8 @@ DQ_CONFIGS = triton_configs({"BLOCK_M": 64, "BLOCK_N": 32}, DQ_CUDA_CONFIGS)
 # Tuned per power-of-two bucket of the sequence lengths, so a growing KV cache does not retune;
 # a window, the cap or packed sequences change the work per block, so they are tuned apart.
 TUNING_KEY = [
-    "q_bucket", "k_bucket", "BLOCK_D", "CAUSAL", "HAS_WINDOW", "SOFTCAP", "VARLEN", "DOT_PRECISION"
+    "q_bucket", "k_bucket", "BLOCK_D", "BLOCK_DV", "CAUSAL", "HAS_WINDOW", "SOFTCAP", "VARLEN",
+    "DOT_PRECISION"
 ]
 
 # The descriptor forward's own list (the pointer list's shapes: TMA moves the same tiles). Each

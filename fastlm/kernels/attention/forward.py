@@ -37,6 +37,7 @@ from fastlm.kernels.attention.launch import (
     kernel_strides,
     option_args,
     sequence_args,
+    sink_args,
     tuning_bucket,
     use_tensor_descriptors,
 )
@@ -105,11 +106,12 @@ def _fwd_key_blocks(
     acc, m_i, l_i, q,  #
     K_head, V_head,  #
     stride_kn, stride_kd, stride_vn, stride_vd,  #
-    offs_m, offs_d, lo, hi, n_k, causal_shift, qk_scale, window_left, window_right, softcap,  #
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,  #
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,  #
-    SOFTCAP: tl.constexpr, TO_FP32: tl.constexpr, SCALE_POSITIVE: tl.constexpr,  #
-    DOT_PRECISION: tl.constexpr
+    offs_m, offs_d, offs_dv, lo, hi, n_k, causal_shift, qk_scale, window_left, window_right,  #
+    softcap,  #
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,  #
+    BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,  #
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, TO_FP32: tl.constexpr,  #
+    SCALE_POSITIVE: tl.constexpr, DOT_PRECISION: tl.constexpr
 ):
     """Online-softmax update of (acc, m_i, l_i) with the key blocks starting in [lo, hi),
     loaded through pointers.
@@ -123,10 +125,10 @@ def _fwd_key_blocks(
     forward does not take: fp32, head dims above 128 and strides TMA cannot read."""
     offs_n = lo + tl.arange(0, BLOCK_N)
     k_ptrs = K_head + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V_head + offs_n.to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    v_ptrs = V_head + offs_n.to(tl.int64)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
     for _ in range(lo, hi, BLOCK_N):
         k = load_tile(k_ptrs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TO_FP32)
-        v = load_tile(v_ptrs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TO_FP32)
+        v = load_tile(v_ptrs, offs_n, n_k, offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED, TO_FP32)
         acc, m_i, l_i = _online_softmax_step(
             acc, m_i, l_i, q, k, v, offs_m, offs_n, n_k, causal_shift, qk_scale, window_left,
             window_right, softcap, MASKED, CAUSAL, HAS_WINDOW, SOFTCAP, SCALE_POSITIVE,
@@ -143,15 +145,16 @@ def _fwd_key_blocks(
 )
 @triton.jit
 def _attention_fwd_kernel(
-    Q, K, V, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K,  #
+    Q, K, V, O, LSE, SINKS, CU_SEQLENS_Q, CU_SEQLENS_K,  #
     stride_qb, stride_qh, stride_qm, stride_qd,  #
     stride_kb, stride_kh, stride_kn, stride_kd,  #
     stride_vb, stride_vh, stride_vn, stride_vd,  #
     stride_ob, stride_oh, stride_om, stride_od,  #
     num_heads, group, n_q, n_k, qk_scale, total_q, window_left, window_right, softcap,  #
     q_bucket, k_bucket,  #
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,  #
-    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,  #
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,  #
+    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,  #
+    SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, HAS_SINKS: tl.constexpr,  #
     TO_FP32: tl.constexpr, SCALE_POSITIVE: tl.constexpr, DOT_PRECISION: tl.constexpr,  #
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 ):
@@ -168,6 +171,7 @@ def _attention_fwd_kernel(
         return
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
 
     q_ptrs = (
         Q + batch * stride_qb + head * stride_qh + q_start * stride_qm +
@@ -180,7 +184,8 @@ def _attention_fwd_kernel(
     V_head = V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
 
     acc, m_i, l_i, causal_shift, lo, full_lo, full_hi, hi = _fwd_start(
-        start_m, n_q, n_k, window_left, window_right, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N, BLOCK_D
+        SINKS, head, start_m, n_q, n_k, window_left, window_right, CAUSAL, HAS_WINDOW, HAS_SINKS,
+        BLOCK_M, BLOCK_N, BLOCK_DV
     )
     # The key range in three phases (`key_range`): the window's far edge (masked; without a
     # window lo = full_lo = 0), the blocks every row sees whole, then the diagonal and the end.
@@ -188,32 +193,41 @@ def _attention_fwd_kernel(
     for phase in tl.static_range(0 if HAS_WINDOW else 1, 3):
         acc, m_i, l_i = _fwd_key_blocks(
             acc, m_i, l_i, q, K_head, V_head, stride_kn, stride_kd, stride_vn, stride_vd, offs_m,
-            offs_d, bounds[phase], bounds[phase + 1], n_k, causal_shift, qk_scale, window_left,
-            window_right, softcap, HEAD_DIM, BLOCK_D, BLOCK_N, phase != 1, CAUSAL, HAS_WINDOW,
-            SOFTCAP, TO_FP32, SCALE_POSITIVE, DOT_PRECISION
+            offs_d, offs_dv, bounds[phase], bounds[phase + 1], n_k, causal_shift, qk_scale,
+            window_left, window_right, softcap, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N,
+            phase != 1, CAUSAL, HAS_WINDOW, SOFTCAP, TO_FP32, SCALE_POSITIVE, DOT_PRECISION
         )
 
     o, lse = _fwd_finish(acc, m_i, l_i)
     o_ptrs = (
         O + batch * stride_ob + head * stride_oh + q_start * stride_om +
-        offs_m.to(tl.int64)[:, None] * stride_om + offs_d[None, :] * stride_od
+        offs_m.to(tl.int64)[:, None] * stride_om + offs_dv[None, :] * stride_od
     )
-    store_tile(o_ptrs, o, offs_m, n_q, offs_d, HEAD_DIM)
+    store_tile(o_ptrs, o, offs_m, n_q, offs_dv, HEAD_DIM_V)
     stats = stats_offset(batch_head, head, n_q, q_start, total_q, VARLEN)
     tl.store(LSE + stats + offs_m, lse, mask=offs_m < n_q)
 
 
 @triton.jit
 def _fwd_start(
-    start_m, n_q, n_k, window_left, window_right,  #
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,  #
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr
+    SINKS, head, start_m, n_q, n_k, window_left, window_right,  #
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,  #
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr
 ):
-    """The online softmax's empty state (acc, m_i, l_i), the causal shift Nk - Nq, and the query
-    block's key range (lo, full_lo, full_hi, hi) (`key_range`)."""
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    """The online softmax's initial state (acc, m_i, l_i), the causal shift Nk - Nq, and the query
+    block's key range (lo, full_lo, full_hi, hi) (`key_range`).
+
+    Without a sink the state is empty (m = -inf, l = 0). A sink (HAS_SINKS: the head's logit
+    sink, base 2) is a key with no value that every row sees: the state starts as having seen it,
+    m = sink, l = 2^(sink - m) = 1, acc = 0, and the loop's rescaling carries it into l. A sink of
+    -inf starts empty, as without one (so it gives the same result, bit for bit)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:
+        sink = tl.load(SINKS + head)
+        m_i = tl.maximum(m_i, sink)
+        l_i = tl.where(m_i > float("-inf"), 1.0, l_i)
     causal_shift = n_k - n_q
     lo, full_lo, full_hi, hi = key_range(
         start_m, n_k, causal_shift, window_left, window_right, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N
@@ -224,7 +238,7 @@ def _fwd_start(
 @triton.jit
 def _fwd_finish(acc, m_i, l_i):
     """O and the base-2 LSE of each row. A row that saw no key (l = 0) gets O = 0 and LSE = +inf,
-    so the backward's P = 2^(t - LSE) is 0."""
+    so the backward's P = 2^(t - LSE) is 0; with a sink it has l = 1: O = 0 and LSE = sink."""
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
@@ -293,13 +307,14 @@ def _fwd_key_blocks_tma(
 
 @triton.jit
 def _attention_fwd_tma_kernel(
-    Q, K, V, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K,  #
+    Q, K, V, O, LSE, SINKS, CU_SEQLENS_Q, CU_SEQLENS_K,  #
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,  #
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,  #
     num_heads, group, n_q, n_k, qk_scale, total_q, window_left, window_right, softcap,  #
     q_bucket, k_bucket,  #
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,  #
-    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,  #
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,  #
+    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,  #
+    SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, HAS_SINKS: tl.constexpr,  #
     TO_FP32: tl.constexpr, SCALE_POSITIVE: tl.constexpr, DOT_PRECISION: tl.constexpr,  #
     EXP2_FMA_SHIFT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 ):
@@ -324,12 +339,12 @@ def _attention_fwd_tma_kernel(
         BLOCK_N, BLOCK_D
     )
     v_desc = rows_descriptor(
-        V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn, n_k, stride_vn, HEAD_DIM,
-        BLOCK_N, BLOCK_D
+        V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn, n_k, stride_vn,
+        HEAD_DIM_V, BLOCK_N, BLOCK_DV
     )
     o_desc = rows_descriptor(
-        O + batch * stride_ob + head * stride_oh + q_start * stride_om, n_q, stride_om, HEAD_DIM,
-        BLOCK_M, BLOCK_D
+        O + batch * stride_ob + head * stride_oh + q_start * stride_om, n_q, stride_om, HEAD_DIM_V,
+        BLOCK_M, BLOCK_DV
     )
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = q_desc.load([start_m, 0])
@@ -337,7 +352,8 @@ def _attention_fwd_tma_kernel(
         q = q.to(tl.float32)
 
     acc, m_i, l_i, causal_shift, lo, full_lo, full_hi, hi = _fwd_start(
-        start_m, n_q, n_k, window_left, window_right, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N, BLOCK_D
+        SINKS, head, start_m, n_q, n_k, window_left, window_right, CAUSAL, HAS_WINDOW, HAS_SINKS,
+        BLOCK_M, BLOCK_N, BLOCK_DV
     )
     # The three phases of the pointer kernel.
     bounds = (lo, full_lo, full_hi, hi)
@@ -375,32 +391,34 @@ def _exp2_fma_shift(block_d: int) -> int:
 
 
 def attention_forward(
-    q, k, v, causal: bool, softmax_scale: float, allow_tf32: bool,
-    window: tuple[int, int] = (-1, -1), softcap: float = 0.0, varlen: Varlen | None = None
+    q, k, v, causal: bool, softmax_scale: float, allow_tf32: bool, window: tuple[int,
+                                                                                 int] = (-1, -1),
+    softcap: float = 0.0, varlen: Varlen | None = None, sinks: torch.Tensor | None = None
 ):
-    """o (B, Hq, Nq, D) and the base-2 log-sum-exp (B, Hq, Nq) fp32 of checked inputs (a row
-    that sees no key: o = 0, lse = +inf)."""
+    """o (B, Hq, Nq, Dv) and the base-2 log-sum-exp (B, Hq, Nq) fp32 of checked inputs (a row
+    that sees no key: o = 0, lse = +inf, or with a sink lse = the sink); sinks (Hq,) or None."""
     B, Hq, Nq, _ = q.shape
     Hkv = k.shape[1]
     cu_q, cu_k, sequences, n_q, n_k = sequence_args(q, k, varlen)
-    o = empty_heads_like(q)
+    o = empty_heads_like(q, head_dim=v.shape[-1])
     lse = empty((B, Hq, Nq), device=q.device, dtype=torch.float32)
     mask_args, mask_flags = option_args(causal, window, softcap, n_q, n_k)
     args = (Hq, Hq // Hkv, n_q, n_k, softmax_scale * LOG2_E, Nq, *mask_args)
     args = (*args, tuning_bucket(n_q), tuning_bucket(n_k))
+    sinks, sink_flags = sink_args(sinks)
     flags = dict(
-        kernel_flags(q, causal, allow_tf32), **mask_flags, VARLEN=varlen is not None,
-        SCALE_POSITIVE=softmax_scale > 0
+        kernel_flags(q, v, causal, allow_tf32), **mask_flags, **sink_flags, VARLEN=varlen
+        is not None, SCALE_POSITIVE=softmax_scale > 0
     )
     grid = block_grid(n_q, "BLOCK_M", sequences * Hq)
     strides = [kernel_strides(t, varlen) for t in (q, k, v, o)]
     if use_tensor_descriptors(q, k, v, o):
         _attention_fwd_tma_autotuned[grid](
-            q, k, v, o, lse, cu_q, cu_k, *(s for t in strides for s in t[:3]), *args,
+            q, k, v, o, lse, sinks, cu_q, cu_k, *(s for t in strides for s in t[:3]), *args,
             EXP2_FMA_SHIFT=_exp2_fma_shift(flags["BLOCK_D"]), **flags
         )
     else:
         _attention_fwd_kernel[grid](
-            q, k, v, o, lse, cu_q, cu_k, *(s for t in strides for s in t), *args, **flags
+            q, k, v, o, lse, sinks, cu_q, cu_k, *(s for t in strides for s in t), *args, **flags
         )
     return o, lse

@@ -18,11 +18,12 @@ LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
 
 
-def empty_heads_like(t: torch.Tensor, dtype=None) -> torch.Tensor:
+def empty_heads_like(t: torch.Tensor, dtype=None, head_dim: int | None = None) -> torch.Tensor:
     """An output shaped like `t` (B, H, N, D), in t's token-major [B, N, H, D] memory layout when t
     is a transposed view of one, so that the caller's `transpose(1, 2).reshape(B, N, H * D)` is
-    free."""
+    free. head_dim: another last dim (o and dO take v's head dim, which may differ from q's)."""
     B, H, N, D = t.shape
+    D = head_dim or D
     dtype = dtype or t.dtype
     if t.stride(1) < t.stride(2):
         return empty((B, N, H, D), device=t.device, dtype=dtype).transpose(1, 2)
@@ -40,13 +41,19 @@ def tuning_bucket(n: int) -> int:
     return triton.next_power_of_2(n)
 
 
-def kernel_flags(q: torch.Tensor, causal: bool, allow_tf32: bool) -> dict:
-    """Compile-time arguments shared by the forward and backward kernels."""
-    head_dim = q.shape[-1]
+def head_block(head_dim: int) -> int:
+    """The power-of-two tile width (at least 16, tl.dot's minimum) that holds a head dim."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def kernel_flags(q: torch.Tensor, v: torch.Tensor, causal: bool, allow_tf32: bool) -> dict:
+    """Compile-time arguments shared by the forward and backward kernels: HEAD_DIM is q's and
+    k's, HEAD_DIM_V v's (and o's, dO's, dv's), equal but for MLA-style attention."""
     full_fp32 = q.dtype == torch.float32 and not allow_tf32
     return dict(
-        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), CAUSAL=causal,
-        TO_FP32=interpreter_bf16(q.dtype), DOT_PRECISION="ieee" if full_fp32 else "tf32"
+        HEAD_DIM=q.shape[-1], BLOCK_D=head_block(q.shape[-1]), HEAD_DIM_V=v.shape[-1],
+        BLOCK_DV=head_block(v.shape[-1]), CAUSAL=causal, TO_FP32=interpreter_bf16(q.dtype),
+        DOT_PRECISION="ieee" if full_fp32 else "tf32"
     )
 
 
@@ -94,11 +101,11 @@ def option_args(causal: bool, window: tuple[int, int], softcap: float, n_q: int,
     return args, dict(HAS_WINDOW=has_window, SOFTCAP=softcap > 0)
 
 
-def check_kernel_head_dim(D: int) -> None:
-    """PyTorch's attention takes any head dim; the kernels only these."""
+def check_kernel_head_dim(D: int, name: str = "q") -> None:
+    """PyTorch's attention takes any head dim; the kernels only these (q's and k's, and v's)."""
     if D % 8 or not 8 <= D <= MAX_HEAD_DIM:
         raise ValueError(
-            f"q has head dim {D}; the Triton kernel takes multiples of 8 from 8 to "
+            f"{name} has head dim {D}; the Triton kernel takes multiples of 8 from 8 to "
             f"{MAX_HEAD_DIM} (FASTLM_BACKEND=torch runs any)"
         )
 
@@ -142,7 +149,8 @@ def use_tensor_descriptors(*tensors: torch.Tensor) -> bool:
     first = tensors[0]
     # The descriptor configs were checked spill-free for 16-bit head dims up to 128 only (the
     # interpreter, where tests force the path, has no registers to spill).
-    if not interpreting() and (first.element_size() != 2 or first.shape[-1] > TMA_MAX_BLOCK_D):
+    if not interpreting(
+    ) and (first.element_size() != 2 or max(t.shape[-1] for t in tensors) > TMA_MAX_BLOCK_D):
         return False
     if mode != "1" and (interpreting() or not _device_has_tma(first.device)):
         return False
@@ -157,3 +165,11 @@ def use_tensor_descriptors(*tensors: torch.Tensor) -> bool:
         _descriptor_allocator.device = first.device
         triton.set_allocator(_descriptor_allocator)
     return True
+
+
+def sink_args(sinks: torch.Tensor | None) -> tuple[torch.Tensor | None, dict]:
+    """Attention sinks as the forward kernels take them: fp32 in base-2 units (the scores'), and
+    their flag; None and HAS_SINKS=False without them, so the plain kernels stay as they are."""
+    if sinks is None:
+        return None, dict(HAS_SINKS=False)
+    return sinks.float() * LOG2_E, dict(HAS_SINKS=True)

@@ -27,52 +27,68 @@ from fastlm.kernels.attention.reference import flash_attention_ref, flash_attent
 @torch.library.custom_op("fastlm::flash_attention", mutates_args=())
 def flash_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
-    window_left: int, window_right: int, softcap: float, allow_tf32: bool, deterministic: bool
+    window_left: int, window_right: int, softcap: float, allow_tf32: bool, deterministic: bool,
+    sinks: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse): o (B, Hq, Nq, D) in q's memory layout, lse (B, Hq, Nq) fp32 base 2.
-    deterministic picks the backward's schedule (the forward has one)."""
+    """(o, lse): o (B, Hq, Nq, Dv) in q's memory layout, lse (B, Hq, Nq) fp32 base 2 (the sinks
+    in its sums). deterministic picks the backward's schedule (the forward has one)."""
     return attention_forward(
-        q, k, v, causal, softmax_scale, allow_tf32, (window_left, window_right), softcap
+        q, k, v, causal, softmax_scale, allow_tf32, (window_left, window_right), softcap,
+        sinks=sinks
     )
 
 
 @flash_attention_op.register_fake
-def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap, *flags):
+def _(q, k, v, *rest):
     B, Hq, Nq, _ = q.shape
-    return empty_heads_like(q), q.new_empty((B, Hq, Nq), dtype=torch.float32)
+    o = empty_heads_like(q, head_dim=v.shape[-1])
+    return o, q.new_empty((B, Hq, Nq), dtype=torch.float32)
+
+
+def _with_sink_grad(grads: tuple, sinks: torch.Tensor | None, q: torch.Tensor) -> tuple:
+    """The backward ops' outputs: (dq, dk, dv) and the sinks' gradient, which `grads` ends with
+    when there are sinks; without them an empty (0,) tensor (an op returns as many tensors each
+    call)."""
+    return grads if sinks is not None else (*grads, q.new_empty((0, ), dtype=torch.float32))
 
 
 @torch.library.custom_op("fastlm::flash_attention_backward", mutates_args=())
 def _flash_attention_backward_op(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
     lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int, window_right: int,
-    softcap: float, allow_tf32: bool, deterministic: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attention_backward(
+    softcap: float, allow_tf32: bool, deterministic: bool, sinks: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsinks); dsinks is (0,) without sinks."""
+    grads = attention_backward(
         do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, deterministic,
-        window=(window_left, window_right), softcap=softcap
+        window=(window_left, window_right), softcap=softcap, sinks=sinks
     )
+    return _with_sink_grad(grads, sinks, q)
 
 
 @_flash_attention_backward_op.register_fake
-def _(do, q, k, v, *rest):
-    return empty_heads_like(q), empty_heads_like(k), empty_heads_like(v)
+def _(do, q, k, v, o, lse, causal, scale, left, right, softcap, tf32, deterministic, sinks=None):
+    grads = empty_heads_like(q), empty_heads_like(k), empty_heads_like(v)
+    return _with_sink_grad(
+        (*grads, *([] if sinks is None else [torch.empty_like(sinks)])), sinks, q
+    )
 
 
 def _flash_attention_setup(ctx, inputs, output):
-    """Saves q, k, v, o and the (B, Hq, Nq) fp32 log-sum-exp: memory linear in the sequence."""
-    q, k, v, *flags = inputs
+    """Saves q, k, v, o, the sinks and the (B, Hq, Nq) fp32 log-sum-exp: memory linear in the
+    sequence."""
+    q, k, v, *flags, sinks = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.save_for_backward(q, k, v, o, lse, sinks)
     ctx.set_materialize_grads(False)  # lse has no gradient: no zero tensor for it
     ctx.mark_non_differentiable(lse)
     ctx.flags = flags
 
 
 def _flash_attention_grad(ctx, do, _):
-    q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = _flash_attention_backward_op(do, q, k, v, o, lse, *ctx.flags)
-    return dq, dk, dv, *[None] * len(ctx.flags)
+    q, k, v, o, lse, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = _flash_attention_backward_op(do, q, k, v, o, lse, *ctx.flags, sinks)
+    return dq, dk, dv, *[None] * len(ctx.flags), dsinks if sinks is not None else None
 
 
 torch.library.register_autograd(
@@ -86,21 +102,21 @@ def flash_attention_varlen_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
     softmax_scale: float, window_left: int, window_right: int, softcap: float, allow_tf32: bool,
-    deterministic: bool
+    deterministic: bool, sinks: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse): o (total_q, Hq, D) in q's memory layout, lse (Hq, total_q) fp32 base 2."""
+    """(o, lse): o (total_q, Hq, Dv) in q's memory layout, lse (Hq, total_q) fp32 base 2."""
     varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     o, lse = attention_forward(
         as_heads(q), as_heads(k), as_heads(v), causal, softmax_scale, allow_tf32,
-        (window_left, window_right), softcap, varlen
+        (window_left, window_right), softcap, varlen, sinks
     )
     return as_packed(o), lse[0]
 
 
 @flash_attention_varlen_op.register_fake
 def _(q, k, v, *rest):
-    return as_packed(empty_heads_like(as_heads(q))
-                     ), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    o = as_packed(empty_heads_like(as_heads(q), head_dim=v.shape[-1]))
+    return o, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("fastlm::flash_attention_varlen_backward", mutates_args=())
@@ -108,36 +124,43 @@ def _flash_attention_varlen_backward_op(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
     lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
     max_seqlen_k: int, causal: bool, softmax_scale: float, window_left: int, window_right: int,
-    softcap: float, allow_tf32: bool, deterministic: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    grads = attention_backward(
+    softcap: float, allow_tf32: bool, deterministic: bool, sinks: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsinks); dsinks is (0,) without sinks."""
+    dq, dk, dv, *dsinks = attention_backward(
         *(as_heads(t) for t in (do, q, k, v, o)), lse[None], causal, softmax_scale, allow_tf32,
         deterministic, window=(window_left, window_right), softcap=softcap,
-        varlen=Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        varlen=Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), sinks=sinks
     )
-    return tuple(as_packed(g) for g in grads)
+    return _with_sink_grad((*(as_packed(g) for g in (dq, dk, dv)), *dsinks), sinks, q)
 
 
 @_flash_attention_varlen_backward_op.register_fake
-def _(do, q, k, v, *rest):
-    return tuple(as_packed(empty_heads_like(as_heads(t))) for t in (q, k, v))
+def _(
+    do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, tf32,
+    deterministic, sinks=None
+):
+    grads = tuple(as_packed(empty_heads_like(as_heads(t))) for t in (q, k, v))
+    return _with_sink_grad(
+        (*grads, *([] if sinks is None else [torch.empty_like(sinks)])), sinks, q
+    )
 
 
 def _flash_attention_varlen_setup(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *flags = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *flags, sinks = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, sinks)
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(lse)
     ctx.flags = flags
 
 
 def _flash_attention_varlen_grad(ctx, do, _):
-    q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    dq, dk, dv = _flash_attention_varlen_backward_op(
-        do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *ctx.flags
+    q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = _flash_attention_varlen_backward_op(
+        do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *ctx.flags, sinks
     )
-    return dq, dk, dv, None, None, *[None] * len(ctx.flags)
+    return dq, dk, dv, None, None, *[None] * len(ctx.flags), dsinks if sinks is not None else None
 
 
 torch.library.register_autograd(
@@ -148,23 +171,27 @@ refuse_double_backward("fastlm::flash_attention_varlen_backward", "flash_attenti
 
 
 def _check_heads(names: tuple[str, str, str], q, k, v, dims: int, layout: str) -> None:
-    """q, k, v: kernel dtypes, one device, `dims` dims, k and v alike, grouped heads and equal
-    head dims (the head axis is -2 in both layouts)."""
+    """q, k, v: kernel dtypes, one device, `dims` dims, k and v alike but for the head dim (v's
+    may differ: MLA), grouped heads and equal q and k head dims (the head axis is -2 in both
+    layouts)."""
     for name, t in zip(names, (q, k, v)):
         check_float(name, t)
         if t.dim() != dims:
             raise ValueError(f"{name} must have {dims} dims ({layout}), got shape {tuple(t.shape)}")
     check_match("k", k, "q", q)
     check_match("v", v, "q", q)
-    if k.shape != v.shape:
+    if k.shape[:-1] != v.shape[:-1]:
         raise ValueError(
-            f"v has shape {tuple(v.shape)}, but k has {tuple(k.shape)}; they must match"
+            f"v has shape {tuple(v.shape)}, but k has {tuple(k.shape)}; they must match but for "
+            "the head dim"
         )
     D, Dk = q.shape[-1], k.shape[-1]
     if Dk != D:
         raise ValueError(f"k has head dim {Dk}, but q has {D}")
     if D < 1:
         raise ValueError("q has head dim 0; it must be at least 1")
+    if v.shape[-1] < 1:
+        raise ValueError("v has head dim 0; it must be at least 1")
     Hq, Hkv = q.shape[-2] if dims == 3 else q.shape[1], k.shape[-2] if dims == 3 else k.shape[1]
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"q has {Hq} heads, which is not a multiple of k's {Hkv} heads")
@@ -255,6 +282,38 @@ def check_cu_seqlens(name: str, cu: object, total: int, max_seqlen: object, devi
         torch._assert_async(valid, message)
 
 
+def check_kernel_head_dims(q: torch.Tensor, v: torch.Tensor) -> None:
+    """q's (and k's) head dim and v's, as the Triton kernels take them."""
+    check_kernel_head_dim(q.shape[-1])
+    check_kernel_head_dim(v.shape[-1], "v")
+
+
+def check_sinks(sinks: object, num_heads: int, device) -> None:
+    """sinks: None, or a floating-point (Hq,) tensor on q's device with no NaN or +inf (-inf is
+    allowed: no sink). The values are checked on the host for a CPU tensor, on a GPU (or when
+    compiling) with `torch._assert_async`, as `check_cu_seqlens` does."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a floating-point tensor, got {sinks.dtype}")
+    if sinks.shape != (num_heads, ):
+        raise ValueError(
+            f"sinks must have shape (Hq,) = ({num_heads},), one logit per query head, got "
+            f"{tuple(sinks.shape)}"
+        )
+    if sinks.device != torch.device(device):
+        raise ValueError(f"sinks is on {sinks.device}, but q is on {device}")
+    message = "sinks must hold no NaN or +inf (-inf is allowed: no sink for that head)"
+    valid = ~(torch.isnan(sinks) | torch.isposinf(sinks))
+    if sinks.device.type == "cpu" and not torch.compiler.is_compiling():
+        if not valid.all():
+            raise ValueError(f"{message}, got {sinks.tolist()}")
+    else:
+        torch._assert_async(valid.all(), message)
+
+
 def natural_lse(lse: torch.Tensor) -> torch.Tensor:
     """The kernels' base-2 log-sum-exp in natural log, with a row that saw no key at -inf (the
     kernels keep +inf there, which zeroes the backward's P)."""
@@ -263,9 +322,9 @@ def natural_lse(lse: torch.Tensor) -> torch.Tensor:
 
 def flash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-    softmax_scale: float | None = None, *, window_size: tuple[int,
-                                                              int] = (-1, -1), softcap: float = 0.0,
-    return_lse: bool = False, allow_tf32: bool = True, deterministic: bool = True
+    softmax_scale: float | None = None, *, window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0, return_lse: bool = False, allow_tf32: bool = True,
+    deterministic: bool = True, sinks: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """softmax(softmax_scale * q k^T [+ causal mask]) v without materialising the scores.
 
@@ -279,7 +338,9 @@ def flash_attention(
             `x.view(B, N, H, D).transpose(1, 2)` or slices of a fused qkv tensor) are read in
             place. D: a multiple of 8 up to 256 for the Triton kernel (the PyTorch backend takes
             any).
-        k, v: (B, Hkv, Nk, D), q's dtype and device, Hq a multiple of Hkv, Nk >= 1.
+        k: (B, Hkv, Nk, D), q's dtype and device, Hq a multiple of Hkv, Nk >= 1.
+        v: (B, Hkv, Nk, Dv), k's but for its head dim Dv, which may differ from D (MLA: D = 192,
+            Dv = 128), with D's limits for the Triton kernel.
         causal: query i sees key j iff j <= i + Nk - Nq (default True).
         softmax_scale: the scale of the scores (default 1 / sqrt(D)).
         window_size: (left, right): query i sees key j only if d - left <= j <= d + right; -1
@@ -288,37 +349,48 @@ def flash_attention(
         softcap: if > 0, each scaled score s becomes softcap * tanh(s / softcap) before the mask
             and the softmax (gradients through the cap); 0 (the default) is off.
         return_lse: also return lse (B, Hq, Nq) fp32, the natural log-sum-exp of each row's capped,
-            masked scores (-inf for a row that sees no key, whose output is 0). lse carries no
-            gradient. Default False.
+            masked scores and its head's sink (-inf for a row that sees no key and no sink, whose
+            output is 0). lse carries no gradient. Default False.
         allow_tf32: for float32 inputs on a GPU, False makes the dots full fp32 instead of TF32
             (default True).
         deterministic: the backward's schedule. True (the default): a dK/dV pass and a dQ pass
             with no atomics, bitwise reproducible for a given config. False: FA2's 5-matmul
             schedule, one pass that also adds dQ with fp32 atomics (less recomputation; gradients
             equal to rounding only).
+        sinks: None (the default) or (Hq,) attention sinks (gpt-oss), any floating dtype, on q's
+            device: one logit per query head that joins every row's softmax denominator and
+            takes no value, neither scaled nor capped: row i's weights are exp(s_ij) /
+            (sum_j exp(s_ij) + exp(sinks[h])). Math in fp32; differentiable, its gradient in
+            sinks' dtype. A row that sees no key then has output 0 and lse = sinks[h]. -inf is
+            no sink for that head (the same result as without); NaN and +inf are refused.
 
     Returns:
-        o (B, Hq, Nq, D) in q's dtype, differentiable in q, k and v; (o, lse) with return_lse.
+        o (B, Hq, Nq, Dv) in q's dtype, differentiable in q, k, v (and sinks); (o, lse) with
+        return_lse.
 
     Raises:
         TypeError: q, k or v not a tensor of float16, bfloat16 or float32, or of two dtypes;
             causal, return_lse not a bool; softmax_scale not a real number or None; window_size
-            not a pair of ints; softcap not a real number.
-        ValueError: q, k, v not 4-D, on two devices, k and v of two shapes, head dims that differ
-            or are 0, Hq not a multiple of Hkv, batch sizes that differ, Nk = 0 or Nq > Nk; a
-            window side below -1, or window_size[1] > 0 with causal=True; a negative or infinite
-            softcap; with the Triton kernel, a head dim it does not take.
+            not a pair of ints; softcap not a real number; sinks not a floating-point tensor.
+        ValueError: q, k, v not 4-D, on two devices, k and v of two shapes (but for the head
+            dim), q and k head dims that differ, a head dim of 0, Hq not a multiple of Hkv, batch
+            sizes that differ, Nk = 0 or Nq > Nk; a window side below -1, or window_size[1] > 0
+            with causal=True; a negative or infinite softcap; sinks not of shape (Hq,), on
+            another device, or holding NaN or +inf; with the Triton kernel, a head dim it does
+            not take.
     """
     check_inputs(q, k, v, causal, softmax_scale)
     window, softcap = check_options(causal, window_size, softcap, return_lse)
+    check_sinks(sinks, q.shape[1], q.device)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if not use_triton(q) or q.numel() == 0:
         return flash_attention_ref(
-            q, k, v, causal, scale, window_size=window, softcap=softcap, return_lse=return_lse
+            q, k, v, causal, scale, window_size=window, softcap=softcap, return_lse=return_lse,
+            sinks=sinks
         )
-    check_kernel_head_dim(q.shape[-1])
+    check_kernel_head_dims(q, v)
     o, lse = flash_attention_op(
-        q, k, v, causal, scale, *window, softcap, bool(allow_tf32), bool(deterministic)
+        q, k, v, causal, scale, *window, softcap, bool(allow_tf32), bool(deterministic), sinks
     )
     return (o, natural_lse(lse)) if return_lse else o
 
@@ -326,9 +398,9 @@ def flash_attention(
 def flash_attention_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,
-    softmax_scale: float | None = None, *, window_size: tuple[int,
-                                                              int] = (-1, -1), softcap: float = 0.0,
-    return_lse: bool = False, allow_tf32: bool = True, deterministic: bool = True
+    softmax_scale: float | None = None, *, window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0, return_lse: bool = False, allow_tf32: bool = True,
+    deterministic: bool = True, sinks: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """flash_attention of packed sequences (documents), each attending only within itself.
 
@@ -339,19 +411,20 @@ def flash_attention_varlen(
 
     Args:
         q: (total_q, Hq, D) float16, bfloat16 or float32, any strides; D as in `flash_attention`.
-        k, v: (total_k, Hkv, D), q's dtype and device, Hq a multiple of Hkv, any strides.
+        k: (total_k, Hkv, D), q's dtype and device, Hq a multiple of Hkv, any strides.
+        v: (total_k, Hkv, Dv), k's but for its head dim, as in `flash_attention`.
         cu_seqlens_q, cu_seqlens_k: int32 (num_seqs + 1,) on q's device, each from 0 to its total,
             non-decreasing; one sequence of keys per sequence of queries. On a CPU tensor the values
             are checked at once; on a GPU by a device-side assertion (`torch._assert_async`, no host
             sync).
         max_seqlen_q, max_seqlen_k: ints at least the longest sequence's lengths; they size the
             launch, so nothing is read back from the device.
-        causal, softmax_scale, window_size, softcap, allow_tf32, deterministic: as in
-            `flash_attention`.
+        causal, softmax_scale, window_size, softcap, allow_tf32, deterministic, sinks: as in
+            `flash_attention` (a sink joins every row of every sequence of its head).
         return_lse: also return lse (Hq, total_q) fp32 (default False).
 
     Returns:
-        o (total_q, Hq, D) in q's dtype; (o, lse) with return_lse.
+        o (total_q, Hq, Dv) in q's dtype; (o, lse) with return_lse.
 
     Raises:
         TypeError: q, k, v, the options or max_seqlen_* of a wrong type, as in `flash_attention`;
@@ -374,15 +447,16 @@ def flash_attention_varlen(
             f"cu_seqlens_k has {cu_seqlens_k.numel()} entries, but cu_seqlens_q has "
             f"{cu_seqlens_q.numel()}: one sequence of keys per sequence of queries"
         )
+    check_sinks(sinks, q.shape[1], q.device)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if not use_triton(q) or q.numel() == 0 or k.shape[0] == 0:
         return flash_attention_varlen_ref(
             q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_size=window, softcap=softcap,
-            return_lse=return_lse
+            return_lse=return_lse, sinks=sinks
         )
-    check_kernel_head_dim(q.shape[-1])
+    check_kernel_head_dims(q, v)
     o, lse = flash_attention_varlen_op(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal, scale,
-        *window, softcap, bool(allow_tf32), bool(deterministic)
+        *window, softcap, bool(allow_tf32), bool(deterministic), sinks
     )
     return (o, natural_lse(lse)) if return_lse else o

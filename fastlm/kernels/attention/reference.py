@@ -32,18 +32,21 @@ def _visible_keys(
 def flash_attention_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
     softmax_scale: float | None = None, *, window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0, return_lse: bool = False
+    softcap: float = 0.0, return_lse: bool = False, sinks: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """flash_attention's math in PyTorch (the PyTorch backend): GQA by repeating k and v, the
-    causal mask aligned to the end. Plain attention goes through scaled_dot_product_attention;
-    a window, a cap or the log-sum-exp through explicit scores (fp32 at least), where a row that
-    sees no key gets output 0 and lse -inf."""
+    causal mask aligned to the end, v's head dim its own. Plain attention goes through
+    scaled_dot_product_attention; a window, a cap, sinks or the log-sum-exp through explicit
+    scores (fp32 at least), where a row that sees no key (and no sink) gets output 0 and lse
+    -inf. sinks (Hq,): one logit per head in each row's denominator, as gpt-oss's eager
+    attention has it (a column of the scores, neither scaled nor capped, dropped after the
+    softmax)."""
     Nq, Nk, D = q.shape[2], k.shape[2], q.shape[-1]
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     visible = _visible_keys(Nq, Nk, causal, window_size, q.device)
-    if window_size == (-1, -1) and not softcap and not return_lse and Nk > 0:
+    if window_size == (-1, -1) and not softcap and not return_lse and sinks is None and Nk > 0:
         if not causal or Nq == Nk:  # SDPA's own causal mask is aligned to the start
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=softmax_scale)
@@ -54,13 +57,18 @@ def flash_attention_ref(
         scores = softcap * torch.tanh(scores / softcap)
     if visible is not None:
         scores = scores.masked_fill(~visible, -math.inf)
+    # The sinks as one more column of the scores, (B, Hq, Nq, 1), that every row sees.
+    sink = None if sinks is None else sinks.to(dtype)[:, None, None].expand(*scores.shape[:-1], 1)
     # Rows with no key have max -inf: shift them by 0 instead, so that they sum to 0, not NaN.
     shift = scores.new_zeros((*scores.shape[:-1], 1))
-    if Nk:
-        row_max = scores.detach().amax(-1, keepdim=True)
+    if Nk or sink is not None:
+        row_max = torch.cat([scores, sink], -1) if sink is not None else scores
+        row_max = row_max.detach().amax(-1, keepdim=True)
         shift = row_max.masked_fill(row_max == -math.inf, 0.0)
     e = torch.exp(scores - shift)
     total = e.sum(-1, keepdim=True)
+    if sink is not None:
+        total = total + torch.exp(sink - shift)
     o = ((e / total.clamp_min(torch.finfo(dtype).tiny)) @ v.to(dtype)).to(q.dtype)
     if not return_lse:
         return o
@@ -70,16 +78,17 @@ def flash_attention_ref(
 def flash_attention_varlen_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor, causal: bool = True, softmax_scale: float | None = None, *,
-    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, return_lse: bool = False
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, return_lse: bool = False,
+    sinks: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """flash_attention_varlen's math in PyTorch: `flash_attention_ref` of each sequence on its
-    own (the sequence bounds are read on the host). o (total_q, Hq, D); lse (Hq, total_q)."""
+    own (the sequence bounds are read on the host). o (total_q, Hq, Dv); lse (Hq, total_q)."""
     outs, lses = [], []
     bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for q0, q1, k0, k1 in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:]):
         o, lse = flash_attention_ref(
             *(t[None].transpose(1, 2) for t in (q[q0:q1], k[k0:k1], v[k0:k1])), causal,
-            softmax_scale, window_size=window_size, softcap=softcap, return_lse=True
+            softmax_scale, window_size=window_size, softcap=softcap, return_lse=True, sinks=sinks
         )
         outs.append(o[0].transpose(0, 1))
         lses.append(lse[0])
