@@ -11,6 +11,7 @@ where the family has them); the other batch shapes run on the PyTorch backend
 calls counted.
 """
 
+import collections
 import copy
 import subprocess
 import sys
@@ -151,15 +152,21 @@ def _flattened_batch(lengths=(9, 1, 12, 4)):
 class _Ops(TorchDispatchMode):
     """The names of the torch.ops.fastlm ops that ran, "sdpa" for a call of PyTorch's
     scaled_dot_product_attention (whatever its backend decomposes it into) and "softmax over
-    keys" for a softmax of a 4-D (B, H, Tq, Tk) score matrix (an eager attention)."""
+    keys" for a softmax of a 4-D (B, H, Tq, Tk) score matrix (an eager attention); `calls`
+    counts each."""
 
     def __init__(self):
         super().__init__()
         self.names = set()
+        self.calls = collections.Counter()
         self._sdpa = torch.nn.functional.scaled_dot_product_attention
 
+    def _seen(self, name: str) -> None:
+        self.names.add(name)
+        self.calls[name] += 1
+
     def _counted_sdpa(self, *args, **kwargs):
-        self.names.add("sdpa")
+        self._seen("sdpa")
         return self._sdpa(*args, **kwargs)
 
     def __enter__(self):
@@ -173,9 +180,9 @@ class _Ops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name.split("::")[1]
         if func.namespace == "fastlm":
-            self.names.add(name)
+            self._seen(name)
         elif name in ("_softmax", "softmax") and args[0].dim() == 4:
-            self.names.add("softmax over keys")
+            self._seen("softmax over keys")
         return func(*args, **(kwargs or {}))
 
 

@@ -92,13 +92,15 @@ def experts_gate(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
 # RoPE: the module's own attention forward, its apply_rotary_* function by fastlm's kernel
 # --------------------------------------------------------------------------------------------
 
-#: The layouts fastlm's RoPE kernel takes, as (interleaved, table): pairs (x[i], x[i + R/2]) or
-#: (x[2i], x[2i+1]) over the first R rotary dims, their angles read from the W-wide tables as
-#: "half" (the first W/2 entries, R = W: Hugging Face's cat(freqs, freqs)), "even" (every other
-#: entry, R = W: Cohere's repeat_interleave(freqs, 2)) or "all" (R = 2 W: gpt-oss's tables,
-#: each angle once). Tried in this order against the family's own function.
-LAYOUTS = tuple((interleaved, table) for table in ("half", "even", "all")
-                for interleaved in (False, True))  # fmt: skip
+#: The layouts fastlm's RoPE kernel takes, as (interleaved, table, regrouped): pairs
+#: (x[i], x[i + R/2]) or (x[2i], x[2i+1]) over the first R rotary dims, their angles read from
+#: the W-wide tables as "half" (the first W/2 entries, R = W: Hugging Face's cat(freqs, freqs)),
+#: "even" (every other entry, R = W: Cohere's repeat_interleave(freqs, 2)) or "all" (R = 2 W:
+#: gpt-oss's tables, each angle once); regrouped: the interleaved pairs' results written
+#: half-split (DeepSeek-V3's rope_interleave). Tried in this order against the family's own
+#: function.
+LAYOUTS = tuple((interleaved, table, False) for table in ("half", "even", "all")
+                for interleaved in (False, True)) + ((True, "half", True),)  # fmt: skip
 
 
 def _rotated(x: torch.Tensor, table_cos, table_sin, positions, interleaved: bool) -> torch.Tensor:
@@ -113,7 +115,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout, heads_
     """x rotated as `layout` (one of LAYOUTS) by the rotary embedding's (B or 1, T, W) cos and
     sin, x's heads on dim `heads_dim` (1: (B, H, T, D); 2: (B, T, H, D)); dims past the rotary
     ones pass through."""
-    interleaved, table = layout
+    interleaved, table, regrouped = layout
     width = cos.shape[-1]
     rotary = 2 * width if table == "all" else width
     rows = cos.shape[0] * cos.shape[1]
@@ -123,6 +125,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout, heads_
     positions = torch.arange(rows, device=x.device).view(cos.shape[0], cos.shape[1])
     heads = x if heads_dim == 1 else x.transpose(1, 2)  # (B, H, T, D)
     out = _rotated(heads[..., :rotary], table_cos, table_sin, positions, interleaved)
+    if regrouped:  # (y1[0], y2[0], y1[1], ...) -> (y1[0], y1[1], ..., y2[0], y2[1], ...)
+        out = out.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
     if rotary < x.shape[-1]:
         out = torch.cat((out, heads[..., rotary:]), dim=-1)
     return out if heads_dim == 1 else out.transpose(1, 2)
