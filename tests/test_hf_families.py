@@ -172,7 +172,7 @@ LEFT = {
     "starcoder2": {"LayerNorm": "bias, weight", "Starcoder2MLP": "not down"},
     "stablelm": {"LayerNorm": "not RMSNorm's math"},
     "nemotron": {"NemotronLayerNorm1P": "bias, weight", "NemotronMLP": "ReLUSquared"},
-    "phi": {"LayerNorm": "bias, weight", "PhiMLP": "not down", "cross_entropy": "a bias"},
+    "phi": {"LayerNorm": "bias, weight", "PhiMLP": "not down"},
     "bitnet": {"BitNetMLP": "ReLUSquaredActivation"},
     "minimax": {"MiniMaxLightningAttention": "does not call transformers' attention"},
     "qwen3_next": {
@@ -357,3 +357,19 @@ def test_gpt_oss_layer_memory_is_linear_in_tokens():
     # saved = a + b T + c T^2: the quadratic coefficient from three sizes is 4 bytes x 4 heads.
     c = ((theirs[256] - theirs[128]) / 128 - (theirs[128] - theirs[64]) / 64) / (256 - 64)
     assert c == pytest.approx(4 * 4, rel=1e-6), theirs
+
+
+def test_a_biased_head_with_a_logit_scale(monkeypatch):
+    """The fused loss of a head with a bias (Phi's) under a logit divisor (Granite's): the bias
+    is one more weight column against a column of ones, scaled as the logits are; loss and
+    every gradient as the unpatched model's."""
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")
+    model = tiny_model("granite", tie_word_embeddings=False)
+    head = model.lm_head
+    model.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(head.weight)
+        model.lm_head.bias.normal_()
+    unpatched = copy.deepcopy(model)
+    assert patched_copy(model) == [] and "cross_entropy" in model.fastlm_patched
+    assert_matches(model, unpatched, _batches()["left-padded"], "biased head")

@@ -327,9 +327,11 @@ def causal_lm_forward(self, *args, names: tuple, decoder: str, scale: float, cap
             shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
         shift_labels = shift_labels.to(hidden.device)
         scaled = hidden * scale if scale != 1.0 else hidden
-        loss = linear_cross_entropy(
-            scaled, head.weight, shift_labels, IGNORE_INDEX, softcap=cap or 0.0
-        )
+        weight = head.weight
+        if head.bias is not None:  # [s h, 1] . [W, s b] = s (h . W + b): one more column (Phi)
+            scaled = torch.cat((scaled, scaled.new_ones(*scaled.shape[:-1], 1)), dim=-1)
+            weight = torch.cat((weight, head.bias.to(weight.dtype)[:, None] * scale), dim=-1)
+        loss = linear_cross_entropy(scaled, weight, shift_labels, IGNORE_INDEX, softcap=cap or 0.0)
         if num_items_in_batch is not None:  # transformers' sum / num_items_in_batch
             counted = (shift_labels != IGNORE_INDEX).sum().clamp_min(1)
             if torch.is_tensor(num_items_in_batch):

@@ -187,15 +187,12 @@ def _decoder_name(model) -> str | None:
 
 
 def _patch_loss(model, report) -> None:
-    head = model.get_output_embeddings()
     loss_type = getattr(model.config, "loss_type", None)
     forward = model.__dict__.get("forward")
     decoder = _decoder_name(model)
     code = inspect.unwrap(type(model).forward).__code__
     moe = "load_balancing_loss_func" in code.co_names
-    if head.bias is not None:
-        report.leave("cross_entropy", "lm_head has a bias")
-    elif loss_type not in (None, "ForCausalLM"):
+    if loss_type not in (None, "ForCausalLM"):
         report.leave("cross_entropy", f"loss_type is {loss_type!r}, not ForCausalLM")
     elif forward is not None and not is_patched_forward(forward):
         # TRL's SFTTrainer wraps the forward with its own fused LM head when it is built.

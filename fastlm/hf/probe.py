@@ -274,12 +274,17 @@ def logit_options(model: nn.Module, decoder: str) -> dict | str:
         if "output_router_logits" in inspect.signature(type(model).forward).parameters:
             arguments["output_router_logits"] = False
         with torch.no_grad():
-            logits = functional_call(model, {head_name: weight}, (), arguments).logits
+            params = {head_name: weight}
+            if head.bias is not None:
+                params[head_name.replace(".weight", ".bias")] = head.bias.detach().double()
+            logits = functional_call(model, params, (), arguments).logits
     except Exception as error:  # noqa: BLE001
         return f"its forward could not be run on stand-in hidden states ({type(error).__name__})"
     finally:
         setattr(model, decoder, real)
     plain = hidden @ weight.T
+    if head.bias is not None:
+        plain = plain + head.bias.detach().double()
     for scale in scales:
         for cap in caps:
             ours = plain * scale
