@@ -291,7 +291,8 @@ def assert_matches(model, unpatched, batch, what):
 @pytest.mark.parametrize("family", list(FAMILY_CONFIGS))
 def test_family_patched_matches_unpatched(family):
     """The family on the kernels, on a plain, a left-padded and a padding-free batch: loss,
-    logits and every gradient as its unpatched copy's (eager attention); each attention layer
+    logits and every gradient as its unpatched copy's (eager attention; for the padding-free
+    batch, each document alone through it); each attention layer
     ran fastlm's attention op once forward and its backward once, no SDPA, no eager softmax
     over keys; what was left is the family's named limit."""
     model = tiny_model(family)

@@ -33,11 +33,15 @@ The attention function then runs, in this order:
 
 Every path applies the layer's `sliding_window` W as Hugging Face's eager attention does (query i
 sees key j iff i - W < j <= i, counted within each document or row) through `window_size=(W - 1,
-0)`, the layer's `softcap` and `scaling`. What the kernels do not run goes to transformers' SDPA
-function (or the family's eager attention where the scores are soft-capped), with a dense mask
-built for it, and warns once naming why: attention dropout in training, a 4-D mask (the caller's,
-a static cache's, a model's own mask functions), bidirectional attention, attention sinks, a
-dtype the kernels do not take.
+0)`, the layer's `softcap`, `scaling` and `s_aux` (gpt-oss's attention sinks, `sinks=`), and takes
+a value head dim other than q's (DeepSeek's MLA). Llama 4's chunked attention (`Chunked`, from the
+mask function: causal within chunks of `attention_chunk_size` tokens from each row's first real
+token or each document's start) cuts every sequence into chunks and runs them as documents on
+`flash_attention_varlen` (one host synchronisation for the chunk bounds). What the kernels do not
+run goes to transformers' SDPA function (or the family's eager attention where the scores are
+soft-capped or have sinks), with a dense mask built for it, and warns once naming why: attention
+dropout in training, a 4-D mask (the caller's, a static cache's, a model's own mask functions,
+chunks with a KV cache), bidirectional attention, a dtype the kernels do not take.
 """
 
 from __future__ import annotations
