@@ -41,7 +41,8 @@ token or each document's start) cuts every sequence into chunks and runs them as
 run goes to transformers' SDPA function (or the family's eager attention where the scores are
 soft-capped or have sinks), with a dense mask built for it, and warns once naming why: attention
 dropout in training, a 4-D mask (the caller's, a static cache's, a model's own mask functions,
-chunks with a KV cache), bidirectional attention, a dtype the kernels do not take.
+chunks with a KV cache), bidirectional attention, an additive score bias (`position_bias`), a
+dtype the kernels do not take.
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ import torch
 from fastlm.hf.families import modeling_module
 from fastlm.kernels import flash_attention, flash_attention_varlen
 from fastlm.kernels._common import FLOAT_DTYPES
+
+#: Attention-function arguments that add a bias to the scores (Inkling's relative position bias,
+#: ALiBi), which fastlm's kernels do not take: they run the family's eager attention.
+SCORE_BIASES = ("position_bias", "alibi", "attn_bias", "attention_bias")
 
 #: Whether fastlm's attention takes attention sinks and a value head dim of its own (issue 28's
 #: kernel capabilities, which arrive with `sinks=`).
@@ -272,6 +277,9 @@ def _fallback_reason(module, query, key, value, attention_mask, dropout, kwargs)
         return "bidirectional attention"
     if torch.is_tensor(attention_mask) and attention_mask.dim() == 4:
         return "a 4-D attention mask"
+    bias = next((n for n in SCORE_BIASES if torch.is_tensor(kwargs.get(n))), None)
+    if bias is not None:
+        return f"an additive bias on the scores ({bias})"
     if kwargs.get("s_aux") is not None and not KERNEL_SINKS:
         return "attention sinks (s_aux)"
     if value.shape[-1] != query.shape[-1] and not KERNEL_SINKS:
@@ -371,7 +379,10 @@ def fastlm_attention(
         cu_q = cu_k = chunk_segments(cu_q, chunk)
         max_q = max_k = min(chunk, max_q)
     if cu_q is None:
-        return flash_attention(query, key, value, causal=True, **options).transpose(1, 2), None
+        # (B, Tq, Hq, Dv), contiguous as transformers' own attention functions give it (some
+        # families .view it; the kernel writes it in q's layout, where this copies nothing).
+        out = flash_attention(query, key, value, causal=True, **options)
+        return out.transpose(1, 2).contiguous(), None
     out = _varlen(query, key, value, cu_q, cu_k, max_q, max_k, options)
     if keep is not None:
         out = out * keep[:, :, None, None].to(out.dtype)  # padding rows: 0
@@ -422,8 +433,8 @@ def _fallback(
     module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
     chunk=None, **kwargs,
 ):  # fmt: skip
-    """transformers' SDPA function, or the family's eager attention for soft-capped scores and
-    attention sinks."""
+    """transformers' SDPA function, or the family's eager attention for soft-capped scores,
+    attention sinks and score biases."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     mask = attention_mask
@@ -431,7 +442,8 @@ def _fallback(
         causal = kwargs.get("is_causal") is not False and getattr(module, "is_causal", True)
         position_ids = kwargs.get("position_ids")
         mask = dense_mask(mask, query, key, sliding_window, position_ids, causal, chunk)
-    if not softcap and kwargs.get("s_aux") is None and value.shape[-1] == query.shape[-1]:
+    plain = not any(torch.is_tensor(kwargs.get(n)) for n in SCORE_BIASES)
+    if plain and not softcap and kwargs.get("s_aux") is None and value.shape[-1] == query.shape[-1]:
         return sdpa_attention_forward(
             module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs
         )

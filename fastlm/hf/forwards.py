@@ -129,7 +129,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout, heads_
         out = out.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
     if rotary < x.shape[-1]:
         out = torch.cat((out, heads[..., rotary:]), dim=-1)
-    return out if heads_dim == 1 else out.transpose(1, 2)
+    # (B, T, H, D) back in that layout's own contiguous order, as the family's function gives
+    # it (its caller may .view the result).
+    return out if heads_dim == 1 else out.transpose(1, 2).contiguous()
 
 
 class RotaryFunction:

@@ -143,18 +143,20 @@ def _patch_rope(model, report) -> None:
         _first_forward(model)
 
 
-def _first_forward(model) -> None:
-    """The model run once on 4 tokens (no gradients), so that each RoPE function finds its
-    layout on the shapes the model gives it before anything compiles the model."""
+def _first_forward(model) -> str | None:
+    """The model run once on 4 tokens (no gradients): each RoPE function finds its layout on the
+    shapes the model gives it before anything compiles the model, and a family whose code does
+    not take fastlm's attention shows. None, or the error it raised."""
     embedding = model.get_input_embeddings()
     if any(p.device.type == "meta" for p in model.parameters()):
-        return
+        return None
     ids = torch.arange(4, device=embedding.weight.device)[None] % embedding.weight.shape[0]
     try:
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)
-    except Exception:  # noqa: BLE001 (a model that needs more inputs: found on first use)
-        pass
+    except Exception as error:  # noqa: BLE001 (reported by the caller that needs it)
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
+    return None
 
 
 def _patch_attention(model, report) -> None:
@@ -170,10 +172,16 @@ def _patch_attention(model, report) -> None:
         report.leave("attention", f"head_dim {size}: fastlm's kernel takes multiples of 8 to 256")
         return
     attention_module.register()
+    before = model.config._attn_implementation
     try:
         model.set_attn_implementation(attention_module.ATTENTION)
     except (ValueError, AttributeError) as error:
         report.leave("attention", f"set_attn_implementation refused it: {error}")
+        return
+    failure = _first_forward(model)
+    if failure is not None:  # a family reading the mask tensor itself (Doge's dynamic mask)
+        model.set_attn_implementation(before)
+        report.leave("attention", f"its forward fails on fastlm's attention ({failure})")
         return
     report.ran("attention", len(calling))
 
