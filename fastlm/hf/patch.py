@@ -151,11 +151,19 @@ def _first_forward(model) -> str | None:
     if any(p.device.type == "meta" for p in model.parameters()):
         return None
     ids = torch.arange(4, device=embedding.weight.device)[None] % embedding.weight.shape[0]
+    # In eval mode (no dropout), its warnings kept from the user's own first forward.
+    modes, warned = [(m, m.training) for m in model.modules()], set(attention_module._warned)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.eval()
             model(input_ids=ids, use_cache=False)
     except Exception as error:  # noqa: BLE001 (reported by the caller that needs it)
         return f"{type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
+    finally:
+        for module, training in modes:
+            module.training = training
+        attention_module._warned.intersection_update(warned)
     return None
 
 
