@@ -20,10 +20,20 @@ causal mask, FlexAttention with a document mask, flash-attn's varlen (masks buil
 the timing; errors against attention per document); then a causal window of 4096 keys at N =
 32k against FlexAttention's sliding-window mask and flash-attn's window. TFLOP/s count only the
 attended pairs. Files attention_varlen.*.
+
+`--families`: the newer families' attention (bf16, causal, the layer at batch 1, N = 4k and 16k):
+gpt-oss-20b's (head dim 64, 64 query and 8 KV heads, learned sinks; a sliding window of 128 keys
+on alternate layers, full causal on the others) by fastlm (`sinks=`) against transformers'
+eager attention (the sinks a column of the B x H x N x N scores) and FlexAttention (its
+log-sum-exp corrected for the sink); DeepSeek's MLA (q and k 192, v 128, 16 heads) by fastlm
+(v's own head dim) against SDPA with v padded to 192 (what transformers' flash-attention path
+does) and SDPA with v as it is. Errors against the eager (gpt-oss) and padded (MLA) rows.
+TFLOP/s count the attended pairs: 2 (D + Dv) flops each forward. Files attention_families.*.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -378,12 +388,143 @@ def varlen_main(args) -> int:
     return run.finish(common.table_lines(title, table), group_by=VARLEN_KEY)
 
 
+# --------------------------------------------------------------------------------------------
+# The newer families (--families): gpt-oss's sinks and windows, MLA's value head dim
+# --------------------------------------------------------------------------------------------
+
+GPT_OSS = dict(heads=64, kv_heads=8, head_dim=64, window=128)
+MLA = dict(heads=16, head_dim=192, head_dim_v=128)
+FAMILY_SEQS = (4096, 16384)
+FAMILY_KEY = ("case", "N", "mode")
+FAMILY_COLUMNS = ["case", "N", "mode", "impl", "ms", "TFLOP/s", "vs fastlm", "rel err"]
+
+
+def gpt_oss_eager(window: int | None):
+    """transformers' eager attention of gpt-oss: k and v repeated over the groups, the scores
+    with the causal (and sliding-window) mask, the sinks a last column, softmax, the column
+    dropped."""
+    masks = {}
+
+    def run(q, k, v, sinks):
+        n, group = q.shape[-2], q.shape[1] // k.shape[1]
+        if n not in masks:
+            i = torch.arange(n, device=q.device)
+            visible = i[None, :] <= i[:, None]
+            if window is not None:
+                visible &= i[:, None] - i[None, :] < window
+            masks.clear()
+            masks[n] = torch.zeros(n, n, device=q.device).masked_fill(~visible, -math.inf)
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + masks[n]
+        column = sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        logits = torch.cat([scores, column.to(scores.dtype)], -1)
+        logits = logits - logits.max(-1, keepdim=True).values
+        probs = logits.softmax(-1, dtype=logits.dtype)[..., :-1]
+        return probs @ v
+
+    return run
+
+
+def gpt_oss_flex(window: int | None):
+    """FlexAttention with grouped heads and a causal (sliding) block mask; the sink enters
+    through the log-sum-exp: o * exp(lse) / (exp(lse) + exp(sink)) = o * sigmoid(lse - sink)."""
+    flex = _flex_attention()
+    if flex is None:
+        return None
+    masks = {}
+
+    def run(q, k, v, sinks):
+        n = q.shape[-2]
+        if n not in masks:
+            if window is None:
+                mask = lambda b, h, i, j: i >= j  # noqa: E731
+            else:
+                mask = lambda b, h, i, j: (i >= j) & (i - j < window)  # noqa: E731
+            masks.clear()
+            masks[n] = flex[1](mask, None, None, n, n)
+        o, lse = flex[0](q, k, v, block_mask=masks[n], enable_gqa=True, return_lse=True)
+        factor = torch.sigmoid(lse - sinks.float()[:, None])
+        return (o * factor[..., None]).to(q.dtype)
+
+    return run
+
+
+def gpt_oss_implementations(window: int | None) -> dict:
+    left = -1 if window is None else window - 1  # transformers' sliding_window: i - j < window
+    impls = {
+        "fastlm": lambda q, k, v, sinks: flash_attention(
+            q, k, v, window_size=(left, 0), sinks=sinks
+        ),
+        "eager": gpt_oss_eager(window),
+    }
+    flex = gpt_oss_flex(window)
+    if flex is not None:
+        impls["flex (lse-corrected sinks)"] = flex
+    return impls
+
+
+def mla_implementations() -> dict:
+    d = MLA["head_dim"]
+
+    def sdpa_padded(q, k, v):  # transformers' flash-attention path: v padded to q's head dim
+        o = F.scaled_dot_product_attention(q, k, F.pad(v, (0, d - v.shape[-1])), is_causal=True)
+        return o[..., : v.shape[-1]]
+
+    return {
+        "fastlm": lambda q, k, v: flash_attention(q, k, v),
+        "sdpa v padded": sdpa_padded,
+        "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    }
+
+
+def family_cases(seqs):
+    """gpt-oss's two kinds of layer, then MLA, at each N (batch 1)."""
+    for n in seqs:
+        for window in (GPT_OSS["window"], None):
+            name = f"gpt-oss-20b {'window 128' if window else 'full'} + sinks"
+
+            def build(n=n, window=window):
+                h, h_kv, d = GPT_OSS["heads"], GPT_OSS["kv_heads"], GPT_OSS["head_dim"]
+                q, _, _ = random_inputs(1, h, n, d)
+                _, k, v = random_inputs(1, h_kv, n, d)
+                sinks = torch.randn(h, device=common.DEVICE, requires_grad=True)
+                impls = gpt_oss_implementations(window)
+                return impls, [q, k, v, sinks], impls["eager"]
+
+            pairs = sum(min(i + 1, window or n) for i in range(n))
+            flops = 2 * GPT_OSS["heads"] * pairs * 2 * GPT_OSS["head_dim"]
+            yield dict(case=name, N=n), build, flops, {}
+
+        def build_mla(n=n):
+            h, d, d_v = MLA["heads"], MLA["head_dim"], MLA["head_dim_v"]
+            q, k, _ = random_inputs(1, h, n, d)
+            v = random_inputs(1, h, n, d_v)[0]
+            impls = mla_implementations()
+            return impls, [q, k, v], impls["sdpa v padded"]
+
+        flops = 2 * MLA["heads"] * n * (n + 1) // 2 * (MLA["head_dim"] + MLA["head_dim_v"])
+        yield dict(case="MLA 192/128", N=n), build_mla, flops, {}
+
+
+def families_main(args) -> int:
+    run = common.Run("attention_families", args, FAMILY_COLUMNS, BUDGET_S)
+    if _flex_attention() is None:
+        run.note("this torch has no FlexAttention: its rows are left out")
+    bench(run, family_cases(FAMILY_SEQS[:1] if args.quick else FAMILY_SEQS))
+    common.add_ratios(run.rows, "vs fastlm", "fastlm", FAMILY_KEY, "ms", higher_is_better=True)
+    title = "gpt-oss-20b and MLA attention, bf16, causal, batch 1 (vs X: X's ms / fastlm's)"
+    table = common.versus(run.rows, FAMILY_KEY, ("ms", "TFLOP/s"))
+    return run.finish(common.table_lines(title, table), group_by=FAMILY_KEY)
+
+
 def parser():
     p = common.parser(
         __doc__.split("\n\n")[0], "bf16, D=128, N 1k/4k/16k filling the GPU, 64k at batch 1"
     )
     p.add_argument("--impls", nargs="+", metavar="NAME", help="only these implementations")
     p.add_argument("--varlen", action="store_true", help="packed documents and a window instead")
+    families = "gpt-oss-20b's attention (sinks, window) and MLA's (v head dim 128) instead"
+    p.add_argument("--families", action="store_true", help=families)
     return p
 
 
@@ -395,6 +536,8 @@ def main(argv: list[str] | None = None) -> int:
     common.raise_compile_limits()
     if args.varlen:
         return varlen_main(args)
+    if args.families:
+        return families_main(args)
     impls = implementations()
     if set(args.impls or ()) - set(impls):
         p.error(f"unknown --impls {sorted(set(args.impls) - set(impls))}; have {list(impls)}")

@@ -120,7 +120,6 @@ def _attention_internals() -> SimpleNamespace:
         max_head_dim=configs.MAX_HEAD_DIM,
         tma_max_block_d=configs.TMA_MAX_BLOCK_D,
         fitting_configs=configs.fitting_configs,
-        launch_head_block=configs.launch_head_block,
         has_options=configs.has_options,
         configs={
             forward._attention_fwd_kernel: configs.FWD_CUDA_CONFIGS,
@@ -318,49 +317,79 @@ WINDOW = SEQ // 4
 SOFTCAP = 50.0
 
 
+#: gpt-oss's attention: head dim 64, a window of 128 on alternate layers, sinks.
+GPT_OSS_WINDOW = 128
+
+
+def _qkv_views(d: int, d_v: int, heads: int, dtype, packed: bool):
+    """q, k (head dim d), v (d_v), o (d_v) as the launchers' (B, H, N, D) views of token-major
+    memory: one fused q|k|v projection when d == d_v, else (MLA) a fused q|k and its own v."""
+    rows = (TOKENS,) if packed else (TOKENS // SEQ, SEQ)
+    if d == d_v:
+        qkv = meta((*rows, 3, heads, d), dtype)
+        q, k, v = (qkv[..., i, :, :] for i in range(3))
+    else:
+        qk = meta((*rows, 2, heads, d), dtype)
+        q, k, v = qk[..., 0, :, :], qk[..., 1, :, :], meta((*rows, heads, d_v), dtype)
+    o = meta((*rows, heads, d_v), dtype)
+    heads_view = ATTENTION.as_heads if packed else (lambda t: t.transpose(1, 2))
+    return tuple(heads_view(t) for t in (q, k, v, o))
+
+
 def attention_cases(specs) -> Iterator[Case]:
     """q, k, v as views of a fused QKV output, outputs and gradients token-major, as in the
-    model. `option` (None, "window", "softcap", "varlen") adds that constexpr variant: a window
-    of WINDOW keys (both sides when not causal), the cap, or the batch packed as sequences of
-    SEQ tokens (`Varlen`, cu_seqlens on the device)."""
-    for name, d, causal, option in specs:
-        heads, dtype = HIDDEN // d, DTYPES[name]
+    model. `d` is the head dim, or (q and k's, v's) for MLA. `option` (None, or "+"-joined
+    "window", "softcap", "varlen", "sinks", "gpt-oss") adds those constexpr variants: a window of
+    WINDOW keys (both sides when not causal), the cap, the batch packed as sequences of SEQ
+    tokens (`Varlen`, cu_seqlens on the device), attention sinks, or gpt-oss's window of
+    GPT_OSS_WINDOW with sinks."""
+    for name, dims, causal, option in specs:
+        d, d_v = dims if isinstance(dims, tuple) else (dims, dims)
+        heads, dtype = HIDDEN // d_v, DTYPES[name]
+        parts = option.split("+") if option else []
         options = {}
-        if option == "window":
+        if "window" in parts:
             options["window"] = (WINDOW, 0 if causal else WINDOW)
-        elif option == "softcap":
+        if "softcap" in parts:
             options["softcap"] = SOFTCAP
-        if option == "varlen":
-            qkv = meta((TOKENS, 3, heads, d), dtype)
-            q, k, v = (ATTENTION.as_heads(qkv[:, i]) for i in range(3))
-            o = ATTENTION.as_heads(meta((TOKENS, heads, d), dtype))
+        if "gpt-oss" in parts:
+            options["window"] = (GPT_OSS_WINDOW, 0 if causal else GPT_OSS_WINDOW)
+        if "sinks" in parts or "gpt-oss" in parts:
+            options["sinks"] = meta((heads,), torch.float32)
+        packed = "varlen" in parts
+        q, k, v, o = _qkv_views(d, d_v, heads, dtype, packed)
+        if packed:
             lse = meta((1, heads, TOKENS), torch.float32)
             cu = meta((TOKENS // SEQ + 1,), torch.int32)
             options["varlen"] = ATTENTION.varlen(cu, cu, SEQ, SEQ)
         else:
-            qkv = meta((TOKENS // SEQ, SEQ, 3, heads, d), dtype)
-            q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
-            o = meta((TOKENS // SEQ, SEQ, heads, d), dtype).transpose(1, 2)
             lse = meta((TOKENS // SEQ, heads, SEQ), torch.float32)
         fields = dict(dtype=name, head_dim=d, causal=causal, option=option)
-        label = f"{name} D={d} {'causal' if causal else 'full'}"
-        if option:
-            label += {
+        if d_v != d:
+            fields["head_dim_v"] = d_v
+        label = f"{name} D={d}{f'/{d_v}' if d_v != d else ''} {'causal' if causal else 'full'}"
+        label += "".join(
+            {
                 "window": f" window={WINDOW}",
                 "softcap": f" softcap={SOFTCAP:g}",
                 "varlen": " varlen",
-            }[option]
+                "sinks": " sinks",
+                "gpt-oss": f" window={GPT_OSS_WINDOW} sinks",
+            }[part]
+            for part in parts
+        )
         scale = d**-0.5
         forward = partial(ATTENTION.forward, q, k, v, causal, scale, True, **options)
         yield Case("attention fwd", label, forward, fields)
-        if dtype != torch.float32 and d <= ATTENTION.tma_max_block_d:
+        descriptors = dtype != torch.float32 and max(d, d_v) <= ATTENTION.tma_max_block_d
+        if descriptors:
             tma = partial(_with_tensor_descriptors, forward)
             yield Case("attention fwd (TMA)", label, tma, fields)
         backward = partial(ATTENTION.backward, o, q, k, v, o, lse, causal, scale, True)
         yield Case("attention bwd", label, partial(backward, True, **options), fields)
         atomic = partial(backward, False, **options)
         yield Case("attention bwd (atomic dQ)", label, atomic, fields)
-        if dtype != torch.float32 and d <= ATTENTION.tma_max_block_d:
+        if descriptors:
             dq_tma = partial(_with_tensor_descriptors, partial(backward, True, **options))
             yield Case("attention bwd dQ (TMA)", label, dq_tma, fields, "_attention_bwd_dq_kernel")
 
@@ -390,6 +419,11 @@ def cases(quick: bool) -> list[Case]:
             for name in ("bf16", "fp32")
             for d in (64, 128, ATTENTION.max_head_dim)
         ] + [("bf16", 128, False, None), ("fp16", 128, True, None), *options]
+        # The newer families' shapes: gpt-oss (head dim 64, a window of 128 with sinks, or
+        # sinks alone), DeepSeek's MLA (q and k 192, v 128; dense and packed) and 96 / 64.
+        attention_specs += [("bf16", 64, True, "gpt-oss"), ("bf16", 64, True, "sinks")]
+        attention_specs += [("bf16", (192, 128), True, None), ("bf16", (192, 128), True, "varlen")]
+        attention_specs += [("bf16", (96, 64), True, None)]
     return [
         *rmsnorm_cases(dtypes),
         *rope_cases(dtypes, head_dims),
@@ -466,9 +500,10 @@ def shipped_configs(launch: Launch) -> list:
     last is the one FASTLM_AUTOTUNE=0 keeps."""
     return ATTENTION.fitting_configs(
         ATTENTION.configs[launch.kernel],
-        ATTENTION.launch_head_block(launch.args),
+        launch.args["BLOCK_D"],
         launch.args["Q"].element_size(),
         ATTENTION.has_options(launch.args),
+        launch.args["BLOCK_DV"],
     )
 
 
@@ -883,6 +918,7 @@ def main(argv: list[str] | None = None) -> int:
     quick = "bf16 only; attention at head dim 128, causal, plain and with each option (the CI's)"
     add("--quick", action="store_true", help=quick)
     add("--op", action="append", metavar="TEXT", help="only ops whose name contains TEXT")
+    add("--case", action="append", metavar="TEXT", help="only cases whose label contains TEXT")
     same = "an earlier run's --json: list the rows whose code differs; exit 1 if any does"
     add("--same-code-as", type=Path, metavar="JSON", help=same)
     jobs = "compiler processes (default: one per CPU)"
@@ -895,17 +931,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--jobs must be at least 1")
     if args.check_baseline:
         return check_baseline()
-    if args.baseline and (args.quick or args.op or sorted(args.arch) != sorted(ARCHS)):
-        parser.error("--baseline keeps the whole report: no --quick, --op or --arch")
+    if args.baseline and (args.quick or args.op or args.case or sorted(args.arch) != sorted(ARCHS)):
+        parser.error("--baseline keeps the whole report: no --quick, --op, --case or --arch")
 
     start = time.perf_counter()
     selected = [
         case
         for case in cases(args.quick)
-        if not args.op or any(text in case.op for text in args.op)
+        if (not args.op or any(text in case.op for text in args.op))
+        and (not args.case or any(text in case.label for text in args.case))
     ]
     if not selected:
-        parser.error(f"no op matches {args.op}")
+        parser.error(f"no case matches --op {args.op} --case {args.case}")
     rows = run(tasks(selected, args.arch), args.jobs)
     print(table(rows))
     analysed = [row for row in rows if "hot_loop" in row]

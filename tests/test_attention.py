@@ -36,7 +36,9 @@ from fastlm.kernels.attention.backward import attention_backward
 from fastlm.kernels.attention.blocks import exp2_fma, exp2_split, tanh
 from fastlm.kernels.attention.configs import (
     DKDV_CUDA_CONFIGS,
+    DQ_CUDA_CONFIGS,
     FWD_CUDA_CONFIGS,
+    MLA_BLOCKS,
     cuda_config,
     fitting_configs,
 )
@@ -121,6 +123,25 @@ def test_a_config_kept_for_large_head_blocks_takes_no_smaller_one():
     for cuda in (FWD_CUDA_CONFIGS, DKDV_CUDA_CONFIGS):
         assert [c.min_block_d for c in fitting_configs(cuda, 256, 4)] == [256]
         assert all(c.min_block_d == 0 for c in fitting_configs(cuda, 128, 4))
+
+
+def test_split_head_blocks_take_their_own_configs():
+    """v's head block other than q's (MLA): configs by the wider block unless split_v is False,
+    and the configs kept for the pair alone (split_blocks: 16-bit only, never for equal
+    blocks)."""
+    plain = cuda_config(64, 32, 4, 2, 128, 128)
+    unsplit = cuda_config(128, 64, 8, 3, 128, 0, split_v=False)
+    mla = cuda_config(128, 64, 8, 2, 0, 0, split_blocks=(MLA_BLOCKS,))
+    wide = cuda_config(32, 32, 4, 1, 256, 128)
+    cuda = [plain, unsplit, mla, wide]
+    assert fitting_configs(cuda, 128, 2, block_dv=64) == [plain, wide]
+    assert fitting_configs(cuda, 128, 2) == [plain, unsplit, wide]
+    assert fitting_configs(cuda, 256, 2, block_dv=128) == [mla, wide]
+    assert fitting_configs(cuda, 256, 2) == [wide]
+    assert fitting_configs(cuda, 256, 4, block_dv=128) == []
+    assert fitting_configs(cuda, 64, 2, block_dv=256) == [wide]
+    for configs in (FWD_CUDA_CONFIGS, DKDV_CUDA_CONFIGS, DQ_CUDA_CONFIGS):
+        assert fitting_configs(configs, MLA_BLOCKS[0], 2, block_dv=MLA_BLOCKS[1])
 
 
 @pytest.mark.parametrize("shift", [1, 3])

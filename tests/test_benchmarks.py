@@ -53,6 +53,32 @@ def test_varlen_implementations_compute_the_same_attention(device, monkeypatch):
             assert_close(fn(q, k, v), ref, torch.float32, name)
 
 
+@pytest.mark.parametrize("window", [7, None])
+def test_family_implementations_compute_the_same_attention(device, monkeypatch, window):
+    """--families: gpt-oss's eager attention, fastlm with sinks and FlexAttention with its
+    log-sum-exp corrected for the sink (uncompiled here: compiled, it needs CUDA) agree, window
+    or not; MLA's padded SDPA, plain SDPA and fastlm with v's own head dim agree."""
+    flex = importlib.import_module("torch.nn.attention.flex_attention")
+    monkeypatch.setattr(
+        attention, "_flex_attention", lambda: (flex.flex_attention, flex.create_block_mask)
+    )
+    q, k, v = torch.randn(1, 8, 50, 16, device=device), *torch.randn(2, 1, 2, 50, 16, device=device)
+    sinks = torch.randn(8, device=device)
+    impls = attention.gpt_oss_implementations(window)
+    assert set(impls) == {"fastlm", "eager", "flex (lse-corrected sinks)"}
+    ref = impls["eager"](*(t.double() for t in (q, k, v, sinks)))
+    for name, fn in impls.items():
+        assert_close(fn(q, k, v, sinks), ref, torch.float32, name)
+    monkeypatch.setitem(attention.MLA, "head_dim", 24)
+    q, k, v = torch.randn(2, 1, 2, 40, 24, device=device).unbind(0) + (
+        torch.randn(1, 2, 40, 16, device=device),
+    )
+    impls = attention.mla_implementations()
+    ref = impls["sdpa v padded"](*(t.double() for t in (q, k, v)))
+    for name, fn in impls.items():
+        assert_close(fn(q, k, v), ref, torch.float32, name)
+
+
 def test_headline_times_both_backward_schedules():
     """The first GPU run must say which backward schedule should be the default: the headline
     times fastlm's forward+backward with each, and --skip-headline times the rest."""

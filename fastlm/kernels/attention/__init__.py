@@ -37,6 +37,14 @@ Options, each a constexpr so that the plain kernels compile as without them:
   window reaches, unmasked where every row sees the whole block, so the work is O(N * window).
 - softcap (SOFTCAP): t' = c * tanh(t / c) on the base-2 scores (c = softcap * log2(e)), tanh from
   exp2; the backward recomputes it and multiplies dS by 1 - tanh^2.
+- attention sinks (HAS_SINKS, gpt-oss): one logit per query head in every row's denominator,
+  with no value (neither scaled nor capped). The forward starts each row's online softmax as
+  having seen it (m = sink, l = 1; -inf starts empty, as without one), so LSE holds it and the
+  backward's kernels are unchanged; dsink = -sum_rows 2^(sink - LSE) * Delta is one torch
+  reduction (`backward.sink_grad`).
+- a value head dim of its own (MLA: q, k 192, v 128): HEAD_DIM / BLOCK_D are q's and k's,
+  HEAD_DIM_V / BLOCK_DV v's, o's, dO's and dv's; configs fit the wider head block, or list the
+  pair (`configs.CudaConfig.split_blocks`).
 - packed sequences (VARLEN, `flash_attention_varlen`): q, k, v are (total, H, D) views as (1, H,
   total, D); the grid is cdiv(max_seqlen, BLOCK) * (num_seqs * H), each program reads its
   sequence's bounds from cu_seqlens, offsets its pointers by the first row, and returns at once

@@ -24,6 +24,10 @@ class CudaConfig(NamedTuple):
     `has_options`) within those limits; False where one of them spills.
     min_block_d: the smallest BLOCK_D it takes: a config kept only for the head blocks no better
     one fits.
+    split_v: whether it also takes a v head block other than q's (MLA) within those limits (the
+    wider of the two); False where that spilled.
+    split_blocks: (BLOCK_D, BLOCK_DV) pairs of 16-bit inputs it is kept for beside those limits:
+    MLA's 192 / 128 is (256, 128), where a 256-wide v would not fit.
     """
 
     blocks: dict
@@ -33,6 +37,8 @@ class CudaConfig(NamedTuple):
     max_block_d_fp32: int
     options: bool = True
     min_block_d: int = 0
+    split_v: bool = True
+    split_blocks: tuple = ()
 
 
 #: The constexprs of the option variants: each adds registers to the plain kernels.
@@ -44,21 +50,26 @@ def has_options(args: dict) -> bool:
     return any(args.get(flag) for flag in OPTION_FLAGS)
 
 
-def launch_head_block(args: dict) -> int:
-    """The head block a launch's configs must fit: the wider of q's and k's (BLOCK_D) and v's
-    (BLOCK_DV), which differ in MLA-style attention (192 / 128: 256 and 128)."""
-    return max(args["BLOCK_D"], args.get("BLOCK_DV", 0))
+def fitting_configs(
+    cuda: list[CudaConfig], block_d: int, element_size: int, options: bool = False,
+    block_dv: int | None = None
+) -> list[CudaConfig]:
+    """The configs of a CUDA list that take head blocks of BLOCK_D (q, k) and BLOCK_DV (v; default
+    BLOCK_D) at this input element size (and with `options`, an option variant): by the wider
+    head block, or (split head blocks) by `split_blocks`."""
+    block_dv = block_d if block_dv is None else block_dv
+    split = block_dv != block_d
+    wider = max(block_d, block_dv)
 
+    def takes(config: CudaConfig) -> bool:
+        if not (config.options or not options):
+            return False
+        if split and element_size == 2 and (block_d, block_dv) in config.split_blocks:
+            return True
+        limit = config.max_block_d_fp32 if element_size == 4 else config.max_block_d
+        return config.min_block_d <= wider <= limit and (config.split_v or not split)
 
-def fitting_configs(cuda: list[CudaConfig], block_d: int, element_size: int,
-                    options: bool = False) -> list[CudaConfig]:
-    """The configs of a CUDA list that take head blocks of BLOCK_D at this input element size
-    (and with `options`, an option variant)."""
-    return [
-        config for config in cuda if config.min_block_d <= block_d <=
-        (config.max_block_d_fp32 if element_size == 4 else config.max_block_d) and
-        (config.options or not options)
-    ]
+    return [config for config in cuda if takes(config)]
 
 
 def triton_configs(
@@ -87,7 +98,8 @@ def prune_to_fitting(cuda: list[CudaConfig]):
         if interpreting():
             return configs
         fitting = fitting_configs(
-            cuda, launch_head_block(kwargs), named_args["Q"].element_size(), has_options(kwargs)
+            cuda, kwargs["BLOCK_D"], named_args["Q"].element_size(), has_options(kwargs),
+            kwargs.get("BLOCK_DV")
         )
         if os.environ.get("FASTLM_AUTOTUNE", "1") == "0":
             fitting = fitting[-1:]
@@ -101,13 +113,16 @@ def prune_to_fitting(cuda: list[CudaConfig]):
 
 def cuda_config(
     block_m: int, block_n: int, warps: int, stages: int, max_block_d: int, max_block_d_fp32: int,
-    options: bool = True, min_block_d: int = 0
+    options: bool = True, min_block_d: int = 0, split_v: bool = True, split_blocks: tuple = ()
 ) -> CudaConfig:
     return CudaConfig(
         {"BLOCK_M": block_m, "BLOCK_N": block_n}, warps, stages, max_block_d, max_block_d_fp32,
-        options, min_block_d
+        options, min_block_d, split_v, split_blocks
     )
 
+
+#: MLA as DeepSeek-V2/V3 train it: q and k 192 wide (a head block of 256), v 128.
+MLA_BLOCKS = (256, 128)
 
 # Largest first. Hopper-first: 128-row query blocks for head dims up to 128, 64-row blocks (still
 # Hopper's wgmma) up to 256; the last config of each dtype is the smallest (FASTLM_AUTOTUNE=0).
@@ -125,6 +140,12 @@ FWD_CUDA_CONFIGS = [
     cuda_config(128, 64, 8, 4, 128, 64),
     cuda_config(64, 64, 4, 3, 128, 0),
     cuda_config(64, 32, 4, 1, 0, 128),
+    # MLA's 192 / 128 alone (bf16, causal: plain, packed, and with a window and the cap at once
+    # no spill on sm_90a or sm_80, at most 254 registers; M64 N64 spilled 40 B on sm_80): the
+    # hot loop's MMA share by the clock model of benchmarks/hot_loop.py (sm_90a, no overlap)
+    # 65 % and 53 %, against 39 % for M32 N32, the one config that takes a head block of 256.
+    cuda_config(128, 64, 8, 2, 0, 0, split_blocks=(MLA_BLOCKS, )),
+    cuda_config(64, 32, 4, 2, 0, 0, split_blocks=(MLA_BLOCKS, )),
     cuda_config(32, 32, 8, 1, 0, 256, min_block_d=256),  # the exception (above)
     cuda_config(32, 32, 4, 1, 256, 128)
 ]
@@ -142,7 +163,7 @@ DKDV_CUDA_CONFIGS = [
 ]
 # dQ keeps a query block's q, dO, dq on chip and streams key blocks past it.
 DQ_CUDA_CONFIGS = [
-    cuda_config(128, 64, 8, 3, 128, 0),
+    cuda_config(128, 64, 8, 3, 128, 0, split_v=False),  # 96 / 64: 44 B spilled on sm_80
     cuda_config(64, 32, 4, 2, 128, 128),
     cuda_config(32, 32, 4, 1, 256, 128),
     cuda_config(16, 64, 8, 1, 0, 256)
