@@ -80,8 +80,9 @@ class _Calls:
         return counted
 
 
-def _sft(model, data, tokenizer, **options):
-    config = trl.SFTConfig(
+def _trl_config(config_class, **options):
+    """A TRL trainer's config: two steps of 4 rows on the CPU, each logged, nothing saved."""
+    return config_class(
         output_dir="unused",
         per_device_train_batch_size=4,
         logging_steps=1,
@@ -94,6 +95,10 @@ def _sft(model, data, tokenizer, **options):
         seed=0,
         **{"max_steps": 2, **options},
     )
+
+
+def _sft(model, data, tokenizer, **options):
+    config = _trl_config(trl.SFTConfig, **options)
     return trl.SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
 
 
@@ -269,3 +274,93 @@ def test_the_readme_example_runs(tmp_path, monkeypatch):
     exec(code, names)
     assert names["model"] is tiny and "attention" in tiny.fastlm_patched
     assert names["trainer"].state.global_step > 0
+
+
+# --------------------------------------------------------------------------------------------
+# Preference trainers (TRL's own fused LM head over the patched layers), gpt-oss padding-free
+# --------------------------------------------------------------------------------------------
+
+
+def _train_both(trainer_class, config_class, data, tokenizer, monkeypatch):
+    """A preference trainer for two steps on the patched model and on the unpatched one (each
+    with a reference copy of itself at the start): the logged rows of each; the patched run's
+    attention ran fastlm's varlen path, never SDPA."""
+    model = _model()
+    unpatched = copy.deepcopy(model)
+    calls = _Calls(monkeypatch)
+    logs, ran = {}, {}
+    for name, m in (("patched", fastlm.hf.patch(model)), ("unpatched", unpatched)):
+        trainer = trainer_class(
+            model=m, ref_model=copy.deepcopy(m), args=_trl_config(config_class, max_length=32),
+            train_dataset=data, processing_class=tokenizer,
+        )  # fmt: skip
+        before = dict(calls.counts)
+        trainer.train()
+        logs[name] = [row for row in trainer.state.log_history if "loss" in row]
+        ran[name] = {key: calls.counts[key] - before[key] for key in before}
+    assert ran["patched"]["varlen"] > 0 and ran["patched"]["sdpa"] == 0, ran
+    return logs
+
+
+def _assert_same_logs(logs, keys):
+    assert len(logs["patched"]) == len(logs["unpatched"]) == 2
+    for ours, theirs in zip(logs["patched"], logs["unpatched"]):
+        assert ours.keys() == theirs.keys()
+        assert keys <= ours.keys(), ours.keys()
+        for key, value in theirs.items():
+            assert ours[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (key, ours, theirs)
+
+
+def test_dpo_trainer_logs_what_it_logs_unpatched(tmp_path, monkeypatch):
+    """DPOTrainer (TRL 1.16: its fused LM head over the patched model's layers, gradient
+    checkpointing on) for two steps: the same metrics (loss, rewards, log-probs, margins,
+    grad norm) as on the unpatched model, and the attention ran fastlm's varlen path."""
+    monkeypatch.chdir(tmp_path)
+    tokenizer = _tokenizer()
+    texts = _texts(24)
+    data = datasets.Dataset.from_dict(
+        {"prompt": texts[:8], "chosen": texts[8:16], "rejected": texts[16:]}
+    )
+    logs = _train_both(trl.DPOTrainer, trl.DPOConfig, data, tokenizer, monkeypatch)
+    keys = {"loss", "grad_norm", "rewards/chosen", "rewards/margins", "logps/chosen"}
+    _assert_same_logs(logs, keys)
+
+
+def test_kto_trainer_logs_what_it_logs_unpatched(tmp_path, monkeypatch):
+    """KTOTrainer for two steps: the same metrics (loss, KL, rewards, log-probs) as on the
+    unpatched model, and the attention ran fastlm's varlen path."""
+    monkeypatch.chdir(tmp_path)
+    tokenizer = _tokenizer()
+    texts = _texts(16)
+    data = datasets.Dataset.from_dict(
+        {"prompt": texts[:8], "completion": texts[8:], "label": [True, False] * 4}
+    )
+    logs = _train_both(trl.KTOTrainer, trl.KTOConfig, data, tokenizer, monkeypatch)
+    _assert_same_logs(logs, {"loss", "grad_norm", "kl"})
+
+
+def test_gpt_oss_trains_padding_free_under_sft(tmp_path, monkeypatch):
+    """A tiny gpt-oss (attention sinks, a sliding window on alternate layers, YaRN's half-width
+    RoPE tables, MoE experts) patched, under SFTTrainer with padding_free (TRL's one packed row
+    with cu_seq_lens): its attention on fastlm's varlen path, no SDPA, and the metrics of the
+    unpatched model trained on the same rows padded (gpt-oss's eager attention would attend
+    across the packed documents: padding is its padding-free truth)."""
+    from test_hf_families import tiny_model
+
+    monkeypatch.chdir(tmp_path)
+    tokenizer = _tokenizer()
+    data = datasets.Dataset.from_dict({"text": _texts()})
+    model = tiny_model("gpt_oss", pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    unpatched = copy.deepcopy(model)
+    calls = _Calls(monkeypatch)
+    logs = {}
+    runs = (("patched", fastlm.hf.patch(model), True), ("unpatched", unpatched, False))
+    for name, m, padding_free in runs:
+        trainer = _sft(m, data, tokenizer, max_length=None, padding_free=padding_free)
+        before = dict(calls.counts)
+        trainer.train()
+        logs[name] = [row for row in trainer.state.log_history if "loss" in row]
+        ran = {key: calls.counts[key] - before[key] for key in before}
+        if name == "patched":
+            assert ran["varlen"] > 0 and ran["sdpa"] == 0, ran
+    _assert_same_logs(logs, {"loss", "grad_norm", "entropy", "mean_token_accuracy"})

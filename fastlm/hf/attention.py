@@ -33,23 +33,38 @@ The attention function then runs, in this order:
 
 Every path applies the layer's `sliding_window` W as Hugging Face's eager attention does (query i
 sees key j iff i - W < j <= i, counted within each document or row) through `window_size=(W - 1,
-0)`, the layer's `softcap` and `scaling`. What the kernels do not run goes to transformers' SDPA
-function (or the family's eager attention where the scores are soft-capped), with a dense mask
-built for it, and warns once naming why: attention dropout in training, a 4-D mask (the caller's,
-a static cache's, a model's own mask functions), bidirectional attention, attention sinks, a
+0)`, the layer's `softcap`, `scaling` and `s_aux` (gpt-oss's attention sinks, `sinks=`), and takes
+a value head dim other than q's (DeepSeek's MLA). Llama 4's chunked attention (`Chunked`, from the
+mask function: causal within chunks of `attention_chunk_size` tokens from each row's first real
+token or each document's start) cuts every sequence into chunks and runs them as documents on
+`flash_attention_varlen` (one host synchronisation for the chunk bounds). What the kernels do not
+run goes to transformers' SDPA function (or the family's eager attention where the scores are
+soft-capped or have sinks), with a dense mask built for it, and warns once naming why: attention
+dropout in training, a 4-D mask (the caller's, a static cache's, a model's own mask functions,
+chunks with a KV cache), bidirectional attention, an additive score bias (`position_bias`), a
 dtype the kernels do not take.
 """
 
 from __future__ import annotations
 
+import inspect
 import warnings
 import weakref
+from typing import NamedTuple
 
 import torch
 
 from fastlm.hf.families import modeling_module
 from fastlm.kernels import flash_attention, flash_attention_varlen
 from fastlm.kernels._common import FLOAT_DTYPES
+
+#: Attention-function arguments that add a bias to the scores (Inkling's relative position bias,
+#: ALiBi), which fastlm's kernels do not take: they run the family's eager attention.
+SCORE_BIASES = ("position_bias", "alibi", "attn_bias", "attention_bias")
+
+#: Whether fastlm's attention takes attention sinks and a value head dim of its own (issue 28's
+#: kernel capabilities, which arrive with `sinks=`).
+KERNEL_SINKS = "sinks" in inspect.signature(flash_attention).parameters
 
 #: The name fastlm's attention and mask functions are registered under in transformers.
 ATTENTION = "fastlm"
@@ -66,6 +81,29 @@ class _Packed:
 
 
 PACKED = _Packed()
+
+
+class Chunked(NamedTuple):
+    """The mask function's answer for Llama 4's chunked attention (causal within fixed chunks of
+    `size` tokens, counted from each row's or document's first token): `mask` is what it would
+    answer without the chunks (None, a padding mask or PACKED)."""
+
+    size: int
+    mask: object
+
+
+def _chunk_size(kwargs) -> int | None:
+    """The chunk size of a chunked mask's call (`create_chunked_causal_mask` passes it as
+    `local_size`, which the sliding-window masks pass too: told apart by the config's
+    attention_chunk_size), else None. Read from plain values: no tracing of mask functions
+    under torch.compile."""
+    size = kwargs.get("local_size")
+    config = kwargs.get("config")
+    chunked = getattr(config, "attention_chunk_size", None)
+    if size is None or chunked is None or int(size) != int(chunked):
+        return None
+    return int(size)
+
 
 _warned: set[str] = set()
 
@@ -114,8 +152,12 @@ def fastlm_mask(
     # tensor, which is not read here: no host synchronisation).
     aligned = not torch.is_tensor(q_offset) and kv_offset + kv_length == q_offset + q_length
     bidirectional = "allow_is_bidirectional_skip" in kwargs  # create_bidirectional_mask's call
-    if use_vmap or not aligned or bidirectional:
+    chunk = _chunk_size(kwargs)
+    chunked = chunk is not None
+    if use_vmap or not aligned or bidirectional or (chunked and q_length != kv_length):
         reason = "a model's own mask functions" if use_vmap else "a static cache"
+        if chunked and aligned and not use_vmap:
+            reason = "chunked attention with a KV cache"
         _warn_once("bidirectional attention" if bidirectional else reason)
         kwargs["allow_is_bidirectional_skip"] = False  # a mask, never None (taken as causal)
         return sdpa_mask(
@@ -135,10 +177,12 @@ def fastlm_mask(
         mask = attention_mask.to(torch.bool)
         if mask.shape[-1] < kv_offset + kv_length:
             mask = torch.nn.functional.pad(mask, (0, kv_offset + kv_length - mask.shape[-1]))
-        return mask[:, kv_offset : kv_offset + kv_length]
-    if not allow_is_causal_skip:  # transformers found several documents in a row
-        return PACKED
-    return None
+        mask = mask[:, kv_offset : kv_offset + kv_length]
+    elif not allow_is_causal_skip:  # transformers found several documents in a row
+        mask = PACKED
+    else:
+        mask = None
+    return Chunked(chunk, mask) if chunked else mask
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,6 +232,15 @@ def position_documents(position_ids: torch.Tensor, batch: int, length: int):
     return result
 
 
+def chunk_segments(cu_seqlens: torch.Tensor, size: int) -> torch.Tensor:
+    """cu_seqlens with every sequence cut into pieces of `size` tokens from its start (Llama 4's
+    chunked attention: causal within each piece). One host synchronisation."""
+    bounds = cu_seqlens.cpu().tolist()
+    cuts = [start for a, b in zip(bounds, bounds[1:]) for start in range(a, max(b, a + 1), size)]
+    cuts = sorted(set(cuts + bounds))
+    return torch.tensor(cuts, dtype=torch.int32, device=cu_seqlens.device)
+
+
 # --------------------------------------------------------------------------------------------
 # The attention function
 # --------------------------------------------------------------------------------------------
@@ -217,15 +270,20 @@ def _autocast(query, key, value):
     return query, key, value
 
 
-def _fallback_reason(module, query, key, attention_mask, dropout, kwargs) -> str | None:
+def _fallback_reason(module, query, key, value, attention_mask, dropout, kwargs) -> str | None:
     if dropout:
         return "attention dropout in training"
     if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
         return "bidirectional attention"
     if torch.is_tensor(attention_mask) and attention_mask.dim() == 4:
         return "a 4-D attention mask"
-    if kwargs.get("s_aux") is not None:
+    bias = next((n for n in SCORE_BIASES if torch.is_tensor(kwargs.get(n))), None)
+    if bias is not None:
+        return f"an additive bias on the scores ({bias})"
+    if kwargs.get("s_aux") is not None and not KERNEL_SINKS:
         return "attention sinks (s_aux)"
+    if value.shape[-1] != query.shape[-1] and not KERNEL_SINKS:
+        return "a value head dim other than the query's"
     if query.dtype not in FLOAT_DTYPES:
         return f"{query.dtype} inputs"
     if query.shape[2] > key.shape[2]:
@@ -265,20 +323,26 @@ def fastlm_attention(
         ValueError: cu_seq_lens_q/k with fewer queries than keys (a cache in use).
     """
     query, key, value = _autocast(query, key, value)
-    reason = _fallback_reason(module, query, key, attention_mask, dropout, kwargs)
+    chunk = None
+    if isinstance(attention_mask, Chunked):
+        chunk, attention_mask = attention_mask
+    reason = _fallback_reason(module, query, key, value, attention_mask, dropout, kwargs)
     if reason is not None:
         _warn_once(reason)
         return _fallback(
             module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
-            **kwargs,
+            chunk=chunk, **kwargs,
         )  # fmt: skip
     window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
     options = dict(softmax_scale=scaling, window_size=window, softcap=float(softcap or 0.0))
+    if kwargs.get("s_aux") is not None:
+        options["sinks"] = kwargs["s_aux"]
     B, _, Tq, _ = query.shape
     Tk = key.shape[2]
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
     given = all(x is not None for x in (cu_q, cu_k, max_q, max_k))
+    keep = None
     if given and (attention_mask is None or attention_mask is PACKED):
         if Tq != Tk:
             raise ValueError(
@@ -286,13 +350,12 @@ def fastlm_attention(
                 f"and {Tk} keys (a cache is in use): pass use_cache=False with them"
             )
         cu_q, cu_k = (cu.to(torch.int32).contiguous() for cu in (cu_q, cu_k))
-        out = _varlen(query, key, value, cu_q, cu_k, int(max_q), int(max_k), options)
+        max_q, max_k = int(max_q), int(max_k)
     elif torch.is_tensor(attention_mask):  # (B, Tk) padding
         cu_k = padding_segments(attention_mask)
         keep = attention_mask[:, Tk - Tq :]  # the queries are the last Tq keys
         cu_q = cu_k if Tq == Tk else padding_segments(keep)
-        out = _varlen(query, key, value, cu_q, cu_k, Tq, Tk, options)
-        out = out * keep[:, :, None, None].to(out.dtype)  # padding rows: 0
+        max_q, max_k = Tq, Tk
     elif attention_mask is PACKED and kwargs.get("position_ids") is not None and Tq == Tk:
         if torch.compiler.is_compiling():
             # Compiling, transformers reports every row as packed: whether position_ids restart
@@ -304,12 +367,25 @@ def fastlm_attention(
                 "max_length_q/k (DataCollatorWithFlattening(return_flash_attn_kwargs=True)); "
                 "position_ids that restart cannot be read while compiling",
             )
-            out = flash_attention(query, key, value, causal=True, **options).transpose(1, 2)
+            cu_q = None
         else:
-            cu, longest = position_documents(kwargs["position_ids"], B, Tq)
-            out = _varlen(query, key, value, cu, cu, longest, longest, options)
+            cu_q, max_q = position_documents(kwargs["position_ids"], B, Tq)
+            cu_k, max_k = cu_q, max_q
     else:
-        out = flash_attention(query, key, value, causal=True, **options).transpose(1, 2)
+        cu_q = None
+    if chunk is not None:  # Llama 4: each row or document cut into chunks (Tq == Tk here)
+        if cu_q is None:
+            cu_q, max_q = torch.arange(B + 1, device=query.device, dtype=torch.int32) * Tq, Tq
+        cu_q = cu_k = chunk_segments(cu_q, chunk)
+        max_q = max_k = min(chunk, max_q)
+    if cu_q is None:
+        # (B, Tq, Hq, Dv), contiguous as transformers' own attention functions give it (some
+        # families .view it; the kernel writes it in q's layout, where this copies nothing).
+        out = flash_attention(query, key, value, causal=True, **options)
+        return out.transpose(1, 2).contiguous(), None
+    out = _varlen(query, key, value, cu_q, cu_k, max_q, max_k, options)
+    if keep is not None:
+        out = out * keep[:, :, None, None].to(out.dtype)  # padding rows: 0
     return out, None
 
 
@@ -319,11 +395,12 @@ def fastlm_attention(
 
 
 def dense_mask(
-    attention_mask, query, key, sliding_window, position_ids, causal: bool = True
+    attention_mask, query, key, sliding_window, position_ids, causal: bool = True, chunk=None
 ) -> torch.Tensor:
     """The (B, 1, Tq, Tk) bool mask Hugging Face's eager attention applies for what fastlm_mask
     returned: causal (aligned to the end of the keys) with the window, or every key where not
-    causal; padding; packed documents."""
+    causal; padding; packed documents; chunks of `chunk` tokens from each row's first real token
+    or each document's start (Tq == Tk)."""
     B, _, Tq, _ = query.shape
     Tk = key.shape[2]
     rows = torch.arange(Tq, device=query.device)[:, None] + (Tk - Tq)
@@ -340,21 +417,33 @@ def dense_mask(
         steps[:, 1:] = positions[:, 1:] - positions[:, :-1] != 1
         document = steps.cumsum(1)
         visible = visible & (document[:, None, :, None] == document[:, None, None, :])
+    if chunk:
+        if attention_mask is PACKED and position_ids is not None:
+            place = position_ids.expand(B, Tq)
+        elif torch.is_tensor(attention_mask):
+            place = attention_mask.to(torch.long).cumsum(1) - 1
+        else:
+            place = torch.arange(Tq, device=query.device).expand(B, Tq)
+        piece = place // chunk
+        visible = visible & (piece[:, None, :, None] == piece[:, None, None, :])
     return visible
 
 
 def _fallback(
-    module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, **kwargs
-):
-    """transformers' SDPA function, or the family's eager attention for soft-capped scores."""
+    module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
+    chunk=None, **kwargs,
+):  # fmt: skip
+    """transformers' SDPA function, or the family's eager attention for soft-capped scores,
+    attention sinks and score biases."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     mask = attention_mask
     if not (torch.is_tensor(mask) and mask.dim() == 4):
         causal = kwargs.get("is_causal") is not False and getattr(module, "is_causal", True)
         position_ids = kwargs.get("position_ids")
-        mask = dense_mask(mask, query, key, sliding_window, position_ids, causal)
-    if not softcap:
+        mask = dense_mask(mask, query, key, sliding_window, position_ids, causal, chunk)
+    plain = not any(torch.is_tensor(kwargs.get(n)) for n in SCORE_BIASES)
+    if plain and not softcap and kwargs.get("s_aux") is None and value.shape[-1] == query.shape[-1]:
         return sdpa_attention_forward(
             module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs
         )

@@ -1,4 +1,6 @@
-"""The Hugging Face model families fastlm.hf knows, and how to tell which one a model is."""
+"""The Hugging Face model families `from_hf`/`to_hf` convert and fastlm.hf's tests name, and
+how to tell which one a model is. `patch` reads no family table: it finds each part by what a
+module computes (`fastlm.hf.probe`)."""
 
 from __future__ import annotations
 
@@ -6,42 +8,35 @@ import sys
 import types
 from typing import NamedTuple
 
-from torch import nn
-
 
 class Family(NamedTuple):
-    """What fastlm.hf needs to know of one transformers model family (a NamedTuple).
+    """One transformers model family fastlm.hf names (a NamedTuple).
 
-    `FAMILIES` maps each model_type `patch` runs on the kernels to its Family.
+    `FAMILIES` maps the model_types fastlm.hf named before `patch` took any causal LM (its
+    tests build them by this table) to their Family.
 
     Args:
         causal_lm: the ForCausalLM class's name in transformers.
-        prefix: the prefix of the family's module classes (`<prefix>RMSNorm`,
-            `<prefix>Attention`...).
-        norm_offset: 1.0 where the RMSNorm scales by `1 + weight` in fp32 (Gemma's), 0.0 (the
-            default) where it scales by `weight` after rounding to the input dtype (LLaMA's).
         convertible: whether `from_hf`/`to_hf` convert it to and from `fastlm.Transformer`
             (default False).
     """
 
     causal_lm: str
-    prefix: str
-    norm_offset: float = 0.0
     convertible: bool = False
 
 
-#: model_type -> Family, for every family `patch` runs on the kernels.
+#: model_type -> Family.
 FAMILIES = {
-    "llama": Family("LlamaForCausalLM", "Llama", convertible=True),
-    "mistral": Family("MistralForCausalLM", "Mistral", convertible=True),
-    "qwen2": Family("Qwen2ForCausalLM", "Qwen2", convertible=True),
-    "qwen3": Family("Qwen3ForCausalLM", "Qwen3"),
-    "gemma": Family("GemmaForCausalLM", "Gemma", norm_offset=1.0),
-    "gemma2": Family("Gemma2ForCausalLM", "Gemma2", norm_offset=1.0),
-    "gemma3_text": Family("Gemma3ForCausalLM", "Gemma3", norm_offset=1.0),
-    "phi3": Family("Phi3ForCausalLM", "Phi3"),
-    "mixtral": Family("MixtralForCausalLM", "Mixtral"),
-    "qwen3_moe": Family("Qwen3MoeForCausalLM", "Qwen3Moe"),
+    "llama": Family("LlamaForCausalLM", convertible=True),
+    "mistral": Family("MistralForCausalLM", convertible=True),
+    "qwen2": Family("Qwen2ForCausalLM", convertible=True),
+    "qwen3": Family("Qwen3ForCausalLM"),
+    "gemma": Family("GemmaForCausalLM"),
+    "gemma2": Family("Gemma2ForCausalLM"),
+    "gemma3_text": Family("Gemma3ForCausalLM"),
+    "phi3": Family("Phi3ForCausalLM"),
+    "mixtral": Family("MixtralForCausalLM"),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM"),
 }
 
 #: The families `from_hf` and `to_hf` convert.
@@ -74,12 +69,6 @@ def family_of(hf_model: object, names=tuple(FAMILIES)) -> str:
 def modeling_module(obj: object) -> types.ModuleType:
     """The `modeling_<family>.py` module an object's class is defined in."""
     return sys.modules[type(obj).__module__]
-
-
-def modules_of(hf_model: nn.Module, family: str, suffix: str) -> list[nn.Module]:
-    """The model's modules whose class is the family's `<prefix><suffix>` (LlamaRMSNorm, ...)."""
-    name = FAMILIES[family].prefix + suffix
-    return [m for m in hf_model.modules() if type(m).__name__ == name]
 
 
 def rope_parameters(config) -> tuple[str, float]:

@@ -1,8 +1,10 @@
 """The forwards `patch` puts on a model's modules, and how they are attached so that a patched
 model pickles.
 
-Each module gets a `PatchedForward` as its instance `forward`: a callable holding the module and
-the name of one of the `PARTS` functions. It pickles as that pair (a bound method would pickle as
+Each module gets a `PatchedForward` as its instance `forward` (or `_apply_gate` for experts): a
+callable holding the module, the name of one of the `PARTS` functions and that part's options
+(plain values: attribute names, an activation, a scale), which `fastlm.hf.probe` found by running
+the module's own code. It pickles as that triple (a bound method would pickle as
 `getattr(module, "<function name>")`, which a module does not have), so `torch.save` /
 `torch.load`, `pickle` and `copy.deepcopy` of a patched model work, also in a fresh process.
 """
@@ -11,40 +13,38 @@ from __future__ import annotations
 
 import inspect
 import types
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastlm.backend import use_triton
 from fastlm.hf.families import IGNORE_INDEX, modeling_module
-from fastlm.kernels import apply_rope_, geglu, linear_cross_entropy, rms_norm, swiglu_packed
+from fastlm.kernels import geglu, linear_cross_entropy, rms_norm, swiglu_packed
 from fastlm.kernels import swiglu as swiglu_op
+from fastlm.kernels.rope import rope_ref
 
 # --------------------------------------------------------------------------------------------
-# Norms and MLPs
+# Norms and gated MLPs
 # --------------------------------------------------------------------------------------------
 
 
-def rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """LLaMA's RMSNorm: weight * normed.to(input dtype), so the output has the promoted dtype;
-    fastlm's kernel computes it in fp32 and rounds once."""
+def rms_norm_forward(self, x: torch.Tensor, eps_name: str, offset: float, promoted: bool):
+    """x / rms(x) * (weight + offset) in fp32, rounded once, by `rms_norm`. The output dtype is
+    x's, or the promotion of x's and the weight's (LLaMA's `weight * normed.to(x.dtype)`), as
+    the module's own forward gives it. A weight of another dtype than x's is read in fp32
+    (exact: the kernel's math is fp32)."""
     weight = self.weight
-    out_dtype = torch.promote_types(hidden_states.dtype, weight.dtype)
-    if weight.dtype not in (hidden_states.dtype, torch.float32):
-        weight = weight.to(hidden_states.dtype)
-    return rms_norm(hidden_states, weight, self.variance_epsilon, out_dtype=out_dtype)
-
-
-def offset_rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """Gemma's RMSNorm: normed * (1 + weight) in fp32, then x's dtype, exactly its order."""
-    weight = self.weight
+    out_dtype = torch.promote_types(x.dtype, weight.dtype) if promoted else x.dtype
     if weight.dtype not in (x.dtype, torch.float32):
-        weight = weight.float()  # Gemma adds 1 to the fp32 weight: exact
-    return rms_norm(x, weight, self.eps, offset=1.0, out_dtype=x.dtype)
+        weight = weight.float()
+    return rms_norm(x, weight, getattr(self, eps_name), offset=offset, out_dtype=out_dtype)
 
 
 def activation_of(act: object) -> str | None:
-    """ "silu", "tanh" (a tanh GELU), "none" (the exact GELU) or None for another activation."""
+    """ "silu", "tanh" (a tanh GELU), "none" (the exact GELU) or None for another activation.
+    A guess from the type: `fastlm.hf.probe` checks it against the module's own output."""
     if isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation":
         return "silu"
     if isinstance(act, nn.GELU):
@@ -52,81 +52,189 @@ def activation_of(act: object) -> str | None:
     name = type(act).__name__
     if name in ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "FastGELUActivation"):
         return "tanh"  # each computes 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
-    if name == "GELUActivation":
+    if name in ("GELUActivation", "GELU"):
         return "none"
     return None
 
 
-def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+def gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up by fastlm's kernel for the activation."""
     return swiglu_op(gate, up) if activation == "silu" else geglu(gate, up, activation)
 
 
-def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """gate_proj / up_proj / down_proj with SwiGLU or GeGLU in one kernel."""
-    return self.down_proj(_gated(self.gate_proj(x), self.up_proj(x), activation_of(self.act_fn)))
+def packed_gated(gate_up: torch.Tensor, activation: str, gate_first: bool) -> torch.Tensor:
+    """act(gate) * up of one (..., 2 I) projection holding both halves."""
+    if activation == "silu" and gate_first:
+        return swiglu_packed(gate_up)  # its gradient comes back as one tensor
+    first, second = gate_up.chunk(2, dim=-1)
+    return gated(first, second, activation) if gate_first else gated(second, first, activation)
 
 
-def packed_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """Phi-3's fused gate_up_proj (gate first, up second) through `swiglu_packed`."""
-    return self.down_proj(swiglu_packed(self.gate_up_proj(x)))
+def mlp_forward(self, x: torch.Tensor, gate: str, up: str, down: str, activation: str):
+    """down(act(gate(x)) * up(x)) on the module's own projections (their biases included)."""
+    projections = getattr(self, gate)(x), getattr(self, up)(x)
+    return getattr(self, down)(gated(*projections, activation))
 
 
-def experts_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
-    """The experts' gate on (S, 2 * I) projections (gate first, up second) by `swiglu_packed`:
-    what transformers' grouped_mm and batched_mm experts call between their two GEMMs."""
-    return swiglu_packed(gate_up)
+def packed_mlp_forward(self, x: torch.Tensor, gate_up: str, down: str, activation: str,
+                       gate_first: bool):  # fmt: skip
+    """down(act(gate) * up) on one fused gate/up projection (Phi-3's, GLM-4's)."""
+    return getattr(self, down)(packed_gated(getattr(self, gate_up)(x), activation, gate_first))
 
 
-def experts_forward(
-    self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-) -> torch.Tensor:
-    """Mixtral's and Qwen3-MoE's experts (3-D gate_up_proj and down_proj). The model's experts
-    implementation runs as it is (grouped_mm, batched_mm: their gate is `experts_gate`), except
-    "eager", whose loop over the experts hit is transformers' own with each expert's SwiGLU by
-    `swiglu_packed`. The router, its weights and the auxiliary loss are the model's, untouched."""
-    if getattr(self.config, "_experts_implementation", "eager") != "eager":
-        return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
-    final = torch.zeros_like(hidden_states)
-    with torch.no_grad():
-        expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
-        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-    for hit in expert_hit:
-        expert = hit[0]
-        if expert == self.num_experts:
-            continue
-        top_k_pos, token_idx = torch.where(expert_mask[expert])
-        gate_up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert])
-        out = F.linear(swiglu_packed(gate_up), self.down_proj[expert])
-        out = out * top_k_weights[token_idx, top_k_pos, None]
-        final.index_add_(0, token_idx, out.to(final.dtype))
-    return final
+def experts_gate(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """The experts' gate on (S, 2 I) projections (gate first, up second): what transformers'
+    grouped_mm and batched_mm experts call between their two GEMMs."""
+    return packed_gated(gate_up, activation, True)
 
 
 # --------------------------------------------------------------------------------------------
-# RoPE: the family's own attention forward, with apply_rotary_pos_emb by fastlm's kernel
+# RoPE: the module's own attention forward, its apply_rotary_* function by fastlm's kernel
 # --------------------------------------------------------------------------------------------
 
+#: The layouts fastlm's RoPE kernel takes, as (interleaved, table, regrouped): pairs
+#: (x[i], x[i + R/2]) or (x[2i], x[2i+1]) over the first R rotary dims, their angles read from
+#: the W-wide tables as "half" (the first W/2 entries, R = W: Hugging Face's cat(freqs, freqs)),
+#: "even" (every other entry, R = W: Cohere's repeat_interleave(freqs, 2)) or "all" (R = 2 W:
+#: gpt-oss's tables, each angle once); regrouped: the interleaved pairs' results written
+#: half-split (DeepSeek-V3's rope_interleave). Tried in this order against the family's own
+#: function.
+LAYOUTS = tuple((interleaved, table, False) for table in ("half", "even", "all")
+                for interleaved in (False, True)) + ((True, "half", True),)  # fmt: skip
 
-def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
-    """Hugging Face's apply_rotary_pos_emb on q, k (B, H, T, D), in place, by fastlm's kernel.
 
-    cos and sin are the rotary embedding's (B or 1, T, R), each angle twice (cat(freqs, freqs));
-    their first halves, one row per (sequence, position), serve as the kernel's tables, read at
-    positions 0, 1, ... So whatever the rope type computed (llama3, linear, dynamic, Gemma 3's
-    local base, ...) is what is applied, at whatever positions (padded, packed) were given.
-    R < D (Phi-3's partial rotary factor) rotates the first R dims of each head, as Hugging Face.
-    """
-    if unsqueeze_dim != 1:
-        raise ValueError(f"unsqueeze_dim must be 1 ((B, H, T, D) heads), got {unsqueeze_dim}")
-    rotary = cos.shape[-1]
-    half = rotary // 2
+def _rotated(x: torch.Tensor, table_cos, table_sin, positions, interleaved: bool) -> torch.Tensor:
+    """x (B, H, T, R) rotated into a new tensor: fastlm's functional RoPE op (the family's
+    function returns new tensors too: q may be a split's output, k an expand)."""
+    if use_triton(x) and x.dtype != torch.float64:
+        return torch.ops.fastlm.rope(x, table_cos, table_sin, positions, interleaved, False)
+    return rope_ref(x, table_cos, table_sin, positions, interleaved)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout, heads_dim: int):
+    """x rotated as `layout` (one of LAYOUTS) by the rotary embedding's (B or 1, T, W) cos and
+    sin, x's heads on dim `heads_dim` (1: (B, H, T, D); 2: (B, T, H, D)); dims past the rotary
+    ones pass through."""
+    interleaved, table, regrouped = layout
+    width = cos.shape[-1]
+    rotary = 2 * width if table == "all" else width
     rows = cos.shape[0] * cos.shape[1]
-    cos_table = cos[..., :half].reshape(rows, half)
-    sin_table = sin[..., :half].reshape(rows, half)
-    positions = torch.arange(rows, device=q.device).view(cos.shape[0], cos.shape[1])
-    q_rot, k_rot = (q, k) if rotary == q.shape[-1] else (q[..., :rotary], k[..., :rotary])
-    apply_rope_(q_rot, k_rot, cos_table, sin_table, positions, interleaved=False)
-    return q, k
+    pick = {"half": slice(0, width // 2), "even": slice(0, width, 2), "all": slice(None)}[table]
+    table_cos = cos[..., pick].reshape(rows, rotary // 2)
+    table_sin = sin[..., pick].reshape(rows, rotary // 2)
+    positions = torch.arange(rows, device=x.device).view(cos.shape[0], cos.shape[1])
+    heads = x if heads_dim == 1 else x.transpose(1, 2)  # (B, H, T, D)
+    out = _rotated(heads[..., :rotary], table_cos, table_sin, positions, interleaved)
+    if regrouped:  # (y1[0], y2[0], y1[1], ...) -> (y1[0], y1[1], ..., y2[0], y2[1], ...)
+        out = out.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+    if rotary < x.shape[-1]:
+        out = torch.cat((out, heads[..., rotary:]), dim=-1)
+    # (B, T, H, D) back in that layout's own contiguous order, as the family's function gives
+    # it (its caller may .view the result).
+    return out if heads_dim == 1 else out.transpose(1, 2).contiguous()
+
+
+class RotaryFunction:
+    """A family's `apply_rotary_pos_emb(q, k, cos, sin, ..., unsqueeze_dim=1)` on fastlm's
+    kernel. Which layout it computes is found on first use for each shape (head dims, table
+    width, unsqueeze_dim) by running it and each of `LAYOUTS` on small random float64 inputs
+    of that shape and of its tables' structure: the first that agrees to fp32 rounding runs
+    from then on; a shape none matches runs the family's own function, with one warning naming
+    it. `patch` runs the model once on a few tokens so that this happens before any
+    torch.compile (a shape first seen while compiling runs the family's function)."""
+
+    def __init__(self, original: types.FunctionType):
+        self.original = original
+        parameters = inspect.signature(original).parameters
+        self.names = tuple(parameters)
+        self.unsqueeze_default = getattr(parameters.get("unsqueeze_dim"), "default", 1)
+        self.layouts: dict[tuple, tuple | None] = {}
+
+    def __call__(self, *args, **kwargs):
+        values = dict(zip(self.names, args), **kwargs)
+        q, k, cos, sin = (values.get(name) for name in self.names[:4])
+        unsqueeze = values.get("unsqueeze_dim", self.unsqueeze_default)
+        if not all(torch.is_tensor(t) for t in (q, k, cos, sin)) or cos.dim() != 3:
+            return self.original(*args, **kwargs)
+        key = (q.shape[-1], k.shape[-1], cos.shape[-1], unsqueeze, q.dim())
+        if key not in self.layouts:
+            if torch.compiler.is_compiling():
+                return self.original(*args, **kwargs)
+            rest = {n: v for n, v in values.items() if n not in self.names[:4]}
+            self.layouts[key] = self._find_layout(key, rest, _structure(cos))
+        layout = self.layouts[key]
+        if layout is None:
+            return self.original(*args, **kwargs)
+        return rotate(q, cos, sin, layout, unsqueeze), rotate(k, cos, sin, layout, unsqueeze)
+
+    def _find_layout(self, key, rest: dict, structure: str) -> tuple | None:
+        dq, dk, width, unsqueeze, dims = key
+        if dims == 4 and unsqueeze in (1, 2):
+            generator = torch.Generator().manual_seed(0)
+            shape = lambda d: (2, 3, 5, d) if unsqueeze == 1 else (2, 5, 3, d)  # noqa: E731
+            q, k = (
+                torch.randn(shape(d), generator=generator, dtype=torch.float64) for d in (dq, dk)
+            )
+            angles = torch.rand(2, 5, width, generator=generator, dtype=torch.float64) * 6
+            if structure == "twice":
+                angles = torch.cat((angles[..., : width // 2],) * 2, dim=-1)
+            elif structure == "pairs":
+                angles = angles[..., : width // 2].repeat_interleave(2, dim=-1)
+            cos, sin = angles.cos(), angles.sin()
+            with torch.no_grad():
+                try:
+                    expected = self.original(q, k, cos, sin, **rest)
+                except Exception:  # noqa: BLE001 (a function of another form: left as it is)
+                    expected = None
+                for layout in LAYOUTS if expected is not None else ():
+                    rotary = 2 * width if layout[1] == "all" else width
+                    if rotary > min(dq, dk) or rotary % 2:
+                        continue
+                    ours = (rotate(t, cos, sin, layout, unsqueeze) for t in (q, k))
+                    # 1e-5: some families rotate in fp32 (Ernie's q.float()); a wrong layout is
+                    # off by O(1).
+                    if all(_agrees(a, b, 1e-5) for a, b in zip(ours, expected)):
+                        return layout
+        warnings.warn(
+            f"fastlm.hf: RoPE by {self.original.__module__}.{self.original.__qualname__} on "
+            f"head dims {dq}/{dk} with tables {width} wide is none of the layouts fastlm's "
+            "kernel takes: it runs as the family wrote it",
+            stacklevel=4,
+        )
+        return None
+
+
+def _structure(cos: torch.Tensor) -> str:
+    """How the tables hold their angles: "twice" (Hugging Face's cat(freqs, freqs)), "pairs"
+    (Cohere's repeat_interleave(freqs, 2)) or "once" (gpt-oss's)."""
+    half = cos.shape[-1] // 2
+    if torch.equal(cos[..., :half], cos[..., half : 2 * half]):
+        return "twice"
+    if torch.equal(cos[..., 0::2], cos[..., 1::2]):
+        return "pairs"
+    return "once"
+
+
+def _agrees(ours: torch.Tensor, theirs: object, bound: float) -> bool:
+    if not torch.is_tensor(theirs) or ours.shape != theirs.shape:
+        return False
+    scale = theirs.abs().max().clamp_min(1e-30)
+    return bool(((ours - theirs).abs().max() / scale) <= bound)
+
+
+_ROTARY_FUNCTIONS: dict[types.FunctionType, RotaryFunction] = {}
+
+
+def rotary_names(forward: types.FunctionType, usable: bool = True) -> list[str]:
+    """The `apply_rotary*` functions of its module a forward calls; `usable`: only those taking
+    (q, k, cos, sin, ...) (not Llama 4's and DeepSeek-V2's complex `freqs_cis`)."""
+    names = []
+    for name in forward.__code__.co_names:
+        function = forward.__globals__.get(name)
+        if name.startswith("apply_rotary") and isinstance(function, types.FunctionType):
+            if not usable or len(inspect.signature(function).parameters) >= 4:
+                names.append(name)
+    return names
 
 
 class _Forwards(dict):
@@ -142,8 +250,9 @@ _ROPE_FORWARDS = _Forwards()
 
 
 def rope_attention_forward(cls: type) -> types.FunctionType | None:
-    """cls.forward (transformers' own attention forward of the family) with the name
-    `apply_rotary_pos_emb` bound to fastlm's, or None when that forward does not call it.
+    """cls.forward (transformers' own attention forward of the family) with each
+    `apply_rotary*` function it calls bound to a `RotaryFunction` of it, or None when it calls
+    none.
 
     The function is rebuilt from the same code with a copy of its module's globals, so the
     family's attention runs exactly as written (q/k norms, fused projections, soft-capping,
@@ -151,11 +260,20 @@ def rope_attention_forward(cls: type) -> types.FunctionType | None:
     if cls in _ROPE_FORWARDS:
         return _ROPE_FORWARDS[cls]
     forward = inspect.unwrap(cls.forward)  # under deprecate_kwarg's wrapper
-    if "apply_rotary_pos_emb" not in forward.__code__.co_names:
+    names = rotary_names(forward)
+    if not names:
         return None
-    names = dict(forward.__globals__, apply_rotary_pos_emb=apply_rotary_pos_emb)
+    scope = dict(forward.__globals__)
+    # Without __name__, torch.compile guards these globals by this dict itself rather than by
+    # the family's module (where the names hold transformers' own functions).
+    scope.pop("__name__", None)
+    for name in names:
+        original = forward.__globals__[name]
+        if original not in _ROTARY_FUNCTIONS:
+            _ROTARY_FUNCTIONS[original] = RotaryFunction(original)
+        scope[name] = _ROTARY_FUNCTIONS[original]
     rebuilt = types.FunctionType(
-        forward.__code__, names, forward.__name__, forward.__defaults__, forward.__closure__
+        forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__
     )
     rebuilt.__kwdefaults__ = forward.__kwdefaults__
     _ROPE_FORWARDS[cls] = rebuilt
@@ -173,70 +291,64 @@ def attention_forward(self, *args, **kwargs):
 # --------------------------------------------------------------------------------------------
 
 
-def _softcapped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+def output_logits(hidden: torch.Tensor, head: nn.Module, scale: float, cap: float | None):
+    """The family's logits: head(hidden) times its logit scale, soft-capped."""
+    logits = head(hidden)
+    if scale != 1.0:
+        logits = logits * scale
     return logits if not cap else cap * torch.tanh(logits / cap)
 
 
-def causal_lm_forward(
-    self,
-    input_ids=None,
-    attention_mask=None,
-    position_ids=None,
-    cache=None,
-    inputs_embeds=None,
-    labels=None,
-    use_cache=None,
-    logits_to_keep=0,
-    **kwargs,
-):
-    """The ForCausalLM forward with the loss by fused linear cross-entropy (see `patch`); MoE
-    families add the router's auxiliary loss as their own forward does."""
+def causal_lm_forward(self, *args, names: tuple, decoder: str, scale: float, cap: float | None,
+                      moe: bool, **kwargs):  # fmt: skip
+    """The ForCausalLM forward with the loss by fused linear cross-entropy (see `patch`): the
+    arguments (positional ones by the family forward's parameter `names`, read at patch time:
+    binding a signature here would stop torch.compile) go to the decoder (`self.<decoder>`)
+    as the family's forward passes them, but the loss's own; the logits are
+    `lm_head(hidden) * scale`, soft-capped at `cap`, as `fastlm.hf.probe` found the family's
+    forward computes them. MoE families add the router's auxiliary loss as their forward does."""
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
     from transformers.modeling_utils import slice_logits_to_keep
 
-    return_dict = kwargs.pop("return_dict", None)
-    if cache is None:
-        cache = kwargs.pop("past_key_values", None)
-    if cache is not None:
-        kwargs["cache"] = cache
-    moe = hasattr(self.config, "router_aux_loss_coef")
-    if moe:
-        if kwargs.get("output_router_logits") is None:
-            kwargs["output_router_logits"] = self.config.output_router_logits
-    outputs = self.model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        inputs_embeds=inputs_embeds,
-        use_cache=use_cache,
-        **kwargs,
-    )
+    call = dict(zip(names, args), **kwargs)
+    labels = call.pop("labels", None)
+    shift_labels = call.pop("shift_labels", None)
+    num_items_in_batch = call.pop("num_items_in_batch", None)
+    logits_to_keep = call.pop("logits_to_keep", 0)
+    return_dict = call.pop("return_dict", None)
+    if "past_key_values" in call and "cache" not in call:
+        call["cache"] = call.pop("past_key_values")
+    if moe and call.get("output_router_logits") is None:
+        call["output_router_logits"] = self.config.output_router_logits
+    outputs = getattr(self, decoder)(**call)
     hidden = outputs[0]  # the final norm's output (B, T, C)
-    cap = getattr(self.config, "final_logit_softcapping", None)
-    shift_labels = kwargs.get("shift_labels")
+    head = self.get_output_embeddings()
     loss = logits = None
     if labels is not None or shift_labels is not None:
         if shift_labels is None:  # position t predicts label t + 1; the last predicts nothing
             shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
         shift_labels = shift_labels.to(hidden.device)
-        loss = linear_cross_entropy(
-            hidden, self.lm_head.weight, shift_labels, IGNORE_INDEX, softcap=cap or 0.0
-        )
-        num_items_in_batch = kwargs.get("num_items_in_batch")
+        scaled = hidden * scale if scale != 1.0 else hidden
+        weight = head.weight
+        if head.bias is not None:  # [s h, 1] . [W, s b] = s (h . W + b): one more column (Phi)
+            scaled = torch.cat((scaled, scaled.new_ones(*scaled.shape[:-1], 1)), dim=-1)
+            weight = torch.cat((weight, head.bias.to(weight.dtype)[:, None] * scale), dim=-1)
+        loss = linear_cross_entropy(scaled, weight, shift_labels, IGNORE_INDEX, softcap=cap or 0.0)
         if num_items_in_batch is not None:  # transformers' sum / num_items_in_batch
             counted = (shift_labels != IGNORE_INDEX).sum().clamp_min(1)
             if torch.is_tensor(num_items_in_batch):
                 num_items_in_batch = num_items_in_batch.to(loss.device)
             loss = loss * counted / num_items_in_batch
     if loss is None or not self.training:
-        logits = _softcapped(self.lm_head(slice_logits_to_keep(hidden, logits_to_keep)), cap)
+        logits = output_logits(slice_logits_to_keep(hidden, logits_to_keep), head, scale, cap)
     rest = {name: value for name, value in outputs.items() if name != "last_hidden_state"}
     if moe:
         aux_loss = None
-        if kwargs["output_router_logits"]:
+        if call["output_router_logits"]:
             aux_loss = modeling_module(self).load_balancing_loss_func(
-                outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask
-            )
+                outputs.router_logits, self.num_experts, self.num_experts_per_tok,
+                call.get("attention_mask"),
+            )  # fmt: skip
             if loss is not None:
                 loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
         result = MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits, **rest)
@@ -254,10 +366,8 @@ def causal_lm_forward(
 #: The forwards a module can be given, by name (what a pickled PatchedForward stores).
 PARTS = {
     "rms_norm": rms_norm_forward,
-    "offset_rms_norm": offset_rms_norm_forward,
     "mlp": mlp_forward,
     "packed_mlp": packed_mlp_forward,
-    "experts": experts_forward,
     "experts_gate": experts_gate,
     "attention": attention_forward,
     "causal_lm": causal_lm_forward,
@@ -273,15 +383,16 @@ def _restore_registration() -> None:
 
 
 class PatchedForward:
-    """A module's forward replaced by `PARTS[part]`; pickles as (module, part)."""
+    """A module's forward replaced by `PARTS[part]` with keyword `options`; pickles as
+    (module, part, options)."""
 
-    __slots__ = ("module", "part")
+    __slots__ = ("module", "part", "options")
 
-    def __init__(self, module: nn.Module, part: str):
-        self.module, self.part = module, part
+    def __init__(self, module: nn.Module, part: str, options: dict | None = None):
+        self.module, self.part, self.options = module, part, dict(options or {})
 
     def __call__(self, *args, **kwargs):
-        return PARTS[self.part](self.module, *args, **kwargs)
+        return PARTS[self.part](self.module, *args, **kwargs, **self.options)
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -290,21 +401,21 @@ class PatchedForward:
         return inspect.signature(type(self.module).forward.__get__(self.module))
 
     def __reduce__(self):
-        return (_load_forward, (self.module, self.part))
+        return (_load_forward, (self.module, self.part, self.options))
 
     def __repr__(self) -> str:
         return f"fastlm.hf {self.part} forward of {type(self.module).__name__}"
 
 
-def _load_forward(module: nn.Module, part: str) -> PatchedForward:
+def _load_forward(module: nn.Module, part: str, options: dict | None = None) -> PatchedForward:
     _restore_registration()
-    return PatchedForward(module, part)
+    return PatchedForward(module, part, options)
 
 
-def bind(modules, part: str, method: str = "forward") -> None:
-    """Give each module PARTS[part] as its `method` (its forward by default)."""
+def bind(modules, part: str, method: str = "forward", **options) -> None:
+    """Give each module PARTS[part] (with `options`) as its `method` (its forward by default)."""
     for module in modules:
-        setattr(module, method, PatchedForward(module, part))
+        setattr(module, method, PatchedForward(module, part, options))
 
 
 def is_patched_forward(forward: object) -> bool:
@@ -312,13 +423,26 @@ def is_patched_forward(forward: object) -> bool:
 
 
 class PatchedParts(tuple):
-    """`model.fastlm_patched`: the parts patched. Unpickling it registers fastlm's attention
-    with transformers (a model patched for attention alone has no other fastlm object)."""
+    """`model.fastlm_patched`: the parts that run on fastlm's kernels (a tuple of names, in
+    patch order), with `left`: {what was left as it is: why} and `modules`: {part: how many
+    modules run it}. Unpickling it registers fastlm's attention with transformers (a model
+    patched for attention alone has no other fastlm object)."""
+
+    left: dict[str, str]
+    modules: dict[str, int]
+
+    def __new__(cls, parts=(), left=None, modules=None):
+        self = super().__new__(cls, parts)
+        self.left, self.modules = dict(left or {}), dict(modules or {})
+        return self
 
     def __reduce__(self):
-        return (_load_parts, (tuple(self),))
+        return (_load_parts, (tuple(self), self.left, self.modules))
+
+    def __repr__(self) -> str:
+        return f"PatchedParts({tuple(self)!r}, left={self.left!r}, modules={self.modules!r})"
 
 
-def _load_parts(parts: tuple) -> PatchedParts:
+def _load_parts(parts: tuple, left=None, modules=None) -> PatchedParts:
     _restore_registration()
-    return PatchedParts(parts)
+    return PatchedParts(parts, left, modules)

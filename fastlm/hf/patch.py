@@ -1,99 +1,215 @@
-"""`patch`: one call that puts a Hugging Face model of a supported family on fastlm's kernels."""
+"""`patch`: one call that puts any Hugging Face causal LM on fastlm's kernels, module by module,
+by what each module computes (`fastlm.hf.probe`), never by the family's name."""
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
+import torch
 from torch import nn
 
 from fastlm.hf import attention as attention_module
-from fastlm.hf.families import FAMILIES, family_of, head_dim, modules_of, transformers_module
+from fastlm.hf import probe
+from fastlm.hf.families import head_dim, transformers_module
 from fastlm.hf.forwards import (
     PatchedParts,
-    activation_of,
     bind,
     is_patched_forward,
     rope_attention_forward,
+    rotary_names,
 )
 from fastlm.model import kernel_takes_head_dim, kernels_run_on
 
 
+class _Report:
+    """What each step patched (part -> module count) and left (what -> why)."""
+
+    def __init__(self):
+        self.parts: dict[str, int] = {}
+        self.left: dict[str, str] = {}
+
+    def ran(self, part: str, count: int = 1) -> None:
+        self.parts[part] = self.parts.get(part, 0) + count
+
+    def leave(self, what: str, why: str) -> None:
+        self.left.setdefault(what, why)
+
+
 def _hugging_face_model(model: object) -> nn.Module:
-    """The transformers model inside a PEFT wrapper (or the model itself)."""
+    """The transformers causal LM inside a PEFT wrapper (or the model itself); TypeError for
+    anything else."""
     transformers = transformers_module()
     if not isinstance(model, transformers.PreTrainedModel) and hasattr(model, "get_base_model"):
-        return model.get_base_model()
+        model = model.get_base_model()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(model, transformers.PreTrainedModel) or not isinstance(head, nn.Linear):
+        raise TypeError(
+            "model must be a transformers PreTrainedModel with a causal-LM head (an nn.Linear "
+            f"lm_head: a ...ForCausalLM), or a PEFT model around one; got {type(model).__name__}"
+        )
     return model
 
 
-def _patch_norms(model, family, patched, skipped) -> None:
-    norms = modules_of(model, family, "RMSNorm")
-    if not norms:
-        skipped.append(f"rms_norm (no {FAMILIES[family].prefix}RMSNorm modules)")
-        return
-    bind(norms, "offset_rms_norm" if FAMILIES[family].norm_offset else "rms_norm")
-    patched.append("rms_norm")
+def _own_modules(model: nn.Module):
+    """The model's modules of transformers' model classes (not torch's own layers)."""
+    return [m for m in model.modules() if not type(m).__module__.startswith("torch.")]
 
 
-def _patch_mlps(model, family, patched, skipped) -> None:
-    """Dense MLPs (split or fused gate/up projections) and MoE experts: each by the activation
-    its own act_fn computes."""
-    ran, refused = set(), set()
-    for module in modules_of(model, family, "MLP") + modules_of(model, family, "Experts"):
-        if "Experts" in type(module).__name__:
-            kind = "experts"  # 3-D gate_up_proj
-        else:
-            kind = "mlp" if hasattr(module, "gate_proj") else "packed_mlp"  # Phi-3's gate_up_proj
-        act = getattr(module, "act_fn", None) or getattr(module, "activation_fn", None)
-        activation = activation_of(act)
-        if activation is None or (kind != "mlp" and activation != "silu"):
-            refused.add(f"{type(module).__name__} ({type(act).__name__} activation)")
-            continue
-        if kind == "experts":
-            if not getattr(module, "is_concatenated", True) or getattr(module, "has_bias", False):
-                refused.add(f"{type(module).__name__} (interleaved gate/up or biases)")
+def _patch_norms(model, report) -> None:
+    """Every leaf module computing RMSNorm's math; a norm (by its class name) that does not,
+    left with the reason."""
+    count = 0
+    for module in model.modules():
+        name = type(module).__name__
+        is_norm = "norm" in name.lower() and not any(True for _ in module.children())
+        if probe.norm_candidate(module):
+            options = probe.rms_norm_options(module)
+            if isinstance(options, dict):
+                bind([module], "rms_norm", **options)
+                count += 1
+            elif is_norm:  # other 1-D modules are no norms: not reported
+                report.leave(name, options)
+        elif is_norm:
+            params = sorted(n for n, _ in module.named_parameters())
+            why = f"parameters {', '.join(params)}" if params else "no weight"
+            report.leave(name, f"{why}: not RMSNorm's one weight")
+    if count:
+        report.ran("rms_norm", count)
+
+
+def _patch_mlps(model, report) -> None:
+    for module in _own_modules(model):
+        name = type(module).__name__
+        if probe.mlp_candidate(module):
+            found = probe.mlp_options(module)
+            if isinstance(found, str):
+                if any(word in name for word in probe.MLP_NAMES):
+                    report.leave(name, found)
                 continue
-            bind([module], "experts_gate", "_apply_gate")
-        bind([module], kind)
-        ran.add("swiglu" if activation == "silu" else "geglu")
-    patched.extend(sorted(ran))
-    if refused:
-        skipped.append(
-            f"mlp of {', '.join(sorted(refused))}: fastlm has SwiGLU and GeGLU (tanh or exact "
-            "GELU), and SwiGLU alone on fused gate/up projections"
-        )
+            kind, options = found
+            bind([module], kind, **options)
+        elif hasattr(type(module), "_apply_gate") and getattr(module, "is_concatenated", None):
+            options = probe.experts_gate_options(module)
+            if isinstance(options, str):
+                report.leave(name, options)
+                continue
+            bind([module], "experts_gate", "_apply_gate", **options)
+            if getattr(model.config, "_experts_implementation", None) == "eager":
+                report.leave(
+                    f"{name} (eager)",
+                    "experts_implementation 'eager' computes the gate inline; "
+                    "set_experts_implementation('grouped_mm') runs it on the kernel",
+                )
+        elif hasattr(type(module), "_apply_gate"):
+            report.leave(name, "interleaved gate/up projections")
+            continue
+        else:
+            continue
+        report.ran("swiglu" if options["activation"] == "silu" else "geglu")
 
 
-def _patch_rope(model, family, patched, skipped) -> None:
-    modules = modules_of(model, family, "Attention")
-    if not modules or rope_attention_forward(type(modules[0])) is None:
-        skipped.append("rope (the attention forward does not call apply_rotary_pos_emb)")
+def _calls_attention_interface(module: nn.Module) -> bool:
+    code = inspect.unwrap(type(module).forward).__code__
+    return "ALL_ATTENTION_FUNCTIONS" in code.co_names
+
+
+def _attention_modules(model):
+    """(modules calling transformers' attention interface, names of other attention classes)."""
+    calling, other = [], set()
+    for module in _own_modules(model):
+        name = type(module).__name__
+        if _calls_attention_interface(module):
+            calling.append(module)
+        elif "Attention" in name or "Mixer" in name or "DeltaNet" in name:
+            if "Decoder" not in name and "Layer" not in name:
+                other.add(name)
+    return calling, other
+
+
+def _patch_rope(model, report) -> None:
+    calling, _ = _attention_modules(model)
+    patched = [m for m in calling if rope_attention_forward(type(m)) is not None]
+    for cls in {type(m) for m in calling if m not in patched}:
+        other = rotary_names(inspect.unwrap(cls.forward), usable=False)
+        if other:  # NoPE modules call none, and need none
+            report.leave(
+                f"rope of {cls.__name__}",
+                f"{other[0]} takes complex frequencies, not (q, k, cos, sin): not fastlm's kernel",
+            )
+    if patched:
+        bind(patched, "attention")
+        report.ran("rope", len(patched))
+        _first_forward(model)
+
+
+def _first_forward(model) -> str | None:
+    """The model run once on 4 tokens (no gradients): each RoPE function finds its layout on the
+    shapes the model gives it before anything compiles the model, and a family whose code does
+    not take fastlm's attention shows. None, or the error it raised."""
+    embedding = model.get_input_embeddings()
+    if any(p.device.type == "meta" for p in model.parameters()):
+        return None
+    ids = torch.arange(4, device=embedding.weight.device)[None] % embedding.weight.shape[0]
+    # In eval mode (no dropout), its warnings kept from the user's own first forward.
+    modes, warned = [(m, m.training) for m in model.modules()], set(attention_module._warned)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.eval()
+            model(input_ids=ids, use_cache=False)
+    except Exception as error:  # noqa: BLE001 (reported by the caller that needs it)
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
+    finally:
+        for module, training in modes:
+            module.training = training
+        attention_module._warned.intersection_update(warned)
+    return None
+
+
+def _patch_attention(model, report) -> None:
+    calling, other = _attention_modules(model)
+    for name in sorted(other):
+        report.leave(name, "does not call transformers' attention interface (left as it is)")
+    if not calling:
+        report.leave("attention", "no module calls transformers' attention interface")
         return
-    bind(modules, "attention")
-    patched.append("rope")
-
-
-def _patch_attention(model, family, patched, skipped) -> None:
     size = head_dim(model.config)
     device = model.get_input_embeddings().weight.device
     if kernels_run_on(device) and not kernel_takes_head_dim(size):
-        skipped.append(
-            f"attention (head_dim {size}: fastlm's kernel takes multiples of 8 up to 256)"
-        )
+        report.leave("attention", f"head_dim {size}: fastlm's kernel takes multiples of 8 to 256")
         return
     attention_module.register()
-    model.set_attn_implementation(attention_module.ATTENTION)
-    patched.append("attention")
+    before = model.config._attn_implementation
+    try:
+        model.set_attn_implementation(attention_module.ATTENTION)
+    except (ValueError, AttributeError) as error:
+        report.leave("attention", f"set_attn_implementation refused it: {error}")
+        return
+    failure = _first_forward(model)
+    if failure is not None:  # a family reading the mask tensor itself (Doge's dynamic mask)
+        model.set_attn_implementation(before)
+        report.leave("attention", f"its forward fails on fastlm's attention ({failure})")
+        return
+    report.ran("attention", len(calling))
 
 
-def _patch_loss(model, family, patched, skipped) -> None:
-    config = model.config
-    loss_type = getattr(config, "loss_type", None)
+def _decoder_name(model) -> str | None:
+    code = inspect.unwrap(type(model).forward).__code__
+    for name in ("model", "transformer", model.base_model_prefix):
+        if name in code.co_names and isinstance(getattr(model, name, None), nn.Module):
+            return name
+    return None
+
+
+def _patch_loss(model, report) -> None:
+    loss_type = getattr(model.config, "loss_type", None)
     forward = model.__dict__.get("forward")
-    if model.lm_head.bias is not None:
-        skipped.append("cross_entropy (lm_head has a bias)")
-    elif loss_type not in (None, "ForCausalLM"):
-        skipped.append(f"cross_entropy (loss_type is {loss_type!r}, not ForCausalLM)")
+    decoder = _decoder_name(model)
+    code = inspect.unwrap(type(model).forward).__code__
+    moe = "load_balancing_loss_func" in code.co_names
+    if loss_type not in (None, "ForCausalLM"):
+        report.leave("cross_entropy", f"loss_type is {loss_type!r}, not ForCausalLM")
     elif forward is not None and not is_patched_forward(forward):
         # TRL's SFTTrainer wraps the forward with its own fused LM head when it is built.
         # Named by its code, not by __qualname__, which functools.wraps copies from the model's.
@@ -102,14 +218,26 @@ def _patch_loss(model, family, patched, skipped) -> None:
         name = repr(owner)
         if code is not None:
             name = f"{owner.__globals__.get('__name__', '?')}.{code.co_qualname}"
-        skipped.append(
-            f"cross_entropy (the model's forward is already replaced, by {name}: a trainer "
-            "built before patch? Patch the model before building the trainer; its own loss "
-            "head stays in use)"
+        report.leave(
+            "cross_entropy",
+            f"the model's forward is already replaced, by {name}: a trainer built before "
+            "patch? Patch the model before building the trainer; its own loss head stays in use",
         )
+    elif decoder is None:
+        report.leave("cross_entropy", "its forward calls no decoder attribute fastlm knows")
+    elif moe and not all(
+        hasattr(model, n) for n in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
+    ):
+        report.leave("cross_entropy", "an auxiliary loss of a form fastlm does not know")
     else:
-        bind([model], "causal_lm")
-        patched.append("cross_entropy")
+        options = probe.logit_options(model, decoder)
+        if isinstance(options, str):
+            report.leave("cross_entropy", options)
+            return
+        parameters = inspect.signature(type(model).forward).parameters.values()
+        names = tuple(p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD)[1:]
+        bind([model], "causal_lm", names=names, decoder=decoder, moe=moe, **options)
+        report.ran("cross_entropy")
 
 
 def patch(
@@ -121,33 +249,38 @@ def patch(
     attention: bool = True,
     cross_entropy: bool = True,
 ) -> nn.Module:
-    """Run a Hugging Face causal LM of a supported family on fastlm's kernels, in place.
+    """Run a Hugging Face causal LM on fastlm's kernels, in place, module by module.
+
+    Each part is found by what a module computes, whatever the family (see `fastlm.hf.probe`):
 
     Args:
-        model: a ForCausalLM of one of `fastlm.hf.FAMILIES` (Llama, Mistral, Qwen2, Qwen3,
-            Gemma, Gemma 2, Gemma 3 text, Phi-3, Mixtral, Qwen3-MoE), or a PEFT model around
-            one. Patch before building a trainer (TRL's SFTTrainer wraps the forward then).
-        rms_norm: every RMSNorm (q/k norms included) by `rms_norm` (Gemma's with offset 1).
-        rope: RoPE by `apply_rope_` on the rotary embedding's own cos/sin, inside the family's
-            own attention forward.
-        swiglu: the MLPs' gated unit by `swiglu`, `swiglu_packed` (fused gate/up, MoE experts)
-            or `geglu` (GELU activations).
-        attention: attention by fastlm's flash attention in every batch shape (see
-            `fastlm.hf.attention`), registered as "fastlm" with transformers.
-        cross_entropy: with labels, the loss by fused linear cross-entropy.
+        model: any transformers PreTrainedModel with a causal-LM head (a ...ForCausalLM), or a
+            PEFT model around one. Patch before building a trainer (TRL's trainers wrap the
+            forward then).
+        rms_norm: every module computing RMSNorm's math (LLaMA's `weight * x_hat`, Gemma's
+            `(1 + weight) * x_hat`, over a head or a whole projection) by `rms_norm`.
+        rope: RoPE by fastlm's kernel on the rotary embedding's own cos/sin, inside each
+            attention module's own forward, in each layout the kernel takes (half-split or
+            interleaved pairs, partial rotary, half-width tables), checked on first use.
+        swiglu: gated MLPs (split or fused gate/up projections, SiLU or GELU) by `swiglu`,
+            `swiglu_packed` or `geglu`, and MoE experts' gates.
+        attention: every module calling transformers' attention interface, by fastlm's flash
+            attention in every batch shape (see `fastlm.hf.attention`), registered as
+            "fastlm" with transformers.
+        cross_entropy: with labels, the loss by fused linear cross-entropy, with the family's
+            logit scale and final soft cap.
 
     Returns:
-        The model, with `fastlm_patched` (on the transformers model) listing the parts patched.
-        A part this model cannot run on the kernels is left as it is, with a warning that says
-        why.
+        The model. `fastlm_patched` (on the transformers model) lists the parts that run on
+        the kernels, with `.modules` ({part: modules}) and `.left` ({what: why} for what stays
+        as it is, each also one warning).
 
     Raises:
         ModuleNotFoundError: transformers is not installed (saying what to install).
-        TypeError: naming the supported classes, for a model of another family.
+        TypeError: model is not a transformers causal LM (or a PEFT model around one).
     """
     target = _hugging_face_model(model)
-    family = family_of(target)
-    patched, skipped = [], []
+    report = _Report()
     steps = (
         (rms_norm, _patch_norms),
         (swiglu, _patch_mlps),
@@ -157,8 +290,8 @@ def patch(
     )
     for wanted, step in steps:
         if wanted:
-            step(target, family, patched, skipped)
-    for part in skipped:
-        warnings.warn(f"fastlm.hf.patch: left unpatched: {part}", stacklevel=2)
-    target.fastlm_patched = PatchedParts(patched)
+            step(target, report)
+    for what, why in report.left.items():
+        warnings.warn(f"fastlm.hf.patch: left unpatched: {what} ({why})", stacklevel=2)
+    target.fastlm_patched = PatchedParts(tuple(report.parts), report.left, report.parts)
     return model

@@ -1,0 +1,386 @@
+"""fastlm.hf.patch on the families people fine-tune now, none of them named anywhere in fastlm:
+each patched tiny model against its unpatched copy (eager attention) on a plain, a left-padded
+and a padding-free batch, with the kernels (Triton's interpreter) and fastlm's attention op
+calls counted, and what each patch leaves named with its reason.
+
+Tiny random configurations built here (no download): 2 layers, hidden 32, 2 query heads sharing
+1 key/value head; each family with its own features switched on (windows, sinks, chunked
+attention, NoPE layers, partial rotary, logit scales, experts, hybrid layers).
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+transformers = pytest.importorskip("transformers")
+
+from test_hf import BASE, _Ops  # noqa: E402
+from test_hf import FAMILY_CONFIGS as TEN  # noqa: E402
+
+from fastlm import hf  # noqa: E402
+from fastlm.testing import assert_close  # noqa: E402
+
+VOCAB = 61
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+#: Every config: tests/test_hf.py's tiny one, with the fields other families name.
+TINY = dict(
+    BASE,
+    moe_intermediate_size=24,
+    shared_expert_intermediate_size=24,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    attention_dropout=0.0,
+)
+TWO_LAYER_TYPES = ["sliding_attention", "full_attention"]
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, rope_theta=1e4)
+MLA = dict(
+    qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=16, q_lora_rank=24,
+    head_dim=8, num_key_value_heads=2,
+    n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+)  # fmt: skip
+
+#: model_type -> its features switched on.
+FAMILY_CONFIGS = {
+    # Today's ten, as tests/test_hf.py runs them in depth (the MoE auxiliary loss off: on a
+    # padding-free batch the reference is each document alone, whose routing statistics differ).
+    **{name: dict(config, output_router_logits=False) for name, config in TEN.items()},
+    # The families issue 28 names.
+    "gpt_oss": dict(sliding_window=6, layer_types=TWO_LAYER_TYPES, rope_parameters=YARN),
+    "deepseek_v2": dict(MLA),
+    "deepseek_v3": dict(MLA, rope_interleave=True),
+    "smollm3": dict(no_rope_layer_interval=2),
+    "olmo": dict(clip_qkv=8.0),
+    "olmo2": dict(),
+    "olmo3": dict(sliding_window=6, layer_types=TWO_LAYER_TYPES),
+    "glm": dict(partial_rotary_factor=0.5),
+    "glm4": dict(partial_rotary_factor=0.5),
+    "glm4_moe": dict(
+        partial_rotary_factor=0.5,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        use_qk_norm=True,
+    ),  # fmt: skip
+    "granite": dict(
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.2,
+        logits_scaling=4.0,
+    ),  # fmt: skip
+    "granitemoe": dict(
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.2,
+        logits_scaling=4.0,
+    ),  # fmt: skip
+    "cohere": dict(logit_scale=0.5, use_qk_norm=False),
+    "cohere2": dict(logit_scale=0.5, sliding_window=6, layer_types=TWO_LAYER_TYPES),
+    "exaone4": dict(sliding_window=6, layer_types=TWO_LAYER_TYPES),
+    "llama4_text": dict(
+        attention_chunk_size=4,
+        no_rope_layers=[1, 0],
+        interleave_moe_layer_step=2,
+        intermediate_size_mlp=48,
+        use_qk_norm=True,
+        attn_temperature_tuning=False,
+    ),  # fmt: skip
+    "ernie4_5": dict(),
+    "ernie4_5_moe": dict(moe_layer_start_index=1, moe_num_shared_experts=1),
+    "apertus": dict(
+        rope_parameters=dict(YARN, rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0)
+    ),  # fmt: skip
+    "arcee": dict(),
+    "seed_oss": dict(residual_dropout=0.0, attention_bias=True),
+    "hunyuan_v1_dense": dict(),
+    "hunyuan_v1_moe": dict(),
+    "ministral": dict(sliding_window=6, layer_types=TWO_LAYER_TYPES),
+    "starcoder2": dict(sliding_window=6, residual_dropout=0.0, embedding_dropout=0.0),
+    "stablelm": dict(partial_rotary_factor=0.5, use_qkv_bias=True, qk_layernorm=True),
+    "helium": dict(),
+    "nemotron": dict(partial_rotary_factor=0.5),
+    "phi": dict(partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0),
+    "bitnet": dict(),
+    "minimax": dict(layer_types=["linear_attention", "full_attention"], block_size=4),
+    "dots1": dict(first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1),
+    "qwen3_next": dict(
+        layer_types=["linear_attention", "full_attention"],
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+    ),  # fmt: skip
+    "jamba": dict(
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        use_mamba_kernels=False,
+        mamba_d_state=8,
+        mamba_dt_rank=4,
+    ),  # fmt: skip
+    "lfm2": dict(layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False),
+}
+
+
+def tiny_config(model_type: str, **changes):
+    """The model type's config with TINY's fields (those it has) and `changes`."""
+    config_class = transformers.CONFIG_MAPPING[model_type]
+    default = config_class()
+    fields = {name: value for name, value in TINY.items() if hasattr(default, name)}
+    return config_class(**{**fields, **changes})
+
+
+def tiny_model(model_type: str, **changes):
+    """A random causal LM of the type, every parameter perturbed (norm weights, biases), in
+    training mode, with eager attention."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    changes = {**FAMILY_CONFIGS.get(model_type, {}), **changes}
+    model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    model = model_class(tiny_config(model_type, **changes))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model.set_attn_implementation("eager")
+    return model.train()
+
+
+#: What patch leaves as it is in each family, and why (its warning and `fastlm_patched.left`
+#: say so): the understood limits. Every other part runs on the kernels.
+LEFT = {
+    "gpt_oss": {"GptOssExperts": "interleaved gate/up projections"},
+    "deepseek_v2": {"rope of DeepseekV2Attention": "complex frequencies"},
+    "olmo": {"OlmoLayerNorm": "no weight"},
+    "cohere": {"CohereLayerNorm": "not RMSNorm's math"},
+    "cohere2": {"Cohere2LayerNorm": "not RMSNorm's math"},
+    "llama4_text": {
+        "Llama4TextL2Norm": "no weight",
+        "rope of Llama4TextAttention": "complex frequencies",
+    },
+    "apertus": {"ApertusMLP": "XIELUActivation"},
+    "arcee": {"ArceeMLP": "ReLUSquaredActivation"},
+    "starcoder2": {"LayerNorm": "bias, weight", "Starcoder2MLP": "not down"},
+    "stablelm": {"LayerNorm": "not RMSNorm's math"},
+    "nemotron": {"NemotronLayerNorm1P": "bias, weight", "NemotronMLP": "ReLUSquared"},
+    "phi": {"LayerNorm": "bias, weight", "PhiMLP": "not down"},
+    "bitnet": {"BitNetMLP": "ReLUSquaredActivation"},
+    "minimax": {"MiniMaxLightningAttention": "does not call transformers' attention"},
+    "qwen3_next": {
+        "Qwen3NextRMSNormGated": "a gated norm",
+        "Qwen3NextGatedDeltaNet": "does not call transformers' attention",
+    },
+    "jamba": {"JambaMambaMixer": "does not call transformers' attention"},
+}
+
+#: Batches a family's own (unpatched) code cannot run on the CPU, and why.
+NO_BATCH = {
+    "qwen3_next": {
+        "padding-free": "its gated delta rule keeps packed documents apart only with "
+        "flash-linear-attention (a CUDA package)"
+    }
+}
+
+
+def _batches():
+    """A plain batch, a left-padded one (labels -100 on the padding and on each row's first
+    real token, which a padding position would predict) and a padding-free one as
+    DataCollatorWithFlattening builds it (cu_seq_lens_q/k, position_ids)."""
+    ids = torch.randint(3, VOCAB, (2, 11))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[0, 3] = -100
+    collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    docs = [{"input_ids": torch.randint(3, VOCAB, (n,)).tolist()} for n in (9, 1, 12, 4)]
+    return {
+        "plain": dict(input_ids=ids, labels=ids.clone(), use_cache=False),
+        "left-padded": dict(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False),
+        "padding-free": dict(collate(docs), use_cache=False),
+    }
+
+
+#: fastlm's attention ops: one call per attention layer forward, one backward.
+ATTENTION_OPS = ("flash_attention", "flash_attention_varlen")
+
+
+def patched_copy(model):
+    """(patch(model), the warnings it gave), the model's unpatched copy kept first."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hf.patch(model)
+    return [str(w.message) for w in caught if "fastlm.hf.patch" in str(w.message)]
+
+
+def assert_left_as_understood(model, family, messages):
+    """What patch left is exactly the family's LEFT entries, each with its reason, and one
+    warning for each."""
+    left = model.fastlm_patched.left
+    expected = LEFT.get(family, {})
+    assert set(left) == set(expected), left
+    for what, why in expected.items():
+        assert why in left[what], (what, left[what])
+    assert len(messages) == len(left), messages
+    for what in left:
+        assert any(f"left unpatched: {what} (" in m for m in messages), (what, messages)
+
+
+def _documents(batch):
+    """The documents of a padding-free batch, each as the batch of one row it stands for."""
+    bounds = batch["cu_seq_lens_q"].tolist()
+    for start, end in zip(bounds, bounds[1:]):
+        row = {k: batch[k][:, start:end] for k in ("input_ids", "labels") if k in batch}
+        yield dict(row, use_cache=False)
+
+
+#: Families whose unpatched eager attention attends across the documents of a padding-free row
+#: (cu_seq_lens): their reference is each document alone. (Hybrids must not: their recurrent and
+#: convolution layers, untouched by patch, run across the row in both models.)
+PER_DOCUMENT = {"gpt_oss": "its eager attention reads no cu_seq_lens and no packed position_ids"}
+
+
+def _per_document(unpatched, batch) -> bool:
+    return "cu_seq_lens_q" in batch and unpatched.config.model_type in PER_DOCUMENT
+
+
+def _unpatched_loss(unpatched, batch):
+    """The unpatched model's loss; on a padding-free batch of a PER_DOCUMENT family, the mean
+    over all counted tokens of its loss on each document alone (what padding-free training
+    means)."""
+    if not _per_document(unpatched, batch):
+        return unpatched(**batch).loss
+    total, count = 0.0, 0
+    for document in _documents(batch):
+        counted = int((document["labels"][:, 1:] != -100).sum())
+        if counted:
+            total = total + unpatched(**document).loss * counted
+            count += counted
+    return total / count
+
+
+def _unpatched_logits(unpatched, inputs):
+    if not _per_document(unpatched, inputs):
+        return unpatched(**inputs).logits
+    return torch.cat([unpatched(**d).logits for d in _documents(inputs)], dim=1)
+
+
+def assert_matches(model, unpatched, batch, what):
+    """Loss, logits (real tokens) and every gradient of the patched model against its
+    unpatched copy, within fastlm's fp32 tolerance; returns the op calls of the patched
+    model's training step."""
+    for m in (model, unpatched):
+        m.zero_grad(set_to_none=True)
+    with _Ops() as calls:
+        loss = model(**batch).loss
+        loss.backward()
+    expected = _unpatched_loss(unpatched, batch)
+    expected.backward()
+    assert_close(loss, expected, torch.float32, f"{what}: loss")
+    theirs = dict(unpatched.named_parameters())
+    for name, p in model.named_parameters():
+        assert (p.grad is None) == (theirs[name].grad is None), f"{what}: gradient of {name}"
+        if p.grad is not None:
+            assert_close(p.grad, theirs[name].grad, torch.float32, f"{what}: grad of {name}")
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        logits, their_logits = model(**inputs).logits, _unpatched_logits(unpatched, inputs)
+    real = inputs.get("attention_mask", torch.ones(logits.shape[:2])).bool()
+    assert_close(logits[real], their_logits[real], torch.float32, f"{what}: logits")
+    return calls
+
+
+@pytest.mark.parametrize("family", list(FAMILY_CONFIGS))
+def test_family_patched_matches_unpatched(family):
+    """The family on the kernels, on a plain, a left-padded and a padding-free batch: loss,
+    logits and every gradient as its unpatched copy's (eager attention; gpt-oss's padding-free
+    batch each document alone through it); each attention layer
+    ran fastlm's attention op once forward and its backward once, no SDPA, no eager softmax
+    over keys; what was left is the family's named limit."""
+    model = tiny_model(family)
+    unpatched = copy.deepcopy(model)
+    messages = patched_copy(model)
+    assert_left_as_understood(model, family, messages)
+    layers = model.fastlm_patched.modules.get("attention", 0)
+    assert layers > 0 and "attention" in model.fastlm_patched
+    for name, batch in _batches().items():
+        if name in NO_BATCH.get(family, {}):
+            continue
+        calls = assert_matches(model, unpatched, batch, f"{family}, {name} batch")
+        assert sum(calls.calls[op] for op in ATTENTION_OPS) == layers, calls.calls
+        assert sum(calls.calls[f"{op}_backward"] for op in ATTENTION_OPS) == layers, calls.calls
+        assert not {"sdpa", "softmax over keys"} & calls.names, calls.calls
+
+
+class _Memory(TorchDispatchMode):
+    """Allocation accounting of one training step: the bytes autograd saves for the backward
+    (each storage once) and the largest tensor any op makes, forward and backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+        self.saved: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        self.saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def step(self, model, tokens: int) -> "_Memory":
+        ids = torch.randint(3, VOCAB, (1, tokens))
+        with self, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+        return self
+
+
+def test_gpt_oss_layer_memory_is_linear_in_tokens():
+    """A gpt-oss layer (4 query heads, sinks, full attention) training on T and 4T tokens: the
+    patched model's saved bytes and largest tensor grow at most 4x (linear), and no tensor
+    holds T x T scores; its unpatched eager copy saves one (B, Hq, T, T + 1) fp32 softmax per
+    layer: 4 Hq T (T + 1) bytes, the quadratic term docs/huggingface-families.md prices at
+    gpt-oss-20b's sizes."""
+    model = tiny_model(
+        "gpt_oss", num_hidden_layers=1, layer_types=["full_attention"], num_attention_heads=4
+    )
+    unpatched = copy.deepcopy(model)
+    patched_copy(model)
+    ours = {t: _Memory().step(model, t) for t in (64, 256)}
+    assert sum(ours[256].saved.values()) <= 4 * sum(ours[64].saved.values()), ours
+    assert ours[256].largest <= 4 * ours[64].largest
+    assert ours[256].largest < 4 * 256 * 256  # no (Hq, T, T) scores
+    theirs = {t: sum(_Memory().step(unpatched, t).saved.values()) for t in (64, 128, 256)}
+    # saved = a + b T + c T^2: the quadratic coefficient from three sizes is 4 bytes x 4 heads.
+    c = ((theirs[256] - theirs[128]) / 128 - (theirs[128] - theirs[64]) / 64) / (256 - 64)
+    assert c == pytest.approx(4 * 4, rel=1e-6), theirs
+
+
+def test_a_biased_head_with_a_logit_scale(monkeypatch):
+    """The fused loss of a head with a bias (Phi's) under a logit divisor (Granite's): the bias
+    is one more weight column against a column of ones, scaled as the logits are; loss and
+    every gradient as the unpatched model's."""
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")
+    model = tiny_model("granite", tie_word_embeddings=False)
+    head = model.lm_head
+    model.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(head.weight)
+        model.lm_head.bias.normal_()
+    unpatched = copy.deepcopy(model)
+    assert patched_copy(model) == [] and "cross_entropy" in model.fastlm_patched
+    assert_matches(model, unpatched, _batches()["left-padded"], "biased head")
