@@ -58,7 +58,6 @@ __all__ = [
     "vocab_parallel_cross_entropy",
     "vocab_parallel_linear_cross_entropy",
     "vocab_range",
-    "writable_in_place",
 ]
 
 
@@ -542,27 +541,6 @@ def lm_head_cross_entropy(
         chunk_size,
         **options,
     )
-
-
-def writable_in_place(t: torch.Tensor) -> torch.Tensor:
-    """t, or a copy of it where autograd would refuse an in-place write (RoPE's): a view that
-    takes part in autograd while its base does not, which only a custom autograd Function
-    returning its input as it is makes. Hugging Face's tensor parallelism hands each
-    column-parallel projection's output on through `DTensor.to_local()`, such a Function, and
-    the attention's q and k are views of it. Without grad (inference) the projections return
-    plain tensors, and any t whose base is in the graph (a linear layer's output) comes back
-    as it is, uncopied.
-
-    Args:
-        t: any tensor.
-
-    Returns:
-        t itself, or t.clone() (the copy an out-of-place rotation would allocate anyway).
-    """
-    base = t._base
-    if base is not None and torch.is_grad_enabled() and t.requires_grad and not base.requires_grad:
-        return t.clone()
-    return t
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,9 +21,10 @@ from torch import nn
 
 from fastlm.backend import use_triton
 from fastlm.hf.families import IGNORE_INDEX, modeling_module
-from fastlm.kernels import geglu, linear_cross_entropy, rms_norm, swiglu_packed
+from fastlm.kernels import geglu, rms_norm, swiglu_packed
 from fastlm.kernels import swiglu as swiglu_op
 from fastlm.kernels.rope import rope_ref
+from fastlm.tensor_parallel import lm_head_cross_entropy
 
 # --------------------------------------------------------------------------------------------
 # Norms and gated MLPs
@@ -333,7 +334,9 @@ def causal_lm_forward(self, *args, names: tuple, decoder: str, scale: float, cap
         if head.bias is not None:  # [s h, 1] . [W, s b] = s (h . W + b): one more column (Phi)
             scaled = torch.cat((scaled, scaled.new_ones(*scaled.shape[:-1], 1)), dim=-1)
             weight = torch.cat((weight, head.bias.to(weight.dtype)[:, None] * scale), dim=-1)
-        loss = linear_cross_entropy(scaled, weight, shift_labels, IGNORE_INDEX, softcap=cap or 0.0)
+        # linear_cross_entropy, or its vocabulary-parallel form when transformers' tensor
+        # parallelism (tp_plan="auto") left the head a DTensor sharded by vocabulary rows.
+        loss = lm_head_cross_entropy(scaled, weight, shift_labels, IGNORE_INDEX, softcap=cap or 0.0)
         if num_items_in_batch is not None:  # transformers' sum / num_items_in_batch
             counted = (shift_labels != IGNORE_INDEX).sum().clamp_min(1)
             if torch.is_tensor(num_items_in_batch):

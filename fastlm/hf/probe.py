@@ -282,7 +282,10 @@ def logit_options(model: nn.Module, decoder: str) -> dict | str:
         return f"its forward could not be run on stand-in hidden states ({type(error).__name__})"
     finally:
         setattr(model, decoder, real)
-    plain = hidden @ weight.T
+    # A head under transformers' tensor parallelism is a DTensor: the formula takes it whole
+    # (a collective: every rank patches, so every rank gathers).
+    dense = weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+    plain = hidden @ dense.T
     if head.bias is not None:
         plain = plain + head.bias.detach().double()
     for scale in scales:
