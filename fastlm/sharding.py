@@ -236,19 +236,37 @@ def _attention_rules():
             rules.append((Shard(2), R, Shard(2), Partial()))
         return rules + [(R, R, R, R)]
 
-    def flash_attention(q, k, v, causal, scale, left, right, softcap, allow_tf32, deterministic):
+    def sink_placements(sinks, sq):
+        """(placement of the sinks (Hq,), of their gradient) beside q's: split with q's heads,
+        else whole on every rank, with a gradient summed over the rows each rank holds (Partial;
+        Replicate when there are none: it is then an empty (0,) tensor on every rank)."""
+        if sinks is None:
+            return None, R
+        if sq == Shard(1):
+            return Shard(0), Shard(0)
+        return R, (R if sq == R else Partial())
+
+    def flash_attention(
+        q, k, v, causal, scale, left, right, softcap, allow_tf32, deterministic, sinks=None
+    ):
         dense_refusals("flash_attention", q, k, v, causal, (left, right))
         return [
-            ([sq, sl], [sq, skv, skv] + [None] * 7)
+            ([sq, sl], [sq, skv, skv] + [None] * 7 + [sink_placements(sinks, sq)[0]])
             for sq, skv, sl, _ in dense(q, k, causal, (left, right))
         ]
 
-    def flash_attention_backward(do, q, k, v, o, lse, causal, scale, left, right, *flags):
+    def flash_attention_backward(
+        do, q, k, v, o, lse, causal, scale, left, right, softcap, allow_tf32, deterministic,
+        sinks=None,
+    ):  # fmt: skip
         dense_refusals("flash_attention_backward", q, k, v, causal, (left, right))
-        return [
-            ([sq, dkv, dkv], [sq, sq, skv, skv, sq, sl] + [None] * 7)
-            for sq, skv, sl, dkv in dense(q, k, causal, (left, right))
-        ]
+        rules = []
+        for sq, skv, sl, dkv in dense(q, k, causal, (left, right)):
+            on_sinks, dsinks = sink_placements(sinks, sq)
+            rules.append(
+                ([sq, dkv, dkv, dsinks], [sq, sq, skv, skv, sq, sl] + [None] * 7 + [on_sinks])
+            )
+        return rules
 
     def flash_attention_backward_(
         do,
@@ -287,16 +305,21 @@ def _attention_rules():
 
     def flash_attention_varlen(q, k, v, cu_q, cu_k, *rest):
         varlen_refusals("flash_attention_varlen", q, k, v)
-        rules = [_replicated(2, [q, k, v, cu_q, cu_k] + [None] * 9)]
+        sinks = rest[9] if len(rest) > 9 else None
+        rules = [_replicated(2, [q, k, v, cu_q, cu_k] + [None] * 9 + [sinks])]
         if _check_heads("flash_attention_varlen", q, k, 1):  # lse is (Hq, total)
-            rules.append(([Shard(1), Shard(0)], [Shard(1)] * 3 + [R, R] + [None] * 9))
+            on_sinks, _ = sink_placements(sinks, Shard(1))
+            rules.append(([Shard(1), Shard(0)], [Shard(1)] * 3 + [R, R] + [None] * 9 + [on_sinks]))
         return rules
 
     def flash_attention_varlen_backward(do, q, k, v, o, lse, cu_q, cu_k, *rest):
         varlen_refusals("flash_attention_varlen_backward", q, k, v)
-        rules = [_replicated(3, [do, q, k, v, o, lse, cu_q, cu_k] + [None] * 9)]
+        sinks = rest[9] if len(rest) > 9 else None
+        rules = [_replicated(4, [do, q, k, v, o, lse, cu_q, cu_k] + [None] * 9 + [sinks])]
         if _check_heads("flash_attention_varlen_backward", q, k, 1):
-            rules.append(([Shard(1)] * 3, [Shard(1)] * 5 + [Shard(0), R, R] + [None] * 9))
+            on_sinks, dsinks = sink_placements(sinks, Shard(1))
+            inputs = [Shard(1)] * 5 + [Shard(0), R, R] + [None] * 9 + [on_sinks]
+            rules.append(([Shard(1)] * 3 + [dsinks], inputs))
         return rules
 
     return dict(

@@ -60,8 +60,8 @@ def _cases() -> list[Case]:
     def attention(q, k, v, causal=True, **kw):
         return fastlm.flash_attention(q, k, v, causal, return_lse=True, **kw)
 
-    def varlen(q, k, v, cu):
-        return fastlm.flash_attention_varlen(q, k, v, cu, cu, 7, 7, return_lse=True)
+    def varlen(q, k, v, cu, sinks=None):
+        return fastlm.flash_attention_varlen(q, k, v, cu, cu, 7, 7, return_lse=True, sinks=sinks)
 
     def rope_attention(qkv, cos, sin, positions):
         return fastlm.rope_attention(qkv * 1.0, cos, sin, positions, 4, 2)
@@ -158,6 +158,33 @@ def _cases() -> list[Case]:
             lambda: (_randn(1, 2, 12, 16), _randn(1, 2, 13, 16), _randn(1, 2, 13, 16)),
             ((S(2),), (R,), (R,)),
             (0, 1, 2),
+        ),
+        Case(
+            "flash_attention GQA heads, sinks split with them",
+            lambda q, k, v, sinks: attention(q, k, v, sinks=sinks),
+            lambda: (_randn(2, 4, 9, 16), _randn(2, 2, 11, 16), _randn(2, 2, 11, 16), _randn(4)),
+            ((S(1),), (S(1),), (S(1),), (S(0),)),
+            (0, 1, 2, 3),
+        ),
+        Case(
+            "flash_attention batch, sinks replicated (their gradient Partial)",
+            lambda q, k, v, sinks: attention(q, k, v, window_size=(3, 0), sinks=sinks),
+            lambda: (_randn(4, 2, 9, 16), _randn(4, 1, 9, 16), _randn(4, 1, 9, 16), _randn(2)),
+            ((S(0),), (S(0),), (S(0),), (R,)),
+            (0, 1, 2, 3),
+        ),
+        Case(
+            "flash_attention_varlen heads, sinks split with them",
+            varlen,
+            lambda: (
+                _randn(12, 4, 16),
+                _randn(12, 2, 16),
+                _randn(12, 2, 16),
+                torch.tensor([0, 5, 12], dtype=torch.int32),
+                _randn(4),
+            ),
+            ((S(1),), (S(1),), (S(1),), (R,), (S(0),)),
+            (0, 1, 2, 4),
         ),
         Case(
             "flash_attention_varlen heads",
