@@ -438,20 +438,26 @@ def _train(tmp_path, corpus, capsys, name: str, *extra) -> list[float]:
     return checkpoint.load_state(tmp_path / name)["train_losses"]
 
 
+def keep_every_checkpoint(monkeypatch, folder) -> None:
+    """Make each save of fastlm-train's Trainer also copy the checkpoint to
+    folder/<out name>-<step>, so a test can resume from any step it saved."""
+    save = training.Trainer.save
+
+    def save_and_keep(trainer):
+        note = save(trainer)
+        shutil.copytree(trainer.out, folder / f"{trainer.out.name}-{trainer.step}")
+        return note
+
+    monkeypatch.setattr(training.Trainer, "save", save_and_keep)
+
+
 def test_train_resumes_into_and_out_of_context_parallelism(tmp_path, corpus, capsys, monkeypatch):
     """The step-2 checkpoint of a one-process run resumes under torchrun with --context-parallel
     2 (each sequence over both ranks, DDP averaging their gradients), and that run's step-4
     checkpoint (full tensors) back in one process: every loss is the uninterrupted
     single-process run's, to rounding, and nothing notes a change of settings."""
     monkeypatch.setenv("FASTLM_BACKEND", "torch")  # as torchrun's ranks run
-    save = training.Trainer.save
-
-    def save_and_keep(trainer):
-        note = save(trainer)
-        shutil.copytree(trainer.out, tmp_path / f"{trainer.out.name}-{trainer.step}")
-        return note
-
-    monkeypatch.setattr(training.Trainer, "save", save_and_keep)
+    keep_every_checkpoint(monkeypatch, tmp_path)
     # Each rank's model must see its shard with the group set, not the whole sequence.
     script = test_train.RANK_SCRIPT.replace("status = ", SHARDED_LOSS + "status = ")
     monkeypatch.setattr(test_train, "RANK_SCRIPT", script)

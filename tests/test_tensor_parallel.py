@@ -17,10 +17,9 @@ import pytest
 import test_train
 import torch
 import torch.distributed as dist
-from test_distributed import FASTLM_TOY, _backend, _train, spawn
+from test_distributed import FASTLM_TOY, _backend, _train, keep_every_checkpoint, spawn
 from test_train import TOY, run_main, torchrun
 
-import fastlm.cli.trainer as training
 from fastlm import checkpoint
 from fastlm.cli.trainer import NextTokenLoss
 from fastlm.kernels.cross_entropy_options import cross_entropy_options_ref
@@ -329,14 +328,7 @@ def test_train_resumes_into_and_out_of_tensor_parallelism(tmp_path, corpus, caps
     AdamW's moments gathered) back in one process: every loss is the uninterrupted
     single-process run's, to rounding, and the final weights match."""
     monkeypatch.setenv("FASTLM_BACKEND", "torch")  # as torchrun's ranks run
-    save = training.Trainer.save
-
-    def save_and_keep(trainer):
-        note = save(trainer)
-        shutil.copytree(trainer.out, tmp_path / f"{trainer.out.name}-{trainer.step}")
-        return note
-
-    monkeypatch.setattr(training.Trainer, "save", save_and_keep)
+    keep_every_checkpoint(monkeypatch, tmp_path)
     uninterrupted = _train(tmp_path, corpus, capsys, "single", *TP_ARGS, "--save-every", "2")
     shutil.copytree(tmp_path / "single-2", tmp_path / "tp")
     extra = ["--steps", "6", "--save-every", "2", "--tensor-parallel", "2", "--resume"]
