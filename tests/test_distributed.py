@@ -491,6 +491,17 @@ def test_benchmark_without_cuda_says_so(capsys):
     assert "no CUDA device" in capsys.readouterr().out
 
 
+def assert_refused_in_one_line(tmp_path, corpus, capsys, extra, message) -> None:
+    """fastlm-train with `extra` flags exits 2 before anything runs, with one line on stderr
+    that holds `message`, and leaves no --out folder."""
+    argv = [*FASTLM_TOY, "--data", corpus, "--out", tmp_path / "out", *extra]
+    status, summary, err = run_main(argv, capsys)
+    assert status == 2 and summary is None
+    assert err.count("\n") == 1 and err.startswith("fastlm-train: error: "), err
+    assert message in err, err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
@@ -506,9 +517,4 @@ def test_benchmark_without_cuda_says_so(capsys):
     ],
 )
 def test_train_bad_context_parallel_is_one_line(tmp_path, corpus, capsys, extra, message):
-    argv = [*FASTLM_TOY, "--data", corpus, "--out", tmp_path / "out", *extra]
-    status, summary, err = run_main(argv, capsys)
-    assert status == 2 and summary is None
-    assert err.count("\n") == 1 and err.startswith("fastlm-train: error: "), err
-    assert message in err, err
-    assert not (tmp_path / "out").exists()
+    assert_refused_in_one_line(tmp_path, corpus, capsys, extra, message)

@@ -17,7 +17,14 @@ import pytest
 import test_train
 import torch
 import torch.distributed as dist
-from test_distributed import FASTLM_TOY, _backend, _train, keep_every_checkpoint, spawn
+from test_distributed import (
+    FASTLM_TOY,
+    _backend,
+    _train,
+    assert_refused_in_one_line,
+    keep_every_checkpoint,
+    spawn,
+)
 from test_train import TOY, run_main, torchrun
 
 from fastlm import checkpoint
@@ -415,12 +422,7 @@ def test_train_compiles_under_tensor_parallelism(tmp_path, corpus, capsys, monke
     ],
 )
 def test_train_bad_tensor_parallel_is_one_line(tmp_path, corpus, capsys, extra, message):
-    argv = [*FASTLM_TOY, "--data", corpus, "--out", tmp_path / "out", *extra]
-    status, summary, err = run_main(argv, capsys)
-    assert status == 2 and summary is None
-    assert err.count("\n") == 1 and err.startswith("fastlm-train: error: "), err
-    assert message in err, err
-    assert not (tmp_path / "out").exists()
+    assert_refused_in_one_line(tmp_path, corpus, capsys, extra, message)
 
 
 @pytest.mark.parametrize(
