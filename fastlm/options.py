@@ -76,6 +76,9 @@ OPTIONS: dict[str, Range] = {
     "z_loss": _real(0.0, BIG, meaning="weight of lse^2; 0 is off"),
     "eps": _real(0.0, low_open=True, meaning="added to the mean square"),
     "offset": _real(-BIG, BIG, meaning="added to the weight (1 is Gemma's norm)"),
+    "alpha": _real(0.0, BIG, low_open=True, meaning="the sigmoid's slope (1 is SiLU)"),
+    "limit": _real(0.0, BIG, low_open=True, meaning="None: no clamp (gpt-oss: 7)"),
+    "up_offset": _real(-BIG, BIG, meaning="added to the clamped up (gpt-oss: 1)"),
     # 0 and negative scales are the kernels' (tests/test_attention.py::test_softmax_scale).
     "softmax_scale": _real(-BIG, BIG, meaning="None: 1 / sqrt(head dim); 0: equal weights"),
     "window_size": _int(-1, WINDOW_MAX, meaning="each side of (left, right); -1 is unbounded"),

@@ -125,9 +125,9 @@ def _norm_rules():
 def _glu_rules():
     _, Replicate, Shard = _placements()
     why = (
-        "gate_up packs [gate | up] along its last dim, so a Shard of it splits the halves: "
-        "shard gate and up apart (fastlm.swiglu), or keep each rank's [gate_r | up_r] local "
-        "(fastlm.tensor_parallel)"
+        "gate_up packs gate and up along its last dim ([gate | up], or interleaved pairs), so a "
+        "Shard of it splits them apart: shard gate and up apart (fastlm.swiglu), or keep each "
+        "rank's [gate_r | up_r] local (fastlm.tensor_parallel)"
     )
 
     def elementwise(n_out, n_in, extra=0):
@@ -138,22 +138,28 @@ def _glu_rules():
 
         return rule
 
-    def packed(op, n_in):
-        def rule(*tensors):
+    def packed(op, n_in, extra=0):
+        def rule(*args):
+            tensors = args[:n_in]
             for name, spec in zip(("dy", "gate_up")[2 - n_in :], tensors):
                 _refuse(op, name, spec, [-1], why)
             dims = range(tensors[-1].ndim - 1)
-            return [([Shard(d)], [Shard(d)] * n_in) for d in dims] + [_replicated(1, tensors)]
+            rules = [([Shard(d)], [Shard(d)] * n_in + [None] * extra) for d in dims]
+            return rules + [_replicated(1, [*tensors] + [None] * extra)]
 
         return rule
 
     return dict(
         swiglu=elementwise(1, 2),
         swiglu_backward=elementwise(2, 3),
+        swiglu_options=elementwise(1, 2, extra=3),
+        swiglu_options_backward=elementwise(2, 3, extra=3),
         geglu=elementwise(1, 2, extra=1),
         geglu_backward=elementwise(2, 3, extra=1),
         swiglu_packed=packed("swiglu_packed", 1),
         swiglu_packed_backward=packed("swiglu_packed_backward", 2),
+        swiglu_packed_options=packed("swiglu_packed_options", 1, extra=4),
+        swiglu_packed_options_backward=packed("swiglu_packed_options_backward", 2, extra=4),
     )
 
 

@@ -18,8 +18,9 @@ from fastlm.kernels.rope import rope_tables
 from fastlm.testing import assert_close
 
 
-def _randn(*shape, device, requires_grad=False, dtype=torch.float32):
-    return torch.randn(*shape, device=device, dtype=dtype).requires_grad_(requires_grad)
+def _randn(*shape, device, requires_grad=False, dtype=torch.float32, scale=1.0):
+    x = scale * torch.randn(*shape, device=device, dtype=dtype)
+    return x.requires_grad_(requires_grad)
 
 
 def _op_cases(device):
@@ -86,6 +87,23 @@ def _op_cases(device):
         "swiglu_packed_backward": (
             ops.swiglu_packed_backward,
             (_randn(4, 40, **n), _randn(4, 80, **n)),
+        ),
+        # gpt-oss's options: the clamp reached (scale 6 against limit 7), interleaved gate/up.
+        "swiglu_options": (
+            ops.swiglu_options,
+            (_randn(4, 40, scale=6, **g), _randn(4, 40, scale=6, **g), 1.702, 7.0, 1.0),
+        ),
+        "swiglu_options_backward": (
+            ops.swiglu_options_backward,
+            (*(_randn(4, 40, scale=6, **n) for _ in range(3)), 1.702, 7.0, 1.0),
+        ),
+        "swiglu_packed_options": (
+            ops.swiglu_packed_options,
+            (_randn(4, 80, scale=6, **g), True, 1.702, 7.0, 1.0),
+        ),
+        "swiglu_packed_options_backward": (
+            ops.swiglu_packed_options_backward,
+            (_randn(4, 40, **n), _randn(4, 80, scale=6, **n), True, 1.702, None, 1.0),
         ),
         "geglu": (ops.geglu, (_randn(4, 40, **g), _randn(4, 40, **g), "tanh")),
         "geglu_exact": (ops.geglu, (_randn(4, 40, **g), _randn(4, 40, **g), "none")),
@@ -248,6 +266,10 @@ OP_NAMES = [
     "swiglu_backward",
     "swiglu_packed",
     "swiglu_packed_backward",
+    "swiglu_options",
+    "swiglu_options_backward",
+    "swiglu_packed_options",
+    "swiglu_packed_options_backward",
     "geglu",
     "geglu_exact",
     "geglu_backward",

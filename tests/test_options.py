@@ -143,6 +143,14 @@ def add_rms_norm(**option):
     return _backward(fastlm.add_rms_norm(_leaf(N, C), _leaf(N, C), _leaf(C), **option))
 
 
+def swiglu(**option):
+    return _backward(fastlm.swiglu(_leaf(N, C), _leaf(N, C), **option))
+
+
+def swiglu_packed(**option):
+    return _backward(fastlm.swiglu_packed(_leaf(N, 2 * C), interleaved=True, **option))
+
+
 class _TinyLM(torch.nn.Module):
     context_length = 8
 
@@ -338,6 +346,16 @@ def _entries() -> list[Entry]:
         Entry("fastlm.rms_norm", "eps", lambda v: rms_norm(eps=v)),
         Entry("fastlm.rms_norm", "offset", lambda v: rms_norm(offset=v)),
         Entry("fastlm.add_rms_norm", "eps", lambda v: add_rms_norm(eps=v)),
+        *(
+            Entry(
+                f"fastlm.{name}",
+                option,
+                lambda v, r=run, o=option: r(**{o: v}),
+                none_ok=option == "limit",
+            )
+            for name, run in (("swiglu", swiglu), ("swiglu_packed", swiglu_packed))
+            for option in ("alpha", "limit", "up_offset")
+        ),  # fmt: skip
         Entry(
             "fastlm.kernels.rope_tables",
             "theta",
@@ -469,7 +487,28 @@ def _op_entries() -> list[Entry]:
         lambda: dict(_rms_backward_args(), dx_dtype=torch.float32, dx2_dtype=None),
         "offset",
     )
+    for packed in (False, True):
+        for backward in (False, True):
+            op = (
+                "swiglu"
+                + ("_packed" if packed else "")
+                + "_options"
+                + ("_backward" if backward else "")
+            )
+            make_args = lambda p=packed, b=backward: _swiglu_options_args(p, b)  # noqa: E731
+            for option in ("alpha", "limit", "up_offset"):
+                add(op, make_args, option, none_ok=option == "limit")
     return ops
+
+
+def _swiglu_options_args(packed: bool, backward: bool) -> dict:
+    """gpt-oss's options, on an interleaved gate_up when `packed`."""
+    args = dict(alpha=1.702, limit=7.0, up_offset=1.0)
+    if packed:
+        args.update(gate_up=torch.randn(N, 2 * C), interleaved=True)
+    else:
+        args.update(gate=torch.randn(N, C), up=torch.randn(N, C))
+    return dict(args, dy=torch.randn(N, C)) if backward else args
 
 
 def _flash_backward_inplace_args() -> dict:

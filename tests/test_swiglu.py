@@ -1,4 +1,6 @@
-"""SwiGLU (fastlm.kernels.swiglu) against the float64 reference: silu(gate) * up and its grads."""
+"""SwiGLU (fastlm.kernels.swiglu) against the float64 reference: silu(gate) * up and its grads,
+and with gpt-oss's options (alpha, limit, up_offset; interleaved gate/up) against the gate as
+transformers writes it, torch.clamp's gradient included."""
 
 import pytest
 import torch
@@ -84,6 +86,112 @@ def test_packed_strided_input(device):
     assert torch.all(fused.grad[1::2] == 0)
 
 
+# --------------------------------------------------------------------------------------------
+# Options: gpt-oss's clamped SwiGLU
+# --------------------------------------------------------------------------------------------
+
+GPT_OSS = dict(alpha=1.702, limit=7.0, up_offset=1.0)
+OPTIONS = [
+    GPT_OSS,
+    dict(alpha=1.0, limit=7.0, up_offset=0.0),  # DeepSeek-V4's, GLM-5's: SiLU, clamped
+    dict(alpha=0.5, limit=None, up_offset=-2.0),  # no clamp
+]
+
+
+def options_reference_grads(gate, up, grad_out, alpha=1.0, limit=None, up_offset=0.0):
+    """Output and (d gate, d up) of the gate as gpt-oss's transformers code writes it (torch.clamp,
+    sigmoid, the offset added to up), all in float64."""
+    gate64 = gate.detach().to(torch.float64).requires_grad_()
+    up64 = up.detach().to(torch.float64).requires_grad_()
+    g, u = gate64, up64
+    if limit is not None:
+        g, u = g.clamp(min=None, max=limit), u.clamp(min=-limit, max=limit)
+    out = (u + up_offset) * (g * torch.sigmoid(g * alpha))
+    out.backward(grad_out.to(torch.float64))
+    return out.detach(), gate64.grad, up64.grad
+
+
+def across_the_clamp(shape, dtype, device, limit=7.0):
+    """Values from about -3 to 3 limits (scale 6 against 7 puts a quarter beyond the clamp), the
+    first ones exactly at -limit and limit, where torch.clamp still passes the gradient."""
+    x = 6 * torch.randn(shape, device=device)
+    x.view(-1)[:4] = torch.tensor([limit, -limit, limit, -limit], device=device)[: x.numel()]
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=["gpt_oss", "silu_clamped", "alpha_offset"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1000), (37, 130), (2, 3, 257)])
+def test_options_match_reference(options, dtype, shape, device):
+    gate = across_the_clamp(shape, dtype, device).requires_grad_()
+    up = across_the_clamp(shape, dtype, device).flip(-1).requires_grad_()  # the ends at the end
+    grad_out = torch.randn(shape, device=device, dtype=dtype)
+    out = swiglu(gate, up, **options)
+    out.backward(grad_out)
+    expected, d_gate, d_up = options_reference_grads(gate, up, grad_out, **options)
+    assert out.dtype == dtype and out.shape == gate.shape
+    assert_close(out, expected, dtype, "out")
+    assert_close(gate.grad, d_gate, dtype, "d gate")
+    assert_close(up.grad, d_up, dtype, "d up")
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_options_match_reference(interleaved, dtype, device):
+    """gpt-oss's experts: gate_up interleaved (or in halves, as MiniMax-M3's), a slice of a wider
+    buffer (strided rows); the gradient comes back in gate_up's own layout."""
+    M, d_ff = 37, 130
+    wide = across_the_clamp((M, 2 * d_ff + 9), dtype, device).requires_grad_()
+    gate_up = wide[:, 9:]
+    grad_out = torch.randn(M, d_ff, device=device, dtype=dtype)
+    out = swiglu_packed(gate_up, interleaved=interleaved, **GPT_OSS)
+    out.backward(grad_out)
+    gate, up = (gate_up[:, 0::2], gate_up[:, 1::2]) if interleaved else gate_up.chunk(2, -1)
+    expected, d_gate, d_up = options_reference_grads(gate, up, grad_out, **GPT_OSS)
+    assert_close(out, expected, dtype, "out")
+    d_gate_up = (
+        torch.stack((d_gate, d_up), dim=-1).flatten(-2)
+        if interleaved
+        else torch.cat((d_gate, d_up), dim=-1)
+    )
+    assert_close(wide.grad[:, 9:], d_gate_up, dtype, "d gate_up")
+    assert torch.all(wide.grad[:, :9] == 0)
+
+
+def test_clamp_gradient_is_torch_clamps(device):
+    """At the clamp's ends the gradient passes (torch.clamp's, ends included), beyond them it is
+    exactly 0, and a NaN stays NaN in the output and gives torch's gradients (0 through a
+    clamped NaN gate, NaN elsewhere)."""
+    limit = GPT_OSS["limit"]
+    ends = [limit, -limit, limit + 2**-20, -limit - 2**-20, 1e30, -1e30, float("nan"), 0.5]
+    gate = torch.tensor(ends, device=device, dtype=torch.float64).float().requires_grad_()
+    up = torch.tensor(ends[::-1], device=device).float().requires_grad_()
+    grad_out = torch.ones(len(ends), device=device)
+    out = swiglu(gate, up, **GPT_OSS)
+    out.backward(grad_out)
+    expected, d_gate, d_up = options_reference_grads(gate, up, grad_out, **GPT_OSS)
+    for name, ours, theirs in (("out", out, expected), ("d gate", gate.grad, d_gate),
+                               ("d up", up.grad, d_up)):  # fmt: skip
+        nan = torch.isnan(theirs)
+        assert torch.equal(torch.isnan(ours), nan), f"{name}: NaN at other places"
+        assert torch.equal(ours[~nan] == 0, theirs[~nan] == 0), f"{name}: zeros at other places"
+        assert_close(ours[~nan], theirs[~nan], torch.float32, name)
+
+
+def test_options_torch_backend_gives_same_numbers(monkeypatch, device):
+    gate_up = across_the_clamp((2, 9, 2 * 300), torch.bfloat16, device)
+    grad_out = torch.randn(2, 9, 300, device=device, dtype=torch.bfloat16)
+    results = []
+    for backend in ("auto", "torch"):
+        monkeypatch.setenv("FASTLM_BACKEND", backend)
+        leaf = gate_up.clone().requires_grad_()
+        out = swiglu_packed(leaf, interleaved=True, **GPT_OSS)
+        out.backward(grad_out)
+        results.append((out.detach(), leaf.grad))
+    for kernel, torch_path in zip(*results):
+        torch.testing.assert_close(kernel, torch_path)
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_backward_is_deterministic(packed, device):
     """Two backwards give bitwise-equal gradients. Under Triton's interpreter this cannot fail
@@ -150,6 +258,12 @@ def test_bad_arguments_raise(device):
         swiglu_packed(torch.randn(4, 0, device=device))
     with pytest.raises(ValueError, match="gate must have a non-empty last dim"):
         swiglu(torch.randn(4, 0, device=device), torch.randn(4, 0, device=device))
+    with pytest.raises(TypeError, match="interleaved must be a bool"):
+        swiglu_packed(torch.randn(4, 8, device=device), interleaved=1)
+    with pytest.raises(ValueError, match=r"gate_up must have an even.*\(gate, up, gate, up"):
+        swiglu_packed(torch.randn(4, 7, device=device), interleaved=True)
+    with pytest.raises(ValueError, match=r"limit must be a finite number in \(0, 1e6\]"):
+        swiglu(gate, gate, limit=0.0)
 
 
 @settings(max_examples=10, deadline=None)
