@@ -158,7 +158,6 @@ def tiny_model(model_type: str, **changes):
 #: What patch leaves as it is in each family, and why (its warning and `fastlm_patched.left`
 #: say so): the understood limits. Every other part runs on the kernels.
 LEFT = {
-    "gpt_oss": {"GptOssExperts": "interleaved gate/up projections"},
     "deepseek_v2": {"rope of DeepseekV2Attention": "complex frequencies"},
     "olmo": {"OlmoLayerNorm": "no weight"},
     "cohere": {"CohereLayerNorm": "not RMSNorm's math"},
@@ -211,6 +210,9 @@ def _batches():
 
 #: fastlm's attention ops: one call per attention layer forward, one backward.
 ATTENTION_OPS = ("flash_attention", "flash_attention_varlen")
+#: Families whose experts' gate is gpt-oss's clamped SwiGLU: the op that must run it, forward and
+#: backward (its interleaved gate/up and clamp are `swiglu_packed`'s options).
+OPTIONS_GATE = {"gpt_oss": "swiglu_packed_options"}
 
 
 def patched_copy(model):
@@ -318,6 +320,9 @@ def test_family_patched_matches_unpatched(family):
         assert sum(calls.calls[op] for op in ATTENTION_OPS) == layers, calls.calls
         assert sum(calls.calls[f"{op}_backward"] for op in ATTENTION_OPS) == layers, calls.calls
         assert not {"sdpa", "softmax over keys"} & calls.names, calls.calls
+        if family in OPTIONS_GATE:
+            gate = OPTIONS_GATE[family]
+            assert calls.calls[gate] > 0 and calls.calls[f"{gate}_backward"] > 0, calls.calls
 
 
 class _Memory(TorchDispatchMode):

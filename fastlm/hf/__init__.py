@@ -20,8 +20,8 @@ reason in `model.fastlm_patched.left` and in one warning (docs/huggingface-famil
   packed) is applied as Hugging Face would, and the rest of the forward (q/k norms, fused qkv,
   soft caps, caches) is the family's code;
 - swiglu: gated MLPs by `swiglu`, by `swiglu_packed` on a fused gate/up projection and the
-  experts' gate (whose router and auxiliary loss are untouched), or by `geglu` for GELU
-  activations;
+  experts' gate (whose router and auxiliary loss are untouched; gpt-oss's clamped SwiGLU on
+  interleaved gate/up by `swiglu_packed`'s options), or by `geglu` for GELU activations;
 - attention: `fastlm.hf.attention`'s attention and mask functions, registered as "fastlm" with
   transformers and selected with `set_attn_implementation`: padded batches, padding-free batches
   (position_ids, or cu_seq_lens_q/k from the collator), sliding windows, soft caps, attention

@@ -83,9 +83,13 @@ def packed_mlp_forward(self, x: torch.Tensor, gate_up: str, down: str, activatio
     return getattr(self, down)(packed_gated(getattr(self, gate_up)(x), activation, gate_first))
 
 
-def experts_gate(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """The experts' gate on (S, 2 I) projections (gate first, up second): what transformers'
-    grouped_mm and batched_mm experts call between their two GEMMs."""
+def experts_gate(self, gate_up: torch.Tensor, activation: str, interleaved: bool = False,
+                 **options) -> torch.Tensor:  # fmt: skip
+    """The experts' gate on (S, 2 I) projections: what transformers' experts call between their
+    two GEMMs. gate first and up second, or interleaved with gpt-oss's clamp `options` (alpha,
+    limit, up_offset: `swiglu_packed`'s)."""
+    if options or interleaved:
+        return swiglu_packed(gate_up, interleaved=interleaved, **options)
     return packed_gated(gate_up, activation, True)
 
 

@@ -78,6 +78,16 @@ def _patch_norms(model, report) -> None:
         report.ran("rms_norm", count)
 
 
+def _eager_calls_apply_gate(module) -> bool:
+    """Whether the experts' own (eager) forward calls `_apply_gate`, as gpt-oss's does; most
+    compute the gate inline. transformers wraps that forward to dispatch on the implementation."""
+    forward = inspect.unwrap(type(module).forward)
+    try:
+        return "_apply_gate(" in inspect.getsource(forward)
+    except (OSError, TypeError):  # no source to read: assume inline
+        return False
+
+
 def _patch_mlps(model, report) -> None:
     for module in _own_modules(model):
         name = type(module).__name__
@@ -89,21 +99,19 @@ def _patch_mlps(model, report) -> None:
                 continue
             kind, options = found
             bind([module], kind, **options)
-        elif hasattr(type(module), "_apply_gate") and getattr(module, "is_concatenated", None):
+        elif hasattr(type(module), "_apply_gate"):
             options = probe.experts_gate_options(module)
             if isinstance(options, str):
                 report.leave(name, options)
                 continue
             bind([module], "experts_gate", "_apply_gate", **options)
-            if getattr(model.config, "_experts_implementation", None) == "eager":
+            eager = getattr(model.config, "_experts_implementation", None) == "eager"
+            if eager and not _eager_calls_apply_gate(module):
                 report.leave(
                     f"{name} (eager)",
                     "experts_implementation 'eager' computes the gate inline; "
                     "set_experts_implementation('grouped_mm') runs it on the kernel",
                 )
-        elif hasattr(type(module), "_apply_gate"):
-            report.leave(name, "interleaved gate/up projections")
-            continue
         else:
             continue
         report.ran("swiglu" if options["activation"] == "silu" else "geglu")

@@ -22,7 +22,7 @@ from torch.func import functional_call
 from fastlm.hf.forwards import activation_of
 from fastlm.kernels.geglu import geglu_ref
 from fastlm.kernels.rmsnorm import rms_norm_ref
-from fastlm.kernels.swiglu import swiglu_ref
+from fastlm.kernels.swiglu import swiglu_packed_ref, swiglu_ref
 
 #: The attribute names an RMSNorm keeps its epsilon under.
 EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
@@ -205,25 +205,61 @@ def _bias(linear: nn.Linear) -> torch.Tensor | None:
     return None if linear.bias is None else linear.bias.detach().double()
 
 
-def experts_gate_options(module: nn.Module) -> dict | str:
-    """{activation} for `forwards.experts_gate` if the experts' `_apply_gate` (transformers'
-    grouped_mm and batched_mm experts call it on the (S, 2 I) gate/up projections) is
-    act(first half) * second half, else why not (gpt-oss's clamped, interleaved SwiGLU)."""
+#: Where experts keep their clamped SwiGLU's numbers (gpt-oss: alpha 1.702, limit 7).
+LIMIT_NAMES, ALPHA_NAMES = ("limit", "swiglu_limit"), ("alpha", "swiglu_alpha")
+
+
+def _numbers(module: nn.Module, names: tuple[str, ...]) -> list[float]:
+    """The real numbers the module holds under `names`, in order, without repeats."""
+    values = [getattr(module, n, None) for n in names]
+    numbers = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return list(dict.fromkeys(numbers))
+
+
+def _gate_candidates(module: nn.Module) -> list[dict]:
+    """The gates an experts' `_apply_gate` may compute, as `forwards.experts_gate` options:
+    act(first half) * second half for the module's activation, then (for experts that hold a
+    limit) gpt-oss's clamped SwiGLU in both layouts, with and without the offset of up."""
     activation, _ = _activation(module)
-    if activation is None:
-        return "their activation is none fastlm has (SiLU, GELU)"
-    gate_up = torch.randn(7, 2 * 5, generator=_generator(), dtype=torch.float64)
+    candidates = [] if activation is None else [dict(activation=activation, interleaved=False)]
+    for limit, alpha, interleaved, up_offset in itertools.product(
+        _numbers(module, LIMIT_NAMES),
+        [*_numbers(module, ALPHA_NAMES), 1.0],
+        (True, False),
+        (1.0, 0.0),
+    ):
+        options = dict(alpha=alpha, limit=limit, up_offset=up_offset)
+        candidates.append(dict(activation="silu", interleaved=interleaved, **options))
+    return candidates
+
+
+def _reference_gate(gate_up: torch.Tensor, activation: str, interleaved: bool, **options):
+    if activation == "silu":
+        return swiglu_packed_ref(gate_up, interleaved, **options)
+    return _reference_gated(*gate_up.chunk(2, dim=-1), activation)
+
+
+def experts_gate_options(module: nn.Module) -> dict | str:
+    """Options for `forwards.experts_gate` if the experts' `_apply_gate` (transformers' experts
+    call it on the (S, 2 I) gate/up projections, between their two GEMMs) is one of
+    `_gate_candidates`, else why not. Each runs in float64 against the module's own, on values
+    up to twice its limit, so that the clamp's side of each projection is told apart."""
+    candidates = _gate_candidates(module)
+    if not candidates:
+        return "their activation is none fastlm has (SiLU, GELU), and they hold no clamp limit"
+    scale = 2 * max([1.0, *_numbers(module, LIMIT_NAMES)])
+    gate_up = scale * torch.randn(7, 2 * 5, generator=_generator(), dtype=torch.float64)
     try:
         with torch.no_grad():
             expected = type(module)._apply_gate(module, gate_up)
     except Exception as error:  # noqa: BLE001
         return f"their gate failed on one tensor ({type(error).__name__})"
-    ours = _reference_gated(*gate_up.chunk(2, dim=-1), activation)
-    if not torch.is_tensor(expected) or expected.shape != ours.shape:
-        return "their gate is not act(gate) * up of the projection's halves"
-    if _relative(ours, expected) > EXACT:
-        return "their gate is not act(gate) * up of the projection's halves (gpt-oss: clamped)"
-    return dict(activation=activation)
+    for options in candidates:
+        ours = _reference_gate(gate_up, **options)
+        if torch.is_tensor(expected) and expected.shape == ours.shape:
+            if _relative(ours, expected) <= EXACT:
+                return options
+    return "their gate is neither act(gate) * up nor gpt-oss's clamped SwiGLU of the projection"
 
 
 # --------------------------------------------------------------------------------------------
