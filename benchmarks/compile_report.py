@@ -271,7 +271,8 @@ def rope_cases(dtypes, head_dims) -> Iterator[Case]:
 
 
 def swiglu_cases(dtypes) -> Iterator[Case]:
-    """The gated units' kernels: SwiGLU, and GeGLU (tanh and exact GELU) as their ACTIVATION."""
+    """The gated units' kernels: SwiGLU, GeGLU (tanh and exact GELU) as their ACTIVATION, and
+    SwiGLU with gpt-oss's options on an interleaved gate/up."""
     units = {"SwiGLU": swiglu.SILU, "GeGLU tanh": swiglu.GELU_TANH, "GeGLU": swiglu.GELU}
     for name in dtypes:
         gate, up = meta((TOKENS, D_FF), DTYPES[name]), meta((TOKENS, D_FF), DTYPES[name])
@@ -281,6 +282,13 @@ def swiglu_cases(dtypes) -> Iterator[Case]:
             yield Case(f"{unit} fwd", label, forward, fields)
             backward = partial(swiglu._backward_rows, gate, gate, up, gate, up, activation)
             yield Case(f"{unit} bwd", label, backward, fields)
+        # gpt-oss's experts: the clamped SwiGLU on interleaved gate/up (INTERLEAVED: up None).
+        gate_up = meta((TOKENS, 2 * D_FF), DTYPES[name])
+        options = dict(activation=swiglu.SILU_OPTIONS, alpha=1.702, limit=7.0, up_offset=1.0)
+        forward = partial(swiglu._forward_rows, gate_up, None, gate, **options)
+        yield Case("SwiGLU clamped interleaved fwd", label, forward, fields)
+        backward = partial(swiglu._backward_rows, gate, gate_up, None, gate_up, None, **options)
+        yield Case("SwiGLU clamped interleaved bwd", label, backward, fields)
 
 
 def cross_entropy_cases(dtypes) -> Iterator[Case]:

@@ -28,7 +28,8 @@ kernels' SILU_OPTIONS:
 The brackets are torch.clamp's gradient (1 inside the bounds, ends included; 0 for a NaN input);
 without a limit nothing is clamped. gpt-oss: alpha 1.702, limit 7, up_offset 1, its fused
 projection interleaving gate and up columns (`swiglu_packed(..., interleaved=True)`): the kernels
-take column strides, so gate_up[..., 0::2] and gate_up[..., 1::2] are pointers with a stride too.
+(INTERLEAVED) read each row's pairs in one contiguous load and split them in registers, and write
+the gradient's pairs back the same way.
 """
 
 from __future__ import annotations
@@ -120,19 +121,51 @@ def _options_terms(gate, up, alpha, limit, up_offset, CLAMP: tl.constexpr):
 
 
 @triton.jit
+def _load_pairs(X, rows, start, M, N, stride_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The fp32 (gate, up) tiles of columns [start, start + BLOCK_N) of an interleaved gate_up
+    (gate of column c at 2c, up at 2c + 1): one contiguous load, vectorised as a load with a
+    column stride of 2 is not, split in registers."""
+    pair_cols = 2 * start + tl.arange(0, 2 * BLOCK_N)
+    mask = (rows < M)[:, None] & (pair_cols < 2 * N)[None, :]
+    pairs = tl.load(X + rows[:, None] * stride_m + pair_cols[None, :], mask=mask, other=0.0)
+    return tl.split(tl.reshape(pairs.to(tl.float32), [BLOCK_M, BLOCK_N, 2]))
+
+
+@triton.jit
+def _store_pairs(
+    X, gate, up, rows, start, M, N, stride_m,  #
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BF16_BY_HAND: tl.constexpr
+):
+    """`_load_pairs`' inverse: the tiles joined in registers and stored interleaved at once."""
+    pair_cols = 2 * start + tl.arange(0, 2 * BLOCK_N)
+    mask = (rows < M)[:, None] & (pair_cols < 2 * N)[None, :]
+    pairs = tl.reshape(tl.join(gate, up), [BLOCK_M, 2 * BLOCK_N])
+    tl.store(
+        X + rows[:, None] * stride_m + pair_cols[None, :],
+        round_to(pairs, X.dtype.element_ty, BF16_BY_HAND), mask=mask
+    )
+
+
+@triton.jit
 def _swiglu_fwd_kernel(
     G, U, Y,  #
-    stride_gm, stride_gn, stride_um, stride_un, stride_ym,  #
+    stride_gm, stride_um, stride_ym,  #
     M, N, alpha, limit, up_offset,  #
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BF16_BY_HAND: tl.constexpr,  #
-    ACTIVATION: tl.constexpr = 0, CLAMP: tl.constexpr = False
+    ACTIVATION: tl.constexpr = 0, CLAMP: tl.constexpr = False, INTERLEAVED: tl.constexpr = False
 ):
+    """Y = act(gate) * up; INTERLEAVED: G is gate_up with gate and up in alternate columns (U
+    unused)."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    start = tl.program_id(1) * BLOCK_N
+    cols = start + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
-    gate = tl.load(G + rows[:, None] * stride_gm + cols[None, :] * stride_gn, mask=mask, other=0.0)
-    up = tl.load(U + rows[:, None] * stride_um + cols[None, :] * stride_un, mask=mask, other=0.0)
-    gate, up = gate.to(tl.float32), up.to(tl.float32)
+    if INTERLEAVED:
+        gate, up = _load_pairs(G, rows, start, M, N, stride_gm, BLOCK_M, BLOCK_N)
+    else:
+        gate = tl.load(G + rows[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0)
+        up = tl.load(U + rows[:, None] * stride_um + cols[None, :], mask=mask, other=0.0)
+        gate, up = gate.to(tl.float32), up.to(tl.float32)
     if ACTIVATION == 0:
         y = gate * tl.sigmoid(gate) * up
     elif ACTIVATION == 3:
@@ -149,19 +182,26 @@ def _swiglu_fwd_kernel(
 @triton.jit
 def _swiglu_bwd_kernel(
     DY, G, U, DG, DU,  #
-    stride_dym, stride_gm, stride_gn, stride_um, stride_un,  #
-    stride_dgm, stride_dgn, stride_dum, stride_dun,  #
+    stride_dym, stride_gm, stride_um, stride_dgm,  #
+    stride_dum,  #
     M, N, alpha, limit, up_offset,  #
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BF16_BY_HAND: tl.constexpr,  #
-    ACTIVATION: tl.constexpr = 0, CLAMP: tl.constexpr = False
+    ACTIVATION: tl.constexpr = 0, CLAMP: tl.constexpr = False, INTERLEAVED: tl.constexpr = False
 ):
+    """(d gate, d up); INTERLEAVED: G and DG are gate_up and its gradient, gate and up in
+    alternate columns (U and DU unused)."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    start = tl.program_id(1) * BLOCK_N
+    cols = start + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     dy = tl.load(DY + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0)
-    gate = tl.load(G + rows[:, None] * stride_gm + cols[None, :] * stride_gn, mask=mask, other=0.0)
-    up = tl.load(U + rows[:, None] * stride_um + cols[None, :] * stride_un, mask=mask, other=0.0)
-    dy, gate, up = dy.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
+    dy = dy.to(tl.float32)
+    if INTERLEAVED:
+        gate, up = _load_pairs(G, rows, start, M, N, stride_gm, BLOCK_M, BLOCK_N)
+    else:
+        gate = tl.load(G + rows[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0)
+        up = tl.load(U + rows[:, None] * stride_um + cols[None, :], mask=mask, other=0.0)
+        gate, up = gate.to(tl.float32), up.to(tl.float32)
     if ACTIVATION == 0:
         sig = tl.sigmoid(gate)
         d_gate = dy * up * sig * (1.0 + gate * (1.0 - sig))
@@ -177,14 +217,19 @@ def _swiglu_bwd_kernel(
         gelu, slope = _gelu_and_slope(gate, ACTIVATION == 1)
         d_gate = dy * up * slope
         d_up = dy * gelu
-    tl.store(
-        DG + rows[:, None] * stride_dgm + cols[None, :] * stride_dgn,
-        round_to(d_gate, DG.dtype.element_ty, BF16_BY_HAND), mask=mask
-    )
-    tl.store(
-        DU + rows[:, None] * stride_dum + cols[None, :] * stride_dun,
-        round_to(d_up, DU.dtype.element_ty, BF16_BY_HAND), mask=mask
-    )
+    if INTERLEAVED:
+        _store_pairs(
+            DG, d_gate, d_up, rows, start, M, N, stride_dgm, BLOCK_M, BLOCK_N, BF16_BY_HAND
+        )
+    else:
+        tl.store(
+            DG + rows[:, None] * stride_dgm + cols[None, :],
+            round_to(d_gate, DG.dtype.element_ty, BF16_BY_HAND), mask=mask
+        )
+        tl.store(
+            DU + rows[:, None] * stride_dum + cols[None, :],
+            round_to(d_up, DU.dtype.element_ty, BF16_BY_HAND), mask=mask
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -214,33 +259,39 @@ def _option_args(activation: int, alpha: float, limit: float | None, up_offset: 
 
 
 def _forward_rows(
-    gate: torch.Tensor, up: torch.Tensor, y: torch.Tensor, activation: int = SILU,
+    gate: torch.Tensor, up: torch.Tensor | None, y: torch.Tensor, activation: int = SILU,
     alpha: float = 1.0, limit: float | None = None, up_offset: float = 0.0
 ) -> None:
-    M, N = gate.shape
-    if gate.numel() == 0:
+    """y = act(gate) * up on (M, N) rows; up None: gate is an interleaved (M, 2 N) gate_up."""
+    M, N = y.shape
+    if y.numel() == 0:
         return
     grid, config = _launch_config(M, N)
+    interleaved = up is None
+    up = gate if interleaved else up
     _swiglu_fwd_kernel[grid](
-        gate, up, y, gate.stride(0), gate.stride(1), up.stride(0), up.stride(1), y.stride(0), M, N,
-        BF16_BY_HAND=interpreter_bf16(y.dtype), **_option_args(activation, alpha, limit,
-                                                               up_offset), **config
+        gate, up, y, gate.stride(0), up.stride(0), y.stride(0), M, N,
+        BF16_BY_HAND=interpreter_bf16(y.dtype), INTERLEAVED=interleaved,
+        **_option_args(activation, alpha, limit, up_offset), **config
     )
 
 
 def _backward_rows(
-    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d_gate: torch.Tensor,
-    d_up: torch.Tensor, activation: int = SILU, alpha: float = 1.0, limit: float | None = None,
-    up_offset: float = 0.0
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None, d_gate: torch.Tensor,
+    d_up: torch.Tensor | None, activation: int = SILU, alpha: float = 1.0,
+    limit: float | None = None, up_offset: float = 0.0
 ) -> None:
-    M, N = gate.shape
-    if gate.numel() == 0:
+    """(d gate, d up) on (M, N) rows; up and d_up None: gate and d_gate are interleaved (M, 2 N)
+    gate_up and its gradient."""
+    M, N = dy.shape
+    if dy.numel() == 0:
         return
     grid, config = _launch_config(M, N)
+    interleaved = up is None
+    up, d_up = (gate, d_gate) if interleaved else (up, d_up)
     _swiglu_bwd_kernel[grid](
-        dy, gate, up, d_gate, d_up, dy.stride(0), gate.stride(0), gate.stride(1), up.stride(0),
-        up.stride(1), d_gate.stride(0), d_gate.stride(1), d_up.stride(0), d_up.stride(1), M, N,
-        BF16_BY_HAND=interpreter_bf16(d_gate.dtype),
+        dy, gate, up, d_gate, d_up, dy.stride(0), gate.stride(0), up.stride(0), d_gate.stride(0),
+        d_up.stride(0), M, N, BF16_BY_HAND=interpreter_bf16(d_gate.dtype), INTERLEAVED=interleaved,
         **_option_args(activation, alpha, limit, up_offset), **config
     )
 
@@ -280,7 +331,8 @@ def packed_forward(
     new (..., d_ff) tensor."""
     d_ff = gate_up.shape[-1] // 2
     y = empty((*gate_up.shape[:-1], d_ff), device=gate_up.device, dtype=gate_up.dtype)
-    gate, up = split_gate_up(as_rows(gate_up), interleaved)  # (M, d_ff) each, strided columns
+    rows = as_rows(gate_up)  # (M, 2 d_ff)
+    gate, up = (rows, None) if interleaved else split_gate_up(rows)
     _forward_rows(gate, up, y.view(-1, d_ff), activation, **options)
     return y
 
@@ -292,8 +344,11 @@ def packed_backward(
     """d(gate_up) as one (..., 2 * d_ff) tensor in gate_up's layout: the fused projection's
     output gradient."""
     d_gate_up = empty(gate_up.shape, device=gate_up.device, dtype=gate_up.dtype)
-    gate, up = split_gate_up(as_rows(gate_up), interleaved)
-    d_gate, d_up = split_gate_up(d_gate_up.view(-1, gate_up.shape[-1]), interleaved)
+    rows, d_rows = as_rows(gate_up), d_gate_up.view(-1, gate_up.shape[-1])
+    if interleaved:
+        gate, up, d_gate, d_up = rows, None, d_rows, None
+    else:
+        (gate, up), (d_gate, d_up) = split_gate_up(rows), split_gate_up(d_rows)
     _backward_rows(as_rows(dy), gate, up, d_gate, d_up, activation, **options)
     return d_gate_up
 
