@@ -140,66 +140,103 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout, heads_
 
 
 class RotaryFunction:
-    """A family's `apply_rotary_pos_emb(q, k, cos, sin, ..., unsqueeze_dim=1)` on fastlm's
-    kernel. Which layout it computes is found on first use for each shape (head dims, table
-    width, unsqueeze_dim) by running it and each of `LAYOUTS` on small random float64 inputs
-    of that shape and of its tables' structure: the first that agrees to fp32 rounding runs
-    from then on; a shape none matches runs the family's own function, with one warning naming
-    it. `patch` runs the model once on a few tokens so that this happens before any
-    torch.compile (a shape first seen while compiling runs the family's function)."""
+    """A family's `apply_rotary_pos_emb(q, k, cos, sin, ..., unsqueeze_dim=1)`, or its
+    `apply_rotary_emb(xq, xk, freqs_cis)` (DeepSeek-V2's, Llama 4's: pairs (x[2i], x[2i+1]) as
+    complex numbers times freqs_cis[..., i], a rotation scaled by |freqs_cis|), on fastlm's
+    kernel; complex frequencies are the tables cos = freqs_cis.real, sin = freqs_cis.imag.
+
+    Which layout (and, for freqs_cis, which dim holds the heads) it computes is found on first
+    use for each shape (head dims, table width, unsqueeze_dim) by running it and each of
+    `LAYOUTS` on small random float64 inputs of that shape and of its tables' structure: the
+    first that agrees to fp32 rounding runs from then on; a shape none matches runs the family's
+    own function, with one warning naming it. `patch` runs the model once on a few tokens so
+    that this happens before any torch.compile (a shape first seen while compiling runs the
+    family's function)."""
 
     def __init__(self, original: types.FunctionType):
         self.original = original
         parameters = inspect.signature(original).parameters
         self.names = tuple(parameters)
+        self.complex = len(self.names) == 3  # (xq, xk, freqs_cis)
         self.unsqueeze_default = getattr(parameters.get("unsqueeze_dim"), "default", 1)
         self.layouts: dict[tuple, tuple | None] = {}
 
+    def _tables(self, values: dict) -> tuple | None:
+        """(q, k, cos, sin, unsqueeze_dim) of a call, or None for one the kernel cannot take."""
+        if self.complex:
+            q, k, freqs = (values.get(name) for name in self.names)
+            if not all(torch.is_tensor(t) for t in (q, k, freqs)) or not freqs.is_complex():
+                return None
+            q_k_cos_sin = (q, k, freqs.real, freqs.imag)
+            unsqueeze = None  # the heads' dim: found with the layout
+        else:
+            q_k_cos_sin = tuple(values.get(name) for name in self.names[:4])
+            unsqueeze = values.get("unsqueeze_dim", self.unsqueeze_default)
+        if not all(torch.is_tensor(t) for t in q_k_cos_sin) or q_k_cos_sin[2].dim() != 3:
+            return None
+        return (*q_k_cos_sin, unsqueeze)
+
     def __call__(self, *args, **kwargs):
         values = dict(zip(self.names, args), **kwargs)
-        q, k, cos, sin = (values.get(name) for name in self.names[:4])
-        unsqueeze = values.get("unsqueeze_dim", self.unsqueeze_default)
-        if not all(torch.is_tensor(t) for t in (q, k, cos, sin)) or cos.dim() != 3:
+        tables = self._tables(values)
+        if tables is None:
             return self.original(*args, **kwargs)
+        q, k, cos, sin, unsqueeze = tables
         key = (q.shape[-1], k.shape[-1], cos.shape[-1], unsqueeze, q.dim())
         if key not in self.layouts:
             if torch.compiler.is_compiling():
                 return self.original(*args, **kwargs)
-            rest = {n: v for n, v in values.items() if n not in self.names[:4]}
-            self.layouts[key] = self._find_layout(key, rest, _structure(cos))
-        layout = self.layouts[key]
-        if layout is None:
+            given = self.names[: 3 if self.complex else 4]
+            rest = {n: v for n, v in values.items() if n not in given}
+            structure = "once" if self.complex else _structure(cos)
+            self.layouts[key] = self._find_layout(key, rest, structure)
+        found = self.layouts[key]
+        if found is None:
             return self.original(*args, **kwargs)
-        return rotate(q, cos, sin, layout, unsqueeze), rotate(k, cos, sin, layout, unsqueeze)
+        layout, heads_dim = found
+        return rotate(q, cos, sin, layout, heads_dim), rotate(k, cos, sin, layout, heads_dim)
+
+    def _probe(self, key, rest: dict, structure: str, heads_dim: int):
+        """(q, k, cos, sin, the family's output) on random float64 inputs of the key's shape,
+        heads on `heads_dim`; the output None when the function does not take them."""
+        dq, dk, width, _, _ = key
+        generator = torch.Generator().manual_seed(0)
+        shape = lambda d: (2, 3, 5, d) if heads_dim == 1 else (2, 5, 3, d)  # noqa: E731
+        q, k = (torch.randn(shape(d), generator=generator, dtype=torch.float64) for d in (dq, dk))
+        angles = torch.rand(2, 5, width, generator=generator, dtype=torch.float64) * 6
+        if structure == "twice":
+            angles = torch.cat((angles[..., : width // 2],) * 2, dim=-1)
+        elif structure == "pairs":
+            angles = angles[..., : width // 2].repeat_interleave(2, dim=-1)
+        if self.complex:  # a scaled rotation, as YaRN's attention_scaling makes freqs_cis
+            freqs = torch.polar(torch.full_like(angles, 1.25), angles)
+            cos, sin, tables = freqs.real, freqs.imag, (freqs,)
+        else:
+            cos, sin = angles.cos(), angles.sin()
+            tables = (cos, sin)
+        with torch.no_grad():
+            try:
+                expected = self.original(q, k, *tables, **rest)
+            except Exception:  # noqa: BLE001 (a function of another form: left as it is)
+                expected = None
+        return q, k, cos, sin, expected
 
     def _find_layout(self, key, rest: dict, structure: str) -> tuple | None:
         dq, dk, width, unsqueeze, dims = key
-        if dims == 4 and unsqueeze in (1, 2):
-            generator = torch.Generator().manual_seed(0)
-            shape = lambda d: (2, 3, 5, d) if unsqueeze == 1 else (2, 5, 3, d)  # noqa: E731
-            q, k = (
-                torch.randn(shape(d), generator=generator, dtype=torch.float64) for d in (dq, dk)
-            )
-            angles = torch.rand(2, 5, width, generator=generator, dtype=torch.float64) * 6
-            if structure == "twice":
-                angles = torch.cat((angles[..., : width // 2],) * 2, dim=-1)
-            elif structure == "pairs":
-                angles = angles[..., : width // 2].repeat_interleave(2, dim=-1)
-            cos, sin = angles.cos(), angles.sin()
-            with torch.no_grad():
-                try:
-                    expected = self.original(q, k, cos, sin, **rest)
-                except Exception:  # noqa: BLE001 (a function of another form: left as it is)
-                    expected = None
-                for layout in LAYOUTS if expected is not None else ():
-                    rotary = 2 * width if layout[1] == "all" else width
-                    if rotary > min(dq, dk) or rotary % 2:
-                        continue
-                    ours = (rotate(t, cos, sin, layout, unsqueeze) for t in (q, k))
-                    # 1e-5: some families rotate in fp32 (Ernie's q.float()); a wrong layout is
-                    # off by O(1).
-                    if all(_agrees(a, b, 1e-5) for a, b in zip(ours, expected)):
-                        return layout
+        heads_dims = (1, 2) if self.complex else (unsqueeze,)
+        for heads_dim in heads_dims if dims == 4 else ():
+            if heads_dim not in (1, 2):
+                continue
+            q, k, cos, sin, expected = self._probe(key, rest, structure, heads_dim)
+            for layout in LAYOUTS if expected is not None else ():
+                rotary = 2 * width if layout[1] == "all" else width
+                if rotary > min(dq, dk) or rotary % 2:
+                    continue
+                ours = (rotate(t, cos, sin, layout, heads_dim) for t in (q, k))
+                # 1e-5: some families rotate in fp32 (Ernie's q.float(), DeepSeek-V2's
+                # xq.float()); a wrong layout is off by O(1).
+                if all(_agrees(a, b, 1e-5) for a, b in zip(ours, expected)):
+                    return layout, heads_dim
         warnings.warn(
             f"fastlm.hf: RoPE by {self.original.__module__}.{self.original.__qualname__} on "
             f"head dims {dq}/{dk} with tables {width} wide is none of the layouts fastlm's "
@@ -232,12 +269,12 @@ _ROTARY_FUNCTIONS: dict[types.FunctionType, RotaryFunction] = {}
 
 def rotary_names(forward: types.FunctionType, usable: bool = True) -> list[str]:
     """The `apply_rotary*` functions of its module a forward calls; `usable`: only those taking
-    (q, k, cos, sin, ...) (not Llama 4's and DeepSeek-V2's complex `freqs_cis`)."""
+    (q, k, cos, sin, ...) or (xq, xk, freqs_cis) (`RotaryFunction`'s two forms)."""
     names = []
     for name in forward.__code__.co_names:
         function = forward.__globals__.get(name)
         if name.startswith("apply_rotary") and isinstance(function, types.FunctionType):
-            if not usable or len(inspect.signature(function).parameters) >= 4:
+            if not usable or len(inspect.signature(function).parameters) >= 3:
                 names.append(name)
     return names
 

@@ -143,7 +143,8 @@ def _patch_rope(model, report) -> None:
         if other:  # NoPE modules call none, and need none
             report.leave(
                 f"rope of {cls.__name__}",
-                f"{other[0]} takes complex frequencies, not (q, k, cos, sin): not fastlm's kernel",
+                f"{other[0]} takes neither (q, k, cos, sin) nor (xq, xk, freqs_cis): not "
+                "fastlm's kernel",
             )
     if patched:
         bind(patched, "attention")
