@@ -1,12 +1,15 @@
-"""RMSNorm, residual add + RMSNorm, RoPE, SwiGLU, cross-entropy and fused linear cross-entropy:
-fastlm's kernels against the eager reference, `torch.compile` of it, PyTorch's built-ins and
-Liger-Kernel (when it imports), in bf16 at LLaMA-like sizes (M tokens x N hidden; V = 32000).
+"""RMSNorm, residual add + RMSNorm, RoPE, SwiGLU (and gpt-oss's clamped form), cross-entropy and
+fused linear cross-entropy: fastlm's kernels against the eager reference, `torch.compile` of it,
+PyTorch's built-ins and Liger-Kernel (when it imports), in bf16 at LLaMA-like sizes (M tokens x N
+hidden; V = 32000).
 
 Bytes are the fewest each op must move (e = 2 bytes; the weight and the RoPE tables left out):
   rms_norm      fwd read x, write y: 2MNe        bwd read x, dy, write dx: 3MNe
   add_rms_norm  fwd read x, r, write y, h: 4MNe  bwd read h, dy, dh, write dx: 4MNe
   rope (q, k)   fwd read and write q, k: 4MNe    bwd the same on the gradients: 4MNe
   swiglu        fwd read g, u, write y: 3MNe     bwd read g, u, dy, write dg, du: 5MNe
+  swiglu_gpt_oss  the same, gate and up interleaved in one (M, 2N) projection, clamped (its
+                reference: transformers' GptOssExperts._apply_gate, op by op in bf16)
   cross_entropy fwd read logits: MVe             fwd+bwd also write the gradient: 2MVe
 fwd+bwd is the sum. Cross-entropy has no backward-alone row (fastlm writes the gradient in the
 forward and scales it in place once, which a retained graph cannot repeat). RoPE rotates in
@@ -39,7 +42,7 @@ from fastlm import kernels as fk
 from fastlm import reference
 from fastlm.kernels.rmsnorm import add_rms_norm_ref, rms_norm_ref
 from fastlm.kernels.rope import rope_ref
-from fastlm.kernels.swiglu import swiglu_ref
+from fastlm.kernels.swiglu import swiglu_packed_ref, swiglu_ref
 
 DTYPE, EPS, THETA, VOCAB, BUDGET_S, COPY_BYTES = torch.bfloat16, 1e-5, 1e4, 32000, 80, 2**30
 EAGER, COMPILED = "reference", "torch.compile(reference)"
@@ -166,6 +169,23 @@ def swiglu_impls(m: int, n: int) -> dict:
     return _with_liger(impls, "swiglu", "LigerSiLUMulFunction", lambda f: f.apply)
 
 
+#: gpt-oss's experts' gate: swiglu_packed's options.
+GPT_OSS = dict(alpha=1.702, limit=7.0, up_offset=1.0)
+
+
+def gpt_oss_gate(gate_up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's experts' gate as transformers writes it (`GptOssExperts._apply_gate`)."""
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(min=None, max=GPT_OSS["limit"])
+    up = up.clamp(min=-GPT_OSS["limit"], max=GPT_OSS["limit"])
+    return (up + 1) * (gate * torch.sigmoid(gate * GPT_OSS["alpha"]))
+
+
+def swiglu_gpt_oss_impls(m: int, n: int) -> dict:
+    fastlm_gate = lambda gate_up: fk.swiglu_packed(gate_up, interleaved=True, **GPT_OSS)  # noqa: E731
+    return {"fastlm": fastlm_gate, EAGER: gpt_oss_gate, COMPILED: _compiled(gpt_oss_gate)}
+
+
 def _cross_entropy_math(logits, targets):
     return reference.CrossEntropyLoss()(logits, targets)
 
@@ -217,6 +237,15 @@ OPS = [
     Op("add_rms_norm", _rows(2, True), add_rms_norm_impls, {"fwd": 4, "bwd": 4, "fwd+bwd": 8}),
     Op("rope", _rope_inputs, rope_impls, {"fwd": 4, "bwd": 4, "fwd+bwd": 12}, forward_grad=False),
     Op("swiglu", _rows(2), swiglu_impls, {"fwd": 3, "bwd": 5, "fwd+bwd": 8}),
+    Op(
+        "swiglu_gpt_oss",
+        # Scale 4 against the limit of 7: about 8 % of the gates and up values clamped.
+        lambda m, n: (_randn(m, 2 * n, scale=4.0),),
+        swiglu_gpt_oss_impls,
+        {"fwd": 3, "bwd": 5, "fwd+bwd": 8},
+        ((16384, 2880),),  # gpt-oss-20b's expert width
+        check=lambda gate_up: swiglu_packed_ref(gate_up.float(), True, **GPT_OSS),
+    ),
     Op(
         "cross_entropy",
         lambda m, v: (_randn(m, v), _targets(m)),

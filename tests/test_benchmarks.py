@@ -99,12 +99,13 @@ def test_kernel_cases_put_the_headline_first():
         return [(op.name, m, n) for op, m, n in kernels.cases(kernels.parser().parse_args(argv))]
 
     headline = [(op.name, *op.sizes[0]) for op in kernels.OPS if not op.fused]
-    assert len(headline) == 5  # every op but fused linear cross-entropy
+    assert len(headline) == 6  # every op but fused linear cross-entropy
     assert cases("--headline") == headline
     assert cases("--quick") == [*headline, (kernels.LCE, 16384, 768)]
     full = cases()
     assert full[: len(headline) + 1] == cases("--quick")
-    assert len(full) == len(set(full)) == 4 * 9 + 2 + 2  # the norms, RoPE, SwiGLU; CE; fused
+    # the norms, RoPE, SwiGLU on the grid; gpt-oss's gate at one size; CE; fused
+    assert len(full) == len(set(full)) == 4 * 9 + 1 + 2 + 2
     assert not set(cases("--skip-headline")) & set(headline)
     assert cases("--quick", "--ops", "swiglu") == [("swiglu", 16384, 4096)]
 
