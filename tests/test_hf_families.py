@@ -21,6 +21,7 @@ from test_hf import BASE, _Ops  # noqa: E402
 from test_hf import FAMILY_CONFIGS as TEN  # noqa: E402
 
 from fastlm import hf  # noqa: E402
+from fastlm.hf import forwards, probe  # noqa: E402
 from fastlm.testing import assert_close  # noqa: E402
 
 VOCAB = 61
@@ -388,3 +389,51 @@ def test_a_biased_head_with_a_logit_scale(monkeypatch):
     unpatched = copy.deepcopy(model)
     assert patched_copy(model) == [] and "cross_entropy" in model.fastlm_patched
     assert_matches(model, unpatched, _batches()["left-padded"], "biased head")
+
+
+class _ClampedMLP(torch.nn.Module):
+    """DeepSeek-V4's dense MLP: SiLU of the gate clamped above, up clamped on both sides, the
+    limit kept under `limit_name`."""
+
+    def __init__(self, limit: float, limit_name: str = "swiglu_limit"):
+        super().__init__()
+        self.gate_proj, self.up_proj = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16)
+        self.down_proj = torch.nn.Linear(16, 8)
+        self.act_fn = torch.nn.SiLU()
+        self.limit_name = limit_name
+        setattr(self, limit_name, limit)
+
+    def forward(self, x):
+        limit = getattr(self, self.limit_name)
+        gate = self.gate_proj(x).clamp(max=limit)
+        up = self.up_proj(x).clamp(min=-limit, max=limit)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+class _ClampedExperts(torch.nn.Module):
+    """An experts' gate clamped at a bound the probe has no name for."""
+
+    act_fn = torch.nn.SiLU()
+    bound = 7.0
+
+    def _apply_gate(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate.clamp(max=self.bound)) * up.clamp(-self.bound, self.bound)
+
+
+def test_a_clamp_runs_on_the_kernel_or_is_left_never_dropped():
+    """A clamped MLP whose limit the probe reads (DeepSeek-V4's `swiglu_limit` of 7: the first
+    probe scale's projections never reach it) runs with swiglu's clamp, equal to its own forward
+    where the clamp acts; one that keeps its limit under another name, and experts clamping at
+    a bound of their own, are left as they are: never patched as a plain SwiGLU."""
+    module = _ClampedMLP(7.0)
+    kind, options = probe.mlp_options(module)
+    assert kind == "mlp" and options["activation"] == "silu"
+    assert (options["limit"], options["alpha"], options["up_offset"]) == (7.0, 1.0, 0.0)
+    x = 20 * torch.randn(3, 5, 8)  # projections well past the limit
+    ours = forwards.mlp_forward(module, x, **options)
+    with torch.no_grad():
+        truth = copy.deepcopy(module).double()(x.double())
+    assert_close(ours, truth, torch.float32, "clamped MLP")
+    assert isinstance(probe.mlp_options(_ClampedMLP(7.0, limit_name="bound")), str)
+    assert isinstance(probe.experts_gate_options(_ClampedExperts()), str)

@@ -58,29 +58,35 @@ def activation_of(act: object) -> str | None:
     return None
 
 
-def gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    """act(gate) * up by fastlm's kernel for the activation."""
-    return swiglu_op(gate, up) if activation == "silu" else geglu(gate, up, activation)
+def gated(gate: torch.Tensor, up: torch.Tensor, activation: str, **options) -> torch.Tensor:
+    """act(gate) * up by fastlm's kernel for the activation (SiLU with `swiglu`'s clamp options:
+    DeepSeek-V4's dense MLPs)."""
+    if activation == "silu":
+        return swiglu_op(gate, up, **options)
+    return geglu(gate, up, activation)
 
 
-def packed_gated(gate_up: torch.Tensor, activation: str, gate_first: bool) -> torch.Tensor:
+def packed_gated(gate_up: torch.Tensor, activation: str, gate_first: bool,
+                 **options) -> torch.Tensor:  # fmt: skip
     """act(gate) * up of one (..., 2 I) projection holding both halves."""
     if activation == "silu" and gate_first:
-        return swiglu_packed(gate_up)  # its gradient comes back as one tensor
+        return swiglu_packed(gate_up, **options)  # its gradient comes back as one tensor
     first, second = gate_up.chunk(2, dim=-1)
-    return gated(first, second, activation) if gate_first else gated(second, first, activation)
+    pair = (first, second) if gate_first else (second, first)
+    return gated(*pair, activation, **options)
 
 
-def mlp_forward(self, x: torch.Tensor, gate: str, up: str, down: str, activation: str):
+def mlp_forward(self, x: torch.Tensor, gate: str, up: str, down: str, activation: str, **options):
     """down(act(gate(x)) * up(x)) on the module's own projections (their biases included)."""
     projections = getattr(self, gate)(x), getattr(self, up)(x)
-    return getattr(self, down)(gated(*projections, activation))
+    return getattr(self, down)(gated(*projections, activation, **options))
 
 
 def packed_mlp_forward(self, x: torch.Tensor, gate_up: str, down: str, activation: str,
-                       gate_first: bool):  # fmt: skip
+                       gate_first: bool, **options):  # fmt: skip
     """down(act(gate) * up) on one fused gate/up projection (Phi-3's, GLM-4's)."""
-    return getattr(self, down)(packed_gated(getattr(self, gate_up)(x), activation, gate_first))
+    gate_and_up = getattr(self, gate_up)(x)
+    return getattr(self, down)(packed_gated(gate_and_up, activation, gate_first, **options))
 
 
 def experts_gate(self, gate_up: torch.Tensor, activation: str, interleaved: bool = False,
@@ -88,9 +94,9 @@ def experts_gate(self, gate_up: torch.Tensor, activation: str, interleaved: bool
     """The experts' gate on (S, 2 I) projections: what transformers' experts call between their
     two GEMMs. gate first and up second, or interleaved with gpt-oss's clamp `options` (alpha,
     limit, up_offset: `swiglu_packed`'s)."""
-    if options or interleaved:
-        return swiglu_packed(gate_up, interleaved=interleaved, **options)
-    return packed_gated(gate_up, activation, True)
+    if interleaved:
+        return swiglu_packed(gate_up, interleaved=True, **options)
+    return packed_gated(gate_up, activation, True, **options)
 
 
 # --------------------------------------------------------------------------------------------

@@ -115,8 +115,37 @@ def rms_norm_options(module: nn.Module) -> dict | str:
 # --------------------------------------------------------------------------------------------
 
 
-def _reference_gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    return swiglu_ref(gate, up) if activation == "silu" else geglu_ref(gate, up, activation)
+def _reference_gated(gate: torch.Tensor, up: torch.Tensor, activation: str, **options):
+    """act(gate) * up, with `swiglu`'s clamp options for SiLU."""
+    if activation == "silu":
+        return swiglu_ref(gate, up, **options)
+    return geglu_ref(gate, up, activation)
+
+
+#: The input scales every gated candidate is checked at. The formulas are exact at both; a bound
+#: the module applies (gpt-oss's clamp at 7, DeepSeek-V4's at 10) shows at the second, so a clamp
+#: fastlm does not know is never taken for a plain SwiGLU.
+PROBE_SCALES = (1.0, 1e3)
+#: Where gated modules keep their clamped SwiGLU's numbers (gpt-oss: alpha 1.702, limit 7).
+LIMIT_NAMES, ALPHA_NAMES = ("limit", "swiglu_limit"), ("alpha", "swiglu_alpha")
+
+
+def _numbers(module: nn.Module, names: tuple[str, ...]) -> list[float]:
+    """The real numbers the module holds under `names`, in order, without repeats."""
+    values = [getattr(module, n, None) for n in names]
+    numbers = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return list(dict.fromkeys(numbers))
+
+
+def _clamp_options(module: nn.Module) -> list[dict]:
+    """`swiglu`'s clamp options a module that holds a limit may use (gpt-oss's alpha and offset
+    of up, or SiLU's alpha 1 and none), after none."""
+    options = [{}]
+    for limit, alpha, up_offset in itertools.product(
+        _numbers(module, LIMIT_NAMES), [*_numbers(module, ALPHA_NAMES), 1.0], (1.0, 0.0)
+    ):
+        options.append(dict(alpha=alpha, limit=limit, up_offset=up_offset))
+    return options
 
 
 def _activation(module: nn.Module) -> tuple[str | None, str | None]:
@@ -149,9 +178,10 @@ def _float64_call(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def mlp_options(module: nn.Module) -> tuple[str, dict] | str:
     """("mlp", {gate, up, down, activation}) or ("packed_mlp", {gate_up, down, activation,
     gate_first}) for `forwards`' gated MLP forwards if the module computes
-    down(act(gate(x)) * up(x)) with SiLU or a GELU (exact or tanh) by its linear children,
-    else why not. Every assignment of the children to the roles that the shapes allow is run
-    in float64 against the module's own forward (random input, its own weights)."""
+    down(act(gate(x)) * up(x)) with SiLU or a GELU (exact or tanh) by its linear children (SiLU
+    clamped as DeepSeek-V4's: `_clamp_options`, added to the options), else why not. Every
+    assignment of the children to the roles that the shapes allow is run in float64 against the
+    module's own forward (random input at each of PROBE_SCALES, its own weights)."""
     activation, act = _activation(module)
     if activation is None and act is not None:
         return f"{type(getattr(module, act)).__name__} activation"
@@ -162,9 +192,9 @@ def mlp_options(module: nn.Module) -> tuple[str, dict] | str:
         return "its weights are on the meta device"
     first = next(iter(linears.values()))
     x = torch.randn(2, 3, first.in_features, generator=_generator(), dtype=torch.float64)
-    x = x.to(first.weight.device)
+    inputs = [scale * x.to(first.weight.device) for scale in PROBE_SCALES]
     try:
-        expected = _float64_call(module, x)
+        expected = [_float64_call(module, t) for t in inputs]
     except Exception as error:  # noqa: BLE001
         return f"its forward failed on one tensor ({type(error).__name__})"
     weights = {n: (c.weight.detach().double(), _bias(c)) for n, c in linears.items()}
@@ -182,38 +212,30 @@ def mlp_options(module: nn.Module) -> tuple[str, dict] | str:
             for gate_first in (True, False):
                 candidates.append(("packed_mlp", dict(gate_up=gate_up, down=down,
                                                       gate_first=gate_first)))  # fmt: skip
+
+    def run(kind, roles, activation, options, t):
+        if kind == "mlp":
+            pair = apply(roles["gate"], t), apply(roles["up"], t)
+        else:
+            first_half, second = apply(roles["gate_up"], t).chunk(2, dim=-1)
+            pair = (first_half, second) if roles["gate_first"] else (second, first_half)
+        return apply(roles["down"], _reference_gated(*pair, activation, **options))
+
+    clamps = _clamp_options(module)
     for (kind, roles), activation in itertools.product(candidates, activations):
-        try:
-            with torch.no_grad():
-                if kind == "mlp":
-                    inner = _reference_gated(
-                        apply(roles["gate"], x), apply(roles["up"], x), activation
-                    )
-                else:
-                    first_half, second = apply(roles["gate_up"], x).chunk(2, dim=-1)
-                    pair = (first_half, second) if roles["gate_first"] else (second, first_half)
-                    inner = _reference_gated(*pair, activation)
-                ours = apply(roles["down"], inner)
-        except RuntimeError:  # shapes that do not chain
-            continue
-        if ours.shape == expected.shape and _relative(ours, expected) <= EXACT:
-            return kind, dict(roles, activation=activation)
-    return "not down(act(gate(x)) * up(x)) of its linear layers"
+        for options in clamps if activation == "silu" else [{}]:
+            try:
+                with torch.no_grad():
+                    ours = [run(kind, roles, activation, options, t) for t in inputs]
+            except RuntimeError:  # shapes that do not chain
+                break
+            if all(a.shape == b.shape and _relative(a, b) <= EXACT for a, b in zip(ours, expected)):
+                return kind, dict(roles, activation=activation, **options)
+    return "not down(act(gate(x)) * up(x)) of its linear layers (or clamped where fastlm cannot)"
 
 
 def _bias(linear: nn.Linear) -> torch.Tensor | None:
     return None if linear.bias is None else linear.bias.detach().double()
-
-
-#: Where experts keep their clamped SwiGLU's numbers (gpt-oss: alpha 1.702, limit 7).
-LIMIT_NAMES, ALPHA_NAMES = ("limit", "swiglu_limit"), ("alpha", "swiglu_alpha")
-
-
-def _numbers(module: nn.Module, names: tuple[str, ...]) -> list[float]:
-    """The real numbers the module holds under `names`, in order, without repeats."""
-    values = [getattr(module, n, None) for n in names]
-    numbers = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    return list(dict.fromkeys(numbers))
 
 
 def _gate_candidates(module: nn.Module) -> list[dict]:
@@ -222,13 +244,7 @@ def _gate_candidates(module: nn.Module) -> list[dict]:
     limit) gpt-oss's clamped SwiGLU in both layouts, with and without the offset of up."""
     activation, _ = _activation(module)
     candidates = [] if activation is None else [dict(activation=activation, interleaved=False)]
-    for limit, alpha, interleaved, up_offset in itertools.product(
-        _numbers(module, LIMIT_NAMES),
-        [*_numbers(module, ALPHA_NAMES), 1.0],
-        (True, False),
-        (1.0, 0.0),
-    ):
-        options = dict(alpha=alpha, limit=limit, up_offset=up_offset)
+    for options, interleaved in itertools.product(_clamp_options(module)[1:], (True, False)):
         candidates.append(dict(activation="silu", interleaved=interleaved, **options))
     return candidates
 
@@ -243,22 +259,26 @@ def experts_gate_options(module: nn.Module) -> dict | str:
     """Options for `forwards.experts_gate` if the experts' `_apply_gate` (transformers' experts
     call it on the (S, 2 I) gate/up projections, between their two GEMMs) is one of
     `_gate_candidates`, else why not. Each runs in float64 against the module's own, on values
-    up to twice its limit, so that the clamp's side of each projection is told apart."""
+    up to twice its limit (so that the clamp's side of each projection is told apart) and at
+    PROBE_SCALES beyond that."""
     candidates = _gate_candidates(module)
     if not candidates:
         return "their activation is none fastlm has (SiLU, GELU), and they hold no clamp limit"
     scale = 2 * max([1.0, *_numbers(module, LIMIT_NAMES)])
     gate_up = scale * torch.randn(7, 2 * 5, generator=_generator(), dtype=torch.float64)
+    inputs = [s * gate_up for s in PROBE_SCALES]
     try:
         with torch.no_grad():
-            expected = type(module)._apply_gate(module, gate_up)
+            expected = [type(module)._apply_gate(module, t) for t in inputs]
     except Exception as error:  # noqa: BLE001
         return f"their gate failed on one tensor ({type(error).__name__})"
     for options in candidates:
-        ours = _reference_gate(gate_up, **options)
-        if torch.is_tensor(expected) and expected.shape == ours.shape:
-            if _relative(ours, expected) <= EXACT:
-                return options
+        ours = [_reference_gate(t, **options) for t in inputs]
+        if all(
+            torch.is_tensor(b) and a.shape == b.shape and _relative(a, b) <= EXACT
+            for a, b in zip(ours, expected)
+        ):
+            return options
     return "their gate is neither act(gate) * up nor gpt-oss's clamped SwiGLU of the projection"
 
 
