@@ -121,15 +121,27 @@ def _options_terms(gate, up, alpha, limit, up_offset, CLAMP: tl.constexpr):
 
 
 @triton.jit
-def _load_pairs(X, rows, start, M, N, stride_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The fp32 (gate, up) tiles of columns [start, start + BLOCK_N) of an interleaved gate_up
-    (gate of column c at 2c, up at 2c + 1): one contiguous load, vectorised as a load with a
-    column stride of 2 is not (2 bytes at a time), then split; Triton moves the halves to the
-    output's layout through shared memory (the compile report: 4 KB and 3 barriers at bf16)."""
-    pair_cols = 2 * start + tl.arange(0, 2 * BLOCK_N)
-    mask = (rows < M)[:, None] & (pair_cols < 2 * N)[None, :]
-    pairs = tl.load(X + rows[:, None] * stride_m + pair_cols[None, :], mask=mask, other=0.0)
-    return tl.split(tl.reshape(pairs.to(tl.float32), [BLOCK_M, BLOCK_N, 2]))
+def _load_gate_up(
+    G, U, rows, start, M, N, stride_gm, stride_um,  #
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERLEAVED: tl.constexpr
+):
+    """The fp32 (gate, up) tiles of columns [start, start + BLOCK_N): from G and U, or with
+    INTERLEAVED from G alone, an interleaved gate_up (gate of column c at 2c, up at 2c + 1) read
+    in one contiguous load, vectorised as a load with a column stride of 2 is not (2 bytes at a
+    time), then split; Triton moves the halves to the output's layout through shared memory (the
+    compile report: 4 KB and 3 barriers at bf16)."""
+    if INTERLEAVED:
+        pair_cols = 2 * start + tl.arange(0, 2 * BLOCK_N)
+        mask = (rows < M)[:, None] & (pair_cols < 2 * N)[None, :]
+        pairs = tl.load(G + rows[:, None] * stride_gm + pair_cols[None, :], mask=mask, other=0.0)
+        gate, up = tl.split(tl.reshape(pairs.to(tl.float32), [BLOCK_M, BLOCK_N, 2]))
+    else:
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        gate = tl.load(G + rows[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0)
+        up = tl.load(U + rows[:, None] * stride_um + cols[None, :], mask=mask, other=0.0)
+        gate, up = gate.to(tl.float32), up.to(tl.float32)
+    return gate, up
 
 
 @triton.jit
@@ -137,7 +149,8 @@ def _store_pairs(
     X, gate, up, rows, start, M, N, stride_m,  #
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BF16_BY_HAND: tl.constexpr
 ):
-    """`_load_pairs`' inverse: the tiles joined in registers and stored interleaved at once."""
+    """The inverse of `_load_gate_up`'s INTERLEAVED load: the tiles joined and stored
+    interleaved at once."""
     pair_cols = 2 * start + tl.arange(0, 2 * BLOCK_N)
     mask = (rows < M)[:, None] & (pair_cols < 2 * N)[None, :]
     pairs = tl.reshape(tl.join(gate, up), [BLOCK_M, 2 * BLOCK_N])
@@ -161,12 +174,9 @@ def _swiglu_fwd_kernel(
     start = tl.program_id(1) * BLOCK_N
     cols = start + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
-    if INTERLEAVED:
-        gate, up = _load_pairs(G, rows, start, M, N, stride_gm, BLOCK_M, BLOCK_N)
-    else:
-        gate = tl.load(G + rows[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0)
-        up = tl.load(U + rows[:, None] * stride_um + cols[None, :], mask=mask, other=0.0)
-        gate, up = gate.to(tl.float32), up.to(tl.float32)
+    gate, up = _load_gate_up(
+        G, U, rows, start, M, N, stride_gm, stride_um, BLOCK_M, BLOCK_N, INTERLEAVED
+    )
     if ACTIVATION == 0:
         y = gate * tl.sigmoid(gate) * up
     elif ACTIVATION == 3:
@@ -197,12 +207,9 @@ def _swiglu_bwd_kernel(
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     dy = tl.load(DY + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0)
     dy = dy.to(tl.float32)
-    if INTERLEAVED:
-        gate, up = _load_pairs(G, rows, start, M, N, stride_gm, BLOCK_M, BLOCK_N)
-    else:
-        gate = tl.load(G + rows[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0)
-        up = tl.load(U + rows[:, None] * stride_um + cols[None, :], mask=mask, other=0.0)
-        gate, up = gate.to(tl.float32), up.to(tl.float32)
+    gate, up = _load_gate_up(
+        G, U, rows, start, M, N, stride_gm, stride_um, BLOCK_M, BLOCK_N, INTERLEAVED
+    )
     if ACTIVATION == 0:
         sig = tl.sigmoid(gate)
         d_gate = dy * up * sig * (1.0 + gate * (1.0 - sig))
