@@ -13,7 +13,6 @@ import warnings
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 
@@ -22,7 +21,7 @@ from test_hf import FAMILY_CONFIGS as TEN  # noqa: E402
 
 from fastlm import hf  # noqa: E402
 from fastlm.hf import forwards, probe  # noqa: E402
-from fastlm.testing import assert_close  # noqa: E402
+from fastlm.testing import LargestTensor, assert_close  # noqa: E402
 
 VOCAB = 61
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -325,21 +324,14 @@ def test_family_patched_matches_unpatched(family):
             assert calls.calls[gate] > 0 and calls.calls[f"{gate}_backward"] > 0, calls.calls
 
 
-class _Memory(TorchDispatchMode):
+class _Memory(LargestTensor):
     """Allocation accounting of one training step: the bytes autograd saves for the backward
-    (each storage once) and the largest tensor any op makes, forward and backward."""
+    (each storage once) and, as LargestTensor, the largest tensor any op makes, forward and
+    backward."""
 
     def __init__(self):
         super().__init__()
-        self.largest = 0
         self.saved: dict[int, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()

@@ -118,23 +118,15 @@ def test_sft_trainer_logs_what_it_logs_unpatched(options, tmp_path, monkeypatch)
     data = datasets.Dataset.from_dict({"text": _texts()})
     model = _model()
     unpatched = copy.deepcopy(model)
-    logs = {}
-    calls = _Calls(monkeypatch)
-    for name, m in (("patched", fastlm.hf.patch(model)), ("unpatched", unpatched)):
+
+    def sft(m):
         trainer = _sft(m, data, tokenizer, **options)
         assert trainer.args.gradient_checkpointing
-        before = dict(calls.counts)
-        trainer.train()
-        logs[name] = [row for row in trainer.state.log_history if "loss" in row]
-        ran = {key: calls.counts[key] - before[key] for key in before}
-        if name == "patched":
-            assert ran["varlen"] > 0 and ran["sdpa"] == 0, ran
-    assert len(logs["patched"]) == len(logs["unpatched"]) == 2
-    for ours, theirs in zip(logs["patched"], logs["unpatched"]):
-        assert ours.keys() == theirs.keys()
-        assert {"loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens"} <= ours.keys()
-        for key, value in theirs.items():
-            assert ours[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (key, ours, theirs)
+        return trainer
+
+    builds = {"patched": lambda: sft(fastlm.hf.patch(model)), "unpatched": lambda: sft(unpatched)}
+    logs = _train(builds, monkeypatch)
+    _assert_same_logs(logs, {"loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens"})
 
 
 def test_a_trainer_built_before_patch_keeps_its_loss_head(tmp_path, monkeypatch):
@@ -281,25 +273,37 @@ def test_the_readme_example_runs(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------------------------
 
 
-def _train_both(trainer_class, config_class, data, tokenizer, monkeypatch):
-    """A preference trainer for two steps on the patched model and on the unpatched one (each
-    with a reference copy of itself at the start): the logged rows of each; the patched run's
+def _train(builds: dict, monkeypatch) -> dict:
+    """Each trainer of {"patched": build, "unpatched": build} built (after fastlm's attention
+    calls are counted) and trained, in that order: the logged rows of each; the patched run's
     attention ran fastlm's varlen path, never SDPA."""
-    model = _model()
-    unpatched = copy.deepcopy(model)
     calls = _Calls(monkeypatch)
     logs, ran = {}, {}
-    for name, m in (("patched", fastlm.hf.patch(model)), ("unpatched", unpatched)):
-        trainer = trainer_class(
-            model=m, ref_model=copy.deepcopy(m), args=_trl_config(config_class, max_length=32),
-            train_dataset=data, processing_class=tokenizer,
-        )  # fmt: skip
+    for name, build in builds.items():
+        trainer = build()
         before = dict(calls.counts)
         trainer.train()
         logs[name] = [row for row in trainer.state.log_history if "loss" in row]
         ran[name] = {key: calls.counts[key] - before[key] for key in before}
     assert ran["patched"]["varlen"] > 0 and ran["patched"]["sdpa"] == 0, ran
     return logs
+
+
+def _train_both(trainer_class, config_class, data, tokenizer, monkeypatch):
+    """A preference trainer for two steps on the patched model and on the unpatched one (each
+    with a reference copy of itself at the start): `_train`'s logged rows."""
+    model = _model()
+    unpatched = copy.deepcopy(model)
+
+    def preference(m):
+        return trainer_class(
+            model=m, ref_model=copy.deepcopy(m), args=_trl_config(config_class, max_length=32),
+            train_dataset=data, processing_class=tokenizer,
+        )  # fmt: skip
+
+    builds = {"patched": lambda: preference(fastlm.hf.patch(model)),
+              "unpatched": lambda: preference(unpatched)}  # fmt: skip
+    return _train(builds, monkeypatch)
 
 
 def _assert_same_logs(logs, keys):
@@ -352,15 +356,11 @@ def test_gpt_oss_trains_padding_free_under_sft(tmp_path, monkeypatch):
     data = datasets.Dataset.from_dict({"text": _texts()})
     model = tiny_model("gpt_oss", pad_token_id=0, eos_token_id=1, bos_token_id=None)
     unpatched = copy.deepcopy(model)
-    calls = _Calls(monkeypatch)
-    logs = {}
-    runs = (("patched", fastlm.hf.patch(model), True), ("unpatched", unpatched, False))
-    for name, m, padding_free in runs:
-        trainer = _sft(m, data, tokenizer, max_length=None, padding_free=padding_free)
-        before = dict(calls.counts)
-        trainer.train()
-        logs[name] = [row for row in trainer.state.log_history if "loss" in row]
-        ran = {key: calls.counts[key] - before[key] for key in before}
-        if name == "patched":
-            assert ran["varlen"] > 0 and ran["sdpa"] == 0, ran
+    builds = {
+        "patched": lambda: _sft(
+            fastlm.hf.patch(model), data, tokenizer, max_length=None, padding_free=True
+        ),
+        "unpatched": lambda: _sft(unpatched, data, tokenizer, max_length=None, padding_free=False),
+    }
+    logs = _train(builds, monkeypatch)
     _assert_same_logs(logs, {"loss", "grad_norm", "entropy", "mean_token_accuracy"})
