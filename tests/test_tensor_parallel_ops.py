@@ -37,10 +37,26 @@ class Case:
     make: Callable  # () -> inputs, drawn from the seeded generator
     placements: tuple
     grads: tuple = ()
+    # {position in grads: fn(inputs, outputs, upstreams) -> the magnitude of the terms that the
+    # gradient sums}, for a gradient that is a sum of terms of both signs which the ranks add in
+    # another order: its rounding is relative to that magnitude, not to the small sum.
+    cancelling: dict | None = None
 
 
 def _randn(*shape):
     return torch.randn(*shape, dtype=torch.float32)
+
+
+def _sink_gradient_terms(inputs, outputs, upstreams):
+    """dsink_h = -sum over the head's rows of P_sink rowsum(dO * O) (plus P_sink dlse where
+    lse gets an upstream gradient), P_sink = exp(sink_h - lse): terms of either sign, so their
+    absolute sum per head."""
+    (o, lse), sinks = outputs, inputs[3]
+    o, lse, sinks, do = (t.detach().double() for t in (o, lse, sinks, upstreams[0]))
+    terms = (o * do).sum(-1).abs()
+    if len(upstreams) > 1:
+        terms = terms + upstreams[1].double().abs()
+    return (torch.exp(sinks[None, :, None] - lse) * terms).sum((0, 2))
 
 
 def _cases() -> list[Case]:
@@ -172,6 +188,9 @@ def _cases() -> list[Case]:
             lambda: (_randn(4, 2, 9, 16), _randn(4, 1, 9, 16), _randn(4, 1, 9, 16), _randn(2)),
             ((S(0),), (S(0),), (S(0),), (R,)),
             (0, 1, 2, 3),
+            # The sinks' gradient (2 heads) sums 36 rows' terms of either sign; the two ranks'
+            # partial sums, added, fail a bound relative to the sum itself in 2 of 3,000 seeds.
+            cancelling={3: _sink_gradient_terms},
         ),
         Case(
             "flash_attention_varlen heads, sinks split with them",
@@ -252,7 +271,8 @@ def _distribute(value, placements, mesh):
 
 
 def _run(case: Case, inputs, mesh=None):
-    """(outputs, gradients) of case.fn on inputs, distributed over mesh if given."""
+    """(outputs, gradients, upstream gradients) of case.fn on inputs, distributed over mesh if
+    given (outputs and gradients read back whole)."""
     inputs = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
     if mesh is not None:
         inputs = [_distribute(t, p, mesh) for t, p in zip(inputs, case.placements)]
@@ -261,31 +281,42 @@ def _run(case: Case, inputs, mesh=None):
     outputs = case.fn(*inputs)
     outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
     generator = torch.Generator().manual_seed(1)  # the same upstream gradients on every rank
-    loss = 0
+    loss, upstreams = 0, []
     for out in outputs:
         if out.is_floating_point() and out.requires_grad:
             upstream = torch.randn(out.shape, generator=generator)
+            upstreams.append(upstream)
             if mesh is not None:
                 upstream = _distribute(upstream, out.placements, mesh)
             loss = loss + (out * upstream).sum()
     loss.backward()
     whole = [o.full_tensor() if mesh is not None else o for o in outputs]
     grads = [inputs[i].grad for i in case.grads]
-    return whole, [g.full_tensor() if mesh is not None else g for g in grads]
+    return whole, [g.full_tensor() if mesh is not None else g for g in grads], upstreams
 
 
 def _check_case(case: Case, mesh) -> None:
     inputs = case.make()
-    outputs, grads = _run(case, inputs)
-    d_outputs, d_grads = _run(case, inputs, mesh)
+    outputs, grads, upstreams = _run(case, inputs)
+    d_outputs, d_grads, _ = _run(case, inputs, mesh)
+    magnitudes = {
+        len(outputs) + position: terms(inputs, outputs, upstreams)
+        for position, terms in (case.cancelling or {}).items()
+    }
     for index, (out, ref) in enumerate(zip(d_outputs + d_grads, outputs + grads)):
         what = f"output {index}" if index < len(outputs) else f"grad {index - len(outputs)}"
         assert out.shape == ref.shape and out.dtype == ref.dtype, (case.name, what, out.shape)
-        if out.is_floating_point():
-            error = relative_error(out, ref)
-            assert error <= FP32_BOUND, f"{case.name}, {what}: relative error {error:.2e}"
-        else:
+        if not out.is_floating_point():
             assert torch.equal(out, ref), (case.name, what)
+            continue
+        if index in magnitudes:
+            error = float(
+                torch.linalg.vector_norm(out.double() - ref.double())
+                / torch.linalg.vector_norm(magnitudes[index])
+            )
+        else:
+            error = relative_error(out, ref)
+        assert error <= FP32_BOUND, f"{case.name}, {what}: relative error {error:.2e}"
 
 
 def _check_refusals(mesh) -> None:
