@@ -43,9 +43,9 @@ import torch.distributed as dist
 from fastlm.backend import use_triton
 from fastlm.kernels._common import empty, empty_like
 from fastlm.kernels.attention import flash_attention, flash_attention_ref
-from fastlm.kernels.attention.launch import check_kernel_head_dim
 from fastlm.kernels.attention.ops import (
     check_inputs,
+    check_kernel_head_dims,
     check_options,
     flash_attention_op,
     natural_lse,
@@ -294,12 +294,18 @@ class ExchangePlan:
         return len(self.sends) * self.chunk
 
     def exchange_bytes(
-        self, batch: int, kv_heads: int, head_dim: int, element_size: int
+        self,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        element_size: int,
+        value_head_dim: int | None = None,
     ) -> dict[str, int]:
         """What one layer's exchange costs this rank, in bytes: docs/distributed.md's memory model.
 
         Args:
             batch, kv_heads, head_dim: of k and v; element_size: their dtype's bytes.
+            value_head_dim: v's head dim when it differs from k's (default None: head_dim).
 
         Returns:
             forward_buffers: the K/V span buffers (freed when the forward returns);
@@ -309,7 +315,8 @@ class ExchangePlan:
             forward_sent, forward_received, backward_sent, backward_received: the traffic (the
             backward sends K/V again and returns each received chunk's fp32 gradient).
         """
-        token = 2 * batch * kv_heads * head_dim  # K and V elements of one token
+        value_head_dim = head_dim if value_head_dim is None else value_head_dim
+        token = batch * kv_heads * (head_dim + value_head_dim)  # K and V elements of one token
         own = 2 * self.chunk
         cast = own * element_size if element_size != 4 else 0
         return dict(
@@ -344,11 +351,12 @@ def _rows(k: torch.Tensor) -> torch.Tensor:
 
 
 def _exchange_kv(k, v, plan: ExchangePlan, group) -> list[torch.Tensor]:
-    """The span buffers (tokens, 2, B, Hkv, D) of K and V, own chunks copied in and the others'
+    """The span buffers (tokens, B, Hkv, D + Dv) of K and V side by side along the last dim (k's
+    head dim D, then v's Dv, which may differ: `_split`), own chunks copied in and the others'
     received from their owners; a chunk's rows are contiguous, so each travels as one message."""
     B, Hkv, _, D = k.shape
     c = plan.chunk
-    shapes = [((hi - lo + 1) * c, 2, B, Hkv, D) for lo, hi in plan.spans]
+    shapes = [((hi - lo + 1) * c, B, Hkv, D + v.shape[-1]) for lo, hi in plan.spans]
     spans = [empty(shape, device=k.device, dtype=k.dtype) for shape in shapes]
 
     def slot(chunk: int) -> torch.Tensor:
@@ -358,8 +366,8 @@ def _exchange_kv(k, v, plan: ExchangePlan, group) -> list[torch.Tensor]:
     own = (plan.rank, 2 * plan.world_size - 1 - plan.rank)
     for half, chunk in enumerate(own):
         rows = slot(chunk)
-        rows[:, 0].copy_(_rows(k[:, :, half * c : (half + 1) * c]))
-        rows[:, 1].copy_(_rows(v[:, :, half * c : (half + 1) * c]))
+        rows[..., :D].copy_(_rows(k[:, :, half * c : (half + 1) * c]))
+        rows[..., D:].copy_(_rows(v[:, :, half * c : (half + 1) * c]))
     _run_p2p(
         [(slot(chunk), dst) for chunk, _, dst in plan.sends],
         [(slot(chunk), src) for chunk, src in plan.receives],
@@ -368,12 +376,17 @@ def _exchange_kv(k, v, plan: ExchangePlan, group) -> list[torch.Tensor]:
     return spans
 
 
-def _key_views(spans, plan: ExchangePlan, half: int):
-    """k, v (B, Hkv, keys, D) views of the span rows query chunk `half` reads."""
+def _split(rows: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k (B, Hkv, tokens, D) and v (B, Hkv, tokens, Dv) views of span rows (tokens, B, Hkv,
+    D + Dv), D = head_dim: K/V or their gradients."""
+    return rows[..., :head_dim].permute(1, 2, 0, 3), rows[..., head_dim:].permute(1, 2, 0, 3)
+
+
+def _key_views(spans, plan: ExchangePlan, half: int, head_dim: int):
+    """k, v views (`_split`) of the span rows query chunk `half` reads."""
     lo, hi = plan.ranges[half]
     index, row = plan.slot(lo)
-    rows = spans[index][row : row + (hi - lo + 1) * plan.chunk]
-    return rows[:, 0].permute(1, 2, 0, 3), rows[:, 1].permute(1, 2, 0, 3)
+    return _split(spans[index][row : row + (hi - lo + 1) * plan.chunk], head_dim)
 
 
 class _Kernels:
@@ -432,12 +445,12 @@ class _ContextParallelAttention(torch.autograd.Function):
         B, Hq, T, D = q.shape
         c = plan.chunk
         spans = _exchange_kv(k, v, plan, group)
-        # (B, T, H, D) memory, as the model reads it
-        o = empty((B, T, Hq, D), device=q.device, dtype=q.dtype).transpose(1, 2)
+        # (B, T, H, Dv) memory, as the model reads it; v's head dim
+        o = empty((B, T, Hq, v.shape[-1]), device=q.device, dtype=q.dtype).transpose(1, 2)
         stats = []
         for half in range(2):
             rows = slice(half * c, (half + 1) * c)
-            o_half, stat = attend.forward(q[:, :, rows], *_key_views(spans, plan, half))
+            o_half, stat = attend.forward(q[:, :, rows], *_key_views(spans, plan, half, D))
             o[:, :, rows] = o_half
             stats.append(stat.contiguous())
         del spans  # the exchanged K/V live for this call only
@@ -475,8 +488,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         for buffer, chunk, _ in returned:
             slot(chunk).add_(buffer)
         own = (plan.rank, 2 * plan.world_size - 1 - plan.rank)
-        dkv = torch.cat([slot(chunk) for chunk in own]).to(k.dtype)  # (T, 2, B, Hkv, D)
-        dk, dv = (dkv[:, i].permute(1, 2, 0, 3) for i in range(2))
+        dk, dv = _split(torch.cat([slot(chunk) for chunk in own]).to(k.dtype), k.shape[-1])
         return dq, dk, dv, None, None, None
 
 
@@ -492,16 +504,16 @@ def _local_backward(attend, do, q, k, v, o, stats, plan: ExchangePlan, group):
         dq_half, dk, dv = attend.backward(
             do[:, :, rows],
             q[:, :, rows],
-            *_key_views(spans, plan, half),
+            *_key_views(spans, plan, half, k.shape[-1]),
             o[:, :, rows],
             stats[half],
         )
         dq[:, :, rows] = dq_half
         lo, hi = plan.ranges[half]
         index, row = plan.slot(lo)
-        target = grads[index][row : row + (hi - lo + 1) * c]
-        target[:, 0] += _rows(dk)
-        target[:, 1] += _rows(dv)
+        target_k, target_v = _split(grads[index][row : row + (hi - lo + 1) * c], k.shape[-1])
+        target_k += dk
+        target_v += dv
     return dq, grads
 
 
@@ -583,9 +595,10 @@ def context_parallel_attention(
     single-process attention over the whole sequence would give them.
 
     Args:
-        q: (B, Hq, T, D), this rank's T = N / P queries; k, v: (B, Hkv, T, D), its keys and
-            values (Hq a multiple of Hkv; grouped heads are exchanged as they are). Any strides.
-            Every rank passes the same shapes.
+        q: (B, Hq, T, D), this rank's T = N / P queries; k: (B, Hkv, T, D) and v: (B, Hkv, T,
+            Dv), its keys and values (Hq a multiple of Hkv; grouped heads are exchanged as they
+            are; v's head dim Dv may differ from D, as in `flash_attention`). Any strides. Every
+            rank passes the same shapes.
         group: the context-parallel ProcessGroup, a DeviceMesh (1-D or with a "context"
             dimension), or None for the default group. A group of one rank is plain
             `flash_attention`.
@@ -597,7 +610,7 @@ def context_parallel_attention(
         return_lse: also return the natural log-sum-exp (B, Hq, T) fp32 of each query.
 
     Returns:
-        o (B, Hq, T, D) in q's dtype and in (B, T, Hq, D) memory, differentiable in q, k and v
+        o (B, Hq, T, Dv) in q's dtype and in (B, T, Hq, Dv) memory, differentiable in q, k and v
         (the backward exchanges with the group too, so every rank must run it); with return_lse
         (o, lse). Packed documents (cu_seqlens) are not supported.
 
@@ -645,7 +658,7 @@ def context_parallel_attention(
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     options = (causal, scale, *window, softcap, bool(allow_tf32), bool(deterministic))
     if use_triton(q):
-        check_kernel_head_dim(q.shape[-1])
+        check_kernel_head_dims(q, v)
         attend = _Kernels(options)
     else:
         attend = _Torch(options)

@@ -10,6 +10,9 @@ A numeric option (a softcap, an epsilon, a window side, a sampling setting) is a
 - inside its range, `OPTIONS[name]`: otherwise a ValueError naming the option and the range.
 
 Nothing is clamped or replaced. Some options also take None ("not set"), said per function.
+A tensor option (attention `sinks`, one value per head) has its range here too, for each element
+as float32 holds it (the dtype the kernels compute in: a float64 1e300 is inf there), and its own
+checker beside its function (`fastlm.kernels.attention.ops.check_sinks`).
 Each public function calls `check(name, value)` for each of its numeric options before anything
 else, on both backends, and the ops (`torch.ops.fastlm.*`) check their float arguments the same
 way, so a value that the public function refuses is refused there too. `docs/options.md` is the
@@ -38,6 +41,9 @@ WINDOW_MAX = 2**30
 #: above any use, and low enough that the values it scales stay inside float32's range (and a
 #: cap's x / c above its smallest normal, which a GPU may flush to 0).
 BIG = 1e6
+#: The largest attention sink: the attention kernels hold scores and sinks in base 2 (x * log2(e))
+#: in float32, so a larger sink (float32 holds up to 3.4e38) would be inf there.
+SINK_MAX = FLOAT32_MAX * math.log(2)
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,8 @@ class Range:
         def bound(x):
             names = {FLOAT32_MAX: "3.4e38", -FLOAT32_MAX: "-3.4e38", INT32_MAX: "2**31 - 1",
                      WINDOW_MAX: "2**30", BIG: "1e6", -BIG: "-1e6",
-                     INT64_MAX: "2**63 - 1", INT64_MIN: "-2**63"}  # fmt: skip
+                     INT64_MAX: "2**63 - 1", INT64_MIN: "-2**63",
+                     SINK_MAX: "3.4e38 * ln 2", -SINK_MAX: "-3.4e38 * ln 2"}  # fmt: skip
             return names.get(x, f"{x:g}")
 
         kind = "a finite number" if self.kind is float else "an int"
@@ -92,6 +99,8 @@ OPTIONS: dict[str, Range] = {
     "num_kv_heads": _int(1, meaning="None: as many as query heads"),
     "vocab_size": _int(1, INT64_MAX, meaning="None: the model's"),
     "max_new_tokens": _int(0, INT64_MAX, meaning="0 draws nothing"),
+    # A tensor, each element as float32 holds it; -inf (no sink for that head) is allowed too.
+    "sinks": _real(-SINK_MAX, SINK_MAX, meaning="-inf: no sink for that head"),
 }
 #: Other spellings of the same option (a model's `norm_eps` is its norms' eps).
 ALIASES = {"norm_eps": "eps", "rope_theta": "theta", "max_seqlen_q": "max_seqlen",

@@ -10,7 +10,8 @@ mesh) as `(output placements, input placements)`, None for non-tensor arguments:
   RoPE's batch, heads and tokens with the positions sharded alike, attention's batch and heads);
   elementwise ops (SwiGLU, GeGLU) on any dim, the last included;
 - heads: attention and RoPE shard q by query heads and k, v by KV heads (GQA: every query head
-  finds its KV head on its own rank when both counts divide the mesh), rejected otherwise;
+  finds its KV head on its own rank when both counts divide the ranks of the mesh dims they are
+  split over: on a (data x tensor) mesh, the tensor dim's), rejected otherwise;
 - weights: a `Replicate` weight (RMSNorm's gain, the LM head in fused linear cross-entropy) whose
   inputs are sharded by rows gets a `Partial` gradient: the sum of the ranks' partial sums, which
   DTensor reduces when it is read (`full_tensor`, `redistribute`, the optimizer), never dropped;
@@ -20,8 +21,8 @@ mesh) as `(output placements, input placements)`, None for non-tensor arguments:
   become row-sharded ones) or one that would silently cost a gather of what the op is meant to
   keep sharded, or be wrong: the dim an op reduces over (a norm's features, a head's dims, a
   vocabulary, packed [gate | up] halves), keys sharded by sequence, causal queries sharded by
-  sequence, heads that do not divide the mesh. Those raise ValueError naming the op, the argument
-  and the placement, and what to use instead.
+  sequence, heads that do not divide the mesh dims they are split over. Those raise ValueError
+  naming the op, the argument and the placement, and what to use instead.
 
 Mean losses (`fastlm::cross_entropy`, `fastlm::cross_entropy_`, `fastlm::linear_cross_entropy`)
 run replicated only: a rank's mean over its rows is not a share of the global mean. Their
@@ -33,6 +34,9 @@ Registered when fastlm is imported, where torch.distributed exists (`register`).
 """
 
 from __future__ import annotations
+
+import itertools
+import math
 
 import torch
 import torch.distributed as dist
@@ -69,8 +73,26 @@ def _refuse(op: str, name: str, spec, dims, why: str) -> None:
             )
 
 
-def _mesh_size(spec) -> int:
-    return spec.mesh.size()
+def _splits_evenly(spec, *counts: int) -> bool:
+    """Whether a dim of `counts[i]` entries (for each i) splits evenly over every set of `spec`'s
+    mesh dims DTensor may shard it over. A rule lists strategies for one mesh dim and DTensor
+    combines them over all of them, so a dim may be sharded over any set of mesh dims; DTensor
+    itself drops only the sets with more ranks than entries (uneven splits it takes). On a
+    (data 2 x tensor 2) mesh, 2 heads split over either dim alone, never over both."""
+    sizes = spec.mesh.shape
+    for n in range(1, len(sizes) + 1):
+        for dims in itertools.combinations(sizes, n):
+            ranks = math.prod(dims)
+            if ranks <= min(counts) and any(count % ranks for count in counts):
+                return False
+    return True
+
+
+def _shard_ranks(spec, dim: int) -> int:
+    """Into how many pieces `spec` is sharded along its dim `dim` (1: not sharded there)."""
+    sizes = spec.mesh.shape
+    on_dim = [sizes[i] for i, p in enumerate(spec.placements) if p.is_shard(dim % spec.ndim)]
+    return math.prod(on_dim)
 
 
 def _replicated(n_out: int, inputs) -> tuple[list, list]:
@@ -198,22 +220,24 @@ def _rope_rules():
 
 
 def _check_heads(op: str, q, k, head_dim: int) -> bool:
-    """Whether q and k can be sharded by heads over the whole mesh: both head counts divide it
-    (then each rank's query heads share the KV heads it holds). ValueError if one already is
-    sharded by heads while they do not."""
-    size = _mesh_size(q)
-    fits = q.shape[head_dim] % size == 0 and k.shape[head_dim] % size == 0
-    if not fits:
-        for name, spec in (("q", q), ("k", k)):
+    """Whether q and k can be sharded by heads: both head counts split evenly over every set of
+    mesh dims DTensor may shard them over (`_splits_evenly`; then each rank's query heads share
+    the KV heads it holds). On a (data x tensor) mesh that is the tensor dim's ranks (and the
+    data dim's), not the whole mesh's. ValueError if q or k already is sharded by heads into a
+    number of pieces that does not divide both counts."""
+    heads = q.shape[head_dim], k.shape[head_dim]
+    for name, spec in (("q", q), ("k", k)):
+        ranks = _shard_ranks(spec, head_dim)
+        if any(count % ranks for count in heads):
             _refuse(
                 op,
                 name,
                 spec,
                 [head_dim],
-                f"{q.shape[head_dim]} query and {k.shape[head_dim]} KV heads do not both divide "
-                f"the mesh's {size} ranks, so a rank's query heads would miss their KV heads",
+                f"{heads[0]} query and {heads[1]} KV heads do not both divide the {ranks} ranks "
+                f"{name} splits them over, so a rank's query heads would miss their KV heads",
             )
-    return fits
+    return _splits_evenly(q, *heads)
 
 
 def _attention_rules():
@@ -339,9 +363,9 @@ def _attention_rules():
 
 def _row_dims(x) -> bool:
     """Whether x (..., C)'s rows may be sharded: the ops flatten the leading dims to rows, so a
-    Shard(0) of x is a Shard(0) of its rows only when dim 0 divides evenly over the mesh (or x is
-    2-D)."""
-    return x.ndim == 2 or x.shape[0] % _mesh_size(x) == 0
+    Shard(0) of x is a Shard(0) of its rows only when dim 0 splits evenly over the mesh dims it is
+    sharded over (`_splits_evenly`), or x is 2-D."""
+    return x.ndim == 2 or _splits_evenly(x, x.shape[0])
 
 
 def _loss_rules():

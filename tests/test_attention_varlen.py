@@ -245,7 +245,7 @@ BAD_VARLEN = [
     (dict(v=torch.randn(8, 1, 16)), ValueError, "v has shape"),
     (dict(v=torch.randn(8, 2, 12)), ValueError, "v has head dim 12"),
     (dict(sinks=torch.zeros(8)), ValueError, "sinks must have shape \\(Hq,\\) = \\(2,\\)"),
-    (dict(sinks=torch.tensor([0.0, math.nan])), ValueError, "sinks must hold no NaN"),
+    (dict(sinks=torch.tensor([0.0, math.nan])), ValueError, "each element of sinks, as float32"),
     (dict(causal=1), TypeError, "causal must be a bool"),
     (dict(window_size=(4, 2)), ValueError, "window_size\\[1\\] is 2, but with causal=True"),
     (dict(softcap=-1.0), ValueError, r"softcap must be a finite number in \[0, 1e6\]"),

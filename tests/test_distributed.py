@@ -84,6 +84,7 @@ class Case:
     Hkv: int = 2
     chunk: int = 5  # tokens per chunk: the sequence is 2 * world_size chunks
     D: int = 16
+    Dv: int | None = None  # v's head dim (None: D)
     causal: bool = True
     left: int = -1  # the window's left side
     softcap: float = 0.0
@@ -96,10 +97,11 @@ TORCH_CASES = [
     Case("torch", Hq=4, Hkv=2, left=12, softcap=5.0),  # a window over several chunks, capped
     Case("torch", left=0),  # each query sees itself: nothing exchanged
     Case("torch", Hq=4, Hkv=2, causal=False),  # every query sees every key
+    Case("torch", Hq=4, Hkv=2, Dv=8),  # v's head dim of its own (MLA)
 ]
 # The kernels through the interpreter: a few seconds each, so one per group size.
 KERNEL_CASES = {
-    2: Case("triton", B=1, Hq=2, Hkv=1, chunk=6, left=8, softcap=3.0),
+    2: Case("triton", B=1, Hq=2, Hkv=1, chunk=6, Dv=8, left=8, softcap=3.0),
     4: Case("triton", B=1, Hq=4, Hkv=2, chunk=7),
 }
 
@@ -122,8 +124,9 @@ def _attention_problem(case: Case, world_size: int, seed: int):
     o, lse, dq, dk, dv), computed once in the parent."""
     generator = torch.Generator().manual_seed(seed)
     N = 2 * world_size * case.chunk
-    q, do = (torch.randn(case.B, case.Hq, N, case.D, generator=generator) for _ in range(2))
-    k, v = (torch.randn(case.B, case.Hkv, N, case.D, generator=generator) for _ in range(2))
+    Dv = case.Dv or case.D
+    q, k = (torch.randn(case.B, H, N, case.D, generator=generator) for H in (case.Hq, case.Hkv))
+    v, do = (torch.randn(case.B, H, N, Dv, generator=generator) for H in (case.Hkv, case.Hq))
     options = dict(window_size=(case.left, -1 if case.causal else case.left))
     options = dict(options, causal=case.causal, softcap=case.softcap, return_lse=True)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -264,7 +267,7 @@ def _mesh_check(rank, world_size, model, batches, expected):
 
 
 class _ExchangeRecorder(TorchDispatchMode):
-    """Bytes of the new tensors shaped like the exchange's buffers, (tokens, 2, B, Hkv, D).
+    """Bytes of the new tensors shaped like the exchange's buffers, (tokens, B, Hkv, D + Dv).
     tests/test_attention.py's _AllocationRecorder keys storages by address, which the allocator
     reuses once a buffer is freed (the forward's spans before the backward's): here every
     allocation counts."""
@@ -277,7 +280,7 @@ class _ExchangeRecorder(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if _is(t)}
         for t in tree_leaves(out):
-            if _is(t) and t.dim() == 5 and tuple(t.shape[1:]) == self.tail:
+            if _is(t) and tuple(t.shape[1:]) == self.tail:
                 if t.untyped_storage().data_ptr() not in inputs:  # not a view or in-place
                     self.bytes += t.untyped_storage().nbytes()
         return out
@@ -287,7 +290,7 @@ def _is(t) -> bool:
     return isinstance(t, torch.Tensor)
 
 
-def _memory_check(rank, world_size, seed, dtype, left: int):
+def _memory_check(rank, world_size, seed, dtype, left: int, Dv: int):
     """What one layer's attention keeps for the backward is the shard's q, k, v, o and lse, so
     it shrinks as 1 / P; the exchange's buffers and traffic are ExchangePlan.exchange_bytes."""
     os.environ["FASTLM_BACKEND"] = "torch"  # the exchange is the same on both backends
@@ -295,7 +298,8 @@ def _memory_check(rank, world_size, seed, dtype, left: int):
     torch.manual_seed(seed)
     T = N // world_size
     q = torch.randn(B, Hq, T, D, dtype=dtype, requires_grad=True)
-    k, v = (torch.randn(B, Hkv, T, D, dtype=dtype, requires_grad=True) for _ in range(2))
+    k = torch.randn(B, Hkv, T, D, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, Hkv, T, Dv, dtype=dtype, requires_grad=True)
     traffic = Counter()
     send_and_receive = dist.batch_isend_irecv
 
@@ -305,7 +309,7 @@ def _memory_check(rank, world_size, seed, dtype, left: int):
         return send_and_receive(ops)
 
     saved = []
-    recorder = _ExchangeRecorder((2, B, Hkv, D))
+    recorder = _ExchangeRecorder((B, Hkv, D + Dv))
     dist.batch_isend_irecv = counting
     try:
         with recorder, saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
@@ -317,8 +321,10 @@ def _memory_check(rank, world_size, seed, dtype, left: int):
     finally:
         dist.batch_isend_irecv = send_and_receive
     e = dtype.itemsize
-    assert sum(t.nbytes for t in saved) == B * T * (Hq + 2 * Hkv) * D * e + B * T * Hq * (D * e + 4)
-    expected = ExchangePlan.build(N, world_size, rank, True, left).exchange_bytes(B, Hkv, D, e)
+    kept = B * T * ((Hq + Hkv) * (D + Dv) * e + Hq * 4)  # q, k, v, o and the fp32 lse
+    assert sum(t.nbytes for t in saved) == kept
+    plan = ExchangePlan.build(N, world_size, rank, True, left)
+    expected = plan.exchange_bytes(B, Hkv, D, e, value_head_dim=Dv)
     measured = dict(
         forward_buffers=forward,
         backward_buffers=recorder.bytes,
@@ -343,8 +349,12 @@ def _worker(rank, world_size, seed, attention, models, mesh):
     if mesh is not None:
         _mesh_check(rank, world_size, *mesh)
     _errors_check(rank, world_size)
-    for dtype, left in ((torch.float32, -1), (torch.bfloat16, -1), (torch.float32, 5)):
-        _memory_check(rank, world_size, seed, dtype, left)
+    for dtype, left, Dv in (
+        (torch.float32, -1, 8),
+        (torch.bfloat16, -1, 8),
+        (torch.float32, 5, 16),
+    ):
+        _memory_check(rank, world_size, seed, dtype, left, Dv)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

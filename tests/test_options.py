@@ -34,7 +34,7 @@ import fastlm.kernels
 from fastlm.config import ModelConfig
 from fastlm.kernels.attention import flash_attention_ref
 from fastlm.kernels.rope import rope_tables
-from fastlm.options import ALIASES, FLOAT32_MAX, OPTIONS, WINDOW_MAX, check
+from fastlm.options import ALIASES, FLOAT32_MAX, OPTIONS, SINK_MAX, WINDOW_MAX, check
 from fastlm.testing import assert_close
 
 
@@ -607,8 +607,10 @@ def test_option(entry: Entry, backend: str, monkeypatch):
 
 # Tensor options: one value per head, so the rule is applied to each element (and the tensor's
 # type, dtype and shape). `sinks` (attention sinks, one logit per query head): -inf is "no sink"
-# (the plain result, tested bit for bit in test_attention), any finite logit runs, nan and +inf
-# are refused; a number where a tensor belongs, an integer tensor or another shape too.
+# (the plain result, tested bit for bit in test_attention), any logit up to SINK_MAX in magnitude
+# as float32 holds it runs; nan, +inf and what float32 or the kernels' base 2 cannot hold (an fp32
+# 2.5e38, a float64 1e300) are refused; a number where a tensor belongs, an integer tensor or
+# another shape too.
 TENSOR_OPTIONS = [
     ("flash_attention", flash_attention),
     ("flash_attention_varlen", flash_attention_varlen),
@@ -619,13 +621,17 @@ TENSOR_OPTIONS = [
 @pytest.mark.parametrize("where, run", TENSOR_OPTIONS, ids=[w for w, _ in TENSOR_OPTIONS])
 def test_sinks_follow_the_rule(where, run, backend, monkeypatch):
     monkeypatch.setenv("FASTLM_BACKEND", backend)
-    for fill in (-math.inf, -1e30, -1.0, 0.0, 1.0, 1e30):
+    largest = _largest_sink()
+    for fill in (-math.inf, -largest, -1e30, -1.0, 0.0, 1.0, 1e30, largest):
         _leaves.clear()
         for t in run(sinks=torch.full((H,), fill)):
             assert torch.isfinite(t).all(), f"{where}: sinks = {fill}: a non-finite result"
     refused = [
         (torch.full((H,), math.nan), ValueError),
         (torch.full((H,), math.inf), ValueError),
+        (torch.full((H,), 2.5e38), ValueError),  # float32, but inf in base 2
+        (torch.full((H,), -2.5e38), ValueError),
+        (torch.full((H,), 1e300, dtype=torch.float64), ValueError),  # inf in float32
         (torch.zeros(H + 1), ValueError),
         (torch.zeros(H, dtype=torch.int64), TypeError),
         (0.5, TypeError),
@@ -634,6 +640,47 @@ def test_sinks_follow_the_rule(where, run, backend, monkeypatch):
         _leaves.clear()
         with pytest.raises(error, match="sinks"):
             run(sinks=value)
+
+
+def _largest_sink() -> float:
+    """The largest sink the rule accepts: SINK_MAX rounded down to float32."""
+    largest = torch.tensor(SINK_MAX).float()
+    if largest.item() > SINK_MAX:
+        largest = torch.nextafter(largest, torch.tensor(0.0))
+    return largest.item()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_largest_sinks_are_exact(backend, monkeypatch):
+    """At the rule's bound (+-SINK_MAX as float32) the results are the exact ones, forward and
+    backward: head 0's sink outweighs every key (output 0, lse the sink, no gradient), head 1's
+    weighs nothing (the result without sinks, a gradient of 0). The ops refuse what the
+    functions refuse."""
+    monkeypatch.setenv("FASTLM_BACKEND", backend)
+    largest = _largest_sink()
+    q, k, v = (torch.randn(B, H, T, D, requires_grad=True) for _ in range(3))
+    sinks = torch.tensor([largest, -largest], requires_grad=True)
+    o, lse = fastlm.flash_attention(q, k, v, sinks=sinks, return_lse=True)
+    do = torch.randn_like(o)
+    dq, dk, dv, dsinks = torch.autograd.grad(o, (q, k, v, sinks), do)
+    qkv = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    o_ref, lse_ref = flash_attention_ref(*qkv, return_lse=True)
+    dq_ref, dk_ref, dv_ref = torch.autograd.grad(o_ref, qkv, do.double())
+    assert torch.equal(o[:, 0], torch.zeros_like(o[:, 0]))
+    assert_close(lse[:, 0], torch.full_like(lse[:, 0], largest, dtype=torch.float64), torch.float32)
+    assert_close(o[:, 1], o_ref[:, 1], torch.float32, "head 1's output")
+    assert_close(lse[:, 1], lse_ref[:, 1], torch.float32, "head 1's lse")
+    # The keys' gradients: head 0 reads none (P = 0), head 1 as without a sink.
+    assert torch.equal(dq[:, 0], torch.zeros_like(dq[:, 0]))
+    for name, out, ref in (("dq", dq, dq_ref), ("dk", dk, dk_ref), ("dv", dv, dv_ref)):
+        assert_close(out[:, 1], ref[:, 1], torch.float32, f"head 1's {name}")
+        assert torch.equal(out[:, 0], torch.zeros_like(out[:, 0])), f"head 0's {name}"
+    assert torch.equal(dsinks, torch.zeros_like(dsinks))
+    args = dict(_attention_args(), sinks=torch.full((H,), 1e300, dtype=torch.float64))
+    with pytest.raises(ValueError, match="sinks"):
+        OPS.flash_attention(**args)
+    with pytest.raises(ValueError, match="sinks"):
+        OPS.flash_attention_backward(**_attention_backward_args(), sinks=args["sinks"])
 
 
 def test_a_wide_window_is_no_window():

@@ -59,6 +59,14 @@ def _sink_gradient_terms(inputs, outputs, upstreams):
     return (torch.exp(sinks[None, :, None] - lse) * terms).sum((0, 2))
 
 
+def attention(q, k, v, causal=True, **kw):
+    return fastlm.flash_attention(q, k, v, causal, return_lse=True, **kw)
+
+
+def varlen(q, k, v, cu, sinks=None):
+    return fastlm.flash_attention_varlen(q, k, v, cu, cu, 7, 7, return_lse=True, sinks=sinks)
+
+
 def _cases() -> list[Case]:
     from torch.distributed.tensor import Replicate, Shard
 
@@ -72,12 +80,6 @@ def _cases() -> list[Case]:
 
     def rope_functional(x, cos, sin, positions):
         return torch.ops.fastlm.rope(x, cos, sin, positions, True, False)
-
-    def attention(q, k, v, causal=True, **kw):
-        return fastlm.flash_attention(q, k, v, causal, return_lse=True, **kw)
-
-    def varlen(q, k, v, cu, sinks=None):
-        return fastlm.flash_attention_varlen(q, k, v, cu, cu, 7, 7, return_lse=True, sinks=sinks)
 
     def rope_attention(qkv, cos, sin, positions):
         return fastlm.rope_attention(qkv * 1.0, cos, sin, positions, 4, 2)
@@ -395,6 +397,79 @@ def _worker(rank: int, world_size: int, seed: int) -> None:
 
 def test_ops_on_dtensors(tmp_path):
     spawn(2, tmp_path, _worker, int(torch.randint(2**31, ())))  # from the test's seed
+
+
+def _mesh_2d_cases() -> list[Case]:
+    """On a (data 2 x tensor 2) mesh: heads split over one mesh dim need only divide its ranks
+    (not the mesh's 4), and a dim split over both must divide all 4."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    R, S = Replicate(), Shard
+
+    def row_losses(x, t):
+        loss = fastlm.cross_entropy(x, t, reduction="none")
+        # On DTensors the row rule's strategy: the rows stay where they are (not replicated).
+        assert tuple(getattr(loss, "placements", (S(0), R))) == (S(0), R), loss.placements
+        return loss
+
+    return [
+        Case(
+            "flash_attention batch on data, heads on tensor, sinks with them",
+            lambda q, k, v, sinks: attention(q, k, v, sinks=sinks),
+            lambda: (_randn(2, 2, 9, 16), _randn(2, 2, 11, 16), _randn(2, 2, 11, 16), _randn(2)),
+            ((S(0), S(1)), (S(0), S(1)), (S(0), S(1)), (R, S(0))),
+            (0, 1, 2, 3),
+        ),
+        Case(
+            "flash_attention_varlen heads on tensor",
+            varlen,
+            lambda: (
+                _randn(12, 2, 16),
+                _randn(12, 2, 16),
+                _randn(12, 2, 16),
+                torch.tensor([0, 5, 12], dtype=torch.int32),
+                _randn(2),
+            ),
+            ((R, S(1)), (R, S(1)), (R, S(1)), (R, R), (R, S(0))),
+            (0, 1, 2, 4),
+        ),
+        Case(
+            # Either dim's 2 ranks split 12 and 6 heads evenly, both dims' 4 do not split 6.
+            "flash_attention q's 12 heads on data, k's and v's 6 on tensor",
+            attention,
+            lambda: (_randn(1, 12, 5, 16), _randn(1, 6, 5, 16), _randn(1, 6, 5, 16)),
+            ((S(1), R), (R, S(1)), (R, S(1))),
+            (0, 1, 2),
+        ),
+        Case(
+            "cross_entropy none, rows on data",
+            row_losses,
+            lambda: (_randn(2, 5, 37), torch.randint(0, 37, (2, 5))),
+            ((S(0), R), (S(0), R)),
+            (0,),
+        ),
+    ]
+
+
+def _worker_2d(rank: int, world_size: int, seed: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tensor"))
+    torch.manual_seed(seed)
+    for case in _mesh_2d_cases():
+        _check_case(case, mesh)
+    # 3 heads do not divide the tensor dim's 2 ranks: refused, naming that count.
+    q = distribute_tensor(_randn(2, 3, 8, 16), mesh, [Shard(0), Shard(1)])
+    with pytest.raises(RuntimeError, match="3 query and 3 KV heads do not both divide the 2 "):
+        fastlm.flash_attention(q, q, q)
+    k = distribute_tensor(_randn(2, 3, 8, 16), mesh, [Shard(0), Replicate()])
+    with pytest.raises(RuntimeError, match="3 query and 3 KV heads do not both divide the 2 "):
+        fastlm.flash_attention(q, k, k)
+
+
+def test_ops_on_a_2d_mesh(tmp_path):
+    spawn(4, tmp_path, _worker_2d, int(torch.randint(2**31, ())))
 
 
 def test_every_op_has_a_rule():

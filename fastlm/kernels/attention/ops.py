@@ -22,15 +22,16 @@ from fastlm.kernels.attention.launch import (
     empty_heads_like,
 )
 from fastlm.kernels.attention.reference import flash_attention_ref, flash_attention_varlen_ref
-from fastlm.options import check
+from fastlm.options import OPTIONS, check
 
 
 def _check_op_options(
-    softmax_scale, window_left, window_right, softcap, max_seqlen_q=0, max_seqlen_k=0
+    q, sinks, softmax_scale, window_left, window_right, softcap, max_seqlen_q=0, max_seqlen_k=0
 ) -> None:
-    """The ops' numeric arguments by the public functions' rule (`fastlm.options`), so that a
-    direct `torch.ops.fastlm` call refuses what `flash_attention` refuses (the varlen ops' max
-    lengths by their range only: their cu_seqlens are not read on the host here)."""
+    """The ops' numeric arguments and sinks by the public functions' rule (`fastlm.options`), so
+    that a direct `torch.ops.fastlm` call refuses what `flash_attention` refuses (the varlen ops'
+    max lengths by their range only: their cu_seqlens are not read on the host here)."""
+    check_sinks(sinks, q.shape[1], q.device)  # q's heads: dim 1 of (B, Hq, N, D) and (T, Hq, D)
     check("max_seqlen_q", max_seqlen_q)
     check("max_seqlen_k", max_seqlen_k)
     check("softmax_scale", softmax_scale)
@@ -47,7 +48,7 @@ def flash_attention_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse): o (B, Hq, Nq, Dv) in q's memory layout, lse (B, Hq, Nq) fp32 base 2 (the sinks
     in its sums). deterministic picks the backward's schedule (the forward has one)."""
-    _check_op_options(softmax_scale, window_left, window_right, softcap)
+    _check_op_options(q, sinks, softmax_scale, window_left, window_right, softcap)
     return attention_forward(
         q, k, v, causal, softmax_scale, allow_tf32, (window_left, window_right), softcap,
         sinks=sinks
@@ -75,7 +76,7 @@ def _flash_attention_backward_op(
     softcap: float, allow_tf32: bool, deterministic: bool, sinks: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsinks); dsinks is (0,) without sinks."""
-    _check_op_options(softmax_scale, window_left, window_right, softcap)
+    _check_op_options(q, sinks, softmax_scale, window_left, window_right, softcap)
     grads = attention_backward(
         do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, deterministic,
         window=(window_left, window_right), softcap=softcap, sinks=sinks
@@ -122,7 +123,9 @@ def flash_attention_varlen_op(
     deterministic: bool, sinks: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse): o (total_q, Hq, Dv) in q's memory layout, lse (Hq, total_q) fp32 base 2."""
-    _check_op_options(softmax_scale, window_left, window_right, softcap, max_seqlen_q, max_seqlen_k)
+    _check_op_options(
+        q, sinks, softmax_scale, window_left, window_right, softcap, max_seqlen_q, max_seqlen_k
+    )
     varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     o, lse = attention_forward(
         as_heads(q), as_heads(k), as_heads(v), causal, softmax_scale, allow_tf32,
@@ -145,7 +148,9 @@ def _flash_attention_varlen_backward_op(
     softcap: float, allow_tf32: bool, deterministic: bool, sinks: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsinks); dsinks is (0,) without sinks."""
-    _check_op_options(softmax_scale, window_left, window_right, softcap, max_seqlen_q, max_seqlen_k)
+    _check_op_options(
+        q, sinks, softmax_scale, window_left, window_right, softcap, max_seqlen_q, max_seqlen_k
+    )
     dq, dk, dv, *dsinks = attention_backward(
         *(as_heads(t) for t in (do, q, k, v, o)), lse[None], causal, softmax_scale, allow_tf32,
         deterministic, window=(window_left, window_right), softcap=softcap,
@@ -295,9 +300,11 @@ def check_kernel_head_dims(q: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def check_sinks(sinks: object, num_heads: int, device) -> None:
-    """sinks: None, or a floating-point (Hq,) tensor on q's device with no NaN or +inf (-inf is
-    allowed: no sink). The values are checked on the host for a CPU tensor, on a GPU (or when
-    compiling) with `torch._assert_async`, as `check_cu_seqlens` does."""
+    """sinks: None, or a floating-point (Hq,) tensor on q's device whose elements, as float32
+    holds them (what both backends compute with), lie in `OPTIONS["sinks"]` or are -inf (no
+    sink): no NaN, no +inf, and nothing that is inf in float32 or in the kernels' base 2 (a
+    float64 1e300, an fp32 2.5e38). The values are checked on the host for a CPU tensor, on a
+    GPU (or when compiling) with `torch._assert_async`, as `check_cu_seqlens` does."""
     if sinks is None:
         return
     if not isinstance(sinks, torch.Tensor):
@@ -311,8 +318,13 @@ def check_sinks(sinks: object, num_heads: int, device) -> None:
         )
     if sinks.device != torch.device(device):
         raise ValueError(f"sinks is on {sinks.device}, but q is on {device}")
-    message = "sinks must hold no NaN or +inf (-inf is allowed: no sink for that head)"
-    valid = ~(torch.isnan(sinks) | torch.isposinf(sinks))
+    allowed = OPTIONS["sinks"]
+    message = (
+        f"each element of sinks, as float32, must be {allowed.describe()} or -inf (no sink for "
+        "that head): the kernels compute with sinks * log2(e) in float32"
+    )
+    as_used = sinks.float().double()
+    valid = (as_used == -math.inf) | ((allowed.low <= as_used) & (as_used <= allowed.high))
     if sinks.device.type == "cpu" and not torch.compiler.is_compiling():
         if not valid.all():
             raise ValueError(f"{message}, got {sinks.tolist()}")
@@ -368,7 +380,8 @@ def flash_attention(
             takes no value, neither scaled nor capped: row i's weights are exp(s_ij) /
             (sum_j exp(s_ij) + exp(sinks[h])). Math in fp32; differentiable, its gradient in
             sinks' dtype. A row that sees no key then has output 0 and lse = sinks[h]. -inf is
-            no sink for that head (the same result as without); NaN and +inf are refused.
+            no sink for that head (the same result as without); NaN, +inf and values beyond
+            `fastlm.options.SINK_MAX` (3.4e38 * ln 2) in magnitude as float32 are refused.
 
     Returns:
         o (B, Hq, Nq, Dv) in q's dtype, differentiable in q, k, v (and sinks); (o, lse) with
@@ -383,8 +396,9 @@ def flash_attention(
             sizes that differ, Nk = 0 or Nq > Nk; a window side outside [-1, 2**30], or
             window_size[1] > 0 with causal=True; softmax_scale outside [-1e6, 1e6], softcap
             outside [0, 1e6] (nan, inf: the rule of every option, `fastlm.options`); sinks not of
-            shape (Hq,), on another device, or holding NaN or +inf; with the Triton kernel, a head
-            dim it does not take.
+            shape (Hq,), on another device, or holding NaN, +inf or (as float32) a value beyond
+            3.4e38 * ln 2 in magnitude (`fastlm.options.SINK_MAX`); with the Triton kernel, a
+            head dim it does not take.
     """
     check_inputs(q, k, v, causal, softmax_scale)
     window, softcap = check_options(causal, window_size, softcap, return_lse)
