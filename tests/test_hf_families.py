@@ -429,3 +429,87 @@ def test_a_clamp_runs_on_the_kernel_or_is_left_never_dropped():
     assert_close(ours, truth, torch.float32, "clamped MLP")
     assert isinstance(probe.mlp_options(_ClampedMLP(7.0, limit_name="bound")), str)
     assert isinstance(probe.experts_gate_options(_ClampedExperts()), str)
+
+
+class _ScaledMLP(torch.nn.Module):
+    """A gated SiLU MLP with a trainable output scale, initialised to 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16)
+        self.down_proj = torch.nn.Linear(16, 8)
+        self.act_fn = torch.nn.SiLU()
+        self.scale = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x)) * self.scale
+
+
+class _GeluMLP(torch.nn.Module):
+    """A GELU MLP calling F.gelu itself, its down projection initialised to zero."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16)
+        self.down_proj = torch.nn.Linear(16, 8)
+        torch.nn.init.zeros_(self.down_proj.weight)
+        torch.nn.init.zeros_(self.down_proj.bias)
+
+    def forward(self, x):
+        return self.down_proj(torch.nn.functional.gelu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _ScaledExperts(torch.nn.Module):
+    """Experts whose gate reads a trainable scale of the gate, initialised to 1."""
+
+    act_fn = torch.nn.SiLU()
+
+    def __init__(self):
+        super().__init__()
+        self.gate_scale = torch.nn.Parameter(torch.ones(()))
+
+    def _apply_gate(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate * self.gate_scale) * up
+
+
+def test_the_probe_is_not_fooled_by_values_special_at_patch_time():
+    """Modules built to fool a probe that runs them as they are at patch time, in eval mode: an
+    output scale at 1 and experts' gate scale at 1 (parameters fastlm's forward would not read:
+    left), a GELU MLP whose down projection is 0 (every formula gives 0: found as GELU on
+    random parameters, not as the first candidate, SiLU), and Seed-OSS's MLP with its residual
+    dropout, patched in eval mode (dropout is what it computes in training: left). Each check
+    leaves the module's mode and the global random state as they were."""
+    assert "scale besides its linear layers" in probe.mlp_options(_ScaledMLP())
+    assert "given none of their weights" in probe.experts_gate_options(_ScaledExperts())
+    assert probe.mlp_options(_GeluMLP()) == (
+        "mlp", dict(gate="gate_proj", up="up_proj", down="down_proj", activation="none")
+    )  # fmt: skip
+    from transformers.models.seed_oss.modeling_seed_oss import SeedOssMLP
+
+    config = tiny_config("seed_oss", residual_dropout=0.1)
+    mlp = SeedOssMLP(config).eval()
+    rng = torch.get_rng_state()
+    assert "not down(act(gate(x)) * up(x))" in probe.mlp_options(mlp)
+    assert not mlp.training and torch.equal(torch.get_rng_state(), rng)
+    assert probe.mlp_options(SeedOssMLP(tiny_config("seed_oss", residual_dropout=0.0)))[0] == "mlp"
+
+
+def test_logit_numbers_changed_after_patch_are_read_as_the_family_reads_them(monkeypatch):
+    """Gemma 2's final soft cap changed (and switched off) on the config after patch, and
+    Cohere's logit scale, which its model copies from the config, changed on the model: the
+    patched forward reads each number where and when the family's own does, so loss, logits and
+    every gradient stay the unpatched model's."""
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")
+    batch = _batches()["plain"]
+    for family, holder, name, values in (
+        ("gemma2", "config", "final_logit_softcapping", (1.0, None)),
+        ("cohere", "model", "logit_scale", (2.5,)),
+    ):
+        model = tiny_model(family)
+        unpatched = copy.deepcopy(model)
+        patched_copy(model)
+        for value in values:
+            for m in (model, unpatched):
+                setattr(m.config if holder == "config" else m, name, value)
+            assert_matches(model, unpatched, batch, f"{family}, {name} {value} after patch")
