@@ -437,7 +437,14 @@ def test_mask_function_builds_no_square_mask():
     mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 0]])
     args = dict(batch_size=2, q_length=4, kv_length=4)
     assert hf.fastlm_mask(**args) is None
-    assert hf.attention.PACKED is hf.fastlm_mask(**args, allow_is_causal_skip=False)
+    # Packed documents (rows [2, 2] and [1, 3]): which token attends to the one before it, read
+    # from the model's own mask function.
+    from transformers.masking_utils import and_masks, packed_sequence_mask_function
+
+    documents = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]])
+    function = and_masks(lambda b, h, q, kv: kv <= q, packed_sequence_mask_function(documents))
+    packed = hf.fastlm_mask(**args, mask_function=function, allow_is_causal_skip=False)
+    assert torch.equal(packed.follows, torch.tensor([[0, 1, 0, 1], [0, 0, 1, 1]]).bool())
     assert torch.equal(hf.fastlm_mask(**args, attention_mask=mask), mask.bool())
     # A sliding-window cache's keys: the last 3 of 6 tokens seen, one of them the query.
     longer = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])

@@ -42,6 +42,7 @@ TINY = dict(
 )
 TWO_LAYER_TYPES = ["sliding_attention", "full_attention"]
 YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, rope_theta=1e4)
+LLAMA3 = dict(YARN, rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0)
 MLA = dict(
     qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=16, q_lora_rank=24,
     head_dim=8, num_key_value_heads=2,
@@ -53,11 +54,15 @@ FAMILY_CONFIGS = {
     # Today's ten, as tests/test_hf.py runs them in depth (the MoE auxiliary loss off: on a
     # padding-free batch the reference is each document alone, whose routing statistics differ).
     **{name: dict(config, output_router_logits=False) for name, config in TEN.items()},
+    # Gemma 3's soft caps (off by default), beside test_hf.py's windows and local RoPE base.
+    "gemma3_text": dict(
+        TEN["gemma3_text"], attn_logit_softcapping=5.0, final_logit_softcapping=3.0
+    ),
     # The families issue 28 names.
     "gpt_oss": dict(sliding_window=6, layer_types=TWO_LAYER_TYPES, rope_parameters=YARN),
     "deepseek_v2": dict(MLA),
     "deepseek_v3": dict(MLA, rope_interleave=True),
-    "smollm3": dict(no_rope_layer_interval=2),
+    "smollm3": dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=6),
     "olmo": dict(clip_qkv=8.0),
     "olmo2": dict(),
     "olmo3": dict(sliding_window=6, layer_types=TWO_LAYER_TYPES),
@@ -86,21 +91,26 @@ FAMILY_CONFIGS = {
     "cohere": dict(logit_scale=0.5, use_qk_norm=False),
     "cohere2": dict(logit_scale=0.5, sliding_window=6, layer_types=TWO_LAYER_TYPES),
     "exaone4": dict(sliding_window=6, layer_types=TWO_LAYER_TYPES),
+    # Every switch of Llama4TextConfig on but two: router jitter (random noise) and
+    # attention_bias (the NoPE layer's key bias adds a constant to each query's scores: its
+    # gradient is 0, rounding alone compared).
     "llama4_text": dict(
         attention_chunk_size=4,
         no_rope_layers=[1, 0],
         interleave_moe_layer_step=2,
         intermediate_size_mlp=48,
         use_qk_norm=True,
-        attn_temperature_tuning=False,
+        attn_temperature_tuning=True,  # on the NoPE layer; floor_scale 4: on from token 3
+        floor_scale=4,
+        attn_scale=0.5,
+        rope_parameters=LLAMA3,
     ),  # fmt: skip
     "ernie4_5": dict(),
     "ernie4_5_moe": dict(moe_layer_start_index=1, moe_num_shared_experts=1),
-    "apertus": dict(
-        rope_parameters=dict(YARN, rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0)
-    ),  # fmt: skip
+    "apertus": dict(rope_parameters=LLAMA3),
     "arcee": dict(),
-    "seed_oss": dict(residual_dropout=0.0, attention_bias=True),
+    # (residual_dropout, 0.1 by default: its MLP is left, test_the_probe_is_not_fooled_...)
+    "seed_oss": dict(residual_dropout=0.0, attention_bias=True, attention_out_bias=True),
     "hunyuan_v1_dense": dict(),
     "hunyuan_v1_moe": dict(),
     "ministral": dict(sliding_window=6, layer_types=TWO_LAYER_TYPES),
@@ -180,16 +190,19 @@ LEFT = {
 #: Batches a family's own (unpatched) code cannot run on the CPU, and why.
 NO_BATCH = {
     "qwen3_next": {
-        "padding-free": "its gated delta rule keeps packed documents apart only with "
+        name: "its gated delta rule keeps packed documents apart only with "
         "flash-linear-attention (a CUDA package)"
+        for name in ("padding-free", "position_ids")
     }
 }
 
 
 def _batches():
     """A plain batch, a left-padded one (labels -100 on the padding and on each row's first
-    real token, which a padding position would predict) and a padding-free one as
-    DataCollatorWithFlattening builds it (cu_seq_lens_q/k, position_ids)."""
+    real token, which a padding position would predict), a padding-free one as
+    DataCollatorWithFlattening builds it (cu_seq_lens_q/k, position_ids) and the same by its
+    restarting position_ids alone (transformers finds the documents; some families' layers do
+    not pass position_ids on to the attention: Llama 4's)."""
     ids = torch.randint(3, VOCAB, (2, 11))
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
@@ -197,10 +210,13 @@ def _batches():
     labels[0, 3] = -100
     collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
     docs = [{"input_ids": torch.randint(3, VOCAB, (n,)).tolist()} for n in (9, 1, 12, 4)]
+    flattened = collate(docs)
+    positions = {k: flattened[k] for k in ("input_ids", "labels", "position_ids")}
     return {
         "plain": dict(input_ids=ids, labels=ids.clone(), use_cache=False),
         "left-padded": dict(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False),
-        "padding-free": dict(collate(docs), use_cache=False),
+        "padding-free": dict(flattened, use_cache=False),
+        "position_ids": dict(positions, use_cache=False),
     }
 
 
