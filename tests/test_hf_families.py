@@ -430,19 +430,24 @@ class _ClampedExperts(torch.nn.Module):
 
 
 def test_a_clamp_runs_on_the_kernel_or_is_left_never_dropped():
-    """A clamped MLP whose limit the probe reads (DeepSeek-V4's `swiglu_limit` of 7: the first
+    """A clamped MLP whose limit the probe reads (DeepSeek-V4's `swiglu_limit`: the first
     probe scale's projections never reach it) runs with swiglu's clamp, equal to its own forward
-    where the clamp acts; one that keeps its limit under another name, and experts clamping at
-    a bound of their own, are left as they are: never patched as a plain SwiGLU."""
+    where the clamp acts, also after its limit is changed (read on every call); one that keeps
+    its limit under another name, and experts clamping at a bound of their own, are left as
+    they are: never patched as a plain SwiGLU."""
     module = _ClampedMLP(7.0)
     kind, options = probe.mlp_options(module)
     assert kind == "mlp" and options["activation"] == "silu"
-    assert (options["limit"], options["alpha"], options["up_offset"]) == (7.0, 1.0, 0.0)
+    assert (options["limit_name"], options["alpha_name"], options["up_offset"]) == (
+        "swiglu_limit", None, 0.0
+    )  # fmt: skip
     x = 20 * torch.randn(3, 5, 8)  # projections well past the limit
-    ours = forwards.mlp_forward(module, x, **options)
-    with torch.no_grad():
-        truth = copy.deepcopy(module).double()(x.double())
-    assert_close(ours, truth, torch.float32, "clamped MLP")
+    for limit in (7.0, 3.0):  # the limit read on every call, as the module's forward reads it
+        module.swiglu_limit = limit
+        ours = forwards.mlp_forward(module, x, **options)
+        with torch.no_grad():
+            truth = copy.deepcopy(module).double()(x.double())
+        assert_close(ours, truth, torch.float32, f"clamped MLP, limit {limit}")
     assert isinstance(probe.mlp_options(_ClampedMLP(7.0, limit_name="bound")), str)
     assert isinstance(probe.experts_gate_options(_ClampedExperts()), str)
 

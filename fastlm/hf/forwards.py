@@ -76,24 +76,38 @@ def packed_gated(gate_up: torch.Tensor, activation: str, gate_first: bool,
     return gated(*pair, activation, **options)
 
 
-def mlp_forward(self, x: torch.Tensor, gate: str, up: str, down: str, activation: str, **options):
-    """down(act(gate(x)) * up(x)) on the module's own projections (their biases included)."""
+def clamp_options(module: nn.Module, limit_name: str | None = None, alpha_name: str | None = None,
+                  up_offset: float = 0.0) -> dict:  # fmt: skip
+    """`swiglu`'s clamp options (limit, alpha, up_offset) of a clamped gate, the limit and alpha
+    read now from the module's attributes `limit_name` and `alpha_name` (None: alpha 1), where
+    `fastlm.hf.probe` found its forward reads them on every call; {} for no clamp."""
+    if limit_name is None:
+        return {}
+    alpha = float(getattr(module, alpha_name)) if alpha_name is not None else 1.0
+    return dict(limit=float(getattr(module, limit_name)), alpha=alpha, up_offset=up_offset)
+
+
+def mlp_forward(self, x: torch.Tensor, gate: str, up: str, down: str, activation: str, **clamp):
+    """down(act(gate(x)) * up(x)) on the module's own projections (their biases included), SiLU
+    clamped as `clamp` (`clamp_options`' names) says."""
     projections = getattr(self, gate)(x), getattr(self, up)(x)
-    return getattr(self, down)(gated(*projections, activation, **options))
+    return getattr(self, down)(gated(*projections, activation, **clamp_options(self, **clamp)))
 
 
 def packed_mlp_forward(self, x: torch.Tensor, gate_up: str, down: str, activation: str,
-                       gate_first: bool, **options):  # fmt: skip
+                       gate_first: bool, **clamp):  # fmt: skip
     """down(act(gate) * up) on one fused gate/up projection (Phi-3's, GLM-4's)."""
     gate_and_up = getattr(self, gate_up)(x)
+    options = clamp_options(self, **clamp)
     return getattr(self, down)(packed_gated(gate_and_up, activation, gate_first, **options))
 
 
 def experts_gate(self, gate_up: torch.Tensor, activation: str, interleaved: bool = False,
-                 **options) -> torch.Tensor:  # fmt: skip
+                 **clamp) -> torch.Tensor:  # fmt: skip
     """The experts' gate on (S, 2 I) projections: what transformers' experts call between their
-    two GEMMs. gate first and up second, or interleaved with gpt-oss's clamp `options` (alpha,
-    limit, up_offset: `swiglu_packed`'s)."""
+    two GEMMs. gate first and up second, or interleaved with gpt-oss's clamp (`clamp_options`'
+    names: its alpha and limit, read on every call, and up_offset)."""
+    options = clamp_options(self, **clamp)
     if interleaved:
         return swiglu_packed(gate_up, interleaved=True, **options)
     return packed_gated(gate_up, activation, True, **options)
@@ -339,6 +353,11 @@ def attention_forward(self, *args, **kwargs):
 # --------------------------------------------------------------------------------------------
 
 
+def number_holder(model: nn.Module, holder: str) -> object:
+    """Where a family keeps a number of its logits: "config" (model.config) or "model"."""
+    return model.config if holder == "config" else model
+
+
 def logit_numbers(model: nn.Module, scale_from: tuple | None, cap_from: tuple | None):
     """(scale, cap) of the family's logits, read now from where `fastlm.hf.probe.logit_options`
     found the family reads them: scale_from (holder, name, divides) gives the number at
@@ -346,7 +365,7 @@ def logit_numbers(model: nn.Module, scale_from: tuple | None, cap_from: tuple | 
     divides; cap_from (holder, name) the soft cap (None or 0: none). None: 1 and no cap."""
 
     def read(holder, name):
-        return getattr(model.config if holder == "config" else model, name)
+        return getattr(number_holder(model, holder), name)
 
     scale = 1.0
     if scale_from is not None:

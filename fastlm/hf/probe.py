@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from fastlm.hf.forwards import activation_of
+from fastlm.hf.forwards import activation_of, number_holder
 from fastlm.kernels.geglu import geglu_ref
 from fastlm.kernels.rmsnorm import rms_norm_ref
 from fastlm.kernels.swiglu import swiglu_packed_ref, swiglu_ref
@@ -94,7 +94,7 @@ def _fixed_randomness(device: torch.device):
 def seeded(device: torch.device) -> None:
     """The same random draws for each of two calls that should compute the same thing (the
     dropout of a LoRA head in training mode)."""
-    torch.manual_seed(0)
+    torch.default_generator.manual_seed(0)  # not torch.manual_seed: it seeds every GPU
     if device.type == "cuda":
         with torch.cuda.device(device):
             torch.cuda.manual_seed(0)
@@ -210,23 +210,51 @@ def _reference_gated(gate: torch.Tensor, up: torch.Tensor, activation: str, **op
 PROBE_SCALES = (1.0, 1e3)
 #: Where gated modules keep their clamped SwiGLU's numbers (gpt-oss: alpha 1.702, limit 7).
 LIMIT_NAMES, ALPHA_NAMES = ("limit", "swiglu_limit"), ("alpha", "swiglu_alpha")
+#: The numbers a gate probe puts in those places, one each: limits (the first one above every
+#: real limit's order, so that the probe's inputs still reach it) and alphas.
+PROBE_LIMITS, PROBE_ALPHAS = (7.3, 9.1), (1.3, 2.1)
 
 
-def _numbers(module: nn.Module, names: tuple[str, ...]) -> list[float]:
-    """The real numbers the module holds under `names`, in order, without repeats."""
-    values = [getattr(module, n, None) for n in names]
-    numbers = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    return list(dict.fromkeys(numbers))
+def _number_names(module: nn.Module, names: tuple[str, ...]) -> list[str]:
+    """The names among `names` under which the module holds a real number."""
+    values = {n: getattr(module, n, None) for n in names}
+    return [n for n, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
 
 
-def _clamp_options(module: nn.Module) -> list[dict]:
-    """`swiglu`'s clamp options a module that holds a limit may use (gpt-oss's alpha and offset
-    of up, or SiLU's alpha 1 and none), after none."""
-    options = [{}]
+def _clamp_numbers(module: nn.Module) -> dict:
+    """{name: the number a probe puts there} for each limit and alpha the module holds."""
+    limits = dict(zip(_number_names(module, LIMIT_NAMES), PROBE_LIMITS))
+    return {**limits, **dict(zip(_number_names(module, ALPHA_NAMES), PROBE_ALPHAS))}
+
+
+@contextlib.contextmanager
+def _attributes_put(module: nn.Module, values: dict):
+    """The module with `values` ({attribute: value}) in place, its own put back after."""
+    kept = {name: getattr(module, name) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, value in kept.items():
+            setattr(module, name, value)
+
+
+def _clamp_options(module: nn.Module) -> list[tuple[dict, dict]]:
+    """(options for `forwards.clamp_options`, `swiglu`'s clamp options with `_clamp_numbers`'
+    values) for each clamp a module that holds a limit may use (gpt-oss's alpha and offset of
+    up, or SiLU's alpha 1 and none), after none. The probe runs the module with
+    `_clamp_numbers` in place, so which attribute its forward reads shows (the patched forward
+    reads the same one on every call: a limit changed after `patch` is used)."""
+    numbers = _clamp_numbers(module)
+    limits = _number_names(module, LIMIT_NAMES)
+    options = [({}, {})]
     for limit, alpha, up_offset in itertools.product(
-        _numbers(module, LIMIT_NAMES), [*_numbers(module, ALPHA_NAMES), 1.0], (1.0, 0.0)
+        limits, [*_number_names(module, ALPHA_NAMES), None], (1.0, 0.0)
     ):
-        options.append(dict(alpha=alpha, limit=limit, up_offset=up_offset))
+        names = dict(limit_name=limit, alpha_name=alpha, up_offset=up_offset)
+        values = dict(limit=numbers[limit], alpha=numbers.get(alpha, 1.0), up_offset=up_offset)
+        options.append((names, values))
     return options
 
 
@@ -279,7 +307,7 @@ def mlp_options(module: nn.Module) -> tuple[str, dict] | str:
         return [functional_call(module, params, (t,)) for t in inputs]
 
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _attributes_put(module, _clamp_numbers(module)):
             modes = in_both_modes(module, device, outputs)
     except Exception as error:  # noqa: BLE001
         return f"its forward failed on one tensor ({type(error).__name__})"
@@ -311,14 +339,14 @@ def mlp_options(module: nn.Module) -> tuple[str, dict] | str:
 
     clamps = _clamp_options(module)
     for (kind, roles), activation in itertools.product(candidates, activations):
-        for options in clamps if activation == "silu" else [{}]:
+        for names, values in clamps if activation == "silu" else [({}, {})]:
             try:
                 with torch.no_grad():
-                    ours = [run(kind, roles, activation, options, t) for t in inputs]
+                    ours = [run(kind, roles, activation, values, t) for t in inputs]
             except RuntimeError:  # shapes that do not chain
                 break
             if all(_agree(ours, expected) for expected in modes):
-                return kind, dict(roles, activation=activation, **options)
+                return kind, dict(roles, activation=activation, **names)
     return "not down(act(gate(x)) * up(x)) of its linear layers (or clamped where fastlm cannot)"
 
 
@@ -332,14 +360,18 @@ def _agree(ours: list, theirs: list, bound: float = EXACT) -> bool:
     )
 
 
-def _gate_candidates(module: nn.Module) -> list[dict]:
-    """The gates an experts' `_apply_gate` may compute, as `forwards.experts_gate` options:
-    act(first half) * second half for the module's activation, then (for experts that hold a
-    limit) gpt-oss's clamped SwiGLU in both layouts, with and without the offset of up."""
+def _gate_candidates(module: nn.Module) -> list[tuple[dict, dict]]:
+    """The gates an experts' `_apply_gate` may compute, as (`forwards.experts_gate` options, the
+    reference's clamp values: `_clamp_options`): act(first half) * second half for the module's
+    activation, then (for experts that hold a limit) gpt-oss's clamped SwiGLU in both layouts,
+    with and without the offset of up."""
     activation, _ = _activation(module)
-    candidates = [] if activation is None else [dict(activation=activation, interleaved=False)]
-    for options, interleaved in itertools.product(_clamp_options(module)[1:], (True, False)):
-        candidates.append(dict(activation="silu", interleaved=interleaved, **options))
+    plain = dict(activation=activation, interleaved=False)
+    candidates = [] if activation is None else [(plain, {})]
+    for (names, values), interleaved in itertools.product(
+        _clamp_options(module)[1:], (True, False)
+    ):
+        candidates.append((dict(activation="silu", interleaved=interleaved, **names), values))
     return candidates
 
 
@@ -372,7 +404,8 @@ def experts_gate_options(module: nn.Module) -> dict | str:
     candidates = _gate_candidates(module)
     if not candidates:
         return "their activation is none fastlm has (SiLU, GELU), and they hold no clamp limit"
-    scale = 2 * max([1.0, *_numbers(module, LIMIT_NAMES)])
+    numbers = _clamp_numbers(module)
+    scale = 2 * max([1.0, *(numbers[n] for n in _number_names(module, LIMIT_NAMES))])
     gate_up = scale * torch.randn(7, 2 * 5, generator=_generator(), dtype=torch.float64)
     inputs = [s * gate_up for s in PROBE_SCALES]
     gate = _Gate(module)
@@ -383,13 +416,14 @@ def experts_gate_options(module: nn.Module) -> dict | str:
         return [functional_call(gate, absent, (t,)) for t in inputs]
 
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _attributes_put(module, numbers):
             modes = in_both_modes(module, torch.device("cpu"), outputs)
     except Exception as error:  # noqa: BLE001
         why = type(error).__name__
         return f"their gate failed on one tensor, given none of their weights ({why})"
-    for options in candidates:
-        ours = [_reference_gate(t, **options) for t in inputs]
+    for options, values in candidates:
+        gate_options = {k: options[k] for k in ("activation", "interleaved")}
+        ours = [_reference_gate(t, **gate_options, **values) for t in inputs]
         if all(_agree(ours, expected) for expected in modes):
             return options
     return "their gate is neither act(gate) * up nor gpt-oss's clamped SwiGLU of the projection"
@@ -429,7 +463,7 @@ def _logit_places(model: nn.Module) -> list[tuple[str, str]]:
     """(holder, name) of each place in LOGIT_* that holds a number or None."""
     places = []
     for holder in LOGIT_HOLDERS:
-        obj = model.config if holder == "config" else model
+        obj = number_holder(model, holder)
         for name in (*LOGIT_MULTIPLIERS, *LOGIT_DIVISORS, *LOGIT_CAPS):
             value = getattr(obj, name, False)
             if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
@@ -440,16 +474,11 @@ def _logit_places(model: nn.Module) -> list[tuple[str, str]]:
 @contextlib.contextmanager
 def _numbers_put(model: nn.Module, numbers: dict):
     """The model with `numbers` ({(holder, name): value}) in their places, put back after."""
-    kept = {}
-    try:
-        for (holder, name), value in numbers.items():
-            obj = model.config if holder == "config" else model
-            kept[holder, name] = getattr(obj, name)
-            setattr(obj, name, value)
+    with contextlib.ExitStack() as stack:
+        for holder in LOGIT_HOLDERS:
+            values = {name: v for (where, name), v in numbers.items() if where == holder}
+            stack.enter_context(_attributes_put(number_holder(model, holder), values))
         yield
-    finally:
-        for (holder, name), value in kept.items():
-            setattr(model.config if holder == "config" else model, name, value)
 
 
 def logit_options(model: nn.Module, decoder: str) -> dict | str:
