@@ -278,8 +278,9 @@ def patch(
 
     Args:
         model: any transformers PreTrainedModel with a causal-LM head (a ...ForCausalLM), or a
-            PEFT model around one. Patch before building a trainer (TRL's trainers wrap the
-            forward then).
+            PEFT model around one, on any device (the meta device too). Patch before building a
+            trainer (TRL's trainers wrap the forward then). A patched model patched again has
+            each part found again.
         rms_norm: every module computing RMSNorm's math (LLaMA's `weight * x_hat`, Gemma's
             `(1 + weight) * x_hat`, over a head or a whole projection) by `rms_norm`.
         rope: RoPE by fastlm's kernel on the rotary embedding's own cos/sin, inside each
@@ -291,7 +292,8 @@ def patch(
             attention in every batch shape (see `fastlm.hf.attention`), registered as
             "fastlm" with transformers.
         cross_entropy: with labels, the loss by fused linear cross-entropy, with the family's
-            logit scale and final soft cap.
+            logit scale and final soft cap (read on every call, where the family reads them;
+            a LoRA adapter on lm_head: its logits into fastlm's cross-entropy).
 
     Returns:
         The model. `fastlm_patched` (on the transformers model) lists the parts that run on
