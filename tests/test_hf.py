@@ -437,7 +437,14 @@ def test_mask_function_builds_no_square_mask():
     mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 0]])
     args = dict(batch_size=2, q_length=4, kv_length=4)
     assert hf.fastlm_mask(**args) is None
-    assert hf.attention.PACKED is hf.fastlm_mask(**args, allow_is_causal_skip=False)
+    # Packed documents (rows [2, 2] and [1, 3]): which token attends to the one before it, read
+    # from the model's own mask function.
+    from transformers.masking_utils import and_masks, packed_sequence_mask_function
+
+    documents = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]])
+    function = and_masks(lambda b, h, q, kv: kv <= q, packed_sequence_mask_function(documents))
+    packed = hf.fastlm_mask(**args, mask_function=function, allow_is_causal_skip=False)
+    assert torch.equal(packed.follows, torch.tensor([[0, 1, 0, 1], [0, 0, 1, 1]]).bool())
     assert torch.equal(hf.fastlm_mask(**args, attention_mask=mask), mask.bool())
     # A sliding-window cache's keys: the last 3 of 6 tokens seen, one of them the query.
     longer = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
@@ -525,9 +532,79 @@ def test_patch_composes_with_peft_and_a_trainer_built_first():
     assert "cross_entropy" not in wrapped.fastlm_patched
 
 
+def _lora(model, seed: int = 1):
+    """PEFT LoRA on q_proj and lm_head, its B matrices random (not PEFT's zeros, which would
+    make the adapter a no-op)."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"], lora_dropout=0.0)
+    model = peft.get_peft_model(model, config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    return model
+
+
+def test_lora_on_the_lm_head_in_either_order(monkeypatch):
+    """LoRA on lm_head (continued pretraining), patched before get_peft_model and after it:
+    the loss runs the adapter (the head's own forward, its logits into fastlm's cross-entropy,
+    not the fused loss on the base weight alone), every other part is patched, and loss and
+    every trainable weight's gradient (the LoRA matrices) are the unpatched model's."""
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")
+    base = _model("llama")
+    unpatched = _lora(copy.deepcopy(base))
+    before = _lora(_patched(copy.deepcopy(base)))
+    after = _lora(copy.deepcopy(base))
+    hf.patch(after)
+    assert after.get_base_model().fastlm_patched == ("rms_norm", "swiglu", "rope", "attention",
+                                                     "cross_entropy")  # fmt: skip
+    batch = _padded_batch()
+    expected = unpatched(**batch).loss
+    expected.backward()
+    theirs = dict(unpatched.named_parameters())
+    for what, model in (("patched before PEFT", before), ("patched after PEFT", after)):
+        loss = model(**batch).loss
+        loss.backward()
+        assert_close(loss, expected, torch.float32, f"{what}: loss")
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        assert any("lm_head.lora_A" in n for n, _ in trainable)
+        for name, p in trainable:
+            assert_close(p.grad, theirs[name].grad, torch.float32, f"{what}: grad of {name}")
+
+
 # --------------------------------------------------------------------------------------------
 # The loss, gradient checkpointing, compile, other options
 # --------------------------------------------------------------------------------------------
+
+
+def test_patch_on_the_meta_device_then_loaded(monkeypatch):
+    """A model built on the meta device (how large models are built before their weights are
+    loaded) patches every part (each check runs on random parameters on the CPU), then, once
+    materialised and loaded, gives the unpatched model's loss and gradients."""
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")
+    reference = _model("gemma2")
+    with torch.device("meta"):
+        model = transformers.Gemma2ForCausalLM(reference.config)
+    _patched(model)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gives the tied head a tensor of its own, as it does unpatched
+    model.load_state_dict(reference.state_dict())
+    with torch.no_grad():  # the rotary tables: buffers no state_dict holds
+        for name, buffer in reference.named_buffers():
+            model.get_buffer(name).copy_(buffer)
+    _assert_matches_truth(model.train(), _truth(reference), _padded_batch(), "patched on meta")
+
+
+def test_patching_twice_finds_what_patching_once_does(monkeypatch):
+    """patch on a patched model finds each part again from the module's own code: the same
+    parts, nothing reported left, the same loss."""
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")
+    model = _model("qwen3_moe")
+    truth = _truth(model)
+    _patched(_patched(model))
+    assert model.fastlm_patched.left == {}
+    _assert_matches_truth(model, truth, _padded_batch(), "patched twice")
 
 
 def test_num_items_in_batch_and_shift_labels_as_transformers(monkeypatch):

@@ -42,6 +42,7 @@ TINY = dict(
 )
 TWO_LAYER_TYPES = ["sliding_attention", "full_attention"]
 YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, rope_theta=1e4)
+LLAMA3 = dict(YARN, rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0)
 MLA = dict(
     qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=16, q_lora_rank=24,
     head_dim=8, num_key_value_heads=2,
@@ -53,11 +54,15 @@ FAMILY_CONFIGS = {
     # Today's ten, as tests/test_hf.py runs them in depth (the MoE auxiliary loss off: on a
     # padding-free batch the reference is each document alone, whose routing statistics differ).
     **{name: dict(config, output_router_logits=False) for name, config in TEN.items()},
+    # Gemma 3's soft caps (off by default), beside test_hf.py's windows and local RoPE base.
+    "gemma3_text": dict(
+        TEN["gemma3_text"], attn_logit_softcapping=5.0, final_logit_softcapping=3.0
+    ),
     # The families issue 28 names.
     "gpt_oss": dict(sliding_window=6, layer_types=TWO_LAYER_TYPES, rope_parameters=YARN),
     "deepseek_v2": dict(MLA),
     "deepseek_v3": dict(MLA, rope_interleave=True),
-    "smollm3": dict(no_rope_layer_interval=2),
+    "smollm3": dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=6),
     "olmo": dict(clip_qkv=8.0),
     "olmo2": dict(),
     "olmo3": dict(sliding_window=6, layer_types=TWO_LAYER_TYPES),
@@ -86,21 +91,26 @@ FAMILY_CONFIGS = {
     "cohere": dict(logit_scale=0.5, use_qk_norm=False),
     "cohere2": dict(logit_scale=0.5, sliding_window=6, layer_types=TWO_LAYER_TYPES),
     "exaone4": dict(sliding_window=6, layer_types=TWO_LAYER_TYPES),
+    # Every switch of Llama4TextConfig on but two: router jitter (random noise) and
+    # attention_bias (the NoPE layer's key bias adds a constant to each query's scores: its
+    # gradient is 0, rounding alone compared).
     "llama4_text": dict(
         attention_chunk_size=4,
         no_rope_layers=[1, 0],
         interleave_moe_layer_step=2,
         intermediate_size_mlp=48,
         use_qk_norm=True,
-        attn_temperature_tuning=False,
+        attn_temperature_tuning=True,  # on the NoPE layer; floor_scale 4: on from token 3
+        floor_scale=4,
+        attn_scale=0.5,
+        rope_parameters=LLAMA3,
     ),  # fmt: skip
     "ernie4_5": dict(),
     "ernie4_5_moe": dict(moe_layer_start_index=1, moe_num_shared_experts=1),
-    "apertus": dict(
-        rope_parameters=dict(YARN, rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0)
-    ),  # fmt: skip
+    "apertus": dict(rope_parameters=LLAMA3),
     "arcee": dict(),
-    "seed_oss": dict(residual_dropout=0.0, attention_bias=True),
+    # (residual_dropout, 0.1 by default: its MLP is left, test_the_probe_is_not_fooled_...)
+    "seed_oss": dict(residual_dropout=0.0, attention_bias=True, attention_out_bias=True),
     "hunyuan_v1_dense": dict(),
     "hunyuan_v1_moe": dict(),
     "ministral": dict(sliding_window=6, layer_types=TWO_LAYER_TYPES),
@@ -180,16 +190,19 @@ LEFT = {
 #: Batches a family's own (unpatched) code cannot run on the CPU, and why.
 NO_BATCH = {
     "qwen3_next": {
-        "padding-free": "its gated delta rule keeps packed documents apart only with "
+        name: "its gated delta rule keeps packed documents apart only with "
         "flash-linear-attention (a CUDA package)"
+        for name in ("padding-free", "position_ids")
     }
 }
 
 
 def _batches():
     """A plain batch, a left-padded one (labels -100 on the padding and on each row's first
-    real token, which a padding position would predict) and a padding-free one as
-    DataCollatorWithFlattening builds it (cu_seq_lens_q/k, position_ids)."""
+    real token, which a padding position would predict), a padding-free one as
+    DataCollatorWithFlattening builds it (cu_seq_lens_q/k, position_ids) and the same by its
+    restarting position_ids alone (transformers finds the documents; some families' layers do
+    not pass position_ids on to the attention: Llama 4's)."""
     ids = torch.randint(3, VOCAB, (2, 11))
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
@@ -197,10 +210,13 @@ def _batches():
     labels[0, 3] = -100
     collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
     docs = [{"input_ids": torch.randint(3, VOCAB, (n,)).tolist()} for n in (9, 1, 12, 4)]
+    flattened = collate(docs)
+    positions = {k: flattened[k] for k in ("input_ids", "labels", "position_ids")}
     return {
         "plain": dict(input_ids=ids, labels=ids.clone(), use_cache=False),
         "left-padded": dict(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False),
-        "padding-free": dict(collate(docs), use_cache=False),
+        "padding-free": dict(flattened, use_cache=False),
+        "position_ids": dict(positions, use_cache=False),
     }
 
 
@@ -414,18 +430,107 @@ class _ClampedExperts(torch.nn.Module):
 
 
 def test_a_clamp_runs_on_the_kernel_or_is_left_never_dropped():
-    """A clamped MLP whose limit the probe reads (DeepSeek-V4's `swiglu_limit` of 7: the first
+    """A clamped MLP whose limit the probe reads (DeepSeek-V4's `swiglu_limit`: the first
     probe scale's projections never reach it) runs with swiglu's clamp, equal to its own forward
-    where the clamp acts; one that keeps its limit under another name, and experts clamping at
-    a bound of their own, are left as they are: never patched as a plain SwiGLU."""
+    where the clamp acts, also after its limit is changed (read on every call); one that keeps
+    its limit under another name, and experts clamping at a bound of their own, are left as
+    they are: never patched as a plain SwiGLU."""
     module = _ClampedMLP(7.0)
     kind, options = probe.mlp_options(module)
     assert kind == "mlp" and options["activation"] == "silu"
-    assert (options["limit"], options["alpha"], options["up_offset"]) == (7.0, 1.0, 0.0)
+    assert (options["limit_name"], options["alpha_name"], options["up_offset"]) == (
+        "swiglu_limit", None, 0.0
+    )  # fmt: skip
     x = 20 * torch.randn(3, 5, 8)  # projections well past the limit
-    ours = forwards.mlp_forward(module, x, **options)
-    with torch.no_grad():
-        truth = copy.deepcopy(module).double()(x.double())
-    assert_close(ours, truth, torch.float32, "clamped MLP")
+    for limit in (7.0, 3.0):  # the limit read on every call, as the module's forward reads it
+        module.swiglu_limit = limit
+        ours = forwards.mlp_forward(module, x, **options)
+        with torch.no_grad():
+            truth = copy.deepcopy(module).double()(x.double())
+        assert_close(ours, truth, torch.float32, f"clamped MLP, limit {limit}")
     assert isinstance(probe.mlp_options(_ClampedMLP(7.0, limit_name="bound")), str)
     assert isinstance(probe.experts_gate_options(_ClampedExperts()), str)
+
+
+class _ScaledMLP(torch.nn.Module):
+    """A gated SiLU MLP with a trainable output scale, initialised to 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16)
+        self.down_proj = torch.nn.Linear(16, 8)
+        self.act_fn = torch.nn.SiLU()
+        self.scale = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x)) * self.scale
+
+
+class _GeluMLP(torch.nn.Module):
+    """A GELU MLP calling F.gelu itself, its down projection initialised to zero."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16)
+        self.down_proj = torch.nn.Linear(16, 8)
+        torch.nn.init.zeros_(self.down_proj.weight)
+        torch.nn.init.zeros_(self.down_proj.bias)
+
+    def forward(self, x):
+        return self.down_proj(torch.nn.functional.gelu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _ScaledExperts(torch.nn.Module):
+    """Experts whose gate reads a trainable scale of the gate, initialised to 1."""
+
+    act_fn = torch.nn.SiLU()
+
+    def __init__(self):
+        super().__init__()
+        self.gate_scale = torch.nn.Parameter(torch.ones(()))
+
+    def _apply_gate(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate * self.gate_scale) * up
+
+
+def test_the_probe_is_not_fooled_by_values_special_at_patch_time():
+    """Modules built to fool a probe that runs them as they are at patch time, in eval mode: an
+    output scale at 1 and experts' gate scale at 1 (parameters fastlm's forward would not read:
+    left), a GELU MLP whose down projection is 0 (every formula gives 0: found as GELU on
+    random parameters, not as the first candidate, SiLU), and Seed-OSS's MLP with its residual
+    dropout, patched in eval mode (dropout is what it computes in training: left). Each check
+    leaves the module's mode and the global random state as they were."""
+    assert "scale besides its linear layers" in probe.mlp_options(_ScaledMLP())
+    assert "given none of their weights" in probe.experts_gate_options(_ScaledExperts())
+    assert probe.mlp_options(_GeluMLP()) == (
+        "mlp", dict(gate="gate_proj", up="up_proj", down="down_proj", activation="none")
+    )  # fmt: skip
+    from transformers.models.seed_oss.modeling_seed_oss import SeedOssMLP
+
+    config = tiny_config("seed_oss", residual_dropout=0.1)
+    mlp = SeedOssMLP(config).eval()
+    rng = torch.get_rng_state()
+    assert "not down(act(gate(x)) * up(x))" in probe.mlp_options(mlp)
+    assert not mlp.training and torch.equal(torch.get_rng_state(), rng)
+    assert probe.mlp_options(SeedOssMLP(tiny_config("seed_oss", residual_dropout=0.0)))[0] == "mlp"
+
+
+def test_logit_numbers_changed_after_patch_are_read_as_the_family_reads_them(monkeypatch):
+    """Gemma 2's final soft cap changed (and switched off) on the config after patch, and
+    Cohere's logit scale, which its model copies from the config, changed on the model: the
+    patched forward reads each number where and when the family's own does, so loss, logits and
+    every gradient stay the unpatched model's."""
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")
+    batch = _batches()["plain"]
+    for family, holder, name, values in (
+        ("gemma2", "config", "final_logit_softcapping", (1.0, None)),
+        ("cohere", "model", "logit_scale", (2.5,)),
+    ):
+        model = tiny_model(family)
+        unpatched = copy.deepcopy(model)
+        patched_copy(model)
+        for value in values:
+            for m in (model, unpatched):
+                setattr(m.config if holder == "config" else m, name, value)
+            assert_matches(model, unpatched, batch, f"{family}, {name} {value} after patch")

@@ -6,9 +6,10 @@ functions say what to install when it is missing.
 
 `patch(model)` takes any transformers causal LM (a PEFT model around one too) and gives its own
 modules (other models, and transformers' classes, are left as they are) forwards on the kernels
-(`fastlm.hf.forwards`), each part found by what a module computes, checked by running it
-(`fastlm.hf.probe`), never by the family's name; what cannot run exactly stays, named with its
-reason in `model.fastlm_patched.left` and in one warning (docs/huggingface-families.md):
+(`fastlm.hf.forwards`), each part found by what a module computes, checked by running it on
+random parameters in training and eval mode (`fastlm.hf.probe`), never by the family's name;
+what cannot run exactly stays, named with its reason in `model.fastlm_patched.left` and in one
+warning (docs/huggingface-families.md):
 
 - rms_norm: every module computing RMSNorm's math, q/k norms included, by `rms_norm` (fp32
   inside, one rounding; the output dtype the module's own: LLaMA's promotion of the input's and
@@ -31,7 +32,9 @@ reason in `model.fastlm_patched.left` and in one warning (docs/huggingface-famil
   (`linear_cross_entropy`: the [tokens x vocab] logits never exist), with Hugging Face's label
   shift, ignore_index -100, `shift_labels` and `num_items_in_batch` (the sum over the batch
   divided by it, as transformers does for gradient accumulation), the family's logit scale
-  (Granite's divisor, Cohere's multiplier) and final soft cap; MoE families add the router's
+  (Granite's divisor, Cohere's multiplier) and final soft cap, each read on every call where
+  the family reads it (a head that is no plain nn.Linear, PEFT's LoRA on lm_head: its own
+  logits into fastlm's cross-entropy); MoE families add the router's
   auxiliary loss as their own forward does. In training mode such a call returns `logits=None`
   (that is the memory saved); in eval mode the logits are computed as well. A batch whose labels
   are all -100 has loss 0, where PyTorch's mean gives NaN.

@@ -6,8 +6,9 @@ The mask function builds no [B, 1, T, T] mask. It returns
 - None for plain causal attention (the keys are the queries' own tokens and those before them);
 - the 2-D (B, keys) padding mask, sliced as the keys are (a sliding-window cache keeps only the
   last keys), when the caller passed an `attention_mask`;
-- `PACKED` when transformers found several documents in one row (`position_ids` that restart;
-  transformers looks for them only when no `attention_mask` and no cache is given);
+- `Packed` when transformers found several documents in one row (`position_ids` that restart;
+  transformers looks for them only when no `attention_mask` and no cache is given): whether each
+  token attends to the one before it, from the model's own mask function (B x T pairs);
 - a 4-D mask only for what the kernels do not run: a static cache (keys past the queries'
   positions not written yet), a model's own extra mask functions (`or_mask_function`,
   `and_mask_function`, e.g. Gemma 3's bidirectional sliding window), bidirectional attention
@@ -23,12 +24,12 @@ The attention function then runs, in this order:
   layout at each decoding step). The real tokens of a row must be contiguous (left or right padding,
   as tokenizers and collators pad; checked on the device, an error otherwise). Padding rows get
   output 0, as transformers' flash-attention path gives;
-- `PACKED`: the documents from `position_ids` (a new one wherever the position does not
-  follow the previous by one, in any row), read once per forward (one host synchronisation for
-  their count and longest length, shared by all layers), then `flash_attention_varlen`. Under
-  torch.compile transformers reports every batch without a mask as packed, and position_ids
-  cannot be read: such a batch runs `flash_attention`, with a device-side check that no row
-  restarts (packed documents under compile need `cu_seq_lens_q/k`);
+- `Packed`: the documents (a new one wherever a token does not attend to the one before it, in
+  any row), read once per forward and mask (one host synchronisation for their count and
+  longest length, shared by the layers), then `flash_attention_varlen`. Under torch.compile
+  transformers reports every batch without a mask as packed, and the documents cannot be read:
+  such a batch runs `flash_attention`, with a device-side check that no row restarts (packed
+  documents under compile need `cu_seq_lens_q/k`);
 - otherwise `flash_attention` (causal, aligned to the end of the keys: a KV cache's decode).
 
 Every path applies the layer's `sliding_window` W as Hugging Face's eager attention does (query i
@@ -70,23 +71,32 @@ KERNEL_SINKS = "sinks" in inspect.signature(flash_attention).parameters
 ATTENTION = "fastlm"
 
 
-class _Packed:
-    """The mask function's answer when transformers found packed documents in position_ids."""
+class Packed(NamedTuple):
+    """The mask function's answer when transformers found several documents in one row
+    (`position_ids` that restart): `follows` (B, T) bool on the device, whether each token
+    attends to the one before it under the model's own mask function (False at each row's
+    start and each document's). Read from the mask function, not from `position_ids` in the
+    attention's arguments, which some families do not pass on (Llama 4's decoder layer)."""
 
-    def __repr__(self) -> str:
-        return "fastlm.hf.attention.PACKED"
-
-    def __reduce__(self):
-        return "PACKED"  # one instance, also after pickling
+    follows: torch.Tensor
 
 
-PACKED = _Packed()
+def _packed(mask_function, batch_size: int, length: int, device) -> Packed:
+    """`Packed` of the mask function, evaluated on the (B, T - 1) pairs (token t, token t - 1)
+    as transformers' sdpa_mask evaluates it on all pairs (its mask functions take broadcast index
+    tensors): no [T, T] mask, no host synchronisation."""
+    rows = torch.arange(batch_size, device=device)[:, None]
+    t = torch.arange(1, length, device=device)[None]
+    head = torch.zeros((), dtype=torch.long, device=device)  # one head's mask: they are equal
+    follows = torch.zeros(batch_size, length, dtype=torch.bool, device=device)
+    follows[:, 1:] = mask_function(rows, head, t, t - 1)
+    return Packed(follows)
 
 
 class Chunked(NamedTuple):
     """The mask function's answer for Llama 4's chunked attention (causal within fixed chunks of
     `size` tokens, counted from each row's or document's first token): `mask` is what it would
-    answer without the chunks (None, a padding mask or PACKED)."""
+    answer without the chunks (None, a padding mask or `Packed`)."""
 
     size: int
     mask: object
@@ -143,7 +153,8 @@ def fastlm_mask(
             `kwargs` is handed to `sdpa_mask` when a 4-D mask is needed.
 
     Returns:
-        None, a (batch, kv_length) bool padding mask, `PACKED`, or a 4-D bool mask.
+        None, a (batch, kv_length) bool padding mask, `Packed`, or a 4-D bool mask (each
+        wrapped in `Chunked` for Llama 4's chunked layers).
     """
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
@@ -179,7 +190,8 @@ def fastlm_mask(
             mask = torch.nn.functional.pad(mask, (0, kv_offset + kv_length - mask.shape[-1]))
         mask = mask[:, kv_offset : kv_offset + kv_length]
     elif not allow_is_causal_skip:  # transformers found several documents in a row
-        mask = PACKED
+        function = mask_function or causal_mask_function
+        mask = _packed(function, batch_size, q_length, kwargs.get("device"))
     else:
         mask = None
     return Chunked(chunk, mask) if chunked else mask
@@ -210,25 +222,21 @@ def padding_segments(mask: torch.Tensor) -> torch.Tensor:
     return torch.cat((bounds, bounds.new_full((1,), B * N))).to(torch.int32)
 
 
-_last_documents: list = [None]  # (weakref to position_ids, its version, shape, result)
+_last_documents: list = [None]  # (weakref to a Packed's follows, its version, result)
 
 
-def position_documents(position_ids: torch.Tensor, batch: int, length: int):
-    """(cu_seqlens int32 on the device, longest length) of the documents in position_ids (a new
-    one at each row's start and wherever a position does not follow the one before by one), over
-    the flattened (batch * length) tokens. One host synchronisation; the answer is kept for the
-    same position_ids tensor, so that the layers of one forward share it."""
+def packed_documents(follows: torch.Tensor):
+    """(cu_seqlens int32 on the device, longest length) of the documents of a `Packed` (a new
+    one wherever a token does not attend to the one before it), over the flattened (B * T)
+    tokens. One host synchronisation; the answer is kept for the same tensor, so that the
+    layers of one forward share it."""
     cached = _last_documents[0]
-    key = (position_ids._version, batch, length)
-    if cached is not None and cached[0]() is position_ids and cached[1] == key:
+    if cached is not None and cached[0]() is follows and cached[1] == follows._version:
         return cached[2]
-    positions = position_ids.expand(batch, length)
-    starts = torch.ones(batch, length, dtype=torch.bool, device=positions.device)
-    starts[:, 1:] = positions[:, 1:] - positions[:, :-1] != 1
-    first = starts.flatten().nonzero().flatten().cpu()
-    bounds = torch.cat((first, first.new_full((1,), batch * length)))
-    result = bounds.to(device=positions.device, dtype=torch.int32), int(bounds.diff().max())
-    _last_documents[0] = (weakref.ref(position_ids), key, result)
+    first = (~follows).flatten().nonzero().flatten().cpu()
+    bounds = torch.cat((first, first.new_full((1,), follows.numel())))
+    result = bounds.to(device=follows.device, dtype=torch.int32), int(bounds.diff().max())
+    _last_documents[0] = (weakref.ref(follows), follows._version, result)
     return result
 
 
@@ -343,7 +351,8 @@ def fastlm_attention(
     max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
     given = all(x is not None for x in (cu_q, cu_k, max_q, max_k))
     keep = None
-    if given and (attention_mask is None or attention_mask is PACKED):
+    packed = isinstance(attention_mask, Packed)
+    if given and (attention_mask is None or packed):
         if Tq != Tk:
             raise ValueError(
                 f"cu_seq_lens_q/k describe packed documents, but the attention has {Tq} queries "
@@ -356,20 +365,19 @@ def fastlm_attention(
         keep = attention_mask[:, Tk - Tq :]  # the queries are the last Tq keys
         cu_q = cu_k if Tq == Tk else padding_segments(keep)
         max_q, max_k = Tq, Tk
-    elif attention_mask is PACKED and kwargs.get("position_ids") is not None and Tq == Tk:
+    elif packed and Tq == Tk:
         if torch.compiler.is_compiling():
             # Compiling, transformers reports every row as packed: whether position_ids restart
             # cannot be read without a host synchronisation. A row that does restart fails.
-            positions = kwargs["position_ids"]
             torch._assert_async(
-                (positions[:, 1:] - positions[:, :-1] == 1).all(),
+                attention_mask.follows[:, 1:].all(),
                 "fastlm.hf: under torch.compile, packed documents need cu_seq_lens_q/k and "
                 "max_length_q/k (DataCollatorWithFlattening(return_flash_attn_kwargs=True)); "
                 "position_ids that restart cannot be read while compiling",
             )
             cu_q = None
         else:
-            cu_q, max_q = position_documents(kwargs["position_ids"], B, Tq)
+            cu_q, max_q = packed_documents(attention_mask.follows)
             cu_k, max_k = cu_q, max_q
     else:
         cu_q = None
@@ -394,9 +402,7 @@ def fastlm_attention(
 # --------------------------------------------------------------------------------------------
 
 
-def dense_mask(
-    attention_mask, query, key, sliding_window, position_ids, causal: bool = True, chunk=None
-) -> torch.Tensor:
+def dense_mask(attention_mask, query, key, sliding_window, causal: bool = True, chunk=None):
     """The (B, 1, Tq, Tk) bool mask Hugging Face's eager attention applies for what fastlm_mask
     returned: causal (aligned to the end of the keys) with the window, or every key where not
     causal; padding; packed documents; chunks of `chunk` tokens from each row's first real token
@@ -409,21 +415,19 @@ def dense_mask(
     if sliding_window and causal:
         visible &= cols > rows - sliding_window
     visible = visible.expand(B, 1, Tq, Tk)
+    packed = isinstance(attention_mask, Packed)
     if torch.is_tensor(attention_mask):
         visible = visible & attention_mask[:, None, None, :].to(torch.bool)
-    elif attention_mask is PACKED and position_ids is not None:
-        positions = position_ids.expand(B, Tq)
-        steps = torch.ones_like(positions, dtype=torch.bool)
-        steps[:, 1:] = positions[:, 1:] - positions[:, :-1] != 1
-        document = steps.cumsum(1)
+    elif packed:
+        document = (~attention_mask.follows).cumsum(1)
         visible = visible & (document[:, None, :, None] == document[:, None, None, :])
     if chunk:
-        if attention_mask is PACKED and position_ids is not None:
-            place = position_ids.expand(B, Tq)
+        place = torch.arange(Tq, device=query.device).expand(B, Tq)
+        if packed:  # each token's place in its document
+            starts = torch.where(attention_mask.follows, 0, place)
+            place = place - starts.cummax(1).values
         elif torch.is_tensor(attention_mask):
             place = attention_mask.to(torch.long).cumsum(1) - 1
-        else:
-            place = torch.arange(Tq, device=query.device).expand(B, Tq)
         piece = place // chunk
         visible = visible & (piece[:, None, :, None] == piece[:, None, None, :])
     return visible
@@ -440,8 +444,7 @@ def _fallback(
     mask = attention_mask
     if not (torch.is_tensor(mask) and mask.dim() == 4):
         causal = kwargs.get("is_causal") is not False and getattr(module, "is_causal", True)
-        position_ids = kwargs.get("position_ids")
-        mask = dense_mask(mask, query, key, sliding_window, position_ids, causal, chunk)
+        mask = dense_mask(mask, query, key, sliding_window, causal, chunk)
     plain = not any(torch.is_tensor(kwargs.get(n)) for n in SCORE_BIASES)
     if plain and not softcap and kwargs.get("s_aux") is None and value.shape[-1] == query.shape[-1]:
         return sdpa_attention_forward(

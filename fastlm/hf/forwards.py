@@ -21,7 +21,7 @@ from torch import nn
 
 from fastlm.backend import use_triton
 from fastlm.hf.families import IGNORE_INDEX, modeling_module
-from fastlm.kernels import geglu, rms_norm, swiglu_packed
+from fastlm.kernels import cross_entropy, geglu, rms_norm, swiglu_packed
 from fastlm.kernels import swiglu as swiglu_op
 from fastlm.kernels.rope import rope_ref
 from fastlm.tensor_parallel import lm_head_cross_entropy
@@ -76,24 +76,38 @@ def packed_gated(gate_up: torch.Tensor, activation: str, gate_first: bool,
     return gated(*pair, activation, **options)
 
 
-def mlp_forward(self, x: torch.Tensor, gate: str, up: str, down: str, activation: str, **options):
-    """down(act(gate(x)) * up(x)) on the module's own projections (their biases included)."""
+def clamp_options(module: nn.Module, limit_name: str | None = None, alpha_name: str | None = None,
+                  up_offset: float = 0.0) -> dict:  # fmt: skip
+    """`swiglu`'s clamp options (limit, alpha, up_offset) of a clamped gate, the limit and alpha
+    read now from the module's attributes `limit_name` and `alpha_name` (None: alpha 1), where
+    `fastlm.hf.probe` found its forward reads them on every call; {} for no clamp."""
+    if limit_name is None:
+        return {}
+    alpha = float(getattr(module, alpha_name)) if alpha_name is not None else 1.0
+    return dict(limit=float(getattr(module, limit_name)), alpha=alpha, up_offset=up_offset)
+
+
+def mlp_forward(self, x: torch.Tensor, gate: str, up: str, down: str, activation: str, **clamp):
+    """down(act(gate(x)) * up(x)) on the module's own projections (their biases included), SiLU
+    clamped as `clamp` (`clamp_options`' names) says."""
     projections = getattr(self, gate)(x), getattr(self, up)(x)
-    return getattr(self, down)(gated(*projections, activation, **options))
+    return getattr(self, down)(gated(*projections, activation, **clamp_options(self, **clamp)))
 
 
 def packed_mlp_forward(self, x: torch.Tensor, gate_up: str, down: str, activation: str,
-                       gate_first: bool, **options):  # fmt: skip
+                       gate_first: bool, **clamp):  # fmt: skip
     """down(act(gate) * up) on one fused gate/up projection (Phi-3's, GLM-4's)."""
     gate_and_up = getattr(self, gate_up)(x)
+    options = clamp_options(self, **clamp)
     return getattr(self, down)(packed_gated(gate_and_up, activation, gate_first, **options))
 
 
 def experts_gate(self, gate_up: torch.Tensor, activation: str, interleaved: bool = False,
-                 **options) -> torch.Tensor:  # fmt: skip
+                 **clamp) -> torch.Tensor:  # fmt: skip
     """The experts' gate on (S, 2 I) projections: what transformers' experts call between their
-    two GEMMs. gate first and up second, or interleaved with gpt-oss's clamp `options` (alpha,
-    limit, up_offset: `swiglu_packed`'s)."""
+    two GEMMs. gate first and up second, or interleaved with gpt-oss's clamp (`clamp_options`'
+    names: its alpha and limit, read on every call, and up_offset)."""
+    options = clamp_options(self, **clamp)
     if interleaved:
         return swiglu_packed(gate_up, interleaved=True, **options)
     return packed_gated(gate_up, activation, True, **options)
@@ -339,6 +353,28 @@ def attention_forward(self, *args, **kwargs):
 # --------------------------------------------------------------------------------------------
 
 
+def number_holder(model: nn.Module, holder: str) -> object:
+    """Where a family keeps a number of its logits: "config" (model.config) or "model"."""
+    return model.config if holder == "config" else model
+
+
+def logit_numbers(model: nn.Module, scale_from: tuple | None, cap_from: tuple | None):
+    """(scale, cap) of the family's logits, read now from where `fastlm.hf.probe.logit_options`
+    found the family reads them: scale_from (holder, name, divides) gives the number at
+    `model.config.<name>` (holder "config") or `model.<name>` ("model"), or its inverse where it
+    divides; cap_from (holder, name) the soft cap (None or 0: none). None: 1 and no cap."""
+
+    def read(holder, name):
+        return getattr(number_holder(model, holder), name)
+
+    scale = 1.0
+    if scale_from is not None:
+        holder, name, divides = scale_from
+        scale = 1.0 / read(holder, name) if divides else float(read(holder, name))
+    cap = read(*cap_from) if cap_from is not None else None
+    return scale, (float(cap) if cap else None)
+
+
 def output_logits(hidden: torch.Tensor, head: nn.Module, scale: float, cap: float | None):
     """The family's logits: head(hidden) times its logit scale, soft-capped."""
     logits = head(hidden)
@@ -347,14 +383,24 @@ def output_logits(hidden: torch.Tensor, head: nn.Module, scale: float, cap: floa
     return logits if not cap else cap * torch.tanh(logits / cap)
 
 
-def causal_lm_forward(self, *args, names: tuple, decoder: str, scale: float, cap: float | None,
-                      moe: bool, **kwargs):  # fmt: skip
+def linear_head(head: nn.Module) -> bool:
+    """Whether the head computes x W^T + b by nn.Linear's own forward, so that the fused loss may
+    read its weight: a LoRA adapter on it (PEFT's lora.Linear) or a quantized linear runs its
+    own forward, and the loss takes its logits."""
+    return isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward
+
+
+def causal_lm_forward(self, *args, names: tuple, decoder: str, scale_from: tuple | None,
+                      cap_from: tuple | None, moe: bool, **kwargs):  # fmt: skip
     """The ForCausalLM forward with the loss by fused linear cross-entropy (see `patch`): the
     arguments (positional ones by the family forward's parameter `names`, read at patch time:
     binding a signature here would stop torch.compile) go to the decoder (`self.<decoder>`)
     as the family's forward passes them, but the loss's own; the logits are
-    `lm_head(hidden) * scale`, soft-capped at `cap`, as `fastlm.hf.probe` found the family's
-    forward computes them. MoE families add the router's auxiliary loss as their forward does."""
+    `lm_head(hidden) * scale`, soft-capped at `cap`, each read on every call from where
+    `fastlm.hf.probe` found the family's forward reads them (`logit_numbers`). A head that is
+    not a plain nn.Linear (a LoRA adapter on lm_head) gives its logits, and the loss is
+    fastlm's cross-entropy on them. MoE families add the router's auxiliary loss as their
+    forward does."""
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
     from transformers.modeling_utils import slice_logits_to_keep
 
@@ -371,25 +417,25 @@ def causal_lm_forward(self, *args, names: tuple, decoder: str, scale: float, cap
     outputs = getattr(self, decoder)(**call)
     hidden = outputs[0]  # the final norm's output (B, T, C)
     head = self.get_output_embeddings()
+    scale, cap = logit_numbers(self, scale_from, cap_from)
     loss = logits = None
     if labels is not None or shift_labels is not None:
         if shift_labels is None:  # position t predicts label t + 1; the last predicts nothing
             shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
         shift_labels = shift_labels.to(hidden.device)
-        scaled = hidden * scale if scale != 1.0 else hidden
-        weight = head.weight
-        if head.bias is not None:  # [s h, 1] . [W, s b] = s (h . W + b): one more column (Phi)
-            scaled = torch.cat((scaled, scaled.new_ones(*scaled.shape[:-1], 1)), dim=-1)
-            weight = torch.cat((weight, head.bias.to(weight.dtype)[:, None] * scale), dim=-1)
-        # linear_cross_entropy, or its vocabulary-parallel form when transformers' tensor
-        # parallelism (tp_plan="auto") left the head a DTensor sharded by vocabulary rows.
-        loss = lm_head_cross_entropy(scaled, weight, shift_labels, IGNORE_INDEX, softcap=cap or 0.0)
+        if linear_head(head):
+            loss = _fused_loss(hidden, head, shift_labels, scale, cap)
+        else:  # the head's own forward (a LoRA adapter's too), its logits into the loss
+            logits = output_logits(hidden, head, scale, cap)
+            loss = cross_entropy(logits, shift_labels, IGNORE_INDEX)
         if num_items_in_batch is not None:  # transformers' sum / num_items_in_batch
             counted = (shift_labels != IGNORE_INDEX).sum().clamp_min(1)
             if torch.is_tensor(num_items_in_batch):
                 num_items_in_batch = num_items_in_batch.to(loss.device)
             loss = loss * counted / num_items_in_batch
-    if loss is None or not self.training:
+    if logits is not None:  # the unfused loss's: they exist already
+        logits = slice_logits_to_keep(logits, logits_to_keep)
+    elif loss is None or not self.training:
         logits = output_logits(slice_logits_to_keep(hidden, logits_to_keep), head, scale, cap)
     rest = {name: value for name, value in outputs.items() if name != "last_hidden_state"}
     if moe:
@@ -407,6 +453,18 @@ def causal_lm_forward(self, *args, names: tuple, decoder: str, scale: float, cap
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
     return result if return_dict else result.to_tuple()
+
+
+def _fused_loss(hidden, head: nn.Linear, shift_labels, scale: float, cap: float | None):
+    """Mean cross-entropy of `head(hidden) * scale`, capped, by fused linear cross-entropy."""
+    scaled = hidden * scale if scale != 1.0 else hidden
+    weight = head.weight
+    if head.bias is not None:  # [s h, 1] . [W, s b] = s (h . W + b): one more column (Phi)
+        scaled = torch.cat((scaled, scaled.new_ones(*scaled.shape[:-1], 1)), dim=-1)
+        weight = torch.cat((weight, head.bias.to(weight.dtype)[:, None] * scale), dim=-1)
+    # linear_cross_entropy, or its vocabulary-parallel form when transformers' tensor
+    # parallelism (tp_plan="auto") left the head a DTensor sharded by vocabulary rows.
+    return lm_head_cross_entropy(scaled, weight, shift_labels, IGNORE_INDEX, softcap=cap or 0.0)
 
 
 # --------------------------------------------------------------------------------------------

@@ -43,12 +43,26 @@ def _hugging_face_model(model: object) -> nn.Module:
     if not isinstance(model, transformers.PreTrainedModel) and hasattr(model, "get_base_model"):
         model = model.get_base_model()
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not isinstance(model, transformers.PreTrainedModel) or not isinstance(head, nn.Linear):
+    # The head: an nn.Linear, or a module around one (PEFT's LoRA on lm_head) with its weight.
+    weight = getattr(head, "weight", None)
+    if not isinstance(model, transformers.PreTrainedModel) or not (
+        isinstance(head, nn.Module) and torch.is_tensor(weight) and weight.dim() == 2
+    ):
         raise TypeError(
-            "model must be a transformers PreTrainedModel with a causal-LM head (an nn.Linear "
-            f"lm_head: a ...ForCausalLM), or a PEFT model around one; got {type(model).__name__}"
+            "model must be a transformers PreTrainedModel with a causal-LM head (an lm_head "
+            "with a 2-D weight: a ...ForCausalLM), or a PEFT model around one; got "
+            f"{type(model).__name__}"
         )
     return model
+
+
+def _unpatch(model: nn.Module) -> None:
+    """The forwards a previous `patch` gave the model's modules taken away, so that each is
+    found again from its own code (patching twice finds what patching once does)."""
+    for module in model.modules():
+        for method in ("forward", "_apply_gate"):
+            if is_patched_forward(module.__dict__.get(method)):
+                delattr(module, method)
 
 
 def _own_modules(model: nn.Module):
@@ -264,8 +278,9 @@ def patch(
 
     Args:
         model: any transformers PreTrainedModel with a causal-LM head (a ...ForCausalLM), or a
-            PEFT model around one. Patch before building a trainer (TRL's trainers wrap the
-            forward then).
+            PEFT model around one, on any device (the meta device too). Patch before building a
+            trainer (TRL's trainers wrap the forward then). A patched model patched again has
+            each part found again.
         rms_norm: every module computing RMSNorm's math (LLaMA's `weight * x_hat`, Gemma's
             `(1 + weight) * x_hat`, over a head or a whole projection) by `rms_norm`.
         rope: RoPE by fastlm's kernel on the rotary embedding's own cos/sin, inside each
@@ -277,7 +292,8 @@ def patch(
             attention in every batch shape (see `fastlm.hf.attention`), registered as
             "fastlm" with transformers.
         cross_entropy: with labels, the loss by fused linear cross-entropy, with the family's
-            logit scale and final soft cap.
+            logit scale and final soft cap (read on every call, where the family reads them;
+            a LoRA adapter on lm_head: its logits into fastlm's cross-entropy).
 
     Returns:
         The model. `fastlm_patched` (on the transformers model) lists the parts that run on
@@ -289,6 +305,7 @@ def patch(
         TypeError: model is not a transformers causal LM (or a PEFT model around one).
     """
     target = _hugging_face_model(model)
+    _unpatch(target)
     report = _Report()
     steps = (
         (rms_norm, _patch_norms),

@@ -5,12 +5,21 @@ Names are only a first guess (a leaf module with one 1-D `weight` may be a norm;
 activation and two or three linear layers may be a gated MLP). Each guess is then checked: the
 module's own forward and fastlm's formula for it run on the same random input with the same
 random parameters, in float64 where the module allows it (so that only a different formula, not
-rounding, can tell them apart), and the guess stands only where they agree. A module that agrees
-with no formula is left as it is, with the reason.
+rounding, can tell them apart), and the guess stands only where they agree. So that no value the
+module happens to hold at patch time decides (an output scale still at its initial 1, a
+projection initialised to zero, dropout off in eval mode):
+- every parameter is replaced by a random one for the check (`random_parameters`), never the
+  module's own values, which also lets a module on the meta device be checked on the CPU;
+- the module runs in training mode and in eval mode (`in_both_modes`): dropout, or anything else
+  its training mode does differently, is part of what it computes;
+- the forward fastlm would give it must read every parameter and buffer the module has: one it
+  would not read (a trainable scale beside the projections) leaves the module as it is.
+A module that agrees with no formula is left as it is, with the reason.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 
@@ -19,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from fastlm.hf.forwards import activation_of
+from fastlm.hf.forwards import activation_of, number_holder
 from fastlm.kernels.geglu import geglu_ref
 from fastlm.kernels.rmsnorm import rms_norm_ref
 from fastlm.kernels.swiglu import swiglu_packed_ref, swiglu_ref
@@ -36,8 +45,76 @@ def _relative(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return float((ours - theirs).norm() / theirs.norm().clamp_min(1e-30))
 
 
-def _generator() -> torch.Generator:
-    return torch.Generator().manual_seed(0)
+def _generator(device: torch.device | str = "cpu") -> torch.Generator:
+    return torch.Generator(device).manual_seed(0)
+
+
+def probe_device(module: nn.Module) -> torch.device:
+    """Where a module's check runs: its parameters' device, or the CPU for a module on the meta
+    device (how large models are built before their weights are loaded) or without parameters."""
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    return torch.device("cpu") if device.type == "meta" else device
+
+
+def random_parameters(module: nn.Module, device: torch.device, prefix: str = "") -> dict:
+    """{name: random float64 values of the parameter's shape} for every parameter of `module`
+    (names prefixed by `prefix`), on `device`: matrices N(0, 1 / fan-in), so that activations
+    keep their scale; vectors (norm gains, biases, scales) N(0.3, 0.5), never all 0 or all 1. A
+    tensor-parallel parameter (a DTensor) gets a DTensor of the same placements (a collective:
+    every rank patches, so every rank takes part)."""
+    generator = _generator(device)
+    values = {}
+    for name, p in module.named_parameters():
+        random = torch.randn(p.shape, generator=generator, dtype=torch.float64, device=device)
+        random = random / p.shape[-1] ** 0.5 if p.dim() >= 2 else random * 0.5 + 0.3
+        if hasattr(p, "device_mesh"):
+            from torch.distributed.tensor import distribute_tensor
+
+            random = distribute_tensor(random, p.device_mesh, p.placements)
+        values[prefix + name] = random
+    return values
+
+
+def unread_state(module: nn.Module, read: tuple[str, ...]) -> list[str]:
+    """The module's parameters and buffers outside its children named in `read`: what a forward
+    that reads only those children would not read."""
+    state = itertools.chain(module.named_parameters(), module.named_buffers())
+    return [name for name, _ in state if name.split(".")[0] not in read]
+
+
+@contextlib.contextmanager
+def _fixed_randomness(device: torch.device):
+    """The global random state as it was afterwards (a check's dropout draws nothing the user's
+    run would see)."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+def seeded(device: torch.device) -> None:
+    """The same random draws for each of two calls that should compute the same thing (the
+    dropout of a LoRA head in training mode)."""
+    torch.default_generator.manual_seed(0)  # not torch.manual_seed: it seeds every GPU
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(0)
+
+
+def in_both_modes(module: nn.Module, device: torch.device, call) -> list:
+    """[call() in training mode, call() in eval mode] of the module and all its children, their
+    modes restored and the global random state untouched: what a module computes includes what
+    it does in training (dropout), whichever mode it is in when it is patched."""
+    modes = [(m, m.training) for m in module.modules()]
+    try:
+        with _fixed_randomness(device):
+            outputs = []
+            for training in (True, False):
+                module.train(training)
+                outputs.append(call())
+            return outputs
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 # --------------------------------------------------------------------------------------------
@@ -60,30 +137,34 @@ def rms_norm_options(module: nn.Module) -> dict | str:
     x / sqrt(mean(x^2) + eps) * (weight + offset) with offset 0 or 1 (Gemma's), else why not.
 
     Checked on fp32 inputs at two scales (one where eps decides the result) with a random fp32
-    weight, against the formula in float64; then on a half-precision input beside a weight of
-    another dtype, for the output dtype (x's, or the promotion of x's and the weight's)."""
+    weight, in training and eval mode, against the formula in float64; then on a half-precision
+    input beside a weight of another dtype, for the output dtype (x's, or the promotion of x's
+    and the weight's). A module holding buffers is left (the forward would not read them)."""
     eps_name = next((n for n in EPS_NAMES if isinstance(getattr(module, n, None), float)), None)
     if eps_name is None:
         return "no epsilon attribute (" + ", ".join(EPS_NAMES) + ")"
+    buffers = [name for name, _ in module.named_buffers()]
+    if buffers:
+        return f"buffers {', '.join(buffers)} besides its weight: not RMSNorm's one weight"
     eps = getattr(module, eps_name)
     (size,) = module.weight.shape
+    device = probe_device(module)
     generator = _generator()
-    weight = torch.randn(size, generator=generator) * 0.5 + 0.3
-    x = torch.randn(2, 3, size, generator=generator)
-    device = module.weight.device
-    if device.type == "meta":
-        return "its weight is on the meta device"
+    weight = (torch.randn(size, generator=generator) * 0.5 + 0.3).to(device)
+    x = torch.randn(2, 3, size, generator=generator).to(device)
     inputs = [x, x * (eps**0.5 * 0.7)]  # the second one's mean square is about eps / 2
+
+    def outputs():
+        return [functional_call(module, {"weight": weight}, (t,)).cpu() for t in inputs]
+
     try:
         with torch.no_grad():
-            outputs = [
-                functional_call(module, {"weight": weight.to(device)}, (t.to(device),)).cpu()
-                for t in inputs
-            ]
+            modes = in_both_modes(module, device, outputs)
     except TypeError:
         return "its forward takes more than one tensor (a gated norm)"
     except Exception as error:  # noqa: BLE001 (another forward's form: left, with why)
         return f"its forward failed on one tensor ({type(error).__name__})"
+    weight, inputs = weight.cpu(), [t.cpu() for t in inputs]
     offset = None
     for candidate in (0.0, 1.0):
         expected = [
@@ -91,7 +172,8 @@ def rms_norm_options(module: nn.Module) -> dict | str:
         ]
         if all(
             out.shape == ref.shape and _relative(ref, out) <= FP32_EXACT
-            for out, ref in zip(outputs, expected)
+            for outs in modes
+            for out, ref in zip(outs, expected)
         ):
             offset = candidate
             break
@@ -128,23 +210,51 @@ def _reference_gated(gate: torch.Tensor, up: torch.Tensor, activation: str, **op
 PROBE_SCALES = (1.0, 1e3)
 #: Where gated modules keep their clamped SwiGLU's numbers (gpt-oss: alpha 1.702, limit 7).
 LIMIT_NAMES, ALPHA_NAMES = ("limit", "swiglu_limit"), ("alpha", "swiglu_alpha")
+#: The numbers a gate probe puts in those places, one each: limits (the first one above every
+#: real limit's order, so that the probe's inputs still reach it) and alphas.
+PROBE_LIMITS, PROBE_ALPHAS = (7.3, 9.1), (1.3, 2.1)
 
 
-def _numbers(module: nn.Module, names: tuple[str, ...]) -> list[float]:
-    """The real numbers the module holds under `names`, in order, without repeats."""
-    values = [getattr(module, n, None) for n in names]
-    numbers = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    return list(dict.fromkeys(numbers))
+def _number_names(module: nn.Module, names: tuple[str, ...]) -> list[str]:
+    """The names among `names` under which the module holds a real number."""
+    values = {n: getattr(module, n, None) for n in names}
+    return [n for n, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
 
 
-def _clamp_options(module: nn.Module) -> list[dict]:
-    """`swiglu`'s clamp options a module that holds a limit may use (gpt-oss's alpha and offset
-    of up, or SiLU's alpha 1 and none), after none."""
-    options = [{}]
+def _clamp_numbers(module: nn.Module) -> dict:
+    """{name: the number a probe puts there} for each limit and alpha the module holds."""
+    limits = dict(zip(_number_names(module, LIMIT_NAMES), PROBE_LIMITS))
+    return {**limits, **dict(zip(_number_names(module, ALPHA_NAMES), PROBE_ALPHAS))}
+
+
+@contextlib.contextmanager
+def _attributes_put(module: nn.Module, values: dict):
+    """The module with `values` ({attribute: value}) in place, its own put back after."""
+    kept = {name: getattr(module, name) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, value in kept.items():
+            setattr(module, name, value)
+
+
+def _clamp_options(module: nn.Module) -> list[tuple[dict, dict]]:
+    """(options for `forwards.clamp_options`, `swiglu`'s clamp options with `_clamp_numbers`'
+    values) for each clamp a module that holds a limit may use (gpt-oss's alpha and offset of
+    up, or SiLU's alpha 1 and none), after none. The probe runs the module with
+    `_clamp_numbers` in place, so which attribute its forward reads shows (the patched forward
+    reads the same one on every call: a limit changed after `patch` is used)."""
+    numbers = _clamp_numbers(module)
+    limits = _number_names(module, LIMIT_NAMES)
+    options = [({}, {})]
     for limit, alpha, up_offset in itertools.product(
-        _numbers(module, LIMIT_NAMES), [*_numbers(module, ALPHA_NAMES), 1.0], (1.0, 0.0)
+        limits, [*_number_names(module, ALPHA_NAMES), None], (1.0, 0.0)
     ):
-        options.append(dict(alpha=alpha, limit=limit, up_offset=up_offset))
+        names = dict(limit_name=limit, alpha_name=alpha, up_offset=up_offset)
+        values = dict(limit=numbers[limit], alpha=numbers.get(alpha, 1.0), up_offset=up_offset)
+        options.append((names, values))
     return options
 
 
@@ -169,36 +279,42 @@ def mlp_candidate(module: nn.Module) -> bool:
     return 2 <= len(linears) <= 3 and (_activation(module)[1] is not None or named)
 
 
-def _float64_call(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    params = {name: p.detach().double() for name, p in module.named_parameters()}
-    with torch.no_grad():
-        return functional_call(module, params, (x,))
-
-
 def mlp_options(module: nn.Module) -> tuple[str, dict] | str:
     """("mlp", {gate, up, down, activation}) or ("packed_mlp", {gate_up, down, activation,
     gate_first}) for `forwards`' gated MLP forwards if the module computes
     down(act(gate(x)) * up(x)) with SiLU or a GELU (exact or tanh) by its linear children (SiLU
     clamped as DeepSeek-V4's: `_clamp_options`, added to the options), else why not. Every
     assignment of the children to the roles that the shapes allow is run in float64 against the
-    module's own forward (random input at each of PROBE_SCALES, its own weights)."""
+    module's own forward, with random parameters (`random_parameters`), on random input at each
+    of PROBE_SCALES, in training and eval mode; a parameter or buffer outside its linear
+    children (which the forward would not read) leaves it."""
     activation, act = _activation(module)
     if activation is None and act is not None:
         return f"{type(getattr(module, act)).__name__} activation"
     # No activation module (the forward calls F.silu or F.gelu itself): each one fastlm has.
     activations = [activation] if activation else ["silu", "tanh", "none"]
     linears = {n: c for n, c in module.named_children() if isinstance(c, nn.Linear)}
-    if any(p.device.type == "meta" for p in module.parameters()):
-        return "its weights are on the meta device"
+    unread = unread_state(module, tuple(linears))
+    if unread:
+        return f"{', '.join(unread)} besides its linear layers (a gated MLP's forward reads none)"
+    device = probe_device(module)
+    params = random_parameters(module, device)
     first = next(iter(linears.values()))
     x = torch.randn(2, 3, first.in_features, generator=_generator(), dtype=torch.float64)
-    inputs = [scale * x.to(first.weight.device) for scale in PROBE_SCALES]
+    inputs = [scale * x.to(device) for scale in PROBE_SCALES]
+
+    def outputs():
+        return [functional_call(module, params, (t,)) for t in inputs]
+
     try:
-        expected = [_float64_call(module, t) for t in inputs]
+        with torch.no_grad(), _attributes_put(module, _clamp_numbers(module)):
+            modes = in_both_modes(module, device, outputs)
     except Exception as error:  # noqa: BLE001
         return f"its forward failed on one tensor ({type(error).__name__})"
-    weights = {n: (c.weight.detach().double(), _bias(c)) for n, c in linears.items()}
-    apply = lambda name, t: F.linear(t, *weights[name])  # noqa: E731
+
+    def apply(name, t):
+        return F.linear(t, params[f"{name}.weight"], params.get(f"{name}.bias"))
+
     candidates = []
     names = list(linears)
     if len(names) == 3:
@@ -223,29 +339,39 @@ def mlp_options(module: nn.Module) -> tuple[str, dict] | str:
 
     clamps = _clamp_options(module)
     for (kind, roles), activation in itertools.product(candidates, activations):
-        for options in clamps if activation == "silu" else [{}]:
+        for names, values in clamps if activation == "silu" else [({}, {})]:
             try:
                 with torch.no_grad():
-                    ours = [run(kind, roles, activation, options, t) for t in inputs]
+                    ours = [run(kind, roles, activation, values, t) for t in inputs]
             except RuntimeError:  # shapes that do not chain
                 break
-            if all(a.shape == b.shape and _relative(a, b) <= EXACT for a, b in zip(ours, expected)):
-                return kind, dict(roles, activation=activation, **options)
+            if all(_agree(ours, expected) for expected in modes):
+                return kind, dict(roles, activation=activation, **names)
     return "not down(act(gate(x)) * up(x)) of its linear layers (or clamped where fastlm cannot)"
 
 
-def _bias(linear: nn.Linear) -> torch.Tensor | None:
-    return None if linear.bias is None else linear.bias.detach().double()
+def _agree(ours: list, theirs: list, bound: float = EXACT) -> bool:
+    """Each of `ours` equal to its counterpart in `theirs` within `bound` (relative)."""
+    return all(
+        torch.is_tensor(b)
+        and (a.shape, a.device) == (b.shape, b.device)
+        and _relative(a, b) <= bound
+        for a, b in zip(ours, theirs)
+    )
 
 
-def _gate_candidates(module: nn.Module) -> list[dict]:
-    """The gates an experts' `_apply_gate` may compute, as `forwards.experts_gate` options:
-    act(first half) * second half for the module's activation, then (for experts that hold a
-    limit) gpt-oss's clamped SwiGLU in both layouts, with and without the offset of up."""
+def _gate_candidates(module: nn.Module) -> list[tuple[dict, dict]]:
+    """The gates an experts' `_apply_gate` may compute, as (`forwards.experts_gate` options, the
+    reference's clamp values: `_clamp_options`): act(first half) * second half for the module's
+    activation, then (for experts that hold a limit) gpt-oss's clamped SwiGLU in both layouts,
+    with and without the offset of up."""
     activation, _ = _activation(module)
-    candidates = [] if activation is None else [dict(activation=activation, interleaved=False)]
-    for options, interleaved in itertools.product(_clamp_options(module)[1:], (True, False)):
-        candidates.append(dict(activation="silu", interleaved=interleaved, **options))
+    plain = dict(activation=activation, interleaved=False)
+    candidates = [] if activation is None else [(plain, {})]
+    for (names, values), interleaved in itertools.product(
+        _clamp_options(module)[1:], (True, False)
+    ):
+        candidates.append((dict(activation="silu", interleaved=interleaved, **names), values))
     return candidates
 
 
@@ -255,29 +381,50 @@ def _reference_gate(gate_up: torch.Tensor, activation: str, interleaved: bool, *
     return _reference_gated(*gate_up.chunk(2, dim=-1), activation)
 
 
+class _Gate(nn.Module):
+    """An experts module's `_apply_gate` as a forward, so that `functional_call` can run it with
+    the experts' parameters replaced."""
+
+    def __init__(self, experts: nn.Module):
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return type(self.experts)._apply_gate(self.experts, gate_up)
+
+
 def experts_gate_options(module: nn.Module) -> dict | str:
     """Options for `forwards.experts_gate` if the experts' `_apply_gate` (transformers' experts
     call it on the (S, 2 I) gate/up projections, between their two GEMMs) is one of
-    `_gate_candidates`, else why not. Each runs in float64 against the module's own, on values
-    up to twice its limit (so that the clamp's side of each projection is told apart) and at
-    PROBE_SCALES beyond that."""
+    `_gate_candidates`, else why not. Each runs in float64 against the module's own, in training
+    and eval mode, on values up to twice its limit (so that the clamp's side of each projection
+    is told apart) and at PROBE_SCALES beyond that. The module's own gate runs with its
+    parameters and buffers on the meta device: one it reads (which fastlm's gate would not)
+    fails it, and it is left."""
     candidates = _gate_candidates(module)
     if not candidates:
         return "their activation is none fastlm has (SiLU, GELU), and they hold no clamp limit"
-    scale = 2 * max([1.0, *_numbers(module, LIMIT_NAMES)])
+    numbers = _clamp_numbers(module)
+    scale = 2 * max([1.0, *(numbers[n] for n in _number_names(module, LIMIT_NAMES))])
     gate_up = scale * torch.randn(7, 2 * 5, generator=_generator(), dtype=torch.float64)
     inputs = [s * gate_up for s in PROBE_SCALES]
+    gate = _Gate(module)
+    state = itertools.chain(gate.named_parameters(), gate.named_buffers())
+    absent = {name: torch.empty_like(t, device="meta") for name, t in state}
+
+    def outputs():
+        return [functional_call(gate, absent, (t,)) for t in inputs]
+
     try:
-        with torch.no_grad():
-            expected = [type(module)._apply_gate(module, t) for t in inputs]
+        with torch.no_grad(), _attributes_put(module, numbers):
+            modes = in_both_modes(module, torch.device("cpu"), outputs)
     except Exception as error:  # noqa: BLE001
-        return f"their gate failed on one tensor ({type(error).__name__})"
-    for options in candidates:
-        ours = [_reference_gate(t, **options) for t in inputs]
-        if all(
-            torch.is_tensor(b) and a.shape == b.shape and _relative(a, b) <= EXACT
-            for a, b in zip(ours, expected)
-        ):
+        why = type(error).__name__
+        return f"their gate failed on one tensor, given none of their weights ({why})"
+    for options, values in candidates:
+        gate_options = {k: options[k] for k in ("activation", "interleaved")}
+        ours = [_reference_gate(t, **gate_options, **values) for t in inputs]
+        if all(_agree(ours, expected) for expected in modes):
             return options
     return "their gate is neither act(gate) * up nor gpt-oss's clamped SwiGLU of the projection"
 
@@ -300,66 +447,99 @@ class _Decoder(nn.Module):
         return MoeModelOutputWithPast(last_hidden_state=self.hidden)
 
 
-#: Config fields that multiply the logits, and those that divide them.
+#: Where a family may keep the numbers of its logits, on its config or on the model itself
+#: (Cohere copies `logit_scale` onto the model): multipliers, divisors (Granite's
+#: `logits_scaling`) and the final soft cap (Gemma 2's).
 LOGIT_MULTIPLIERS = ("logit_scale", "logits_scale", "output_multiplier")
 LOGIT_DIVISORS = ("logits_scaling",)
+LOGIT_CAPS = ("final_logit_softcapping",)
+#: The numbers the logit probe puts in those places, one each (none another's inverse).
+#: Where LOGIT_* are looked for.
+LOGIT_HOLDERS = ("config", "model")
+PROBE_NUMBERS = (1.7, 2.3, 0.41, 3.1, 0.29, 2.7, 0.53, 1.9, 0.37, 2.9)
+
+
+def _logit_places(model: nn.Module) -> list[tuple[str, str]]:
+    """(holder, name) of each place in LOGIT_* that holds a number or None."""
+    places = []
+    for holder in LOGIT_HOLDERS:
+        obj = number_holder(model, holder)
+        for name in (*LOGIT_MULTIPLIERS, *LOGIT_DIVISORS, *LOGIT_CAPS):
+            value = getattr(obj, name, False)
+            if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+                places.append((holder, name))
+    return places
+
+
+@contextlib.contextmanager
+def _numbers_put(model: nn.Module, numbers: dict):
+    """The model with `numbers` ({(holder, name): value}) in their places, put back after."""
+    with contextlib.ExitStack() as stack:
+        for holder in LOGIT_HOLDERS:
+            values = {name: v for (where, name), v in numbers.items() if where == holder}
+            stack.enter_context(_attributes_put(number_holder(model, holder), values))
+        yield
 
 
 def logit_options(model: nn.Module, decoder: str) -> dict | str:
-    """{scale, cap} for `forwards.causal_lm_forward` if the family's forward computes its
-    logits as lm_head(hidden) * scale, soft-capped at cap (`final_logit_softcapping`), from
-    `model.<decoder>`'s output, else why not. The scale is 1, a multiplier or the inverse of a
-    divisor from the config; the forward runs in float64 on random hidden states with a stand-in
-    for the decoder, which is put back."""
-    config = model.config
+    """{scale_from, cap_from} for `forwards.causal_lm_forward` if the family's forward computes
+    its logits from `model.<decoder>`'s output h as lm_head(h) times a number it reads on each
+    call, soft-capped at another (`forwards.logit_numbers`: each None, or where it is read
+    from), else why not.
+
+    The forward runs in float64, in training and eval mode, with a stand-in for the decoder
+    (put back after) that returns random hidden states, a random head, and a distinct number in
+    every place the family may read one from (`_logit_places`; a cap of None switched on), so
+    that which places it reads shows whatever values they hold at patch time: the patched
+    forward reads the same places on every call, so a value changed after `patch` (Gemma 2's
+    `final_logit_softcapping`) is used as the family's own forward would. A parameter or buffer
+    of the model outside the decoder and the head (which that forward would not read) leaves it.
+    """
     head = model.get_output_embeddings()
-    scales = [1.0] + [float(getattr(config, n)) for n in LOGIT_MULTIPLIERS if _number(config, n)]
-    scales += [1.0 / float(getattr(config, n)) for n in LOGIT_DIVISORS if _number(config, n)]
-    caps = [None] + ([float(config.final_logit_softcapping)]
-                     if _number(config, "final_logit_softcapping") else [])  # fmt: skip
-    device = head.weight.device
+    head_prefix = next(n for n, m in model.named_modules() if m is head)
+    unread = unread_state(model, (decoder, head_prefix))
+    if unread:
+        return f"{', '.join(unread)} besides its decoder and head (the fused loss reads none)"
+    device = probe_device(head)
+    params = random_parameters(head, device, prefix=f"{head_prefix}.")
     hidden = torch.randn(1, 5, head.weight.shape[1], generator=_generator(), dtype=torch.float64)
     hidden = hidden.to(device) * 2
-    weight = head.weight.detach().double()
-    head_name = _head_name(model)
+    places = _logit_places(model)
+    numbers = dict(zip(places, PROBE_NUMBERS))
+    arguments = dict(input_ids=torch.zeros(1, 5, dtype=torch.long, device=device), use_cache=False)
+    if "output_router_logits" in inspect.signature(type(model).forward).parameters:
+        arguments["output_router_logits"] = False
+    own = {name[len(head_prefix) + 1 :]: value for name, value in params.items()}
+
+    def logits():
+        """(the family's logits, lm_head(h)), each after the same random draws."""
+        seeded(device)
+        theirs = functional_call(model, params, (), arguments).logits
+        seeded(device)
+        return theirs, functional_call(head, own, (hidden,))
+
     real = getattr(model, decoder)
     setattr(model, decoder, _Decoder(hidden))
     try:
-        ids = torch.zeros(1, 5, dtype=torch.long, device=device)
-        arguments = dict(input_ids=ids, use_cache=False)
-        if "output_router_logits" in inspect.signature(type(model).forward).parameters:
-            arguments["output_router_logits"] = False
-        with torch.no_grad():
-            params = {head_name: weight}
-            if head.bias is not None:
-                params[head_name.replace(".weight", ".bias")] = head.bias.detach().double()
-            logits = functional_call(model, params, (), arguments).logits
+        with torch.no_grad(), _numbers_put(model, numbers):
+            modes = in_both_modes(model, device, logits)
     except Exception as error:  # noqa: BLE001
         return f"its forward could not be run on stand-in hidden states ({type(error).__name__})"
     finally:
         setattr(model, decoder, real)
-    # A head under transformers' tensor parallelism is a DTensor: the formula takes it whole
-    # (a collective: every rank patches, so every rank gathers).
-    dense = weight.full_tensor() if hasattr(weight, "full_tensor") else weight
-    plain = hidden @ dense.T
-    if head.bias is not None:
-        plain = plain + head.bias.detach().double()
-    for scale in scales:
-        for cap in caps:
-            ours = plain * scale
-            ours = ours if cap is None else cap * torch.tanh(ours / cap)
-            if torch.is_tensor(logits) and logits.shape == ours.shape:
-                if _relative(ours, logits) <= EXACT:
-                    return dict(scale=scale, cap=cap)
-    return "its logits are not lm_head(hidden) times a config scale, soft-capped"
+    # A head under transformers' tensor parallelism is a DTensor: lm_head(h) taken whole.
+    modes = [(theirs, _whole(plain)) for theirs, plain in modes]
+    scales = [(None, 1.0)]
+    scales += [((*p, False), numbers[p]) for p in places if p[1] in LOGIT_MULTIPLIERS]
+    scales += [((*p, True), 1 / numbers[p]) for p in places if p[1] in LOGIT_DIVISORS]
+    caps = [(None, None)] + [(p, numbers[p]) for p in places if p[1] in LOGIT_CAPS]
+    for (scale_from, scale), (cap_from, cap) in itertools.product(scales, caps):
+        ours = [plain * scale for _, plain in modes]
+        ours = [t if cap is None else cap * torch.tanh(t / cap) for t in ours]
+        if _agree(ours, [theirs for theirs, _ in modes]):
+            return dict(scale_from=scale_from, cap_from=cap_from)
+    return "its logits are not lm_head(hidden) times a number it holds, soft-capped"
 
 
-def _number(config, name: str) -> bool:
-    value = getattr(config, name, None)
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value not in (0,)
-
-
-def _head_name(model: nn.Module) -> str:
-    head = model.get_output_embeddings()
-    name = next(n for n, m in model.named_modules() if m is head)
-    return f"{name}.weight"
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
