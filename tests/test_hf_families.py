@@ -162,7 +162,11 @@ def tiny_config(model_type: str, **changes):
 
 def has_field(config, name: str) -> bool:
     """Whether the config has the field, model-wide or per layer (per-layer fields, Gemma 4's
-    head_dim, raise when read from the model's config)."""
+    head_dim, raise when read from the model's config), and it can be set (Falcon's head_dim is
+    a property computed from the others)."""
+    computed = getattr(type(config), name, None)
+    if isinstance(computed, property) and computed.fset is None:
+        return False
     return name in (getattr(config, "per_layer_attributes", None) or ()) or hasattr(config, name)
 
 

@@ -72,8 +72,12 @@ def rms_norm_options(module: nn.Module) -> dict | str:
     eps_name = _eps_name(module)
     if eps_name is None:
         return "no epsilon attribute (" + ", ".join(EPS_NAMES) + ")"
+    inputs = [p for p in inspect.signature(module.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]  # fmt: skip
+    if len(inputs) > 1:  # Bamba's gate=None: a norm on one tensor, gated when given two
+        return "its forward takes more than one tensor (a gated norm)"
     eps = getattr(module, eps_name)
-    scaled = hasattr(module, "weight")
+    scaled = getattr(module, "weight", None) is not None
     buffer = next(module.buffers(), None)
     size = module.weight.shape[0] if scaled else 24  # without a weight: any width
     generator = _generator()
