@@ -197,11 +197,6 @@ def _patch_attention(model, report) -> None:
     if sum(map(len, untaken.values())) == len(calling):
         report.leave("attention", f"head_dim {', '.join(map(str, untaken))}: {why}")
         return
-    for size, layers in untaken.items():
-        report.leave(
-            f"attention of layers {', '.join(map(str, layers))}",
-            f"head_dim {size}: {why}; they run SDPA (or the family's eager attention)",
-        )
     attention_module.register()
     before = model.config._attn_implementation
     try:
@@ -216,6 +211,11 @@ def _patch_attention(model, report) -> None:
         model.set_attn_implementation(before)
         report.leave("attention", f"its forward fails on fastlm's attention ({failure})")
         return
+    for size, layers in untaken.items():
+        report.leave(
+            f"attention of layers {', '.join(map(str, layers))}",
+            f"head_dim {size}: {why}; they run SDPA (or the family's eager attention)",
+        )
     report.ran("attention", len(calling) - sum(map(len, untaken.values())))
 
 
