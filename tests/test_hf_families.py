@@ -20,6 +20,7 @@ from test_hf import BASE, _Ops  # noqa: E402
 from test_hf import FAMILY_CONFIGS as TEN  # noqa: E402
 
 from fastlm import hf  # noqa: E402
+from fastlm.hf import attention as hf_attention  # noqa: E402
 from fastlm.hf import forwards, probe  # noqa: E402
 from fastlm.testing import LargestTensor, assert_close  # noqa: E402
 
@@ -353,7 +354,7 @@ def test_family_patched_matches_unpatched(family):
             assert calls.calls[gate] > 0 and calls.calls[f"{gate}_backward"] > 0, calls.calls
 
 
-def test_layers_of_a_head_dim_the_kernel_does_not_take():
+def test_layers_of_a_head_dim_the_kernel_does_not_take(monkeypatch):
     """Gemma 4's global layers with a head dim of their own that fastlm's kernel does not take
     (20, not a multiple of 8; the real model's 512 needs the kernels' head dims up to 512), its
     sliding layers at 16: patch reads each layer's head dim from the layer (never the config's
@@ -369,6 +370,7 @@ def test_layers_of_a_head_dim_the_kernel_does_not_take():
         hidden_size_per_layer_input=0,
     )  # fmt: skip
     unpatched = copy.deepcopy(model)
+    monkeypatch.setattr(hf_attention, "_warned", set())  # its fallback warns once per process
     messages = patched_copy(model)
     left = model.fastlm_patched.left
     assert list(left) == ["attention of layers 1"], left
