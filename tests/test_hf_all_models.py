@@ -43,8 +43,8 @@ READS_MASK = "its forward fails on fastlm's attention"
 #: model_type -> why it does not run attention on fastlm's kernels with parity (a phrase of
 #: the failure it gives here). Types whose tiny config does not build are in NOT_BUILT.
 #: - OWN_ATTENTION: the model computes attention in its own code (BLOOM's ALiBi, MPT, XGLM,
-#:   Falcon, GPT-Neo, the BERT-era decoders) or has none (Mamba, Mamba-2, RWKV, xLSTM,
-#:   RecurrentGemma);
+#:   Falcon, GPT-Neo, Reformer's LSH, the BERT-era decoders) or has none (Mamba, Mamba-2, RWKV,
+#:   xLSTM, RecurrentGemma);
 #: - BIDIRECTIONAL: an encoder's config (is_decoder False): bidirectional attention, which
 #:   fastlm's causal kernels do not run; it goes to SDPA with a warning;
 #: - inkling_text: a relative position bias added to the scores (position_bias), which the
@@ -84,6 +84,7 @@ LIMITS = {
     "qwen4_exp": READS_MASK,
     "qwen4_exp_text": READS_MASK,
     "recurrent_gemma": OWN_ATTENTION,
+    "reformer": OWN_ATTENTION,
     "rembert": OWN_ATTENTION,
     "roberta": BIDIRECTIONAL,
     "roberta-prelayernorm": BIDIRECTIONAL,
@@ -105,8 +106,8 @@ SIZE_FIELD = "a size field the tiny config misses"
 #: model_type -> why its tiny config does not build a model here. About the family:
 #: - gemma3n: its vision tower is a timm model (MobileNetV5): timm is not installed;
 #: - gemma4_assistant: its default config fails its own validation in transformers 5.24;
-#: - prophetnet, xlnet, reformer: encoder-decoder or memory models whose configs refuse the
-#:   decoder-only fields (num_hidden_layers, a sequence length, is_decoder off).
+#: - prophetnet, xlnet: an encoder-decoder and a memory model whose configs refuse the
+#:   decoder-only fields (num_hidden_layers, a sequence length).
 #: The others are the walk's own gaps (SIZE_FIELD, a field of another name or layout).
 NOT_BUILT = {
     "axk2": SIZE_FIELD,
@@ -124,17 +125,13 @@ NOT_BUILT = {
     "inkling2_loop_text": SIZE_FIELD,
     "inkling2_text": SIZE_FIELD,
     "kimi_linear": SIZE_FIELD,
-    "lfm2_moe": "TypeError: 'NoneType' object is not subscriptable",
     "longcat_flash": SIZE_FIELD,
     "musicgen": "has no attribute 'dropout'",
     "musicgen_melody": "has no attribute 'dropout'",
     "phi4_multimodal": SIZE_FIELD,
     "prophetnet": "NotImplementedError: This model does not support the setting of `num_h",
-    "reformer": "AssertionError: If you want to use `ReformerModelWithLMHead` make sure",
     "roc_bert": SIZE_FIELD,
     "xlnet": "NotImplementedError: The model xlnet is one of the few models that has",
-    "zamba": "Class validation error",
-    "zamba2": "Class validation error",
 }
 
 
@@ -235,6 +232,15 @@ WALK_CONFIGS = {
         layer_types=["linear_attention", "attention"],
     ),  # fmt: skip
     "mamba2": dict(num_heads=4, head_dim=16, state_size=8),
+    "reformer": dict(is_decoder=True, axial_pos_embds_dim=[16, 16]),
+    # Zamba ties its hybrid layers' shared block to the first one's: two of them.
+    "zamba": dict(
+        num_hidden_layers=3,
+        layers_block_type=["linear_attention", "hybrid", "hybrid"],
+        mamba_d_state=8,
+    ),  # fmt: skip
+    "zamba2": dict(layers_block_type=["linear_attention", "hybrid"], mamba_d_state=8),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
     "bailing_hybrid": dict(MLA, layer_group_size=2, linear_head_dim=8, linear_num_heads=2),
     # Gemma 3n: a sliding and a global layer, its per-layer inputs and LAuReL small.
     "gemma3n_text": dict(
