@@ -43,26 +43,30 @@ READS_MASK = "its forward fails on fastlm's attention"
 #: model_type -> why it does not run attention on fastlm's kernels with parity (a phrase of
 #: the failure it gives here). Types whose tiny config does not build are in NOT_BUILT.
 #: - OWN_ATTENTION: the model computes attention in its own code (BLOOM's ALiBi, MPT, XGLM,
-#:   Falcon, GPT-Neo, Reformer's LSH, the BERT-era decoders) or has none (Mamba, Mamba-2, RWKV,
-#:   xLSTM, RecurrentGemma);
+#:   Falcon, GPT-Neo, Reformer's LSH, CPM-Ant, the BERT-era decoders) or has none (Mamba,
+#:   Mamba-2, RWKV, xLSTM, RecurrentGemma);
 #: - BIDIRECTIONAL: an encoder's config (is_decoder False): bidirectional attention, which
 #:   fastlm's causal kernels do not run; it goes to SDPA with a warning;
 #: - inkling_text: a relative position bias added to the scores (position_bias), which the
 #:   kernels do not take: the family's eager attention runs it, with a warning;
 #: - READS_MASK: the family's own code reads the mask tensor (Doge's dynamic mask, the sparse
-#:   indexers of dots.3 and Qwen4-exp, GIT's additive mask), which fastlm's mask function does
-#:   not make: patch finds that on its first forward and leaves attention;
+#:   attention indexers of DeepSeek-V3.2, GLM-MoE-DSA, Hunyuan-V4, AXK2, dots.3 and Qwen4-exp,
+#:   GIT's additive mask), which fastlm's mask function does not make: patch finds that on its
+#:   first forward and leaves attention;
 #: - gemma4_unified_assistant: a drafter, whose forward needs the target model's shared keys and
 #:   values (shared_kv_states);
 #: - xmod: needs set_default_language() (an adapter per language) before any forward.
 LIMITS = {
+    "axk2": READS_MASK,
     "bert": BIDIRECTIONAL,
     "bert-generation": BIDIRECTIONAL,
     "big_bird": OWN_ATTENTION,
     "bigbird_pegasus": BIDIRECTIONAL,
     "bloom": OWN_ATTENTION,
     "camembert": BIDIRECTIONAL,
+    "cpmant": OWN_ATTENTION,
     "data2vec-text": BIDIRECTIONAL,
+    "deepseek_v32": READS_MASK,
     "doge": READS_MASK,
     "dots3_note": READS_MASK,
     "dots3_note_text": READS_MASK,
@@ -72,8 +76,10 @@ LIMITS = {
     "falcon_mamba": OWN_ATTENTION,
     "gemma4_unified_assistant": "shared_kv_states cannot be None",
     "git": READS_MASK,
+    "glm_moe_dsa": READS_MASK,
     "gpt_neo": OWN_ATTENTION,
     "gpt_neox_japanese": OWN_ATTENTION,
+    "hy_v4": READS_MASK,
     "inkling_text": "{'fastlm': 0, 'sdpa': 0}",
     "mamba": OWN_ATTENTION,
     "mamba2": OWN_ATTENTION,
@@ -88,6 +94,7 @@ LIMITS = {
     "rembert": OWN_ATTENTION,
     "roberta": BIDIRECTIONAL,
     "roberta-prelayernorm": BIDIRECTIONAL,
+    "roc_bert": BIDIRECTIONAL,
     "roformer": OWN_ATTENTION,
     "rwkv": OWN_ATTENTION,
     "trocr": OWN_ATTENTION,
@@ -110,27 +117,20 @@ SIZE_FIELD = "a size field the tiny config misses"
 #:   decoder-only fields (num_hidden_layers, a sequence length).
 #: The others are the walk's own gaps (SIZE_FIELD, a field of another name or layout).
 NOT_BUILT = {
-    "axk2": SIZE_FIELD,
     "blt": SIZE_FIELD,
     "cohere_compass_text": "KeyError: 'full_attention'",
-    "cpmant": SIZE_FIELD,
     "dbrx": "AttributeError: 'DbrxAttentionConfig' object has no attribute 'rope_th",
-    "deepseek_v32": SIZE_FIELD,
     "emu3": "has no attribute 'pad_token_id'",
     "gemma3n": "TimmWrapperModel requires the timm library",
     "gemma4_assistant": "hidden_size_per_layer_input must be 0",
-    "glm_moe_dsa": SIZE_FIELD,
     "got_ocr2": SIZE_FIELD,
-    "hy_v4": SIZE_FIELD,
     "inkling2_loop_text": SIZE_FIELD,
     "inkling2_text": SIZE_FIELD,
     "kimi_linear": SIZE_FIELD,
-    "longcat_flash": SIZE_FIELD,
     "musicgen": "has no attribute 'dropout'",
     "musicgen_melody": "has no attribute 'dropout'",
     "phi4_multimodal": SIZE_FIELD,
     "prophetnet": "NotImplementedError: This model does not support the setting of `num_h",
-    "roc_bert": SIZE_FIELD,
     "xlnet": "NotImplementedError: The model xlnet is one of the few models that has",
 }
 
@@ -233,6 +233,18 @@ WALK_CONFIGS = {
     ),  # fmt: skip
     "mamba2": dict(num_heads=4, head_dim=16, state_size=8),
     "reformer": dict(is_decoder=True, axial_pos_embds_dim=[16, 16]),
+    # DeepSeek-V3.2's sparse attention (MLA with an indexer) and the families that took it.
+    **{
+        name: dict(MLA, index_n_heads=2, index_head_dim=16, index_topk=4)
+        for name in ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "longcat_flash")
+    },  # fmt: skip
+    "cpmant": dict(dim_ff=48),
+    "roc_bert": dict(
+        shape_vocab_size=16,
+        shape_embed_dim=16,
+        pronunciation_vocab_size=16,
+        pronunciation_embed_dim=16,
+    ),  # fmt: skip
     # Zamba ties its hybrid layers' shared block to the first one's: two of them.
     "zamba": dict(
         num_hidden_layers=3,
