@@ -20,6 +20,7 @@ from test_hf import BASE, _Ops  # noqa: E402
 from test_hf import FAMILY_CONFIGS as TEN  # noqa: E402
 
 from fastlm import hf  # noqa: E402
+from fastlm.hf import attention as hf_attention  # noqa: E402
 from fastlm.hf import forwards, probe  # noqa: E402
 from fastlm.testing import LargestTensor, assert_close  # noqa: E402
 
@@ -139,6 +140,26 @@ FAMILY_CONFIGS = {
         mamba_dt_rank=4,
     ),  # fmt: skip
     "lfm2": dict(layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False),
+    # Gemma 4: sliding and global layers with their own head dims (16 and 32; the real global
+    # 512 needs the kernels' head dims up to 512), key/value heads (1 and 2) and RoPE
+    # (proportional, a quarter rotary on the global layers), per-layer input embeddings, the
+    # last layer reusing the global layer's keys and values (with a double-wide MLP), keys as
+    # values on the global layers, the MoE block beside the MLP, a final logit cap.
+    "gemma4_text": dict(
+        num_hidden_layers=3,
+        layer_types=[*TWO_LAYER_TYPES, "full_attention"],
+        sliding_window=6,
+        global_head_dim=32,
+        num_global_key_value_heads=2,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB,
+        num_kv_shared_layers=1,
+        use_double_wide_mlp=True,
+        attention_k_eq_v=True,
+        enable_moe_block=True,
+        top_k_experts=2,
+        final_logit_softcapping=3.0,
+    ),  # fmt: skip
 }
 
 
@@ -146,8 +167,18 @@ def tiny_config(model_type: str, **changes):
     """The model type's config with TINY's fields (those it has) and `changes`."""
     config_class = transformers.CONFIG_MAPPING[model_type]
     default = config_class()
-    fields = {name: value for name, value in TINY.items() if hasattr(default, name)}
+    fields = {name: value for name, value in TINY.items() if has_field(default, name)}
     return config_class(**{**fields, **changes})
+
+
+def has_field(config, name: str) -> bool:
+    """Whether the config has the field, model-wide or per layer (per-layer fields, Gemma 4's
+    head_dim, raise when read from the model's config), and it can be set (Falcon's head_dim is
+    a property computed from the others)."""
+    computed = getattr(type(config), name, None)
+    if isinstance(computed, property) and computed.fset is None:
+        return False
+    return name in (getattr(config, "per_layer_attributes", None) or ()) or hasattr(config, name)
 
 
 def tiny_model(model_type: str, **changes):
@@ -171,7 +202,6 @@ LEFT = {
     "olmo": {"OlmoLayerNorm": "no weight"},
     "cohere": {"CohereLayerNorm": "not RMSNorm's math"},
     "cohere2": {"Cohere2LayerNorm": "not RMSNorm's math"},
-    "llama4_text": {"Llama4TextL2Norm": "no weight"},
     "apertus": {"ApertusMLP": "XIELUActivation"},
     "arcee": {"ArceeMLP": "ReLUSquaredActivation"},
     "starcoder2": {"LayerNorm": "bias, weight", "Starcoder2MLP": "not down"},
@@ -338,6 +368,33 @@ def test_family_patched_matches_unpatched(family):
         if family in OPTIONS_GATE:
             gate = OPTIONS_GATE[family]
             assert calls.calls[gate] > 0 and calls.calls[f"{gate}_backward"] > 0, calls.calls
+
+
+def test_layers_of_a_head_dim_the_kernel_does_not_take(monkeypatch):
+    """Gemma 4's global layers with a head dim of their own that fastlm's kernel does not take
+    (20, not a multiple of 8; the real model's 512 needs the kernels' head dims up to 512), its
+    sliding layers at 16: patch reads each layer's head dim from the layer (never the config's
+    ambiguous global one), runs the sliding layer on the kernel and names the global layers it
+    leaves, which run SDPA; loss and every gradient as the unpatched copy's."""
+    model = tiny_model(
+        "gemma4_text",
+        num_hidden_layers=2,
+        layer_types=TWO_LAYER_TYPES,
+        global_head_dim=20,
+        num_kv_shared_layers=0,
+        enable_moe_block=False,
+        hidden_size_per_layer_input=0,
+    )  # fmt: skip
+    unpatched = copy.deepcopy(model)
+    monkeypatch.setattr(hf_attention, "_warned", set())  # its fallback warns once per process
+    messages = patched_copy(model)
+    left = model.fastlm_patched.left
+    assert list(left) == ["attention of layers 1"], left
+    assert "head_dim 20" in left["attention of layers 1"]
+    assert len(messages) == 1 and model.fastlm_patched.modules["attention"] == 1
+    with pytest.warns(UserWarning, match="head dim 20"):
+        calls = assert_matches(model, unpatched, _batches()["plain"], "head dim 20")
+    assert calls.calls["flash_attention"] == 1 and calls.calls["sdpa"] == 1, calls.calls
 
 
 class _Memory(LargestTensor):

@@ -43,7 +43,8 @@ run goes to transformers' SDPA function (or the family's eager attention where t
 soft-capped or have sinks), with a dense mask built for it, and warns once naming why: attention
 dropout in training, a 4-D mask (the caller's, a static cache's, a model's own mask functions,
 chunks with a KV cache), bidirectional attention, an additive score bias (`position_bias`), a
-dtype the kernels do not take.
+dtype the kernels do not take, a layer's head dim the kernels do not take where they run (read
+from the layer's own q and v: Gemma 4's global layers have theirs).
 """
 
 from __future__ import annotations
@@ -55,9 +56,11 @@ from typing import NamedTuple
 
 import torch
 
-from fastlm.hf.families import modeling_module
+from fastlm.hf.families import config_value, modeling_module
 from fastlm.kernels import flash_attention, flash_attention_varlen
 from fastlm.kernels._common import FLOAT_DTYPES
+from fastlm.kernels.attention import MAX_HEAD_DIM
+from fastlm.model import kernel_takes_head_dim, kernels_run_on
 
 #: Attention-function arguments that add a bias to the scores (Inkling's relative position bias,
 #: ALiBi), which fastlm's kernels do not take: they run the family's eager attention.
@@ -109,7 +112,7 @@ def _chunk_size(kwargs) -> int | None:
     under torch.compile."""
     size = kwargs.get("local_size")
     config = kwargs.get("config")
-    chunked = getattr(config, "attention_chunk_size", None)
+    chunked = config_value(config, "attention_chunk_size")
     if size is None or chunked is None or int(size) != int(chunked):
         return None
     return int(size)
@@ -294,6 +297,10 @@ def _fallback_reason(module, query, key, value, attention_mask, dropout, kwargs)
         return "a value head dim other than the query's"
     if query.dtype not in FLOAT_DTYPES:
         return f"{query.dtype} inputs"
+    sizes = {query.shape[-1], value.shape[-1]}
+    untaken = sorted(d for d in sizes if not kernel_takes_head_dim(d))
+    if untaken and kernels_run_on(query.device):  # the layer's own, e.g. Gemma 4's global 512
+        return f"head dim {untaken[0]} (the kernel takes multiples of 8 to {MAX_HEAD_DIM})"
     if query.shape[2] > key.shape[2]:
         return "more queries than keys"
     return None

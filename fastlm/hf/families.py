@@ -79,5 +79,39 @@ def rope_parameters(config) -> tuple[str, float]:
     return rope_type, float(theta)
 
 
+def layer_config(config, index: int | None):
+    """The config layer `index` is built from: its per-layer config where the model has one
+    (transformers 5.24's `per_layer_config`: Gemma 4's global layers take their own head dim and
+    key/value heads), else the model's config."""
+    if index is None or not getattr(config, "is_heterogeneous", False):
+        return config
+    return config.per_layer_config[index]
+
+
+def config_value(config, name: str, default=None):
+    """A model-wide config field, or `default` where the config lacks it or holds it per layer
+    (reading such a field from the model's config raises AmbiguousGlobalPerLayerAttributeError:
+    it has no one value)."""
+    if name in (getattr(config, "per_layer_attributes", None) or ()):
+        return default
+    return getattr(config, name, default)
+
+
 def head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    """The head dim of a layer's config (or of a config whose layers are alike)."""
+    return config_value(config, "head_dim") or config.hidden_size // config.num_attention_heads
+
+
+def module_head_dim(module, config) -> int | None:
+    """An attention module's head dim, read from the layer: its own `head_dim`, else its layer's
+    config's (`layer_config` by its `layer_idx`); None where neither says."""
+    size = getattr(module, "head_dim", None)
+    if isinstance(size, int):
+        return size
+    index = getattr(module, "layer_idx", None)
+    if index is None and getattr(config, "is_heterogeneous", False):
+        return None  # sizes vary by layer, and this module does not say which it is
+    try:
+        return head_dim(layer_config(config, index))
+    except (AttributeError, TypeError, ZeroDivisionError):
+        return None

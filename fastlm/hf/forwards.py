@@ -35,8 +35,11 @@ def rms_norm_forward(self, x: torch.Tensor, eps_name: str, offset: float, promot
     """x / rms(x) * (weight + offset) in fp32, rounded once, by `rms_norm`. The output dtype is
     x's, or the promotion of x's and the weight's (LLaMA's `weight * normed.to(x.dtype)`), as
     the module's own forward gives it. A weight of another dtype than x's is read in fp32
-    (exact: the kernel's math is fp32)."""
-    weight = self.weight
+    (exact: the kernel's math is fp32). A norm without a weight (Gemma 4's value norm) is
+    scaled by ones."""
+    weight = getattr(self, "weight", None)
+    if weight is None:
+        weight = x.new_ones(x.shape[-1], dtype=torch.float32)
     out_dtype = torch.promote_types(x.dtype, weight.dtype) if promoted else x.dtype
     if weight.dtype not in (x.dtype, torch.float32):
         weight = weight.float()
@@ -160,7 +163,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout, heads_
 
 
 class RotaryFunction:
-    """A family's `apply_rotary_pos_emb(q, k, cos, sin, ..., unsqueeze_dim=1)`, or its
+    """A family's `apply_rotary_pos_emb(q, k, cos, sin, ..., unsqueeze_dim=1)`, its one-tensor
+    form `apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1)` (Gemma 4's and Gemma 3n's: q and k
+    rotated by separate calls, a KV-shared layer's q alone), or its
     `apply_rotary_emb(xq, xk, freqs_cis)` (DeepSeek-V2's, Llama 4's: pairs (x[2i], x[2i+1]) as
     complex numbers times freqs_cis[..., i], a rotation scaled by |freqs_cis|), on fastlm's
     kernel; complex frequencies are the tables cos = freqs_cis.real, sin = freqs_cis.imag.
@@ -178,35 +183,39 @@ class RotaryFunction:
         parameters = inspect.signature(original).parameters
         self.names = tuple(parameters)
         self.complex = len(self.names) == 3  # (xq, xk, freqs_cis)
+        # The tensors it rotates: those before cos (q and k, or x alone), or xq and xk.
+        self.rotated = 2 if self.complex or "cos" not in self.names else self.names.index("cos")
         self.unsqueeze_default = getattr(parameters.get("unsqueeze_dim"), "default", 1)
         self.layouts: dict[tuple, tuple | None] = {}
 
     def _tables(self, values: dict) -> tuple | None:
-        """(q, k, cos, sin, unsqueeze_dim) of a call, or None for one the kernel cannot take."""
+        """(the tensors to rotate, cos, sin, unsqueeze_dim) of a call, or None for one the
+        kernel cannot take."""
+        xs = tuple(values.get(name) for name in self.names[: self.rotated])
         if self.complex:
-            q, k, freqs = (values.get(name) for name in self.names)
-            if not all(torch.is_tensor(t) for t in (q, k, freqs)) or not freqs.is_complex():
+            freqs = values.get(self.names[2])
+            if not torch.is_tensor(freqs) or not freqs.is_complex():
                 return None
-            q_k_cos_sin = (q, k, freqs.real, freqs.imag)
+            cos, sin = freqs.real, freqs.imag
             unsqueeze = None  # the heads' dim: found with the layout
         else:
-            q_k_cos_sin = tuple(values.get(name) for name in self.names[:4])
+            cos, sin = (values.get(name) for name in self.names[self.rotated : self.rotated + 2])
             unsqueeze = values.get("unsqueeze_dim", self.unsqueeze_default)
-        if not all(torch.is_tensor(t) for t in q_k_cos_sin) or q_k_cos_sin[2].dim() != 3:
+        if not all(torch.is_tensor(t) for t in (*xs, cos, sin)) or cos.dim() != 3:
             return None
-        return (*q_k_cos_sin, unsqueeze)
+        return xs, cos, sin, unsqueeze
 
     def __call__(self, *args, **kwargs):
         values = dict(zip(self.names, args), **kwargs)
         tables = self._tables(values)
         if tables is None:
             return self.original(*args, **kwargs)
-        q, k, cos, sin, unsqueeze = tables
-        key = (q.shape[-1], k.shape[-1], cos.shape[-1], unsqueeze, q.dim())
+        xs, cos, sin, unsqueeze = tables
+        key = (tuple(x.shape[-1] for x in xs), cos.shape[-1], unsqueeze, xs[0].dim())
         if key not in self.layouts:
             if torch.compiler.is_compiling():
                 return self.original(*args, **kwargs)
-            given = self.names[: 3 if self.complex else 4]
+            given = self.names[: self.rotated + (1 if self.complex else 2)]
             rest = {n: v for n, v in values.items() if n not in given}
             structure = "once" if self.complex else _structure(cos)
             self.layouts[key] = self._find_layout(key, rest, structure)
@@ -214,15 +223,17 @@ class RotaryFunction:
         if found is None:
             return self.original(*args, **kwargs)
         layout, heads_dim = found
-        return rotate(q, cos, sin, layout, heads_dim), rotate(k, cos, sin, layout, heads_dim)
+        out = tuple(rotate(x, cos, sin, layout, heads_dim) for x in xs)
+        return out if len(out) > 1 else out[0]
 
     def _probe(self, key, rest: dict, structure: str, heads_dim: int):
-        """(q, k, cos, sin, the family's output) on random float64 inputs of the key's shape,
-        heads on `heads_dim`; the output None when the function does not take them."""
-        dq, dk, width, _, _ = key
+        """(the tensors, cos, sin, the family's outputs as a tuple) on random float64 inputs of
+        the key's shape, heads on `heads_dim`; the outputs None when the function does not take
+        them."""
+        dims, width, _, _ = key
         generator = torch.Generator().manual_seed(0)
         shape = lambda d: (2, 3, 5, d) if heads_dim == 1 else (2, 5, 3, d)  # noqa: E731
-        q, k = (torch.randn(shape(d), generator=generator, dtype=torch.float64) for d in (dq, dk))
+        xs = tuple(torch.randn(shape(d), generator=generator, dtype=torch.float64) for d in dims)
         angles = torch.rand(2, 5, width, generator=generator, dtype=torch.float64) * 6
         if structure == "twice":
             angles = torch.cat((angles[..., : width // 2],) * 2, dim=-1)
@@ -236,31 +247,35 @@ class RotaryFunction:
             tables = (cos, sin)
         with torch.no_grad():
             try:
-                expected = self.original(q, k, *tables, **rest)
+                expected = self.original(*xs, *tables, **rest)
             except Exception:  # noqa: BLE001 (a function of another form: left as it is)
                 expected = None
-        return q, k, cos, sin, expected
+        if torch.is_tensor(expected):
+            expected = (expected,)
+        return xs, cos, sin, expected
 
     def _find_layout(self, key, rest: dict, structure: str) -> tuple | None:
-        dq, dk, width, unsqueeze, dims = key
+        dims, width, unsqueeze, rank = key
         heads_dims = (1, 2) if self.complex else (unsqueeze,)
-        for heads_dim in heads_dims if dims == 4 else ():
+        for heads_dim in heads_dims if rank == 4 else ():
             if heads_dim not in (1, 2):
                 continue
-            q, k, cos, sin, expected = self._probe(key, rest, structure, heads_dim)
-            for layout in LAYOUTS if expected is not None else ():
+            xs, cos, sin, expected = self._probe(key, rest, structure, heads_dim)
+            if expected is None or len(expected) != len(xs):
+                continue
+            for layout in LAYOUTS:
                 rotary = 2 * width if layout[1] == "all" else width
-                if rotary > min(dq, dk) or rotary % 2:
+                if rotary > min(dims) or rotary % 2:
                     continue
-                ours = (rotate(t, cos, sin, layout, heads_dim) for t in (q, k))
+                ours = (rotate(t, cos, sin, layout, heads_dim) for t in xs)
                 # 1e-5: some families rotate in fp32 (Ernie's q.float(), DeepSeek-V2's
                 # xq.float()); a wrong layout is off by O(1).
                 if all(_agrees(a, b, 1e-5) for a, b in zip(ours, expected)):
                     return layout, heads_dim
         warnings.warn(
             f"fastlm.hf: RoPE by {self.original.__module__}.{self.original.__qualname__} on "
-            f"head dims {dq}/{dk} with tables {width} wide is none of the layouts fastlm's "
-            "kernel takes: it runs as the family wrote it",
+            f"head dims {'/'.join(map(str, dims))} with tables {width} wide is none of the "
+            "layouts fastlm's kernel takes: it runs as the family wrote it",
             stacklevel=4,
         )
         return None
@@ -289,7 +304,8 @@ _ROTARY_FUNCTIONS: dict[types.FunctionType, RotaryFunction] = {}
 
 def rotary_names(forward: types.FunctionType, usable: bool = True) -> list[str]:
     """The `apply_rotary*` functions of its module a forward calls; `usable`: only those taking
-    (q, k, cos, sin, ...) or (xq, xk, freqs_cis) (`RotaryFunction`'s two forms)."""
+    (q, k, cos, sin, ...), (x, cos, sin, ...) or (xq, xk, freqs_cis) (`RotaryFunction`'s
+    forms)."""
     names = []
     for name in forward.__code__.co_names:
         function = forward.__globals__.get(name)
@@ -346,6 +362,24 @@ def attention_forward(self, *args, **kwargs):
     if "past_key_values" in kwargs and "cache" not in kwargs:  # the name before transformers 5.2x
         kwargs["cache"] = kwargs.pop("past_key_values")
     return _ROPE_FORWARDS[type(self)](self, *args, **kwargs)
+
+
+#: The decoder method of transformers' Gemma 4 models that slices the layers' inputs and masks
+#: to the kept logits' queries before the KV-shared layers (`v[:, :, keep, :]` of each mask).
+SLICE_KV_SHARED = "_maybe_slice_kv_shared_inputs"
+
+
+def kv_shared_inputs(self, hidden_states, per_layer_inputs, position_embeddings, masks, *args,
+                     **kwargs):  # fmt: skip
+    """The decoder's own SLICE_KV_SHARED where every mask is 4-D or None; the inputs whole
+    where fastlm's mask function gave a padding mask or packed documents, which are not sliced
+    by queries (transformers keeps them whole for flash attention's 2-D masks likewise): the
+    kept queries then run with all the others, the result the same."""
+    if all(m is None or (torch.is_tensor(m) and m.dim() == 4) for m in masks.values()):
+        own = getattr(type(self), SLICE_KV_SHARED)
+        return own(self, hidden_states, per_layer_inputs, position_embeddings, masks, *args,
+                   **kwargs)  # fmt: skip
+    return hidden_states, per_layer_inputs, position_embeddings, masks
 
 
 # --------------------------------------------------------------------------------------------
@@ -478,6 +512,7 @@ PARTS = {
     "packed_mlp": packed_mlp_forward,
     "experts_gate": experts_gate,
     "attention": attention_forward,
+    "kv_shared_inputs": kv_shared_inputs,
     "causal_lm": causal_lm_forward,
 }
 

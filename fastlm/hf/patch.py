@@ -11,14 +11,16 @@ from torch import nn
 
 from fastlm.hf import attention as attention_module
 from fastlm.hf import probe
-from fastlm.hf.families import head_dim, transformers_module
+from fastlm.hf.families import module_head_dim, transformers_module
 from fastlm.hf.forwards import (
+    SLICE_KV_SHARED,
     PatchedParts,
     bind,
     is_patched_forward,
     rope_attention_forward,
     rotary_names,
 )
+from fastlm.kernels.attention import MAX_HEAD_DIM
 from fastlm.model import kernel_takes_head_dim, kernels_run_on
 
 
@@ -197,10 +199,17 @@ def _patch_attention(model, report) -> None:
     if not calling:
         report.leave("attention", "no module calls transformers' attention interface")
         return
-    size = head_dim(model.config)
+    # Each layer's head dim from the layer (Gemma 4's global layers have their own): layers
+    # whose head dim the kernel does not take run SDPA (fastlm_attention's fallback).
     device = model.get_input_embeddings().weight.device
-    if kernels_run_on(device) and not kernel_takes_head_dim(size):
-        report.leave("attention", f"head_dim {size}: fastlm's kernel takes multiples of 8 to 256")
+    untaken: dict[int, list[int]] = {}  # head dim -> the layers (attention modules) of that dim
+    for index, module in enumerate(calling):
+        size = module_head_dim(module, model.config)
+        if kernels_run_on(device) and size is not None and not kernel_takes_head_dim(size):
+            untaken.setdefault(size, []).append(getattr(module, "layer_idx", index))
+    why = f"fastlm's kernel takes multiples of 8 to {MAX_HEAD_DIM}"
+    if sum(map(len, untaken.values())) == len(calling):
+        report.leave("attention", f"head_dim {', '.join(map(str, untaken))}: {why}")
         return
     attention_module.register()
     before = model.config._attn_implementation
@@ -209,12 +218,19 @@ def _patch_attention(model, report) -> None:
     except (ValueError, AttributeError) as error:
         report.leave("attention", f"set_attn_implementation refused it: {error}")
         return
+    bind([m for m in model.modules() if hasattr(type(m), SLICE_KV_SHARED)], "kv_shared_inputs",
+         SLICE_KV_SHARED)  # fmt: skip
     failure = _first_forward(model)
     if failure is not None:  # a family reading the mask tensor itself (Doge's dynamic mask)
         model.set_attn_implementation(before)
         report.leave("attention", f"its forward fails on fastlm's attention ({failure})")
         return
-    report.ran("attention", len(calling))
+    for size, layers in untaken.items():
+        report.leave(
+            f"attention of layers {', '.join(map(str, layers))}",
+            f"head_dim {size}: {why}; they run SDPA (or the family's eager attention)",
+        )
+    report.ran("attention", len(calling) - sum(map(len, untaken.values())))
 
 
 def _decoder_name(model) -> str | None:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from fastlm.hf.families import config_value
 from fastlm.hf.forwards import activation_of, number_holder
 from fastlm.kernels.geglu import geglu_ref
 from fastlm.kernels.rmsnorm import rms_norm_ref
@@ -123,39 +124,55 @@ def in_both_modes(module: nn.Module, device: torch.device, call) -> list:
 
 
 def norm_candidate(module: nn.Module) -> bool:
-    """A leaf module whose only parameter is a 1-D `weight`."""
+    """A leaf module whose only parameter is a 1-D `weight`, or one with no parameter and an
+    epsilon (a norm without a scale: Gemma 4's value and router norms, Llama 4's L2 norm)."""
     params = dict(module.named_parameters())
-    return (
-        not any(True for _ in module.children())
-        and list(params) == ["weight"]
-        and params["weight"].dim() == 1
-    )
+    if any(True for _ in module.children()):
+        return False
+    if not params:
+        return _eps_name(module) is not None
+    return list(params) == ["weight"] and params["weight"].dim() == 1
+
+
+def _eps_name(module: nn.Module) -> str | None:
+    return next((n for n in EPS_NAMES if isinstance(getattr(module, n, None), float)), None)
 
 
 def rms_norm_options(module: nn.Module) -> dict | str:
     """{eps_name, offset, promoted} for `forwards.rms_norm_forward` if the module computes
-    x / sqrt(mean(x^2) + eps) * (weight + offset) with offset 0 or 1 (Gemma's), else why not.
+    x / sqrt(mean(x^2) + eps) * (weight + offset) with offset 0 or 1 (Gemma's), else why not;
+    a module without a weight must compute x / sqrt(mean(x^2) + eps) (offset 0, weight 1).
 
     Checked on fp32 inputs at two scales (one where eps decides the result) with a random fp32
     weight, in training and eval mode, against the formula in float64; then on a half-precision
     input beside a weight of another dtype, for the output dtype (x's, or the promotion of x's
     and the weight's). A module holding buffers is left (the forward would not read them)."""
-    eps_name = next((n for n in EPS_NAMES if isinstance(getattr(module, n, None), float)), None)
+    eps_name = _eps_name(module)
     if eps_name is None:
         return "no epsilon attribute (" + ", ".join(EPS_NAMES) + ")"
+    inputs = [p for p in inspect.signature(module.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]  # fmt: skip
+    if len(inputs) > 1:  # Bamba's gate=None: a norm on one tensor, gated when given two
+        return "its forward takes more than one tensor (a gated norm)"
     buffers = [name for name, _ in module.named_buffers()]
     if buffers:
         return f"buffers {', '.join(buffers)} besides its weight: not RMSNorm's one weight"
     eps = getattr(module, eps_name)
-    (size,) = module.weight.shape
+    scaled = getattr(module, "weight", None) is not None
+    size = module.weight.shape[0] if scaled else 24  # without a weight: any width
     device = probe_device(module)
     generator = _generator()
-    weight = (torch.randn(size, generator=generator) * 0.5 + 0.3).to(device)
+    weight = torch.randn(size, generator=generator) * 0.5 + 0.3 if scaled else torch.ones(size)
+    weight = weight.to(device)
     x = torch.randn(2, 3, size, generator=generator).to(device)
+
+    def call(weight, t):  # the module's own forward with `weight` as its weight, if it has one
+        return functional_call(module, {"weight": weight} if scaled else {}, (t,))
+
     inputs = [x, x * (eps**0.5 * 0.7)]  # the second one's mean square is about eps / 2
 
     def outputs():
-        return [functional_call(module, {"weight": weight}, (t,)).cpu() for t in inputs]
+        return [call(weight, t).cpu() for t in inputs]
 
     try:
         with torch.no_grad():
@@ -166,7 +183,7 @@ def rms_norm_options(module: nn.Module) -> dict | str:
         return f"its forward failed on one tensor ({type(error).__name__})"
     weight, inputs = weight.cpu(), [t.cpu() for t in inputs]
     offset = None
-    for candidate in (0.0, 1.0):
+    for candidate in (0.0, 1.0) if scaled else (0.0,):
         expected = [
             rms_norm_ref(t.double(), weight.double(), eps, offset=candidate) for t in inputs
         ]
@@ -180,12 +197,10 @@ def rms_norm_options(module: nn.Module) -> dict | str:
     if offset is None:
         return "not RMSNorm's math (x / rms(x) * weight, or * (1 + weight))"
     half = torch.bfloat16
-    other = torch.float32 if module.weight.dtype != torch.float32 else half
-    x_dtype = half if other == torch.float32 else torch.float32
+    other = torch.float32 if scaled and module.weight.dtype != torch.float32 else half
+    x_dtype = half if other == torch.float32 or not scaled else torch.float32
     with torch.no_grad():
-        out = functional_call(
-            module, {"weight": weight.to(device, other)}, (x.to(device, x_dtype),)
-        )
+        out = call(weight.to(device, other), x.to(device, x_dtype))
     promoted = torch.promote_types(x_dtype, other)
     if out.dtype not in (x_dtype, promoted):
         return f"its output dtype is {out.dtype} for {x_dtype} input and a {other} weight"
@@ -444,7 +459,13 @@ class _Decoder(nn.Module):
     def forward(self, *args, **kwargs):
         from transformers.modeling_outputs import MoeModelOutputWithPast
 
-        return MoeModelOutputWithPast(last_hidden_state=self.hidden)
+        class Output(MoeModelOutputWithPast):
+            def __getattr__(self, name):  # a family's own output field (Gemma 4's cache)
+                if name.startswith("__"):
+                    raise AttributeError(name)
+                return None
+
+        return Output(last_hidden_state=self.hidden)
 
 
 #: Where a family may keep the numbers of its logits, on its config or on the model itself
@@ -465,7 +486,7 @@ def _logit_places(model: nn.Module) -> list[tuple[str, str]]:
     for holder in LOGIT_HOLDERS:
         obj = number_holder(model, holder)
         for name in (*LOGIT_MULTIPLIERS, *LOGIT_DIVISORS, *LOGIT_CAPS):
-            value = getattr(obj, name, False)
+            value = config_value(obj, name, False)  # a per-layer field is not the model's
             if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
                 places.append((holder, name))
     return places
