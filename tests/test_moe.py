@@ -254,3 +254,34 @@ def test_bad_input(device):
     for change, error, named in cases:
         with pytest.raises(error, match=named):
             fastlm.moe_experts(**{**base, **change})
+
+
+def test_saved_bytes_formula():
+    """benchmarks/moe.py's formula of the bytes each implementation saves for the backward
+    equals the count of the saved-tensor hooks at two sizes (fastlm's op, transformers'
+    grouped_mm and eager experts), and at Qwen3-30B-A3B's sizes fastlm's is at most half of
+    grouped_mm's (the docs' table)."""
+    pytest.importorskip("transformers")
+    moe = _benchmark_module("moe")
+    for sizes, dtype in ((dict(T=16, D=64, F=32, E=8, k=2), torch.bfloat16),
+                         (dict(T=21, D=48, F=40, E=6, k=3), torch.float32)):  # fmt: skip
+        for name in moe.IMPLEMENTATIONS:
+            counted = moe.saved_bytes(name, **sizes, dtype=dtype)
+            assert counted == moe.saved_formula(name, **sizes, dtype=dtype), (name, sizes)
+    table = {row["implementation"]: row["bytes"] for row in moe.saved_table()}
+    assert table["fastlm"] <= table["grouped_mm"] / 2
+
+
+def _benchmark_module(name: str):
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    return importlib.import_module(name)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the speed rows run on CUDA")
+def test_benchmark_exits_cleanly_without_cuda(capsys):
+    assert _benchmark_module("moe").main([]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
