@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402 (benchmarks/_common.py)
 
 #: Qwen3-30B-A3B's experts (T: 4 sequences of 4096 tokens).
 QWEN3_30B = dict(T=16384, D=2048, F=768, E=128, k=8)
@@ -133,14 +135,7 @@ def _print_saved(rows: list[dict]) -> None:
 def _time_ms(fn, warmup: int = 3, repeat: int = 10) -> float:
     for _ in range(warmup):
         fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(repeat):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeat
+    return _common.time_steps_ms(fn, repeat)
 
 
 def speed_rows(T: int, D: int, F: int, E: int, k: int, dtype=torch.bfloat16) -> list[dict]:

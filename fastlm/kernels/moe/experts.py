@@ -398,9 +398,11 @@ def _bias_strides(bias: torch.Tensor | None) -> tuple[int, int]:
     return (0, 0) if bias is None else bias.stride()
 
 
-def _configs() -> dict:
+def _configs(dtype: torch.dtype) -> dict:
     """Tiles per kernel: small under the interpreter (it pays per element of a tile, and the
-    tests' odd sizes then span several tiles), MMA-sized on a GPU."""
+    tests' odd sizes then span several tiles), MMA-sized on a GPU (8 warps where two or three
+    accumulators share a program), smaller for fp32, whose IEEE dots run without tensor cores:
+    the compile report's rows show no spills with these."""
     if interpreting():
         small = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=1)
         return dict(
@@ -408,12 +410,21 @@ def _configs() -> dict:
             grad=dict(BLOCK_I=64, BLOCK_J=64, BLOCK_R=16,
                       num_warps=1), combine=dict(BLOCK_T=16, BLOCK_D=64, num_warps=1)
         )  # fmt: skip
+    combine = dict(BLOCK_T=4, BLOCK_D=512, num_warps=4)
+    if dtype == torch.float32:
+        return dict(
+            gated=dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
+            plain=dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, num_warps=4, num_stages=2),
+            hidden=dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=8, num_stages=2),
+            grad=dict(BLOCK_I=32, BLOCK_J=64, BLOCK_R=16, num_warps=4, num_stages=2),
+            combine=combine,
+        )
     return dict(
-        gated=dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
+        gated=dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3),
         plain=dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3),
-        hidden=dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
+        hidden=dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=3),
         grad=dict(BLOCK_I=64, BLOCK_J=128, BLOCK_R=32, num_warps=4, num_stages=3),
-        combine=dict(BLOCK_T=4, BLOCK_D=512, num_warps=4),
+        combine=combine,
     )
 
 
@@ -476,7 +487,7 @@ def experts_forward(
     T, D = x.shape
     top_k = expert_weights.shape[1]
     layout = _Layout(gate_up, down, transposed, interleaved)
-    config = _configs()
+    config = _configs(x.dtype)
     sorted_assignments, expert_offsets = sorted_assignments.contiguous(), expert_offsets.contiguous(
     )
     out = empty((T, D), device=x.device, dtype=x.dtype)
@@ -526,7 +537,7 @@ def experts_backward(
     top_k = expert_weights.shape[1]
     layout = _Layout(gate_up, down, transposed, interleaved)
     F, E = layout.d_ff, layout.num_experts
-    config = _configs()
+    config = _configs(x.dtype)
     sorted_assignments, expert_offsets = sorted_assignments.contiguous(), expert_offsets.contiguous(
     )
     n = sorted_assignments.numel()

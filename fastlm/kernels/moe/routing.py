@@ -31,11 +31,11 @@ BLOCK, SUB_BLOCK = 1024, 128
 
 @triton.jit
 def _histogram_kernel(
-    IDS, BLOCK_COUNTS,  #
+    IDS, COUNTS,  #
     n, E,  #
     BLOCK: tl.constexpr, SUB_BLOCK: tl.constexpr, E_PAD: tl.constexpr
 ):
-    """BLOCK_COUNTS[b, e]: the assignments of block b that go to expert e."""
+    """COUNTS[b, e]: the assignments of block b that go to expert e."""
     b = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
@@ -44,42 +44,40 @@ def _histogram_kernel(
         e = tl.load(IDS + a, mask=a < n, other=-1).to(tl.int32)
         onehot = (e[:, None] == experts[None, :]) & (experts[None, :] < E)
         counts += tl.sum(onehot.to(tl.int32), axis=0)
-    tl.store(BLOCK_COUNTS + b * E_PAD + experts, counts)
+    tl.store(COUNTS + b * E_PAD + experts, counts)
 
 
 @triton.jit
-def _offsets_kernel(
-    BLOCK_COUNTS, BLOCK_OFFSETS, EXPERT_OFFSETS,  #
-    n_blocks, E,  #
-    E_PAD: tl.constexpr
-):
-    """EXPERT_OFFSETS (E + 1,): the exclusive prefix sum of the experts' counts; BLOCK_OFFSETS[b,
+def _offsets_kernel(COUNTS, STARTS, EXPERT_OFFSETS,  #
+                    n_blocks, E,  #
+                    E_PAD: tl.constexpr):
+    """EXPERT_OFFSETS (E + 1,): the exclusive prefix sum of the experts' counts; STARTS[b,
     e]: where block b's first assignment to expert e goes (one program: n_blocks is small)."""
     experts = tl.arange(0, E_PAD)
     totals = tl.zeros([E_PAD], dtype=tl.int32)
     for b in range(0, n_blocks):
-        totals += tl.load(BLOCK_COUNTS + b * E_PAD + experts)
+        totals += tl.load(COUNTS + b * E_PAD + experts)
     ends = tl.cumsum(totals, axis=0)
     tl.store(EXPERT_OFFSETS + 1 + experts, ends, mask=experts < E)
     tl.store(EXPERT_OFFSETS + experts, tl.zeros([E_PAD], dtype=tl.int32), mask=experts == 0)
     running = ends - totals
     for b in range(0, n_blocks):
-        tl.store(BLOCK_OFFSETS + b * E_PAD + experts, running)
-        running += tl.load(BLOCK_COUNTS + b * E_PAD + experts)
+        tl.store(STARTS + b * E_PAD + experts, running)
+        running += tl.load(COUNTS + b * E_PAD + experts)
 
 
 @triton.jit
 def _scatter_kernel(
-    IDS, BLOCK_OFFSETS, SORTED,  #
+    IDS, STARTS, SORTED,  #
     n, E,  #
     BLOCK: tl.constexpr, SUB_BLOCK: tl.constexpr, E_PAD: tl.constexpr
 ):
-    """SORTED[p] = a for each assignment a of block b, at p = its expert's BLOCK_OFFSETS entry
+    """SORTED[p] = a for each assignment a of block b, at p = its expert's STARTS entry
     plus its rank among the block's earlier assignments to the same expert (a cumulative sum of
     one-hot rows: stable, no atomics)."""
     b = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
-    next_slot = tl.load(BLOCK_OFFSETS + b * E_PAD + experts)  # per expert, the next free position
+    next_slot = tl.load(STARTS + b * E_PAD + experts)  # per expert, the next free position
     for start in range(0, BLOCK, SUB_BLOCK):
         a = b * BLOCK + start + tl.arange(0, SUB_BLOCK)
         e = tl.load(IDS + a, mask=a < n, other=-1).to(tl.int32)
