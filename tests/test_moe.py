@@ -154,18 +154,6 @@ def _fp32_leaves(T, D, F, E, k, device):
     return ids, (x, weights.requires_grad_(), gate_up, down)
 
 
-def test_backward_is_deterministic(device):
-    """No atomics: two backward passes give bitwise-equal gradients."""
-    ids, leaves = _fp32_leaves(40, 40, 24, 4, 2, device)
-    x, weights, gate_up, down = leaves
-    runs = []
-    for _ in range(2):
-        out = fastlm.moe_experts(x, ids, weights, gate_up, down)
-        runs.append((out, *torch.autograd.grad(out.square().sum(), leaves)))
-    for first, second in zip(*runs):
-        assert torch.equal(first, second)
-
-
 def test_route_is_a_stable_sort(device):
     """The routing metadata against torch's stable sort, over several blocks of the histogram
     (T k > BLOCK) and with int32 ids."""
@@ -199,7 +187,8 @@ def test_pytorch_backend(device, monkeypatch):
 
 def test_compiles_whole(device):
     """torch.compile(fullgraph=True) of the forward and backward (aot_eager: the ops run the
-    kernels at run time), the ids checked by a device-side assert there; same result as eager."""
+    kernels at run time), the ids checked by a device-side assert there; the loss and gradients
+    bitwise those of an eager run (and so deterministic: no atomics, forward or backward)."""
     ids, leaves = _fp32_leaves(19, 40, 24, 3, 2, device)
     x, weights, gate_up, down = leaves
 

@@ -157,7 +157,9 @@ def moe_experts(**option):
     return _backward(fastlm.moe_experts(*args, **option))
 
 
-MOE_VALID = {"alpha": [1e-3, 1e6], "limit": [None, 1e-3, 1e6], "up_offset": [-1e6, 1e6]}
+#: The values moe_experts must run (a call takes seconds in the interpreter): each range's far
+#: end, and a limit that clamps nearly everything.
+MOE_VALID = {"alpha": [1e6], "limit": [1e-3], "up_offset": [-1e6]}
 
 
 def _moe_args(backward: bool) -> dict:
@@ -378,7 +380,6 @@ def _entries() -> list[Entry]:
             for name, run in (("swiglu", swiglu), ("swiglu_packed", swiglu_packed))
             for option in ("alpha", "limit", "up_offset")
         ),  # fmt: skip
-        # The ends of each range only: a moe_experts call takes seconds in the interpreter.
         *(
             Entry(
                 "fastlm.moe_experts",
