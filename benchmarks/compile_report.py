@@ -102,6 +102,9 @@ cross_entropy, cross_entropy_options, rmsnorm, rope, swiglu = (
     importlib.import_module(f"fastlm.kernels.{name}")
     for name in ("cross_entropy", "cross_entropy_options", "rmsnorm", "rope", "swiglu")
 )
+moe_experts, moe_routing = (
+    importlib.import_module(f"fastlm.kernels.moe.{name}") for name in ("experts", "routing")
+)
 
 
 def _attention_internals() -> SimpleNamespace:
@@ -291,6 +294,52 @@ def swiglu_cases(dtypes) -> Iterator[Case]:
         yield Case("SwiGLU clamped interleaved bwd", label, backward, fields)
 
 
+#: Qwen3-30B-A3B's experts: hidden 2048, expert width 768, 128 experts, 8 per token.
+MOE = dict(D=2048, F=768, E=128, k=8)
+
+
+def moe_cases(dtypes) -> Iterator[Case]:
+    """The mixture-of-experts kernels at Qwen3-30B-A3B's sizes (TOKENS tokens): the routing
+    metadata once (it reads only ids), the forward's and the backward's launches per dtype, and
+    gpt-oss's form (transposed weights, interleaved gate/up, biases, the clamp) in bf16."""
+    D, F, E, k = MOE["D"], MOE["F"], MOE["E"], MOE["k"]
+    ids = meta((TOKENS, k), torch.int64)
+    routing = f"T={TOKENS} E={E} k={k}"
+    fields = dict(dtype="i64", E=E, k=k)  # the ids: the one tensor the routing kernels read
+    yield Case("MoE routing", routing, partial(moe_routing.route, ids, E), fields)
+    sorted_assignments = meta((TOKENS * k,), torch.int32)
+    offsets = meta((E + 1,), torch.int32)
+    plain = dict(alpha=1.0, limit=None, up_offset=0.0)
+    gpt_oss = dict(alpha=1.702, limit=7.0, up_offset=1.0)
+    for name in dtypes:
+        dtype = DTYPES[name]
+        x, weights, dout = (
+            meta((TOKENS, D), dtype),
+            meta((TOKENS, k), dtype),
+            meta((TOKENS, D), dtype),
+        )
+        forms = [("SwiGLU", False, plain)] + (
+            [("gpt-oss", True, gpt_oss)] if name == "bf16" else []
+        )
+        for form, transposed, options in forms:
+            if transposed:
+                gate_up, down = meta((E, D, 2 * F), dtype), meta((E, F, D), dtype)
+                biases = meta((E, 2 * F), dtype), meta((E, D), dtype)
+            else:
+                gate_up, down, biases = (
+                    meta((E, 2 * F, D), dtype),
+                    meta((E, D, F), dtype),
+                    (None, None),
+                )
+            args = (x, weights, gate_up, down, *biases, sorted_assignments, offsets, transposed,
+                    transposed, "silu", options)  # fmt: skip
+            fields = dict(dtype=name, form=form, **MOE)
+            label = f"{name} {form} D={D} F={F} E={E} k={k}"
+            yield Case("MoE fwd", label, partial(moe_experts.experts_forward, *args), fields)
+            backward = partial(moe_experts.experts_backward, dout, *args)
+            yield Case("MoE bwd", label, backward, fields)
+
+
 def cross_entropy_cases(dtypes) -> Iterator[Case]:
     for name in dtypes:
         logits = meta((TOKENS // 2, VOCAB), DTYPES[name])
@@ -410,7 +459,7 @@ def _with_tensor_descriptors(launcher):
 
 def cases(quick: bool) -> list[Case]:
     """Everything; `quick`: bf16 only, attention at head dim 128 causal, plain and with each
-    option (the CI test's rows)."""
+    option, no MoE rows (the CI test's rows)."""
     # Each option's variant of the kernels at the most common head dim, causal (and the window
     # both sides, full).
     options = [("bf16", 128, True, "window"), ("bf16", 128, False, "window")]
@@ -437,6 +486,7 @@ def cases(quick: bool) -> list[Case]:
         *rope_cases(dtypes, head_dims),
         *swiglu_cases(dtypes),
         *cross_entropy_cases(dtypes),
+        *(moe_cases(dtypes) if not quick else ()),  # the CI's quick run: not its compile time
         *attention_cases(attention_specs),
     ]
 

@@ -2,7 +2,8 @@
 
 - `fastlm.reference`: the plain PyTorch math every kernel is checked against.
 - `fastlm.kernels`: the ops (RMSNorm, residual-add + RMSNorm, RoPE, SwiGLU, GeGLU, flash
-  attention, cross-entropy), Triton kernels with their backward, registered as `torch.ops.fastlm.*`.
+  attention, cross-entropy, mixture-of-experts experts), Triton kernels with their backward,
+  registered as `torch.ops.fastlm.*`.
 - `fastlm.modules`: nn.Module drop-ins for the reference's (RmsNorm, RoPE, SwiGlu,
   CrossEntropyLoss).
 - `fastlm.Transformer` and its parts: drop-ins for the reference's modules, built on the kernels.
@@ -30,6 +31,7 @@ from fastlm.kernels import (
     flash_attention_varlen,
     geglu,
     linear_cross_entropy,
+    moe_experts,
     rms_norm,
     rope_attention,
     swiglu,
@@ -68,6 +70,7 @@ __all__ = [
     "rope_attention",
     "cross_entropy",
     "linear_cross_entropy",
+    "moe_experts",
 ]
 
 from fastlm import sharding  # noqa: E402

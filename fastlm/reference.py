@@ -169,6 +169,52 @@ class SwiGlu(nn.Module):
 FFN = SwiGlu
 
 
+class MoeExperts(nn.Module):
+    """The experts of a mixture of experts: E `SwiGlu` FFNs. Token t goes through the experts its
+    router picked, expert_ids[t, j], and its output is their sum weighted by
+    expert_weights[t, j]: out[t] = sum_j expert_weights[t, j] * experts[expert_ids[t, j]](x[t]).
+
+    Written from the definition, one expert at a time (`fastlm.moe_experts` is checked against
+    it).
+
+    Args:
+        num_experts: E.
+        d_model, d_ff: each expert's `SwiGlu` widths.
+        device, dtype: of the experts' weights.
+    """
+
+    def __init__(self, num_experts: int, d_model: int, d_ff: int, device=None, dtype=None):
+        super().__init__()
+        self.experts = nn.ModuleList(
+            SwiGlu(d_model, d_ff, device, dtype) for _ in range(num_experts)
+        )
+
+    def forward(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The weighted sum of the chosen experts' outputs.
+
+        Args:
+            x: (T, d_model), the weights' dtype.
+            expert_ids: (T, k) integer, each in [0, num_experts).
+            expert_weights: (T, k), x's dtype.
+
+        Returns:
+            (T, d_model).
+        """
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            tokens, slots = (expert_ids == e).nonzero(as_tuple=True)
+            out = out.index_add(0, tokens, expert_weights[tokens, slots, None] * expert(x[tokens]))
+        return out
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up (E, 2 d_ff, d_model), down (E, d_model, d_ff)): the experts' weights in
+        transformers' stacked layout (gate w1 above up w3), differentiable to each expert's."""
+        gate_up = torch.stack([torch.cat((f.w1.w, f.w3.w)) for f in self.experts])
+        return gate_up, torch.stack([f.w2.w for f in self.experts])
+
+
 class RoPE(nn.Module):
     """Rotary position embedding: pair i of a head vector at position p is rotated by the angle
     p * theta^(-2i / d_k).

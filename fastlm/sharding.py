@@ -463,6 +463,30 @@ def _loss_rules():
     )
 
 
+def _moe_rules():
+    why = (
+        "the mixture-of-experts ops run on whole (replicated) tensors: tokens sharded by rows, "
+        "experts sharded over E (expert parallelism) or F (tensor parallelism) are not "
+        "supported yet; replicate it"
+    )
+
+    def replicated(op, n_out, names):
+        def rule(*args):
+            for name, spec in zip(names, args):
+                _refuse(op, name, spec, range(spec.ndim) if spec is not None else [], why)
+            return [_replicated(n_out, [a if hasattr(a, "placements") else None for a in args])]
+
+        return rule
+
+    tensors = ("x", "expert_weights", "gate_up", "down", "gate_up_bias", "down_bias",
+               "sorted_assignments", "expert_offsets")  # fmt: skip
+    return dict(
+        moe_route=replicated("moe_route", 2, ("expert_ids", "gate_up")),
+        moe_experts=replicated("moe_experts", 1, tensors),
+        moe_experts_backward=replicated("moe_experts_backward", 6, ("dout", *tensors)),
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Registration
 # --------------------------------------------------------------------------------------------
@@ -476,6 +500,7 @@ def rules() -> dict:
         **_rope_rules(),
         **_attention_rules(),
         **_loss_rules(),
+        **_moe_rules(),
     }
     return table
 

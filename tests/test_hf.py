@@ -115,7 +115,11 @@ def _patched(model):
     config = model.config
     act = getattr(config, "hidden_activation", None) or config.hidden_act
     gated = "geglu" if "gelu" in act else "swiglu"
-    assert model.fastlm_patched == tuple(gated if p == "swiglu" else p for p in ALL_PARTS)
+    parts = tuple(gated if p == "swiglu" else p for p in ALL_PARTS)
+    if hasattr(config, "num_experts_per_tok"):  # the experts on fastlm.moe_experts; dense MLPs
+        dense = getattr(config, "mlp_only_layers", None)
+        parts = parts[:1] + ("moe_experts",) + parts[1 if dense else 2 :]
+    assert model.fastlm_patched == parts
     return model
 
 
@@ -259,10 +263,12 @@ def test_family_on_the_kernels(family):
     assert_close(out.loss, expected.loss, torch.float32, f"{family} loss")
     _assert_grads_match(model, truth, torch.float32, family)
     gated = "geglu" if family in GELU_FAMILIES else "swiglu"
-    if family in ("phi3", "mixtral", "qwen3_moe"):
+    if family in ("phi3", "mixtral"):
         gated = "swiglu_packed"  # fused gate_up projections
     head = "linear_cross_entropy_options" if family == "gemma2" else "linear_cross_entropy"
     kernels = {"rms_norm", "rope", "flash_attention_varlen", head, gated}  # gemma2: a soft cap
+    if family in ("mixtral", "qwen3_moe"):  # the experts on fastlm.moe_experts (fastlm.hf.experts)
+        kernels |= {"moe_route", "moe_experts", "moe_experts_backward"}
     kernels |= {name + "_backward" for name in ("rms_norm", "flash_attention_varlen", gated)}
     assert kernels <= ops.names, kernels - ops.names
     _assert_attention_on_the_kernels(ops.names)

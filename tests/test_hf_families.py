@@ -253,8 +253,8 @@ def _batches():
 #: fastlm's attention ops: one call per attention layer forward, one backward.
 ATTENTION_OPS = ("flash_attention", "flash_attention_varlen")
 #: Families whose experts' gate is gpt-oss's clamped SwiGLU: the op that must run it, forward and
-#: backward (its interleaved gate/up and clamp are `swiglu_packed`'s options).
-OPTIONS_GATE = {"gpt_oss": "swiglu_packed_options"}
+#: backward (the whole experts, interleaved gate/up, clamp and biases: fastlm.moe_experts).
+OPTIONS_GATE = {"gpt_oss": "moe_experts"}
 
 
 def patched_copy(model):

@@ -62,6 +62,13 @@ def _op_cases(device):
     targets = torch.randint(0, 300, (6,), device=device)
     targets[1] = -100
     ops = torch.ops.fastlm
+    # Mixture of experts: 7 tokens, k = 2 of 3 experts (expert 1 gets none), D 16, F 8.
+    moe_ids = torch.tensor([[0, 2], [2, 0], [0, 2], [2, 0], [0, 2], [2, 0], [0, 2]], device=device)
+    moe_weights = torch.rand(7, 2, device=device, requires_grad=True)
+    gate_up, down = _randn(3, 2 * 8, 16, **g), _randn(3, 8, 16, **g)  # gpt-oss: transposed down
+    gate_up_t = _randn(3, 16, 2 * 8, **g)
+    moe_bias = _randn(3, 2 * 8, **g), _randn(3, 16, **g)
+    moe_route = ops.moe_route(moe_ids, gate_up.detach())
     return {
         "rms_norm": (ops.rms_norm, (x, weight, 1e-5, torch.bfloat16)),
         "add_rms_norm": (
@@ -239,6 +246,43 @@ def _op_cases(device):
                 0.01,
             ),
         ),
+        "moe_route": (ops.moe_route, (moe_ids, gate_up.detach())),
+        "moe_experts": (
+            ops.moe_experts,
+            (
+                _randn(7, 16, **g),
+                moe_weights,
+                gate_up_t,
+                down,
+                *moe_bias,
+                *moe_route,
+                True,
+                True,
+                "silu",
+                1.702,
+                1.0,
+                1.0,
+            ),
+        ),
+        "moe_experts_backward": (
+            ops.moe_experts_backward,
+            (
+                _randn(7, 16, **n),
+                _randn(7, 16, **n),
+                moe_weights.detach(),
+                gate_up.detach(),
+                down.detach().transpose(1, 2),
+                None,
+                None,
+                *moe_route,
+                False,
+                False,
+                "gelu_tanh",
+                1.0,
+                None,
+                0.0,
+            ),
+        ),
         "linear_cross_entropy_options": (
             ops.linear_cross_entropy_options,
             (
@@ -291,6 +335,9 @@ OP_NAMES = [
     "cross_entropy_options",
     "cross_entropy_options_backward",
     "linear_cross_entropy_options",
+    "moe_route",
+    "moe_experts",
+    "moe_experts_backward",
 ]
 
 

@@ -151,6 +151,30 @@ def swiglu_packed(**option):
     return _backward(fastlm.swiglu_packed(_leaf(N, 2 * C), interleaved=True, **option))
 
 
+def moe_experts(**option):
+    ids = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2], [1, 0]])
+    args = (_leaf(N, C), ids, _leaf(N, 2), _leaf(3, 2 * 4, C), _leaf(3, C, 4))
+    return _backward(fastlm.moe_experts(*args, **option))
+
+
+#: The values moe_experts must run (a call takes seconds in the interpreter): each range's far
+#: end, and a limit that clamps nearly everything.
+MOE_VALID = {"alpha": [1e6], "limit": [1e-3], "up_offset": [-1e6]}
+
+
+def _moe_args(backward: bool) -> dict:
+    """The moe_experts ops' arguments: 5 tokens, k = 2 of 3 experts, gpt-oss's options."""
+    ids = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2], [1, 0]])
+    gate_up = torch.randn(3, 2 * 4, C)
+    sorted_assignments, offsets = OPS.moe_route(ids, gate_up)
+    args = dict(x=torch.randn(N, C), expert_weights=torch.rand(N, 2), gate_up=gate_up,
+                down=torch.randn(3, C, 4), gate_up_bias=None, down_bias=None,
+                sorted_assignments=sorted_assignments, expert_offsets=offsets, transposed=False,
+                interleaved=False, activation="silu", alpha=1.702, limit=7.0,
+                up_offset=1.0)  # fmt: skip
+    return dict(args, dout=torch.randn(N, C)) if backward else args
+
+
 class _TinyLM(torch.nn.Module):
     context_length = 8
 
@@ -356,6 +380,16 @@ def _entries() -> list[Entry]:
             for name, run in (("swiglu", swiglu), ("swiglu_packed", swiglu_packed))
             for option in ("alpha", "limit", "up_offset")
         ),  # fmt: skip
+        *(
+            Entry(
+                "fastlm.moe_experts",
+                option,
+                lambda v, o=option: moe_experts(**{o: v}),
+                none_ok=option == "limit",
+                valid=valid,
+            )
+            for option, valid in MOE_VALID.items()
+        ),  # fmt: skip
         Entry(
             "fastlm.kernels.rope_tables",
             "theta",
@@ -498,6 +532,10 @@ def _op_entries() -> list[Entry]:
             make_args = lambda p=packed, b=backward: _swiglu_options_args(p, b)  # noqa: E731
             for option in ("alpha", "limit", "up_offset"):
                 add(op, make_args, option, none_ok=option == "limit")
+    for backward in (False, True):
+        for option, valid in MOE_VALID.items():
+            op = "moe_experts_backward" if backward else "moe_experts"
+            add(op, lambda b=backward: _moe_args(b), option, none_ok=option == "limit", valid=valid)
     return ops
 
 

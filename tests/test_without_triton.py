@@ -79,6 +79,14 @@ def test_every_op_runs_on_pytorch():
         torch.float32,
         "linear_cross_entropy",
     )
+    experts = R.MoeExperts(3, 16, 8)
+    ids, weights = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0]]), torch.rand(5, 2)
+    assert_close(
+        fastlm.moe_experts(hidden, ids, weights, *experts.stacked()),
+        experts(hidden, ids, weights),
+        torch.float32,
+        "moe_experts",
+    )
 
 
 def test_model_trains_on_pytorch():

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fastlm.hf import attention as attention_module
-from fastlm.hf import probe
+from fastlm.hf import experts, probe
 from fastlm.hf.families import module_head_dim, transformers_module
 from fastlm.hf.forwards import (
     SLICE_KV_SHARED,
@@ -122,6 +122,9 @@ def _patch_mlps(model, report) -> None:
                 continue
             bind([module], "experts_gate", "_apply_gate", **options)
             eager = getattr(model.config, "_experts_implementation", None) == "eager"
+            if experts.use_op(module, options):  # the whole experts on fastlm.moe_experts
+                report.ran("moe_experts")
+                continue
             if eager and not _eager_calls_apply_gate(module):
                 report.leave(
                     f"{name} (eager)",

@@ -14,12 +14,13 @@ from fastlm.kernels.attention import flash_attention, flash_attention_varlen, ro
 from fastlm.kernels.cross_entropy import cross_entropy
 from fastlm.kernels.geglu import geglu
 from fastlm.kernels.linear_cross_entropy import linear_cross_entropy
+from fastlm.kernels.moe import moe_experts
 from fastlm.kernels.rmsnorm import add_rms_norm, rms_norm
 from fastlm.kernels.rope import apply_rope_, rope_tables
 from fastlm.kernels.swiglu import swiglu, swiglu_packed
 
 __all__ = [
     "add_rms_norm", "apply_rope_", "cross_entropy", "flash_attention", "flash_attention_varlen",
-    "geglu", "linear_cross_entropy", "rms_norm", "rope_attention", "rope_tables", "swiglu",
-    "swiglu_packed"
+    "geglu", "linear_cross_entropy", "moe_experts", "rms_norm", "rope_attention", "rope_tables",
+    "swiglu", "swiglu_packed"
 ]

@@ -63,6 +63,18 @@ def check_match(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) ->
         raise ValueError(f"{name} is on {t.device}, but {ref_name} is on {ref.device}")
 
 
+def check_values(values: torch.Tensor, valid: torch.Tensor, message: str) -> None:
+    """ValueError(message) unless `valid` (a bool tensor of `values`' shape) holds everywhere:
+    checked on the host for CPU tensors; on a GPU and under torch.compile a device-side assert
+    (no host sync per step). For index arguments (targets, expert ids)."""
+    if values.device.type == "cpu" and not torch.compiler.is_compiling():
+        if not bool(valid.all()):
+            bad = values[~valid]
+            raise ValueError(f"{message}; got {bad.numel()} outside, e.g. {int(bad[0])}")
+    else:
+        torch._assert_async(valid.all(), message)
+
+
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """x viewed as (rows, last dim) with a unit stride on the last dim, copying only if needed."""
     if x.stride(-1) != 1:

@@ -50,7 +50,15 @@ import torch
 
 from fastlm.backend import interpreting, use_triton
 from fastlm.kernels import cross_entropy_options
-from fastlm.kernels._common import as_rows, check_float, empty, refuse_double_backward, tl, triton
+from fastlm.kernels._common import (
+    as_rows,
+    check_float,
+    check_values,
+    empty,
+    refuse_double_backward,
+    tl,
+    triton,
+)
 from fastlm.kernels._vocab_blocks import (  # noqa: F401 (MAX_BLOCK_V: the tests read it here)
     MAX_BLOCK_V,
     MAX_BLOCK_V_INTERPRETER,
@@ -453,13 +461,10 @@ def _check_target_values(targets: torch.Tensor, vocab_size: int, ignore_index: i
     """Targets in [0, vocab_size) or ignore_index: ValueError for CPU targets, checked on the
     host; on a GPU and under torch.compile a device-side assert (no host sync per step)."""
     valid = ((targets >= 0) & (targets < vocab_size)) | (targets == ignore_index)
-    message = f"targets must lie in [0, {vocab_size}) or equal ignore_index={ignore_index}"
-    if targets.device.type == "cpu" and not torch.compiler.is_compiling():
-        if not bool(valid.all()):
-            bad = targets[~valid]
-            raise ValueError(f"{message}; got {bad.numel()} outside, e.g. {int(bad[0])}")
-    else:
-        torch._assert_async(valid.all(), message)
+    check_values(
+        targets, valid,
+        f"targets must lie in [0, {vocab_size}) or equal ignore_index={ignore_index}"
+    )
 
 
 def _overwritable(logits: torch.Tensor) -> None:

@@ -121,6 +121,43 @@ def _options_terms(gate, up, alpha, limit, up_offset, CLAMP: tl.constexpr):
 
 
 @triton.jit
+def gated_unit(gate, up, alpha, limit, up_offset, ACTIVATION: tl.constexpr, CLAMP: tl.constexpr):
+    """act(gate) * up in fp32 for fp32 tiles gate and up: the ACTIVATION constant's unit (also
+    the epilogue of `fastlm.kernels.moe`'s first grouped GEMM)."""
+    if ACTIVATION == 0:
+        y = gate * tl.sigmoid(gate) * up
+    elif ACTIVATION == 3:
+        g, u, sig = _options_terms(gate, up, alpha, limit, up_offset, CLAMP)
+        y = g * sig * u
+    else:
+        y = _gelu_and_slope(gate, ACTIVATION == 1)[0] * up
+    return y
+
+
+@triton.jit
+def gated_unit_grad(
+    dy, gate, up, alpha, limit, up_offset, ACTIVATION: tl.constexpr, CLAMP: tl.constexpr
+):
+    """(d gate, d up) of `gated_unit` for the fp32 tiles dy, gate and up."""
+    if ACTIVATION == 0:
+        sig = tl.sigmoid(gate)
+        d_gate = dy * up * sig * (1.0 + gate * (1.0 - sig))
+        d_up = dy * gate * sig
+    elif ACTIVATION == 3:
+        g, u, sig = _options_terms(gate, up, alpha, limit, up_offset, CLAMP)
+        d_gate = dy * u * sig * (1.0 + alpha * g * (1.0 - sig))
+        d_up = dy * g * sig
+        if CLAMP:  # torch.clamp's gradient: 1 inside the bounds, ends included; 0 for NaN
+            d_gate = tl.where(gate <= limit, d_gate, 0.0)
+            d_up = tl.where((up >= -limit) & (up <= limit), d_up, 0.0)
+    else:
+        gelu, slope = _gelu_and_slope(gate, ACTIVATION == 1)
+        d_gate = dy * up * slope
+        d_up = dy * gelu
+    return d_gate, d_up
+
+
+@triton.jit
 def _load_gate_up(
     G, U, rows, start, M, N, stride_gm, stride_um,  #
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERLEAVED: tl.constexpr
@@ -177,13 +214,7 @@ def _swiglu_fwd_kernel(
     gate, up = _load_gate_up(
         G, U, rows, start, M, N, stride_gm, stride_um, BLOCK_M, BLOCK_N, INTERLEAVED
     )
-    if ACTIVATION == 0:
-        y = gate * tl.sigmoid(gate) * up
-    elif ACTIVATION == 3:
-        g, u, sig = _options_terms(gate, up, alpha, limit, up_offset, CLAMP)
-        y = g * sig * u
-    else:
-        y = _gelu_and_slope(gate, ACTIVATION == 1)[0] * up
+    y = gated_unit(gate, up, alpha, limit, up_offset, ACTIVATION, CLAMP)
     tl.store(
         Y + rows[:, None] * stride_ym + cols[None, :],
         round_to(y, Y.dtype.element_ty, BF16_BY_HAND), mask=mask
@@ -210,21 +241,7 @@ def _swiglu_bwd_kernel(
     gate, up = _load_gate_up(
         G, U, rows, start, M, N, stride_gm, stride_um, BLOCK_M, BLOCK_N, INTERLEAVED
     )
-    if ACTIVATION == 0:
-        sig = tl.sigmoid(gate)
-        d_gate = dy * up * sig * (1.0 + gate * (1.0 - sig))
-        d_up = dy * gate * sig
-    elif ACTIVATION == 3:
-        g, u, sig = _options_terms(gate, up, alpha, limit, up_offset, CLAMP)
-        d_gate = dy * u * sig * (1.0 + alpha * g * (1.0 - sig))
-        d_up = dy * g * sig
-        if CLAMP:  # torch.clamp's gradient: 1 inside the bounds, ends included; 0 for NaN
-            d_gate = tl.where(gate <= limit, d_gate, 0.0)
-            d_up = tl.where((up >= -limit) & (up <= limit), d_up, 0.0)
-    else:
-        gelu, slope = _gelu_and_slope(gate, ACTIVATION == 1)
-        d_gate = dy * up * slope
-        d_up = dy * gelu
+    d_gate, d_up = gated_unit_grad(dy, gate, up, alpha, limit, up_offset, ACTIVATION, CLAMP)
     if INTERLEAVED:
         _store_pairs(
             DG, d_gate, d_up, rows, start, M, N, stride_dgm, BLOCK_M, BLOCK_N, BF16_BY_HAND

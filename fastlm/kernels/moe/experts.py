@@ -1,0 +1,845 @@
+"""Fused mixture-of-experts experts: the routed tokens through their experts' gated MLPs.
+
+For tokens x (T, D), the router's choice expert_ids (T, k) and expert_weights (T, k), and the
+stacked experts' weights gate_up (E, 2F, D) and down (E, D, F) (transformers 5's layouts; with
+`transposed`, (E, D, 2F) and (E, F, D), read through their strides, never copied):
+
+    out[t] = sum_j w[t, j] * (down_e @ h[t, j] + b2_e),    e = expert_ids[t, j]
+    h[t, j] = act(gate, up),  (gate, up) = split(gate_up_e @ x[t] + b1_e)
+
+with `split` the halves of the 2F rows (gate first) or, `interleaved`, their even and odd rows
+(gpt-oss), and act SwiGLU (with gpt-oss's alpha, limit, up_offset) or GeGLU
+(`fastlm.kernels.swiglu.gated_unit`). Each assignment (t, j) is one row a = t k + j.
+
+Forward (four launches after the routing metadata of `fastlm.kernels.moe.routing`):
+
+1. grouped GEMM 1 over the expert-major order: each program takes BLOCK_M rows of one expert,
+   loads their x rows by token index (no permuted copy of x), multiplies by the expert's gate
+   and up rows and applies the activation in its epilogue: h (T k, F) in x's dtype;
+2. grouped GEMM 2: y = w * (h @ down_e^T + b2_e), written to row a (the token-major order);
+3. combine: out[t] = sum_j y[t k + j], in a fixed order (no atomics: deterministic).
+
+Backward, with g = dout (T, D):
+
+    dh[a]      = w_a * (down_e^T g[t])            d w_a = <g[t], down_e h_a + b2_e>
+    (d gate, d up) = act'(dh)                      d b1_e = sum over e's rows of (d gate | d up)
+    d down_e   = sum over e's rows of (w_a g[t]) h_a^T,   d b2_e = sum of w_a g[t]
+    d gate_up_e = sum over e's rows of (d gate | d up) x[t]^T
+    dx[t]      = sum_j gate_up_e^T (d gate | d up)[a]
+
+1. one kernel per (tile, F block) recomputes gate and up (x gathered, both projections) and
+   down_e^T g[t] in one loop over D, then writes h and (d gate | d up) in sorted order and each
+   F block's share of d w (summed over blocks afterwards: no atomics);
+2. the weight gradients: per expert a GEMM whose reduction runs over that expert's rows (ragged
+   in K), one program per (expert, output tile) summing every row, so no atomics;
+3. dx: grouped GEMM 1's kernel on (d gate | d up) against gate_up^T, then the combine.
+
+Saved for the backward: the inputs (x, expert_weights, the weights and biases: no copies) and
+the routing metadata (sorted_assignments (T k,) int32, expert_offsets (E + 1,) int32). Not
+saved: gate/up (T k, 2F), h (T k, F) and y (T k, D), recomputed in the backward (one more
+grouped GEMM's worth of work, docs/moe.md has the bytes this saves).
+
+Math in fp32 accumulators; h, y and the gradients' intermediates in x's dtype, as an unfused
+model rounds them. fp32 inputs multiply in IEEE fp32 (no TF32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastlm.backend import interpreting, use_triton
+from fastlm.kernels._common import (
+    check_float,
+    check_match,
+    check_values,
+    empty,
+    interpreter_bf16,
+    refuse_double_backward,
+    round_to,
+    tl,
+    triton,
+)
+from fastlm.kernels.geglu import geglu_ref
+from fastlm.kernels.moe.routing import route, route_ref
+from fastlm.kernels.swiglu import (
+    GELU,
+    GELU_TANH,
+    SILU_OPTIONS,
+    gated_unit,
+    gated_unit_grad,
+    split_gate_up,
+    swiglu_ref,
+)
+from fastlm.options import check
+
+#: The activations and their constant in the kernels (SwiGLU always through SILU_OPTIONS: with
+#: the default options its math is SiLU's).
+ACTIVATIONS = {"silu": SILU_OPTIONS, "gelu_tanh": GELU_TANH, "gelu": GELU}
+
+# --------------------------------------------------------------------------------------------
+# Reference math (the PyTorch backend, and what the tests compare with in float64)
+# --------------------------------------------------------------------------------------------
+
+
+def _gated_ref(gate, up, activation: str, alpha: float, limit: float | None, up_offset: float):
+    if activation == "silu":
+        return swiglu_ref(gate, up, alpha=alpha, limit=limit, up_offset=up_offset)
+    return geglu_ref(gate, up, "tanh" if activation == "gelu_tanh" else "none")
+
+
+def moe_experts_ref(
+    x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, gate_up: torch.Tensor,
+    down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None, *, transposed: bool = False, interleaved: bool = False,
+    activation: str = "silu", alpha: float = 1.0, limit: float | None = None, up_offset: float = 0.0
+) -> torch.Tensor:
+    """`moe_experts` as a loop over experts in PyTorch: fp32 inside (fp64 for fp64), h rounded
+    to x's dtype as the kernels round it, the result in x's dtype."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    out = torch.zeros(x.shape, device=x.device, dtype=compute)
+    for e in range(gate_up.shape[0]):
+        tokens, slots = (expert_ids == e).nonzero(as_tuple=True)
+        if tokens.numel() == 0:
+            continue
+        w1 = gate_up[e].T if transposed else gate_up[e]  # (2F, D)
+        w2 = down[e].T if transposed else down[e]  # (D, F)
+        gu = x[tokens].to(compute) @ w1.to(compute).T
+        if gate_up_bias is not None:
+            gu = gu + gate_up_bias[e].to(compute)
+        gate, up = split_gate_up(gu, interleaved)
+        h = _gated_ref(gate, up, activation, alpha, limit, up_offset).to(x.dtype)
+        y = h.to(compute) @ w2.to(compute).T
+        if down_bias is not None:
+            y = y + down_bias[e].to(compute)
+        out = out.index_add(0, tokens, y * expert_weights[tokens, slots, None].to(compute))
+    return out.to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b, acc, FP32_DOT: tl.constexpr):
+    """acc + a @ b; FP32_DOT: fp32 operands in IEEE fp32 (fp32 inputs; bf16 ones under the
+    interpreter, whose bf16 dot is wrong)."""
+    if FP32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _expert_tile(EXPERT_OFFSETS, E, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
+    """(expert, first row, end of the expert's rows) of program_id(0)'s tile: each expert's rows
+    of the sorted order split into BLOCK_M tiles, the tiles numbered expert after expert; a
+    program past the last tile gets expert >= E. Recomputed by each program from the (E + 1)
+    offsets: no host sync, and each kernel picks its own BLOCK_M."""
+    pid = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+    starts = tl.load(EXPERT_OFFSETS + experts, mask=experts < E, other=0)
+    ends = tl.load(EXPERT_OFFSETS + 1 + experts, mask=experts < E, other=0)
+    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    tile_ends = tl.cumsum(tiles, axis=0)
+    expert = tl.sum((tile_ends <= pid).to(tl.int32), axis=0)
+    this = experts == expert
+    tile_start = tl.sum(tl.where(this, tile_ends - tiles, 0), axis=0)
+    first = tl.sum(tl.where(this, starts, 0), axis=0) + (pid - tile_start) * BLOCK_M
+    return expert, first, tl.sum(tl.where(this, ends, 0), axis=0)
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    A, W, BIAS, SCALE, SORTED, EXPERT_OFFSETS, OUT,  #
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_om,  #
+    N, K, E, TOP_K, up_row, gate_step, alpha, limit, up_offset,  #
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr,  #
+    GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, GATED: tl.constexpr,  #
+    ACTIVATION: tl.constexpr, CLAMP: tl.constexpr, HAS_BIAS: tl.constexpr,  #
+    HAS_SCALE: tl.constexpr, FP32_DOT: tl.constexpr, BF16_BY_HAND: tl.constexpr
+):
+    """OUT[row] = (A[row] @ W_e[n, :]^T + BIAS_e) for BLOCK_M sorted rows of expert e.
+
+    A row is the sorted position p, or with GATHER_A the token SORTED[p] // TOP_K; OUT's row is p,
+    or with SCATTER_OUT the assignment SORTED[p]. W_e[n, k] = W[e, n, k] through its strides.
+    GATED: output column n takes W's rows gate_step n (gate) and up_row + gate_step n (up) and
+    is act(gate, up). HAS_SCALE: the result times SCALE[assignment] (the routing weight).
+    """
+    expert, first, end = _expert_tile(EXPERT_OFFSETS, E, BLOCK_M, E_PAD)
+    if expert >= E:
+        return
+    rows = first + tl.arange(0, BLOCK_M)
+    valid = rows < end
+    assignment = tl.load(SORTED + rows, mask=valid, other=0).to(tl.int64)
+    a_rows = assignment // TOP_K if GATHER_A else rows.to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = cols.to(tl.int64) * gate_step
+    W_e = W + expert.to(tl.int64) * stride_we
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(
+            A + a_rows[:, None] * stride_am + ks[None, :] * stride_ak,
+            mask=valid[:, None] & (ks < K)[None, :], other=0.0
+        )
+        w_mask = (ks < K)[:, None] & (cols < N)[None, :]
+        w = tl.load(
+            W_e + w_rows[None, :] * stride_wn + ks[:, None] * stride_wk, mask=w_mask, other=0.0
+        )
+        acc = _dot(a, w, acc, FP32_DOT)
+        if GATED:
+            w_up = tl.load(
+                W_e + (up_row + w_rows)[None, :] * stride_wn + ks[:, None] * stride_wk, mask=w_mask,
+                other=0.0
+            )
+            acc_up = _dot(a, w_up, acc_up, FP32_DOT)
+    if HAS_BIAS:
+        bias = BIAS + expert.to(tl.int64) * stride_be
+        acc += tl.load(bias + w_rows * stride_bn, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            b_up = tl.load(bias + (up_row + w_rows) * stride_bn, mask=cols < N, other=0.0)
+            acc_up += b_up.to(tl.float32)[None, :]
+    if GATED:
+        acc = gated_unit(acc, acc_up, alpha, limit, up_offset, ACTIVATION, CLAMP)
+    if HAS_SCALE:
+        acc *= tl.load(SCALE + assignment, mask=valid, other=0.0).to(tl.float32)[:, None]
+    out_rows = assignment if SCATTER_OUT else rows.to(tl.int64)
+    tl.store(
+        OUT + out_rows[:, None] * stride_om + cols[None, :],
+        round_to(acc, OUT.dtype.element_ty, BF16_BY_HAND), mask=valid[:, None] & (cols < N)[None, :]
+    )
+
+
+@triton.jit
+def _hidden_backward_kernel(
+    X, DOUT, W1, W2, B1, B2, SCALE, SORTED, EXPERT_OFFSETS, DGU, H, DW,  #
+    stride_xm, stride_xk, stride_dom, stride_dok,  #
+    stride_w1e, stride_w1n, stride_w1k, stride_w2e, stride_w2k, stride_w2n,  #
+    stride_b1e, stride_b1n, stride_b2e, stride_b2k, stride_gm, stride_hm, stride_dwb,  #
+    F, D, E, TOP_K, up_row, gate_step, alpha, limit, up_offset,  #
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr,  #
+    ACTIVATION: tl.constexpr, CLAMP: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr,  #
+    FP32_DOT: tl.constexpr, BF16_BY_HAND: tl.constexpr
+):
+    """For BLOCK_M sorted rows of expert e and BLOCK_N hidden columns: gate and up recomputed,
+    dh = down_e^T dout[token] in the same loop over D; writes h, (d gate | d up) in gate_up's row
+    order (DGU) and this column block's share of d w (DW[block, assignment])."""
+    expert, first, end = _expert_tile(EXPERT_OFFSETS, E, BLOCK_M, E_PAD)
+    if expert >= E:
+        return
+    rows = first + tl.arange(0, BLOCK_M)
+    valid = rows < end
+    assignment = tl.load(SORTED + rows, mask=valid, other=0).to(tl.int64)
+    tokens = assignment // TOP_K
+    pid_n = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = cols.to(tl.int64) * gate_step
+    e64 = expert.to(tl.int64)
+    W1_e, W2_e = W1 + e64 * stride_w1e, W2 + e64 * stride_w2e
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_dh = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_db = tl.zeros([BLOCK_M], dtype=tl.float32)  # <dout[token], b2_e>, added by block 0
+    for k0 in range(0, D, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        row_mask = valid[:, None] & (ks < D)[None, :]
+        x = tl.load(
+            X + tokens[:, None] * stride_xm + ks[None, :] * stride_xk, mask=row_mask, other=0.0
+        )
+        dout = tl.load(
+            DOUT + tokens[:, None] * stride_dom + ks[None, :] * stride_dok, mask=row_mask, other=0.0
+        )
+        w_mask = (ks < D)[:, None] & (cols < F)[None, :]
+        w_gate = tl.load(
+            W1_e + w_rows[None, :] * stride_w1n + ks[:, None] * stride_w1k, mask=w_mask, other=0.0
+        )
+        w_up = tl.load(
+            W1_e + (up_row + w_rows)[None, :] * stride_w1n + ks[:, None] * stride_w1k, mask=w_mask,
+            other=0.0
+        )
+        w_down = tl.load(
+            W2_e + ks[:, None] * stride_w2k + cols[None, :] * stride_w2n, mask=w_mask, other=0.0
+        )
+        acc_gate = _dot(x, w_gate, acc_gate, FP32_DOT)
+        acc_up = _dot(x, w_up, acc_up, FP32_DOT)
+        acc_dh = _dot(dout, w_down, acc_dh, FP32_DOT)
+        if HAS_B2:
+            b2 = tl.load(B2 + e64 * stride_b2e + ks * stride_b2k, mask=ks < D, other=0.0)
+            acc_db += tl.sum(dout.to(tl.float32) * b2.to(tl.float32)[None, :], axis=1)
+    if HAS_B1:
+        b1 = B1 + e64 * stride_b1e
+        acc_gate += tl.load(b1 + w_rows * stride_b1n, mask=cols < F,
+                            other=0.0).to(tl.float32)[None, :]
+        b_up = tl.load(b1 + (up_row + w_rows) * stride_b1n, mask=cols < F, other=0.0)
+        acc_up += b_up.to(tl.float32)[None, :]
+    h = gated_unit(acc_gate, acc_up, alpha, limit, up_offset, ACTIVATION, CLAMP)
+    h = round_to(h, H.dtype.element_ty, BF16_BY_HAND)  # h as the forward's second GEMM read it
+    mask = valid[:, None] & (cols < F)[None, :]
+    tl.store(H + rows.to(tl.int64)[:, None] * stride_hm + cols[None, :], h, mask=mask)
+    dw = tl.sum(acc_dh * h.to(tl.float32), axis=1) + tl.where(pid_n == 0, acc_db, 0.0)
+    tl.store(DW + pid_n * stride_dwb + assignment, dw, mask=valid)
+    scale = tl.load(SCALE + assignment, mask=valid, other=0.0).to(tl.float32)
+    d_gate, d_up = gated_unit_grad(
+        acc_dh * scale[:, None], acc_gate, acc_up, alpha, limit, up_offset, ACTIVATION, CLAMP
+    )
+    dgu = DGU + rows.to(tl.int64)[:, None] * stride_gm
+    tl.store(dgu + w_rows[None, :], round_to(d_gate, DGU.dtype.element_ty, BF16_BY_HAND), mask=mask)
+    tl.store(
+        dgu + (up_row + w_rows)[None, :], round_to(d_up, DGU.dtype.element_ty, BF16_BY_HAND),
+        mask=mask
+    )
+
+
+@triton.jit
+def _expert_grad_kernel(
+    A, B, SCALE, SORTED, EXPERT_OFFSETS, OUT, BIAS_OUT,  #
+    stride_am, stride_ai, stride_bm, stride_bj,  #
+    stride_oe, stride_oi, stride_oj, stride_ge, stride_gi,  #
+    I, J, TOP_K,  #
+    BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,  #
+    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, HAS_SCALE: tl.constexpr,  #
+    HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr, BF16_BY_HAND: tl.constexpr
+):
+    """OUT[e, i, j] = sum over expert e's sorted rows p of A[p, i] B[p, j] (a GEMM ragged in its
+    reduction), A's row the token SORTED[p] // TOP_K under GATHER_A (B's likewise), A's row
+    times SCALE[assignment] under HAS_SCALE; BIAS_OUT[e, i] = sum_p A[p, i] (block j = 0). One
+    program sums all of an expert's rows: no atomics; an expert without rows gets zeros."""
+    expert = tl.program_id(0)
+    start = tl.load(EXPERT_OFFSETS + expert)
+    end = tl.load(EXPERT_OFFSETS + expert + 1)
+    ii = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    jj = tl.program_id(2) * BLOCK_J + tl.arange(0, BLOCK_J)
+    acc = tl.zeros([BLOCK_I, BLOCK_J], dtype=tl.float32)
+    acc_bias = tl.zeros([BLOCK_I], dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        valid = rows < end
+        assignment = tl.load(SORTED + rows, mask=valid, other=0).to(tl.int64)
+        a_rows = assignment // TOP_K if GATHER_A else rows.to(tl.int64)
+        b_rows = assignment // TOP_K if GATHER_B else rows.to(tl.int64)
+        a = tl.load(
+            A + a_rows[:, None] * stride_am + ii[None, :] * stride_ai,
+            mask=valid[:, None] & (ii < I)[None, :], other=0.0
+        )
+        if HAS_SCALE:  # rounded back to A's dtype: the GEMM's operands stay in it
+            scale = tl.load(SCALE + assignment, mask=valid, other=0.0).to(tl.float32)
+            a = round_to(a.to(tl.float32) * scale[:, None], A.dtype.element_ty, BF16_BY_HAND)
+        b = tl.load(
+            B + b_rows[:, None] * stride_bm + jj[None, :] * stride_bj,
+            mask=valid[:, None] & (jj < J)[None, :], other=0.0
+        )
+        acc = _dot(tl.trans(a), b, acc, FP32_DOT)
+        if HAS_BIAS:
+            acc_bias += tl.sum(a.to(tl.float32), axis=0)
+    e64 = expert.to(tl.int64)
+    tl.store(
+        OUT + e64 * stride_oe + ii.to(tl.int64)[:, None] * stride_oi + jj[None, :] * stride_oj,
+        round_to(acc, OUT.dtype.element_ty, BF16_BY_HAND),
+        mask=(ii < I)[:, None] & (jj < J)[None, :]
+    )
+    if HAS_BIAS:
+        if tl.program_id(2) == 0:
+            tl.store(
+                BIAS_OUT + e64 * stride_ge + ii * stride_gi,
+                round_to(acc_bias, BIAS_OUT.dtype.element_ty, BF16_BY_HAND), mask=ii < I
+            )
+
+
+@triton.jit
+def _combine_kernel(
+    Y, OUT,  #
+    stride_ym, stride_om,  #
+    T, D, TOP_K,  #
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BF16_BY_HAND: tl.constexpr
+):
+    """OUT[t] = sum_j Y[t TOP_K + j], j in order (deterministic), in fp32."""
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = (t < T)[:, None] & (d < D)[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    for j in range(0, TOP_K):
+        y = tl.load(Y + (t * TOP_K + j)[:, None] * stride_ym + d[None, :], mask=mask, other=0.0)
+        acc += y.to(tl.float32)
+    tl.store(
+        OUT + t[:, None] * stride_om + d[None, :],
+        round_to(acc, OUT.dtype.element_ty, BF16_BY_HAND), mask=mask
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+
+
+def _indexed(t: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
+    """t's strides in the (E, rows, columns) order of the untransposed layout: a transposed
+    weight (or its gradient) is the untransposed one with its last two strides swapped."""
+    s = t.stride()
+    return (s[0], s[2], s[1]) if transposed else s
+
+
+class _Layout:
+    """The experts' weights as the kernels index them: W1[e, n, k] (n over gate_up's 2F rows,
+    k over D) and W2[e, d, f] through strides, whatever `transposed` says; where gate and up of
+    hidden column c are (rows gate_step c and up_row + gate_step c)."""
+
+    def __init__(
+        self, gate_up: torch.Tensor, down: torch.Tensor, transposed: bool, interleaved: bool
+    ):
+        self.w1 = _indexed(gate_up, transposed)  # strides over e, the 2F rows, D
+        self.w2 = _indexed(down, transposed)  # strides over e, D, F
+        self.num_experts = gate_up.shape[0]
+        self.d_ff = (gate_up.shape[2] if transposed else gate_up.shape[1]) // 2
+        self.gate_step, self.up_row = (2, 1) if interleaved else (1, self.d_ff)
+
+
+def _bias_strides(bias: torch.Tensor | None) -> tuple[int, int]:
+    return (0, 0) if bias is None else bias.stride()
+
+
+def _configs(dtype: torch.dtype) -> dict:
+    """Tiles per kernel: small under the interpreter (it pays per element of a tile, and the
+    tests' odd sizes then span several tiles), MMA-sized on a GPU (8 warps where two or three
+    accumulators share a program), smaller for fp32, whose IEEE dots run without tensor cores:
+    the compile report's rows show no spills with these."""
+    if interpreting():
+        small = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=1)
+        return dict(
+            gated=small, plain=small, hidden=small,
+            grad=dict(BLOCK_I=64, BLOCK_J=64, BLOCK_R=16,
+                      num_warps=1), combine=dict(BLOCK_T=16, BLOCK_D=64, num_warps=1)
+        )  # fmt: skip
+    combine = dict(BLOCK_T=4, BLOCK_D=512, num_warps=4)
+    if dtype == torch.float32:
+        return dict(
+            gated=dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
+            plain=dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, num_warps=4, num_stages=2),
+            hidden=dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=8, num_stages=2),
+            grad=dict(BLOCK_I=32, BLOCK_J=64, BLOCK_R=16, num_warps=4, num_stages=2),
+            combine=combine,
+        )
+    return dict(
+        # 128-row tiles: the hot-loop model (docs/moe.md) gives the tensor cores 70-72% of the
+        # forward GEMMs' loop on sm_90a against 58-68% at 64 rows
+        gated=dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3),
+        plain=dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+        hidden=dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=3),
+        grad=dict(BLOCK_I=128, BLOCK_J=128, BLOCK_R=32, num_warps=8, num_stages=3),
+        combine=combine,
+    )
+
+
+def _tile_grid(n_rows: int, num_experts: int, block_m: int, n_cols: int, block_n: int):
+    """A grid with at least one program per tile: the tiles number at most cdiv(n_rows, BLOCK_M)
+    plus one partial tile per expert; the programs past the last one return at once."""
+    return (triton.cdiv(n_rows, block_m) + min(num_experts, n_rows), triton.cdiv(n_cols, block_n))
+
+
+def _fp32_dot(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 or interpreter_bf16(dtype)
+
+
+def _e_pad(num_experts: int) -> int:
+    return max(16, triton.next_power_of_2(num_experts))
+
+
+def _grouped_gemm(
+    a, weight, w_strides, n_cols, sorted_assignments, expert_offsets, out, top_k, *, gather_a=False,
+    scatter_out=False, gated=None, bias=None, scale=None, config
+):
+    """`_grouped_gemm_kernel` over every tile: out's rows (sorted, or scattered to assignments)
+    = a's rows (sorted, or gathered by token) times W_e[n, k] (`w_strides`: e, n, k) for n <
+    n_cols. `gated`: (layout, activation, options) for the first GEMM's gate/up pairs."""
+    n_rows, K = sorted_assignments.numel(), a.shape[1]
+    num_experts = expert_offsets.numel() - 1
+    grid = _tile_grid(n_rows, num_experts, config["BLOCK_M"], n_cols, config["BLOCK_N"])
+    if gated is None:
+        up_row, gate_step, activation, options = 0, 1, 0, dict(alpha=1.0, limit=None, up_offset=0.0)
+    else:
+        layout, activation, options = gated
+        up_row, gate_step = layout.up_row, layout.gate_step
+    limit = options["limit"]
+    _grouped_gemm_kernel[grid](
+        a, weight, bias if bias is not None else a,
+        scale if scale is not None else a, sorted_assignments, expert_offsets, out, a.stride(0),
+        a.stride(1), *w_strides, *_bias_strides(bias), out.stride(0), n_cols, K, num_experts, top_k,
+        up_row, gate_step, float(options["alpha"]), 0.0 if limit is None else float(limit),
+        float(options["up_offset"]), E_PAD=_e_pad(num_experts), GATHER_A=gather_a,
+        SCATTER_OUT=scatter_out, GATED=gated is not None, ACTIVATION=activation, CLAMP=limit
+        is not None, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
+        FP32_DOT=_fp32_dot(a.dtype), BF16_BY_HAND=interpreter_bf16(out.dtype), **config
+    )
+
+
+def _combine(y: torch.Tensor, out: torch.Tensor, top_k: int, config: dict) -> None:
+    T, D = out.shape
+    grid = (triton.cdiv(T, config["BLOCK_T"]), triton.cdiv(D, config["BLOCK_D"]))
+    _combine_kernel[grid](
+        y, out, y.stride(0), out.stride(0), T, D, top_k, BF16_BY_HAND=interpreter_bf16(out.dtype),
+        **config
+    )
+
+
+def experts_forward(
+    x, expert_weights, gate_up, down, gate_up_bias, down_bias, sorted_assignments, expert_offsets,
+    transposed, interleaved, activation, options
+) -> torch.Tensor:
+    """out (T, D): grouped GEMM 1 (gather, activation), grouped GEMM 2 (scale, scatter), combine."""
+    T, D = x.shape
+    top_k = expert_weights.shape[1]
+    layout = _Layout(gate_up, down, transposed, interleaved)
+    config = _configs(x.dtype)
+    sorted_assignments, expert_offsets = sorted_assignments.contiguous(), expert_offsets.contiguous(
+    )
+    out = empty((T, D), device=x.device, dtype=x.dtype)
+    n = sorted_assignments.numel()
+    if n == 0:
+        return out
+    scale = expert_weights.reshape(-1).contiguous()  # assignment a = t k + j, unit stride
+    h = empty((n, layout.d_ff), device=x.device, dtype=x.dtype)
+    _grouped_gemm(
+        x, gate_up, layout.w1, layout.d_ff, sorted_assignments, expert_offsets, h, top_k,
+        gather_a=True, gated=(layout, ACTIVATIONS[activation], options), bias=gate_up_bias,
+        config=config["gated"]
+    )
+    y = empty((n, D), device=x.device, dtype=x.dtype)
+    _grouped_gemm(
+        h, down, layout.w2, D, sorted_assignments, expert_offsets, y, top_k, scatter_out=True,
+        bias=down_bias, scale=scale, config=config["plain"]
+    )
+    _combine(y, out, top_k, config["combine"])
+    return out
+
+
+def _expert_grad(
+    a, b, sorted_assignments, expert_offsets, out, out_strides, top_k, *, gather_a=False,
+    gather_b=False, scale=None, bias_out=None, config
+):
+    """`_expert_grad_kernel`: out[e] (I, J) through `out_strides` (e, i, j), and bias_out[e]."""
+    num_experts = expert_offsets.numel() - 1
+    I, J = a.shape[1], b.shape[1]
+    grid = (num_experts, triton.cdiv(I, config["BLOCK_I"]), triton.cdiv(J, config["BLOCK_J"]))
+    _expert_grad_kernel[grid](
+        a, b, scale if scale is not None else a, sorted_assignments, expert_offsets,
+        out, bias_out if bias_out is not None else out, a.stride(0), a.stride(1), b.stride(0),
+        b.stride(1), *out_strides, *_bias_strides(bias_out), I, J, top_k, GATHER_A=gather_a,
+        GATHER_B=gather_b, HAS_SCALE=scale is not None, HAS_BIAS=bias_out is not None,
+        FP32_DOT=_fp32_dot(a.dtype), BF16_BY_HAND=interpreter_bf16(out.dtype), **config
+    )
+
+
+def experts_backward(
+    dout, x, expert_weights, gate_up, down, gate_up_bias, down_bias, sorted_assignments,
+    expert_offsets, transposed, interleaved, activation, options
+):
+    """(dx, d expert_weights, d gate_up, d down, d gate_up_bias, d down_bias) in the inputs'
+    layouts and dtypes; a bias gradient is an empty tensor for a missing bias."""
+    T, D = x.shape
+    top_k = expert_weights.shape[1]
+    layout = _Layout(gate_up, down, transposed, interleaved)
+    F, E = layout.d_ff, layout.num_experts
+    config = _configs(x.dtype)
+    sorted_assignments, expert_offsets = sorted_assignments.contiguous(), expert_offsets.contiguous(
+    )
+    n = sorted_assignments.numel()
+    device, dtype = x.device, x.dtype
+    dx = empty((T, D), device=device, dtype=dtype)
+    d_gate_up = empty(gate_up.shape, device=device, dtype=dtype)
+    d_down = empty(down.shape, device=device, dtype=dtype)
+    d_b1 = empty((E, 2 * F), device=device, dtype=dtype) if gate_up_bias is not None else None
+    d_b2 = empty((E, D), device=device, dtype=dtype) if down_bias is not None else None
+    scale = expert_weights.reshape(-1).contiguous()
+    hidden = config["hidden"]
+    n_col_blocks = triton.cdiv(F, hidden["BLOCK_N"])
+    dw_blocks = empty((n_col_blocks, n), device=device, dtype=torch.float32)
+    h = empty((n, F), device=device, dtype=dtype)
+    dgu = empty((n, 2 * F), device=device, dtype=dtype)  # columns in gate_up's row order
+    if n > 0:
+        limit = options["limit"]
+        _hidden_backward_kernel[_tile_grid(n, E, hidden["BLOCK_M"], F, hidden["BLOCK_N"])](
+            x, dout, gate_up, down, gate_up_bias if gate_up_bias is not None else x,
+            down_bias if down_bias is not None else x, scale, sorted_assignments,
+            expert_offsets, dgu, h, dw_blocks, x.stride(0), x.stride(1), dout.stride(0),
+            dout.stride(1), *layout.w1, *layout.w2,
+            *_bias_strides(gate_up_bias), *_bias_strides(down_bias), dgu.stride(0), h.stride(0),
+            dw_blocks.stride(0), F, D, E, top_k, layout.up_row, layout.gate_step,
+            float(options["alpha"]), 0.0 if limit is None else float(limit),
+            float(options["up_offset"]), E_PAD=_e_pad(E), ACTIVATION=ACTIVATIONS[activation],
+            CLAMP=limit is not None, HAS_B1=gate_up_bias is not None, HAS_B2=down_bias is not None,
+            FP32_DOT=_fp32_dot(dtype), BF16_BY_HAND=interpreter_bf16(dtype), **hidden
+        )
+    # d down[e, d, f] = sum (w g[token])[d] h[f];  d gate_up[e, n, d] = sum dgu[n] x[token][d]
+    _expert_grad(
+        dout, h, sorted_assignments, expert_offsets, d_down, _indexed(d_down, transposed), top_k,
+        gather_a=True, scale=scale, bias_out=d_b2, config=config["grad"]
+    )
+    _expert_grad(
+        dgu, x, sorted_assignments, expert_offsets, d_gate_up, _indexed(d_gate_up, transposed),
+        top_k, gather_b=True, bias_out=d_b1, config=config["grad"]
+    )
+    if n > 0:
+        # dx: each assignment's gate_up_e^T dgu in token-major rows, then summed per token
+        dx_rows = empty((n, D), device=device, dtype=dtype)
+        w1 = layout.w1
+        _grouped_gemm(
+            dgu, gate_up, (w1[0], w1[2], w1[1]), D, sorted_assignments, expert_offsets, dx_rows,
+            top_k, scatter_out=True, config=config["plain"]
+        )
+        _combine(dx_rows, dx, top_k, config["combine"])
+    else:
+        dx.zero_()
+    d_weights = dw_blocks.sum(0).view(expert_weights.shape).to(expert_weights.dtype)
+    # an empty tensor for a missing bias (custom ops return tensors), each its own
+    return (
+        dx, d_weights, d_gate_up, d_down, x.new_empty(0) if d_b1 is None else d_b1,
+        x.new_empty(0) if d_b2 is None else d_b2
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Registration: torch.ops.fastlm.moe_route, .moe_experts and its backward
+# --------------------------------------------------------------------------------------------
+
+
+def _checked_options(activation: str, alpha: float, limit: float | None, up_offset: float) -> dict:
+    """The activation's options by `fastlm.options.check` (the public function and the ops);
+    alpha, limit and up_offset are SwiGLU's, so GeGLU takes only their defaults."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+    options = dict(
+        alpha=check("alpha", alpha), limit=check("limit", limit, none_ok=True),
+        up_offset=check("up_offset", up_offset)
+    )
+    if activation != "silu" and options != dict(alpha=1.0, limit=None, up_offset=0.0):
+        raise ValueError(
+            f"alpha, limit and up_offset are SwiGLU's options; activation={activation!r} takes "
+            f"their defaults (1, None, 0), got {options}"
+        )
+    return options
+
+
+@torch.library.custom_op("fastlm::moe_route", mutates_args=())
+def _route_op(expert_ids: torch.Tensor, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` for gate_up's E experts (the weights give E, so that the op has no size
+    argument that could disagree with them; only gate_up's shape is read)."""
+    return route(expert_ids, gate_up.shape[0])
+
+
+@_route_op.register_fake
+def _(expert_ids, gate_up):
+    sorted_assignments = expert_ids.new_empty(expert_ids.numel(), dtype=torch.int32)
+    return sorted_assignments, expert_ids.new_empty(gate_up.shape[0] + 1, dtype=torch.int32)
+
+
+@torch.library.custom_op("fastlm::moe_experts", mutates_args=())
+def _experts_op(
+    x: torch.Tensor, expert_weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+    gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+    sorted_assignments: torch.Tensor, expert_offsets: torch.Tensor, transposed: bool,
+    interleaved: bool, activation: str, alpha: float, limit: float | None, up_offset: float
+) -> torch.Tensor:
+    options = _checked_options(activation, alpha, limit, up_offset)
+    return experts_forward(
+        x, expert_weights, gate_up, down, gate_up_bias, down_bias, sorted_assignments,
+        expert_offsets, transposed, interleaved, activation, options
+    )
+
+
+@_experts_op.register_fake
+def _(
+    x, expert_weights, gate_up, down, gate_up_bias, down_bias, sorted_assignments, expert_offsets,
+    transposed, interleaved, activation, alpha, limit, up_offset
+):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("fastlm::moe_experts_backward", mutates_args=())
+def _experts_backward_op(
+    dout: torch.Tensor, x: torch.Tensor, expert_weights: torch.Tensor, gate_up: torch.Tensor,
+    down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+    sorted_assignments: torch.Tensor, expert_offsets: torch.Tensor, transposed: bool,
+    interleaved: bool, activation: str, alpha: float, limit: float | None, up_offset: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    options = _checked_options(activation, alpha, limit, up_offset)
+    return experts_backward(
+        dout, x, expert_weights, gate_up, down, gate_up_bias, down_bias, sorted_assignments,
+        expert_offsets, transposed, interleaved, activation, options
+    )
+
+
+@_experts_backward_op.register_fake
+def _(dout, x, expert_weights, gate_up, down, gate_up_bias, down_bias, *rest):
+
+    def bias_grad(bias):
+        return x.new_empty(0) if bias is None else bias.new_empty(bias.shape)
+
+    return (
+        x.new_empty(x.shape), expert_weights.new_empty(expert_weights.shape),
+        gate_up.new_empty(gate_up.shape), down.new_empty(down.shape), bias_grad(gate_up_bias),
+        bias_grad(down_bias)
+    )
+
+
+def _experts_setup(ctx, inputs, output):
+    """Saved: the inputs as they are and the routing metadata (module docstring); the layout
+    and the options kept as Python values."""
+    ctx.save_for_backward(*inputs[:8])
+    ctx.rest = inputs[8:]
+
+
+def _experts_grad(ctx, dout):
+    x, expert_weights, gate_up, down, gate_up_bias, down_bias, sorted_assignments, offsets = (
+        ctx.saved_tensors
+    )
+    dx, d_weights, d_gate_up, d_down, d_b1, d_b2 = _experts_backward_op(
+        dout, x, expert_weights, gate_up, down, gate_up_bias, down_bias, sorted_assignments,
+        offsets, *ctx.rest
+    )
+    return (
+        dx, d_weights, d_gate_up, d_down, None if gate_up_bias is None else d_b1,
+        None if down_bias is None else d_b2, *(None, ) * 8
+    )
+
+
+torch.library.register_autograd("fastlm::moe_experts", _experts_grad, setup_context=_experts_setup)
+refuse_double_backward("fastlm::moe_experts_backward", "moe_experts")
+
+# --------------------------------------------------------------------------------------------
+# Public function
+# --------------------------------------------------------------------------------------------
+
+
+def _check_ids(expert_ids: object, x: torch.Tensor, num_experts: int) -> None:
+    """expert_ids: an integer tensor (T, k) on x's device, 1 <= k <= E, every id in [0, E):
+    checked on the host for CPU tensors; on a GPU and under torch.compile a device-side assert
+    (no host sync per step), as `fastlm.cross_entropy` checks its targets. The kernels never
+    read out of bounds with a bad id either way (`fastlm.kernels.moe.routing`)."""
+    if not isinstance(expert_ids, torch.Tensor):
+        raise TypeError(f"expert_ids must be a torch.Tensor, got {type(expert_ids).__name__}")
+    if expert_ids.dtype.is_floating_point or expert_ids.dtype.is_complex or (
+        expert_ids.dtype == torch.bool
+    ):
+        raise TypeError(f"expert_ids must have an integer dtype, got {expert_ids.dtype}")
+    if expert_ids.device != x.device:
+        raise ValueError(f"expert_ids is on {expert_ids.device}, but x is on {x.device}")
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0] or expert_ids.shape[1] == 0:
+        raise ValueError(
+            f"expert_ids must be (T, k) = ({x.shape[0]}, k) with k >= 1 for x of shape "
+            f"{tuple(x.shape)}, got {tuple(expert_ids.shape)}"
+        )
+    if expert_ids.shape[1] > num_experts:
+        raise ValueError(
+            f"expert_ids picks k = {expert_ids.shape[1]} experts per token, more than the "
+            f"{num_experts} experts of gate_up"
+        )
+    valid = (expert_ids >= 0) & (expert_ids < num_experts)
+    check_values(expert_ids, valid, f"expert_ids must lie in [0, {num_experts})")
+
+
+def _check_weights(x, gate_up, down, gate_up_bias, down_bias, transposed) -> None:
+    """The experts' weights against x: shapes (the module docstring's layouts), E, F and D."""
+    for name, t in (("gate_up", gate_up), ("down", down)):
+        check_float(name, t)
+        check_match(name, t, "x", x)
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D (E, ., .), got {tuple(t.shape)}")
+    D = x.shape[1]
+    E = gate_up.shape[0]
+    two_f = gate_up.shape[2] if transposed else gate_up.shape[1]
+    gate_up_d = gate_up.shape[1] if transposed else gate_up.shape[2]
+    want = "(E, D, 2F)" if transposed else "(E, 2F, D)"
+    if E == 0 or two_f == 0 or two_f % 2 or gate_up_d != D:
+        raise ValueError(
+            f"gate_up must be {want} with D = {D} (x's last dim), E >= 1 and an even, non-zero "
+            f"2F, got {tuple(gate_up.shape)} (transposed={transposed})"
+        )
+    F = two_f // 2
+    want_down = (E, F, D) if transposed else (E, D, F)
+    if tuple(down.shape) != want_down:
+        raise ValueError(
+            f"down must be {want_down} (E, F and D of gate_up {tuple(gate_up.shape)} and x; "
+            f"transposed={transposed}), got {tuple(down.shape)}"
+        )
+    for name, bias, shape in (
+        ("gate_up_bias", gate_up_bias, (E, 2 * F)), ("down_bias", down_bias, (E, D))
+    ):  # fmt: skip
+        if bias is None:
+            continue
+        check_float(name, bias)
+        check_match(name, bias, "x", x)
+        if tuple(bias.shape) != shape:
+            raise ValueError(f"{name} must be {shape}, got {tuple(bias.shape)}")
+
+
+def moe_experts(
+    x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, gate_up: torch.Tensor,
+    down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None, *, transposed: bool = False, interleaved: bool = False,
+    activation: str = "silu", alpha: float = 1.0, limit: float | None = None, up_offset: float = 0.0
+) -> torch.Tensor:
+    """The routed experts' output: out[t] = sum_j w[t, j] expert_{ids[t, j]}(x[t]).
+
+    Each expert is a gated MLP, down_e(act(gate, up)) with (gate, up) = gate_up_e x (+ biases);
+    the math, the kernels and what the backward saves are in this module's docstring. Gradients
+    flow to x, expert_weights (the router learns), gate_up, down and the biases; expert_ids has
+    none. Deterministic: no atomics, forward or backward.
+
+    Args:
+        x: (T, D) float32, float16 or bfloat16, the tokens (any strides).
+        expert_ids: (T, k) integer tensor, the router's choices, each in [0, E); 1 <= k <= E.
+        expert_weights: (T, k) float, each choice's weight (any float dtype of the kernels; its
+            gradient in its dtype).
+        gate_up: (E, 2F, D), or (E, D, 2F) with `transposed`, x's dtype and device: each
+            expert's gate and up projections (gate the first F rows, up the last; `interleaved`:
+            gate the even rows, up the odd ones).
+        down: (E, D, F), or (E, F, D) with `transposed`, x's dtype and device.
+        gate_up_bias: None or (E, 2F) in gate_up's row order; down_bias: None or (E, D).
+        transposed: the weights stored (E, in, out) (gpt-oss) rather than (E, out, in).
+        interleaved: gate and up in alternate rows of gate_up (gpt-oss).
+        activation: "silu" (SwiGLU, the default), "gelu_tanh" or "gelu" (GeGLU).
+        alpha, limit, up_offset: SwiGLU's options, as in `fastlm.swiglu` (gpt-oss: 1.702, 7,
+            1); other activations take the defaults.
+
+    Returns:
+        (T, D) in x's dtype.
+
+    Raises:
+        TypeError: x, expert_weights, the weights or the biases not a tensor of float32,
+            float16 or bfloat16, the weights and biases not in x's dtype; expert_ids not an
+            integer tensor; an option that is not a real number.
+        ValueError: shapes that do not fit (each message names the argument), k > E, an id
+            outside [0, E) (CPU tensors; a device-side assert on a GPU), tensors on two devices,
+            an unknown activation or an option outside its range.
+    """
+    options = _checked_options(activation, alpha, limit, up_offset)
+    for name, flag in (("transposed", transposed), ("interleaved", interleaved)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    check_float("x", x)
+    if x.dim() != 2 or x.shape[1] == 0:
+        raise ValueError(f"x must be (T, D) with D >= 1, got {tuple(x.shape)}")
+    _check_weights(x, gate_up, down, gate_up_bias, down_bias, transposed)
+    _check_ids(expert_ids, x, gate_up.shape[0])
+    check_float("expert_weights", expert_weights)
+    if expert_weights.device != x.device:
+        raise ValueError(f"expert_weights is on {expert_weights.device}, but x is on {x.device}")
+    if expert_weights.shape != expert_ids.shape:
+        raise ValueError(
+            f"expert_weights must have expert_ids' shape {tuple(expert_ids.shape)}, got "
+            f"{tuple(expert_weights.shape)}"
+        )
+    layout = dict(transposed=transposed, interleaved=interleaved, activation=activation)
+    if not use_triton(x):
+        return moe_experts_ref(
+            x, expert_ids, expert_weights, gate_up, down, gate_up_bias, down_bias, **layout,
+            **options
+        )
+    sorted_assignments, expert_offsets = _route_op(expert_ids, gate_up)
+    return _experts_op(
+        x, expert_weights, gate_up, down, gate_up_bias, down_bias, sorted_assignments,
+        expert_offsets, transposed, interleaved, activation, **options
+    )
+
+
+__all__ = ["moe_experts", "moe_experts_ref", "route_ref"]
