@@ -107,9 +107,10 @@ _reciprocal = _reciprocal_approx if _fdiv_takes_approx() else _reciprocal_full_r
 
 
 @triton.jit
-def scaled_tanh(t, c):
-    """c * tanh(t / c) to fp32 rounding at every t, for a scalar c > 0 (the interpreter has no
-    tanh, and the GPU's tanh.approx is 2^-11 off).
+def _scaled_tanh_parts(t, c):
+    """(c * tanh(t / c), r) for a scalar c > 0, the first to fp32 rounding at every t (the
+    interpreter has no tanh, and the GPU's tanh.approx is 2^-11 off); r = 1 / (1 + 2^v) below,
+    from which `capped` takes the slope.
 
     With x = t / c and v = 2 log2(e) |x|, two forms, both computed and one selected:
 
@@ -138,7 +139,15 @@ def scaled_tanh(t, c):
     q = v2 * q + 0.0019207090372219682
     q = v2 * q - 0.040036868304014206
     near = t + (t * v2) * q
-    return tl.where(v < 1.731234073638916, near, far.to(tl.float32, bitcast=True))  # |x| < 0.6
+    capped_t = tl.where(v < 1.731234073638916, near, far.to(tl.float32, bitcast=True))  # |x| < 0.6
+    return capped_t, r
+
+
+@triton.jit
+def scaled_tanh(t, c):
+    """c * tanh(t / c) to fp32 rounding at every t, for a scalar c > 0 (`_scaled_tanh_parts`)."""
+    capped_t, _ = _scaled_tanh_parts(t, c)
+    return capped_t
 
 
 @triton.jit
@@ -217,10 +226,16 @@ def exp2_split(x, FMA_SHIFT: tl.constexpr):
 def capped(t, softcap):
     """softcap * tanh(t / softcap) of base-2 scores t (softcap in base-2 units too: the cap of the
     natural scores times log2(e)), the cap folded into the tanh (`scaled_tanh`), and the
-    derivative 1 - tanh^2, which the backward needs."""
-    capped_t = scaled_tanh(t, softcap)
-    th = capped_t * (1.0 / softcap)
-    return capped_t, 1.0 - th * th
+    derivative 1 - tanh^2, which the backward needs.
+
+    The derivative comes from r = 1 / (1 + 2^v) = (1 - |tanh|) / 2, not from tanh: 1 - tanh^2 =
+    (1 - |tanh|)(1 + |tanh|) = 4 r (1 - r), a product of relatively accurate factors (1 - r >= 1/2
+    cancels nothing), so it keeps fp32's relative accuracy where it is tiny. From tanh, 1 - th * th
+    is off by an ulp of th, about 6e-8, once |t / c| passes 6 (a slope below 2.5e-5): with a cap
+    far below the scores every slope is there, and dq and dk came out wrong in their first digit.
+    Two instructions either way (an FMA and a multiply)."""
+    capped_t, r = _scaled_tanh_parts(t, softcap)
+    return capped_t, r * (4.0 - 4.0 * r)
 
 
 @triton.jit
