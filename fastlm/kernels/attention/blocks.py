@@ -228,14 +228,17 @@ def capped(t, softcap):
     natural scores times log2(e)), the cap folded into the tanh (`scaled_tanh`), and the
     derivative 1 - tanh^2, which the backward needs.
 
-    The derivative comes from r = 1 / (1 + 2^v) = (1 - |tanh|) / 2, not from tanh: 1 - tanh^2 =
-    (1 - |tanh|)(1 + |tanh|) = 4 r (1 - r), a product of relatively accurate factors (1 - r >= 1/2
-    cancels nothing), so it keeps fp32's relative accuracy where it is tiny. From tanh, 1 - th * th
-    is off by an ulp of th, about 6e-8, once |t / c| passes 6 (a slope below 2.5e-5): with a cap
-    far below the scores every slope is there, and dq and dk came out wrong in their first digit.
-    Two instructions either way (an FMA and a multiply)."""
+    The derivative is (1 - |tanh|)(1 + |tanh|) with 1 - |tanh| taken as 2 r, r = 1 / (1 + 2^v)
+    (`_scaled_tanh_parts`), not from tanh: a product of relatively accurate factors, so it keeps
+    fp32's relative accuracy where it is tiny. 1 - th * th is off by an ulp of th, about 6e-8,
+    once |t / c| passes 6 (a slope below 2.5e-5): with a cap far below the scores every slope is
+    there, and dq and dk came out wrong in their first digit. Two instructions either way (an FMA
+    and a multiply); the form reads tanh too, which keeps Triton 3.9's sm_90a code as short as
+    1 - th * th's (4 r (1 - r), from r alone, added 68 integer instructions to the descriptor dQ
+    pass's M128 N64 loop: LLVM packed the two forms' select predicates into integers).
+    """
     capped_t, r = _scaled_tanh_parts(t, softcap)
-    return capped_t, r * (4.0 - 4.0 * r)
+    return capped_t, (tl.abs(capped_t) * (2.0 / softcap) + 2.0) * r
 
 
 @triton.jit
