@@ -67,7 +67,6 @@ import sys
 import tempfile
 import time
 import unittest.mock
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -347,8 +346,9 @@ def _qkv_views(d: int, d_v: int, heads: int, dtype, packed: bool):
 def attention_cases(specs) -> Iterator[Case]:
     """q, k, v as views of a fused QKV output, outputs and gradients token-major, as in the
     model. `d` is the head dim, or (q and k's, v's) for MLA. `option` (None, or "+"-joined
-    "window", "softcap", "varlen", "sinks", "gpt-oss") adds those constexpr variants: a window of
-    WINDOW keys (both sides when not causal), the cap, the batch packed as sequences of SEQ
+    "window", "softcap", "approx", "varlen", "sinks", "gpt-oss") adds those constexpr variants: a
+    window of WINDOW keys (both sides when not causal), the cap (with "approx" its approximate
+    tanh), the batch packed as sequences of SEQ
     tokens (`Varlen`, cu_seqlens on the device), attention sinks, or gpt-oss's window of
     GPT_OSS_WINDOW with sinks."""
     for name, dims, causal, option in specs:
@@ -360,6 +360,8 @@ def attention_cases(specs) -> Iterator[Case]:
             options["window"] = (WINDOW, 0 if causal else WINDOW)
         if "softcap" in parts:
             options["softcap"] = SOFTCAP
+        if "approx" in parts:
+            options["softcap_approx"] = True
         if "gpt-oss" in parts:
             options["window"] = (GPT_OSS_WINDOW, 0 if causal else GPT_OSS_WINDOW)
         if "sinks" in parts or "gpt-oss" in parts:
@@ -380,6 +382,7 @@ def attention_cases(specs) -> Iterator[Case]:
             {
                 "window": f" window={WINDOW}",
                 "softcap": f" softcap={SOFTCAP:g}",
+                "approx": " approx",
                 "varlen": " varlen",
                 "sinks": " sinks",
                 "gpt-oss": f" window={GPT_OSS_WINDOW} sinks",
@@ -414,7 +417,8 @@ def cases(quick: bool) -> list[Case]:
     # Each option's variant of the kernels at the most common head dim, causal (and the window
     # both sides, full).
     options = [("bf16", 128, True, "window"), ("bf16", 128, False, "window")]
-    options += [("bf16", 128, True, "softcap"), ("bf16", 128, True, "varlen")]
+    options += [("bf16", 128, True, "softcap"), ("bf16", 128, True, "softcap+approx")]
+    options += [("bf16", 128, True, "varlen")]
     if quick:
         dtypes, head_dims = ["bf16"], [64, 128]
         attention_specs = [("bf16", 128, True, None), *options]
@@ -554,8 +558,8 @@ def tasks(all_cases: list[Case], archs: list[str]) -> list[Task]:
 # Compiling and reading the result (runs in worker processes)
 # --------------------------------------------------------------------------------------------
 
-# A launch on a GPU gets Triton's default too; its notice about a future change is noise here.
-warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+# fastlm.backend (imported with the kernels) sets TRITON_DEFAULT_FP_FUSION=1, as for a launch
+# on a GPU; the kept report records it (`fp_fusion`).
 # ptxas's report of each fresh compile is printed (and captured below) instead of discarded.
 triton.knobs.nvidia.dump_ptxas_log = True
 
@@ -894,6 +898,9 @@ def check_baseline() -> int:
     if kept["fingerprint"] != kernel_code_fingerprint():
         print(f"fastlm/kernels changed since the kept report was made: {rerun}", file=sys.stderr)
         return 1
+    if kept.get("fp_fusion") is not True:
+        print(f"the kept report was not compiled with FMA contraction (fp_fusion): {rerun}")
+        return 1
     unread = [
         r for r in kept["rows"] if r["kernel"] in hot_loop.KERNEL_DOTS and "hot_loop" not in r
     ]
@@ -926,7 +933,12 @@ def main(argv: list[str] | None = None) -> int:
     add("--same-code-as", type=Path, metavar="JSON", help=same)
     jobs = "compiler processes (default: one per CPU)"
     add("--jobs", type=int, default=os.cpu_count() or 1, help=jobs)
-    add("--baseline", action="store_true", help=f"the whole report, kept at {BASELINE}")
+    baseline = (
+        f"the whole report, kept at {BASELINE}; with --op, only those ops' rows compiled again "
+        "and the kept report's other rows kept as they are: for a change confined to the kernels "
+        "of those ops (the fingerprint covers every kernel, so it cannot tell)"
+    )
+    add("--baseline", action="store_true", help=baseline)
     check = "exit 0 when the kept report is this code's and has no flagged row"
     add("--check-baseline", action="store_true", help=check)
     args = parser.parse_args(argv)
@@ -934,8 +946,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--jobs must be at least 1")
     if args.check_baseline:
         return check_baseline()
-    if args.baseline and (args.quick or args.op or args.case or sorted(args.arch) != sorted(ARCHS)):
-        parser.error("--baseline keeps the whole report: no --quick, --op, --case or --arch")
+    if args.baseline and (args.quick or args.case or sorted(args.arch) != sorted(ARCHS)):
+        parser.error("--baseline keeps the whole report: no --quick, --case or --arch")
 
     start = time.perf_counter()
     selected = [
@@ -962,7 +974,16 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     if args.baseline:
-        kept = dict(fingerprint=kernel_code_fingerprint(), triton=triton.__version__, rows=rows)
+        if args.op:  # the other ops' rows as kept (`--baseline --op`'s help)
+            selected_ops = {row["op"] for row in rows}
+            others = json.loads(BASELINE.read_text())["rows"] if BASELINE.is_file() else []
+            rows = [row for row in others if row["op"] not in selected_ops] + rows
+        kept = dict(
+            fingerprint=kernel_code_fingerprint(),
+            triton=triton.__version__,
+            fp_fusion=triton.knobs.language.default_fp_fusion,
+            rows=rows,
+        )
         BASELINE.parent.mkdir(parents=True, exist_ok=True)
         BASELINE.write_text(json.dumps(kept, indent=1) + "\n")
     changed = False

@@ -317,6 +317,70 @@ def test_cap_far_below_the_scores_keeps_gradients_relative(
     run_dense(q, k, v, True, NO_WINDOW, cap, scale=scale, deterministic=deterministic)
 
 
+def approx_cap_bounds(q, k, v, do, scale, softcap):
+    """Elementwise bounds on how far the approximate cap (tanh off by at most e = 2^-11 of
+    itself) may move o, dq, dk and dv from the exact ones, from the float64 exact quantities of
+    one causal head each (q, k, v, do (B, H, N, D), no grouping):
+
+    - each capped score c th moves by at most d = c e, so each weight P by a factor within
+      exp(+-2 d): |dP| <= r P, r = exp(2 d) - 1; o by r (P |V|), dv by r (P^T |dO|);
+    - Delta = rowsum(dO o) by r E, E = rowsum(|dO| (P |V|)); the slope 1 - th^2 by t th^2, t =
+      2 e (1 + e / 2) (|th^2 - th'^2| <= |th - th'| (|th| + |th'|));
+    - dS = P (dP - Delta) slope moves by B = P ((r (|g| + r E) + r E)(slope + t th^2) + |g| t
+      th^2), g = dP - Delta (each factor at its worst); dq by scale B |K|, dk by scale B^T |Q|.
+    """
+    q, k, v, do = (x.detach().double() for x in (q, k, v, do))
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    th = torch.tanh(scale * q @ k.transpose(-1, -2) / softcap)
+    seen = visible(n_q, n_k, True).to(q.device)
+    p = (softcap * th).masked_fill(~seen, -math.inf).softmax(-1)
+    e = 2.0**-11
+    r, t = math.expm1(2 * softcap * e), 2 * e * (1 + e / 2)
+    pv = p @ v.abs()
+    big_e = (do.abs() * pv).sum(-1, keepdim=True)
+    g = (do @ v.transpose(-1, -2) - (do * (p @ v)).sum(-1, keepdim=True)).abs()
+    slope, moved = 1 - th**2, t * th**2
+    b = p * ((r * (g + r * big_e) + r * big_e) * (slope + moved) + g * moved)
+    return dict(
+        o=r * pv,
+        dq=scale * b @ k.abs(),
+        dk=scale * b.transpose(-1, -2) @ q.abs(),
+        dv=r * p.transpose(-1, -2) @ do.abs(),
+    )
+
+
+@pytest.mark.parametrize(
+    "backend,deterministic", [("triton", True), ("triton", False), ("torch", True)]
+)
+def test_approximate_cap_within_its_bound(device, monkeypatch, backend, deterministic):
+    """softcap_approx=True (tanh.approx.f32 on a GPU; here its model, tanh rounded toward zero to
+    11 bits, on both backends): o, dq, dk, dv against the float64 exact cap within the bound
+    that 2^-11 in tanh implies (`approx_cap_bounds`) plus fp32's own allowance, at a cap of 4
+    under scores of about +-10 (every part of tanh: the line, the bend, the tails). And the
+    approximation is in use: o is 100 fp32 epsilons or more from the exact cap (measured about
+    1.7e3: 2e-4 relative, where the exact cap's o is about 1 epsilon off)."""
+    monkeypatch.setenv("FASTLM_BACKEND", backend)
+    cap, D = 4.0, 16
+    q, k, v = make_heads(1, 2, 2, 45, 45, D, torch.float32, device, std=10**0.5 / D**0.25)
+    o = flash_attention(
+        q, k, v, True, softcap=cap, softcap_approx=True, allow_tf32=False,
+        deterministic=deterministic,
+    )  # fmt: skip
+    do = torch.randn_like(o)
+    grads = dict(zip(("dq", "dk", "dv"), gradients(o, (q, k, v), do)))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_o, _ = reference(*leaves, visible(45, 45, True), D**-0.5, cap)
+    refs = dict(zip(("dq", "dk", "dv"), gradients(ref_o, leaves, do.double())), o=ref_o)
+    bounds = approx_cap_bounds(q, k, v, do, D**-0.5, cap)
+    tolerance = TOLERANCE[torch.float32]
+    for name, out in dict(grads, o=o).items():
+        err = (out.double() - refs[name]).norm()
+        bound = bounds[name].norm() + tolerance * refs[name].norm()
+        assert err <= bound, f"{name}: {err:.3e} > {bound:.3e} (approximate cap)"
+    eps = torch.finfo(torch.float32).eps  # the exact cap's o: about eps off here
+    assert relative_error(o, ref_o) > 100 * eps, "the approximate cap was not taken"
+
+
 @pytest.mark.parametrize("deterministic", [True, False], ids=["two-pass", "atomic-dq"])
 @pytest.mark.parametrize("softcap", [1e3, 1e5, 1e6])
 def test_large_caps_are_exact(device, softcap, deterministic):

@@ -241,6 +241,49 @@ def capped(t, softcap):
     return capped_t, (tl.abs(capped_t) * (2.0 / softcap) + 2.0) * r
 
 
+#: The SOFTCAP constexpr of the kernels: no cap, the exact one (`capped`), or the approximate one
+#: (`capped_scores`), computed by tanh.approx.f32 on a GPU and by its error model where inline
+#: PTX cannot run (the interpreter).
+SOFTCAP_OFF, SOFTCAP_EXACT, SOFTCAP_APPROX, SOFTCAP_APPROX_MODEL = 0, 1, 2, 3
+#: tanh.approx.f32's relative error (the PTX ISA's figure; flash-attention's cutlass::fast_tanh).
+TANH_APPROX_ERROR = 2.0**-11
+
+
+@triton.jit
+def _tanh_approx(x, SOFTCAP: tl.constexpr):
+    """tanh.approx.f32 (MUFU.TANH, one instruction, 2^-11 relative) with SOFTCAP_APPROX; with
+    SOFTCAP_APPROX_MODEL its error model: fp32's tanh (`tanh`) rounded toward zero to 11
+    fraction bits, an error below 2^-11 relative, all of it toward zero (tanh.approx's own values
+    are not reproduced: its errors may have either sign)."""
+    if SOFTCAP == 2:
+        th = tl.inline_asm_elementwise(
+            "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        tl.static_assert(SOFTCAP == 3, "SOFTCAP: 2 (tanh.approx) or 3 (its model)")
+        th = (tanh(x).to(tl.uint32, bitcast=True) & 0xFFFFF000).to(tl.float32, bitcast=True)
+    return th
+
+
+@triton.jit
+def capped_scores(qk, qk_scale, softcap, SOFTCAP: tl.constexpr):
+    """(y, y_scale, slope) of raw scores qk = q k^T: the capped base-2 scores are y * y_scale
+    (y_scale > 0, so a row max of y times y_scale is theirs), and slope is the cap's derivative.
+
+    SOFTCAP_EXACT: y the capped scores themselves (`capped`), y_scale 1. The approximate cap
+    (SOFTCAP_APPROX, _MODEL): y = tanh(x) by `_tanh_approx`, x = qk * (qk_scale / softcap) in one
+    multiply, y_scale = softcap, which the caller's exponent takes in its FMA (y * c - m), and the
+    slope 1 - y^2 from it: a multiply, a MUFU and an FMA a score beyond the plain loop's."""
+    if SOFTCAP == 1:
+        y, slope = capped(qk * qk_scale, softcap)
+        y_scale = 1.0
+    else:
+        y = _tanh_approx(qk * (qk_scale / softcap), SOFTCAP)
+        y_scale = softcap
+        slope = 1.0 - y * y
+    return y, y_scale, slope
+
+
 @triton.jit
 def sequence_rows(CU_SEQLENS, index, n_rows, VARLEN: tl.constexpr):
     """(first row, rows) of sequence `index`: with VARLEN rows cu_seqlens[index] to
