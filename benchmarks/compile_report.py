@@ -863,6 +863,24 @@ def report_code_changes(before: list[dict], after: list[dict]) -> bool:
     return bool(changed or new)
 
 
+def merged(kept: list[dict], fresh: list[dict]) -> list[dict]:
+    """The kept rows with each (op, case) that `fresh` has replaced by fresh's rows of it, in
+    the kept order (so that the file's diff shows what changed); fresh (op, case)s the kept
+    report lacks at the end."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in fresh:
+        groups.setdefault((row["op"], row["case"]), []).append(row)
+    out = []
+    for row in kept:
+        group = (row["op"], row["case"])
+        if group not in groups:
+            out.append(row)
+        elif groups[group] is not None:
+            out.extend(groups[group])
+            groups[group] = None
+    return out + [row for rows in groups.values() if rows is not None for row in rows]
+
+
 #: The whole report, kept in the repository (`--baseline` writes it, `--check-baseline` reads it).
 BASELINE = Path(__file__).resolve().parent / "baselines" / "compile_report.json"
 
@@ -929,14 +947,16 @@ def main(argv: list[str] | None = None) -> int:
     add("--quick", action="store_true", help=quick)
     add("--op", action="append", metavar="TEXT", help="only ops whose name contains TEXT")
     add("--case", action="append", metavar="TEXT", help="only cases whose label contains TEXT")
-    same = "an earlier run's --json: list the rows whose code differs; exit 1 if any does"
+    same = "an earlier run's --json (or the kept report): list the rows whose code differs; exit 1 "
+    same += "if any does"
     add("--same-code-as", type=Path, metavar="JSON", help=same)
     jobs = "compiler processes (default: one per CPU)"
     add("--jobs", type=int, default=os.cpu_count() or 1, help=jobs)
     baseline = (
-        f"the whole report, kept at {BASELINE}; with --op, only those ops' rows compiled again "
-        "and the kept report's other rows kept as they are: for a change confined to the kernels "
-        "of those ops (the fingerprint covers every kernel, so it cannot tell)"
+        f"the whole report, kept at {BASELINE}; with --op or --case, only the chosen rows "
+        "compiled again and the kept report's other rows kept as they are: for a change that "
+        "leaves the other rows' code alone (the fingerprint covers every kernel, so it cannot "
+        "tell; --same-code-as shows it for a sample)"
     )
     add("--baseline", action="store_true", help=baseline)
     check = "exit 0 when the kept report is this code's and has no flagged row"
@@ -946,8 +966,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--jobs must be at least 1")
     if args.check_baseline:
         return check_baseline()
-    if args.baseline and (args.quick or args.case or sorted(args.arch) != sorted(ARCHS)):
-        parser.error("--baseline keeps the whole report: no --quick, --case or --arch")
+    if args.baseline and (args.quick or sorted(args.arch) != sorted(ARCHS)):
+        parser.error("--baseline keeps the whole report: no --quick or --arch")
 
     start = time.perf_counter()
     selected = [
@@ -974,10 +994,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     if args.baseline:
-        if args.op:  # the other ops' rows as kept (`--baseline --op`'s help)
-            selected_ops = {row["op"] for row in rows}
-            others = json.loads(BASELINE.read_text())["rows"] if BASELINE.is_file() else []
-            rows = [row for row in others if row["op"] not in selected_ops] + rows
+        if args.op or args.case:  # the other rows as kept (`--baseline`'s help)
+            rows = merged(json.loads(BASELINE.read_text())["rows"], rows)
         kept = dict(
             fingerprint=kernel_code_fingerprint(),
             triton=triton.__version__,
@@ -988,7 +1006,9 @@ def main(argv: list[str] | None = None) -> int:
         BASELINE.write_text(json.dumps(kept, indent=1) + "\n")
     changed = False
     if args.same_code_as:
-        changed = report_code_changes(json.loads(args.same_code_as.read_text()), rows)
+        before = json.loads(args.same_code_as.read_text())
+        before = before["rows"] if isinstance(before, dict) else before  # the kept report too
+        changed = report_code_changes(before, rows)
     return 1 if flagged or changed else 0
 
 

@@ -989,6 +989,7 @@ BAD_INPUTS = [
     (dict(softcap=-1.0), ValueError, r"softcap must be a finite number in \[0, 1e6\]"),
     (dict(softcap=math.inf), ValueError, r"softcap must be a finite number in \[0, 1e6\]"),
     (dict(softcap="1"), TypeError, "softcap must be a real number"),
+    (dict(softcap_approx="yes"), TypeError, "softcap_approx must be a bool"),
     (dict(return_lse=1), TypeError, "return_lse must be a bool"),
 ]
 

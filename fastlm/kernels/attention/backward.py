@@ -273,10 +273,10 @@ def _dq_key_blocks(
             )
             exponent = tl.where(visible, exponent, float("-inf"))
         p = tl.math.exp2(exponent)
+        if SOFTCAP:  # P times the cap's slope at once: one tile, not three, lives across the dot
+            p = p * dcap
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
-        if SOFTCAP:
-            ds = ds * dcap
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
         if not TMA:
             k_ptrs += BLOCK_N * stride_kn
