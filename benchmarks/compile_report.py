@@ -417,8 +417,7 @@ def cases(quick: bool) -> list[Case]:
     # Each option's variant of the kernels at the most common head dim, causal (and the window
     # both sides, full).
     options = [("bf16", 128, True, "window"), ("bf16", 128, False, "window")]
-    options += [("bf16", 128, True, "softcap"), ("bf16", 128, True, "softcap+approx")]
-    options += [("bf16", 128, True, "varlen")]
+    options += [("bf16", 128, True, "softcap"), ("bf16", 128, True, "varlen")]
     if quick:
         dtypes, head_dims = ["bf16"], [64, 128]
         attention_specs = [("bf16", 128, True, None), *options]
@@ -436,6 +435,8 @@ def cases(quick: bool) -> list[Case]:
         attention_specs += [("bf16", 64, True, "gpt-oss"), ("bf16", 64, True, "sinks")]
         attention_specs += [("bf16", (192, 128), True, None), ("bf16", (192, 128), True, "varlen")]
         attention_specs += [("bf16", (96, 64), True, None)]
+        # The approximate cap (softcap_approx): the hot-loop test reads its rows in the kept report.
+        attention_specs += [("bf16", 128, True, "softcap+approx")]
     return [
         *rmsnorm_cases(dtypes),
         *rope_cases(dtypes, head_dims),
