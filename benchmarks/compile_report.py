@@ -67,7 +67,6 @@ import sys
 import tempfile
 import time
 import unittest.mock
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -396,8 +395,9 @@ def _qkv_views(d: int, d_v: int, heads: int, dtype, packed: bool):
 def attention_cases(specs) -> Iterator[Case]:
     """q, k, v as views of a fused QKV output, outputs and gradients token-major, as in the
     model. `d` is the head dim, or (q and k's, v's) for MLA. `option` (None, or "+"-joined
-    "window", "softcap", "varlen", "sinks", "gpt-oss") adds those constexpr variants: a window of
-    WINDOW keys (both sides when not causal), the cap, the batch packed as sequences of SEQ
+    "window", "softcap", "approx", "varlen", "sinks", "gpt-oss") adds those constexpr variants: a
+    window of WINDOW keys (both sides when not causal), the cap (with "approx" its approximate
+    tanh), the batch packed as sequences of SEQ
     tokens (`Varlen`, cu_seqlens on the device), attention sinks, or gpt-oss's window of
     GPT_OSS_WINDOW with sinks."""
     for name, dims, causal, option in specs:
@@ -409,6 +409,8 @@ def attention_cases(specs) -> Iterator[Case]:
             options["window"] = (WINDOW, 0 if causal else WINDOW)
         if "softcap" in parts:
             options["softcap"] = SOFTCAP
+        if "approx" in parts:
+            options["softcap_approx"] = True
         if "gpt-oss" in parts:
             options["window"] = (GPT_OSS_WINDOW, 0 if causal else GPT_OSS_WINDOW)
         if "sinks" in parts or "gpt-oss" in parts:
@@ -429,6 +431,7 @@ def attention_cases(specs) -> Iterator[Case]:
             {
                 "window": f" window={WINDOW}",
                 "softcap": f" softcap={SOFTCAP:g}",
+                "approx": " approx",
                 "varlen": " varlen",
                 "sinks": " sinks",
                 "gpt-oss": f" window={GPT_OSS_WINDOW} sinks",
@@ -481,6 +484,8 @@ def cases(quick: bool) -> list[Case]:
         attention_specs += [("bf16", 64, True, "gpt-oss"), ("bf16", 64, True, "sinks")]
         attention_specs += [("bf16", (192, 128), True, None), ("bf16", (192, 128), True, "varlen")]
         attention_specs += [("bf16", (96, 64), True, None)]
+        # The approximate cap (softcap_approx): the hot-loop test reads its rows in the kept report.
+        attention_specs += [("bf16", 128, True, "softcap+approx")]
     return [
         *rmsnorm_cases(dtypes),
         *rope_cases(dtypes, head_dims),
@@ -604,8 +609,8 @@ def tasks(all_cases: list[Case], archs: list[str]) -> list[Task]:
 # Compiling and reading the result (runs in worker processes)
 # --------------------------------------------------------------------------------------------
 
-# A launch on a GPU gets Triton's default too; its notice about a future change is noise here.
-warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+# fastlm.backend (imported with the kernels) sets TRITON_DEFAULT_FP_FUSION=1, as for a launch
+# on a GPU; the kept report records it (`fp_fusion`).
 # ptxas's report of each fresh compile is printed (and captured below) instead of discarded.
 triton.knobs.nvidia.dump_ptxas_log = True
 
@@ -909,6 +914,24 @@ def report_code_changes(before: list[dict], after: list[dict]) -> bool:
     return bool(changed or new)
 
 
+def merged(kept: list[dict], fresh: list[dict]) -> list[dict]:
+    """The kept rows with each (op, case) that `fresh` has replaced by fresh's rows of it, in
+    the kept order (so that the file's diff shows what changed); fresh (op, case)s the kept
+    report lacks at the end."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in fresh:
+        groups.setdefault((row["op"], row["case"]), []).append(row)
+    out = []
+    for row in kept:
+        group = (row["op"], row["case"])
+        if group not in groups:
+            out.append(row)
+        elif groups[group] is not None:
+            out.extend(groups[group])
+            groups[group] = None
+    return out + [row for rows in groups.values() if rows is not None for row in rows]
+
+
 #: The whole report, kept in the repository (`--baseline` writes it, `--check-baseline` reads it).
 BASELINE = Path(__file__).resolve().parent / "baselines" / "compile_report.json"
 
@@ -944,6 +967,9 @@ def check_baseline() -> int:
     if kept["fingerprint"] != kernel_code_fingerprint():
         print(f"fastlm/kernels changed since the kept report was made: {rerun}", file=sys.stderr)
         return 1
+    if kept.get("fp_fusion") is not True:
+        print(f"the kept report was not compiled with FMA contraction (fp_fusion): {rerun}")
+        return 1
     unread = [
         r for r in kept["rows"] if r["kernel"] in hot_loop.KERNEL_DOTS and "hot_loop" not in r
     ]
@@ -972,11 +998,18 @@ def main(argv: list[str] | None = None) -> int:
     add("--quick", action="store_true", help=quick)
     add("--op", action="append", metavar="TEXT", help="only ops whose name contains TEXT")
     add("--case", action="append", metavar="TEXT", help="only cases whose label contains TEXT")
-    same = "an earlier run's --json: list the rows whose code differs; exit 1 if any does"
+    same = "an earlier run's --json (or the kept report): list the rows whose code differs; exit 1 "
+    same += "if any does"
     add("--same-code-as", type=Path, metavar="JSON", help=same)
     jobs = "compiler processes (default: one per CPU)"
     add("--jobs", type=int, default=os.cpu_count() or 1, help=jobs)
-    add("--baseline", action="store_true", help=f"the whole report, kept at {BASELINE}")
+    baseline = (
+        f"the whole report, kept at {BASELINE}; with --op or --case, only the chosen rows "
+        "compiled again and the kept report's other rows kept as they are: for a change that "
+        "leaves the other rows' code alone (the fingerprint covers every kernel, so it cannot "
+        "tell; --same-code-as shows it for a sample)"
+    )
+    add("--baseline", action="store_true", help=baseline)
     check = "exit 0 when the kept report is this code's and has no flagged row"
     add("--check-baseline", action="store_true", help=check)
     args = parser.parse_args(argv)
@@ -984,8 +1017,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--jobs must be at least 1")
     if args.check_baseline:
         return check_baseline()
-    if args.baseline and (args.quick or args.op or args.case or sorted(args.arch) != sorted(ARCHS)):
-        parser.error("--baseline keeps the whole report: no --quick, --op, --case or --arch")
+    if args.baseline and (args.quick or sorted(args.arch) != sorted(ARCHS)):
+        parser.error("--baseline keeps the whole report: no --quick or --arch")
 
     start = time.perf_counter()
     selected = [
@@ -1012,12 +1045,21 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     if args.baseline:
-        kept = dict(fingerprint=kernel_code_fingerprint(), triton=triton.__version__, rows=rows)
+        if args.op or args.case:  # the other rows as kept (`--baseline`'s help)
+            rows = merged(json.loads(BASELINE.read_text())["rows"], rows)
+        kept = dict(
+            fingerprint=kernel_code_fingerprint(),
+            triton=triton.__version__,
+            fp_fusion=triton.knobs.language.default_fp_fusion,
+            rows=rows,
+        )
         BASELINE.parent.mkdir(parents=True, exist_ok=True)
         BASELINE.write_text(json.dumps(kept, indent=1) + "\n")
     changed = False
     if args.same_code_as:
-        changed = report_code_changes(json.loads(args.same_code_as.read_text()), rows)
+        before = json.loads(args.same_code_as.read_text())
+        before = before["rows"] if isinstance(before, dict) else before  # the kept report too
+        changed = report_code_changes(before, rows)
     return 1 if flagged or changed else 0
 
 

@@ -21,6 +21,13 @@ import os
 
 import torch
 
+# Triton 3.9 contracts a * b + c into one FMA unless TRITON_DEFAULT_FP_FUSION says otherwise, and
+# warns that 3.10 turns that default off: every kernel's rounding and instruction count would
+# change with the Triton version. fastlm's kernels are written, tested and measured with it on
+# (the compile report records the setting); set here, before any kernel compiles, unless the
+# environment chose already.
+FP_FUSION = os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
 try:
     import triton  # noqa: F401 (only whether it imports: fastlm.kernels._common takes it from here)
 

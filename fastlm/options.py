@@ -138,3 +138,11 @@ def check(name: str, value: object, *, none_ok: bool = False, spec: str | None =
     if not (math.isfinite(number) and inside and number <= allowed.high):
         raise ValueError(f"{name} must be {allowed.describe()}, got {value!r}")
     return number
+
+
+def check_flag(name: str, value: object) -> bool:
+    """`value` of the switch `name` (an on/off option: `softcap_approx`, `return_lse`): a bool,
+    and nothing else (not 0 or 1, not a string, not a tensor), or a TypeError naming it."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value

@@ -277,24 +277,25 @@ def _attention_rules():
         return R, (R if sq == R else Partial())
 
     def flash_attention(
-        q, k, v, causal, scale, left, right, softcap, allow_tf32, deterministic, sinks=None
-    ):
+        q, k, v, causal, scale, left, right, softcap, allow_tf32, deterministic, sinks=None,
+        softcap_approx=False,
+    ):  # fmt: skip
         dense_refusals("flash_attention", q, k, v, causal, (left, right))
         return [
-            ([sq, sl], [sq, skv, skv] + [None] * 7 + [sink_placements(sinks, sq)[0]])
+            ([sq, sl], [sq, skv, skv] + [None] * 7 + [sink_placements(sinks, sq)[0], None])
             for sq, skv, sl, _ in dense(q, k, causal, (left, right))
         ]
 
     def flash_attention_backward(
         do, q, k, v, o, lse, causal, scale, left, right, softcap, allow_tf32, deterministic,
-        sinks=None,
+        sinks=None, softcap_approx=False,
     ):  # fmt: skip
         dense_refusals("flash_attention_backward", q, k, v, causal, (left, right))
         rules = []
         for sq, skv, sl, dkv in dense(q, k, causal, (left, right)):
             on_sinks, dsinks = sink_placements(sinks, sq)
             rules.append(
-                ([sq, dkv, dkv, dsinks], [sq, sq, skv, skv, sq, sl] + [None] * 7 + [on_sinks])
+                ([sq, dkv, dkv, dsinks], [sq, sq, skv, skv, sq, sl] + [None] * 7 + [on_sinks, None])
             )
         return rules
 
@@ -336,19 +337,20 @@ def _attention_rules():
     def flash_attention_varlen(q, k, v, cu_q, cu_k, *rest):
         varlen_refusals("flash_attention_varlen", q, k, v)
         sinks = rest[9] if len(rest) > 9 else None
-        rules = [_replicated(2, [q, k, v, cu_q, cu_k] + [None] * 9 + [sinks])]
+        rules = [_replicated(2, [q, k, v, cu_q, cu_k] + [None] * 9 + [sinks, None])]
         if _check_heads("flash_attention_varlen", q, k, 1):  # lse is (Hq, total)
             on_sinks, _ = sink_placements(sinks, Shard(1))
-            rules.append(([Shard(1), Shard(0)], [Shard(1)] * 3 + [R, R] + [None] * 9 + [on_sinks]))
+            inputs = [Shard(1)] * 3 + [R, R] + [None] * 9 + [on_sinks, None]
+            rules.append(([Shard(1), Shard(0)], inputs))
         return rules
 
     def flash_attention_varlen_backward(do, q, k, v, o, lse, cu_q, cu_k, *rest):
         varlen_refusals("flash_attention_varlen_backward", q, k, v)
         sinks = rest[9] if len(rest) > 9 else None
-        rules = [_replicated(4, [do, q, k, v, o, lse, cu_q, cu_k] + [None] * 9 + [sinks])]
+        rules = [_replicated(4, [do, q, k, v, o, lse, cu_q, cu_k] + [None] * 9 + [sinks, None])]
         if _check_heads("flash_attention_varlen_backward", q, k, 1):
             on_sinks, dsinks = sink_placements(sinks, Shard(1))
-            inputs = [Shard(1)] * 5 + [Shard(0), R, R] + [None] * 9 + [on_sinks]
+            inputs = [Shard(1)] * 5 + [Shard(0), R, R] + [None] * 9 + [on_sinks, None]
             rules.append(([Shard(1)] * 3 + [dsinks], inputs))
         return rules
 

@@ -128,15 +128,24 @@ def test_varlen_reads_cu_seqlens_through_its_strides(device, monkeypatch, tma):
         assert torch.equal(a, b), f"{name} differs with a strided cu_seqlens"
 
 
-def test_varlen_equals_flash_attention_per_sequence(device):
-    """One sequence packed alone is flash_attention of it: the same kernels, bitwise."""
+@pytest.mark.parametrize("approx", [False, True], ids=["exact-cap", "approx-cap"])
+def test_varlen_equals_flash_attention_per_sequence(device, approx):
+    """One sequence packed alone is flash_attention of it: the same kernels, bitwise, output and
+    gradients, with the exact or the approximate cap (which the varlen path passes on)."""
     q, k, v = make((1, 2, 70, 16), (1, 1, 70, 16), torch.float16, device)
-    packed = [t[0].transpose(0, 1) for t in (q, k, v)]
+    packed = [t.detach()[0].transpose(0, 1).requires_grad_() for t in (q, k, v)]
     cu = cu_seqlens([70], device)
-    o = flash_attention_varlen(*packed, cu, cu, 70, 70, window_size=(9, 0), softcap=4.0)
-    assert torch.equal(
-        o, flash_attention(q, k, v, window_size=(9, 0), softcap=4.0)[0].transpose(0, 1)
-    )
+    options = dict(window_size=(9, 0), softcap=4.0, softcap_approx=approx)
+    o = flash_attention_varlen(*packed, cu, cu, 70, 70, **options)
+    dense = flash_attention(q, k, v, **options)
+    assert torch.equal(o, dense[0].transpose(0, 1))
+    do = torch.randn_like(dense)
+    dense.backward(do)
+    o.backward(do[0].transpose(0, 1))
+    for t, p in zip((q, k, v), packed):
+        assert torch.equal(p.grad, t.grad[0].transpose(0, 1))
+    exact = flash_attention(q, k, v, window_size=(9, 0), softcap=4.0)
+    assert torch.equal(dense, exact) != approx, "softcap_approx changes the result"
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,6 +259,7 @@ BAD_VARLEN = [
     (dict(window_size=(4, 2)), ValueError, "window_size\\[1\\] is 2, but with causal=True"),
     (dict(softcap=-1.0), ValueError, r"softcap must be a finite number in \[0, 1e6\]"),
     (dict(return_lse=1), TypeError, "return_lse must be a bool"),
+    (dict(softcap=2.0, softcap_approx=1), TypeError, "softcap_approx must be a bool"),
 ]
 
 

@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 
 import fastlm  # noqa: E402
 from fastlm import hf  # noqa: E402
+from fastlm.hf import attention as hf_attention  # noqa: E402
 from fastlm.testing import LargestTensor, assert_close, relative_error  # noqa: E402
 
 VOCAB = 61
@@ -835,3 +836,30 @@ def test_fastlm_imports_without_transformers():
     )
     assert result.returncode == 0, result.stderr
     assert "pip install 'fastlm[hf]'" in result.stdout
+
+
+def test_approximate_soft_cap_is_opted_into_on_the_config(monkeypatch):
+    """Gemma 2 patched: its capped attention calls the kernels with softcap_approx=False, and
+    with True once `config.fastlm_softcap_approx` is set (a non-bool is refused, naming it);
+    the approximate cap's logits then differ from the exact ones' (by its bound in
+    test_attention.py, not rounding)."""
+    calls = []
+    real = hf_attention.flash_attention_varlen
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs.get("softcap_approx"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf_attention, "flash_attention_varlen", recording)
+    model = _patched(_model("gemma2")).eval()
+    batch = _padded_batch()
+    batch.pop("labels")
+    with torch.no_grad():
+        exact = model(**batch).logits
+        model.config.fastlm_softcap_approx = True
+        approx = model(**batch).logits
+        model.config.fastlm_softcap_approx = 1
+        with pytest.raises(TypeError, match="config.fastlm_softcap_approx must be a bool"):
+            model(**batch)
+    assert calls[:4] == [False, False, True, True], calls
+    assert not torch.equal(exact, approx)

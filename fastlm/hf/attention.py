@@ -61,6 +61,7 @@ from fastlm.kernels import flash_attention, flash_attention_varlen
 from fastlm.kernels._common import FLOAT_DTYPES
 from fastlm.kernels.attention import MAX_HEAD_DIM
 from fastlm.model import kernel_takes_head_dim, kernels_run_on
+from fastlm.options import check_flag
 
 #: Attention-function arguments that add a bias to the scores (Inkling's relative position bias,
 #: ALiBi), which fastlm's kernels do not take: they run the family's eager attention.
@@ -350,6 +351,9 @@ def fastlm_attention(
         )  # fmt: skip
     window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
     options = dict(softmax_scale=scaling, window_size=window, softcap=float(softcap or 0.0))
+    if softcap:  # the approximate cap, opted into on the model's config (docs/huggingface.md)
+        approx = getattr(getattr(module, "config", None), "fastlm_softcap_approx", False)
+        options["softcap_approx"] = check_flag("config.fastlm_softcap_approx", approx)
     if kwargs.get("s_aux") is not None:
         options["sinks"] = kwargs["s_aux"]
     B, _, Tq, _ = query.shape

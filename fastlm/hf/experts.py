@@ -61,7 +61,8 @@ def register() -> None:
 def use_op(module: torch.nn.Module, gate_options: dict) -> bool:
     """Run the experts `module` on fastlm.moe_experts when it is transformers' stacked-experts
     form with a gated activation the op has (`gate_options`: the probe's activation,
-    interleaved, and where gpt-oss's alpha and limit are read, and its up_offset); True if it now does."""
+    interleaved, and where gpt-oss's alpha and limit are read, and its up_offset); True if it
+    now does."""
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     stacked = all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in (gate_up, down))
     form = stacked and getattr(module, "has_gate", False) and hasattr(module, "config")

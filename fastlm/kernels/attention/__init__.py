@@ -36,7 +36,10 @@ Options, each a constexpr so that the plain kernels compile as without them:
   (causal: right = 0). Each program's loop covers only the key (or query) blocks some row's
   window reaches, unmasked where every row sees the whole block, so the work is O(N * window).
 - softcap (SOFTCAP): t' = c * tanh(t / c) on the base-2 scores (c = softcap * log2(e)), tanh from
-  exp2; the backward recomputes it and multiplies dS by 1 - tanh^2.
+  exp2; the backward recomputes it and multiplies dS by 1 - tanh^2, taken from 1 / (1 + 2^v) so
+  that it stays relatively accurate in the tails. With softcap_approx the tanh is tanh.approx.f32
+  instead (SOFTCAP = `blocks.SOFTCAP_APPROX`; in the interpreter its error model), and the slope
+  1 - th^2 comes from it (`blocks.capped_scores`).
 - attention sinks (HAS_SINKS, gpt-oss): one logit per query head in every row's denominator,
   with no value (neither scaled nor capped). The forward starts each row's online softmax as
   having seen it (m = sink, l = 1; -inf starts empty, as without one), so LSE holds it and the

@@ -11,7 +11,7 @@ from fastlm.backend import interpreting
 from fastlm.kernels._common import empty, tl, triton
 from fastlm.kernels.attention.blocks import (
     block_start_and_batch_head,
-    capped,
+    capped_scores,
     is_visible,
     key_range,
     load_rows,
@@ -107,10 +107,11 @@ def _dkdv_query_blocks(
             lse = tl.load(LSE_head + offs_m)
             delta = tl.load(DELTA_head + offs_m)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
-        scores = qk_t * qk_scale
         if SOFTCAP:
-            scores, dcap = capped(scores, softcap)
-        exponent = scores - lse[None, :]
+            scores, cap_scale, dcap = capped_scores(qk_t, qk_scale, softcap, SOFTCAP)
+            exponent = scores * cap_scale - lse[None, :]
+        else:
+            exponent = qk_t * qk_scale - lse[None, :]
         if MASKED:  # mask the exponent: 2^(t - LSE) of a key a query must not see may overflow
             visible = is_visible(
                 offs_m[None, :], offs_n[:, None], n_k, causal_shift, window_left, window_right,
@@ -121,7 +122,7 @@ def _dkdv_query_blocks(
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
-        if SOFTCAP:  # through the cap: d(cap tanh(s / cap)) / ds = 1 - tanh^2
+        if SOFTCAP:  # through the cap: d(cap tanh(s / cap)) / ds = 1 - tanh^2 (`capped_scores`)
             ds_t = ds_t * dcap
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
         if ATOMIC_DQ:  # the fifth matmul: other key blocks add to the same rows, in any order
@@ -260,10 +261,11 @@ def _dq_key_blocks(
             k = load_tile(k_ptrs, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, MASKED, TO_FP32)
             v = load_tile(v_ptrs, offs_n, n_k, offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED, TO_FP32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
-        scores = qk * qk_scale
         if SOFTCAP:
-            scores, dcap = capped(scores, softcap)
-        exponent = scores - lse[:, None]
+            scores, cap_scale, dcap = capped_scores(qk, qk_scale, softcap, SOFTCAP)
+            exponent = scores * cap_scale - lse[:, None]
+        else:
+            exponent = qk * qk_scale - lse[:, None]
         if MASKED:  # mask the exponent: 2^(t - LSE) of a hidden or padded key may overflow
             visible = is_visible(
                 offs_m[:, None], offs_n[None, :], n_k, causal_shift, window_left, window_right,
@@ -271,10 +273,10 @@ def _dq_key_blocks(
             )
             exponent = tl.where(visible, exponent, float("-inf"))
         p = tl.math.exp2(exponent)
+        if SOFTCAP:  # P times the cap's slope at once: one tile, not three, lives across the dot
+            p = p * dcap
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
-        if SOFTCAP:
-            ds = ds * dcap
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
         if not TMA:
             k_ptrs += BLOCK_N * stride_kn
@@ -373,10 +375,11 @@ def attention_backward(
     do, q, k, v, o, lse, causal: bool, softmax_scale: float, allow_tf32: bool, deterministic: bool,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     window: tuple[int, int] = (-1, -1), softcap: float = 0.0, varlen: Varlen | None = None,
-    sinks: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None, softcap_approx: bool = False
 ):
     """dq, dk, dv from the saved forward inputs, output and log-sum-exp; written into `out`
-    (any strides: views of one packed gradient, say) when given.
+    (any strides: views of one packed gradient, say) when given. softcap_approx: the forward's
+    (the slope comes from the same approximate tanh).
 
     deterministic: a dK/dV pass and a dQ pass, no atomics (bitwise reproducible); otherwise one
     pass that adds dQ with fp32 atomics into a zeroed fp32 buffer, then casts it into dq. Head
@@ -404,7 +407,7 @@ def attention_backward(
     # The sinks' gradient needs only the row statistics.
     dsinks = () if sinks is None else (sink_grad(sinks, lse, delta), )
     dq, dk, dv = out or (empty_heads_like(q), empty_heads_like(k), empty_heads_like(v))
-    mask_args, mask_flags = option_args(causal, window, softcap, n_q, n_k)
+    mask_args, mask_flags = option_args(causal, window, softcap, n_q, n_k, softcap_approx)
     args = (n_q, n_k, softmax_scale, softmax_scale * LOG2_E, Nq, *mask_args)
     args = (*args, tuning_bucket(n_q), tuning_bucket(n_k))
     flags = dict(flags, **mask_flags, VARLEN=varlen is not None)

@@ -107,9 +107,10 @@ _reciprocal = _reciprocal_approx if _fdiv_takes_approx() else _reciprocal_full_r
 
 
 @triton.jit
-def scaled_tanh(t, c):
-    """c * tanh(t / c) to fp32 rounding at every t, for a scalar c > 0 (the interpreter has no
-    tanh, and the GPU's tanh.approx is 2^-11 off).
+def _scaled_tanh_parts(t, c):
+    """(c * tanh(t / c), r) for a scalar c > 0, the first to fp32 rounding at every t (the
+    interpreter has no tanh, and the GPU's tanh.approx is 2^-11 off); r = 1 / (1 + 2^v) below,
+    from which `capped` takes the slope.
 
     With x = t / c and v = 2 log2(e) |x|, two forms, both computed and one selected:
 
@@ -138,7 +139,15 @@ def scaled_tanh(t, c):
     q = v2 * q + 0.0019207090372219682
     q = v2 * q - 0.040036868304014206
     near = t + (t * v2) * q
-    return tl.where(v < 1.731234073638916, near, far.to(tl.float32, bitcast=True))  # |x| < 0.6
+    capped_t = tl.where(v < 1.731234073638916, near, far.to(tl.float32, bitcast=True))  # |x| < 0.6
+    return capped_t, r
+
+
+@triton.jit
+def scaled_tanh(t, c):
+    """c * tanh(t / c) to fp32 rounding at every t, for a scalar c > 0 (`_scaled_tanh_parts`)."""
+    capped_t, _ = _scaled_tanh_parts(t, c)
+    return capped_t
 
 
 @triton.jit
@@ -217,10 +226,62 @@ def exp2_split(x, FMA_SHIFT: tl.constexpr):
 def capped(t, softcap):
     """softcap * tanh(t / softcap) of base-2 scores t (softcap in base-2 units too: the cap of the
     natural scores times log2(e)), the cap folded into the tanh (`scaled_tanh`), and the
-    derivative 1 - tanh^2, which the backward needs."""
-    capped_t = scaled_tanh(t, softcap)
-    th = capped_t * (1.0 / softcap)
-    return capped_t, 1.0 - th * th
+    derivative 1 - tanh^2, which the backward needs.
+
+    The derivative is (1 - |tanh|)(1 + |tanh|) with 1 - |tanh| taken as 2 r, r = 1 / (1 + 2^v)
+    (`_scaled_tanh_parts`), not from tanh: a product of relatively accurate factors, so it keeps
+    fp32's relative accuracy where it is tiny. 1 - th * th is off by an ulp of th, about 6e-8,
+    once |t / c| passes 6 (a slope below 2.5e-5): with a cap far below the scores every slope is
+    there, and dq and dk came out wrong in their first digit. Two instructions either way (an FMA
+    and a multiply); the form reads tanh too, which keeps Triton 3.9's sm_90a code as short as
+    1 - th * th's (4 r (1 - r), from r alone, added 68 integer instructions to the descriptor dQ
+    pass's M128 N64 loop: LLVM packed the two forms' select predicates into integers).
+    """
+    capped_t, r = _scaled_tanh_parts(t, softcap)
+    return capped_t, (tl.abs(capped_t) * (2.0 / softcap) + 2.0) * r
+
+
+#: The SOFTCAP constexpr of the kernels: no cap, the exact one (`capped`), or the approximate one
+#: (`capped_scores`), computed by tanh.approx.f32 on a GPU and by its error model where inline
+#: PTX cannot run (the interpreter).
+SOFTCAP_OFF, SOFTCAP_EXACT, SOFTCAP_APPROX, SOFTCAP_APPROX_MODEL = 0, 1, 2, 3
+#: tanh.approx.f32's relative error (the PTX ISA's figure; flash-attention's cutlass::fast_tanh).
+TANH_APPROX_ERROR = 2.0**-11
+
+
+@triton.jit
+def _tanh_approx(x, SOFTCAP: tl.constexpr):
+    """tanh.approx.f32 (MUFU.TANH, one instruction, 2^-11 relative) with SOFTCAP_APPROX; with
+    SOFTCAP_APPROX_MODEL its error model: fp32's tanh (`tanh`) rounded toward zero to 11
+    fraction bits, an error below 2^-11 relative, all of it toward zero (tanh.approx's own values
+    are not reproduced: its errors may have either sign)."""
+    if SOFTCAP == 2:
+        th = tl.inline_asm_elementwise(
+            "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        tl.static_assert(SOFTCAP == 3, "SOFTCAP: 2 (tanh.approx) or 3 (its model)")
+        th = (tanh(x).to(tl.uint32, bitcast=True) & 0xFFFFF000).to(tl.float32, bitcast=True)
+    return th
+
+
+@triton.jit
+def capped_scores(qk, qk_scale, softcap, SOFTCAP: tl.constexpr):
+    """(y, y_scale, slope) of raw scores qk = q k^T: the capped base-2 scores are y * y_scale
+    (y_scale > 0, so a row max of y times y_scale is theirs), and slope is the cap's derivative.
+
+    SOFTCAP_EXACT: y the capped scores themselves (`capped`), y_scale 1. The approximate cap
+    (SOFTCAP_APPROX, _MODEL): y = tanh(x) by `_tanh_approx`, x = qk * (qk_scale / softcap) in one
+    multiply, y_scale = softcap, which the caller's exponent takes in its FMA (y * c - m), and the
+    slope 1 - y^2 from it: a multiply, a MUFU and an FMA a score beyond the plain loop's."""
+    if SOFTCAP == 1:
+        y, slope = capped(qk * qk_scale, softcap)
+        y_scale = 1.0
+    else:
+        y = _tanh_approx(qk * (qk_scale / softcap), SOFTCAP)
+        y_scale = softcap
+        slope = 1.0 - y * y
+    return y, y_scale, slope
 
 
 @triton.jit

@@ -10,7 +10,7 @@ import torch
 from fastlm.kernels._common import empty, tl, triton
 from fastlm.kernels.attention.blocks import (
     block_start_and_batch_head,
-    capped,
+    capped_scores,
     exp2_split,
     is_visible,
     key_range,
@@ -61,8 +61,7 @@ def _softmax_block(
     p's columns computed on the FMA units (`exp2_split`).
     """
     if SOFTCAP:
-        qk, _ = capped(qk * qk_scale, softcap)
-        fma_scale = 1.0
+        qk, fma_scale, _ = capped_scores(qk, qk_scale, softcap, SOFTCAP)
     elif SCALE_POSITIVE:
         fma_scale = qk_scale
     else:
@@ -391,9 +390,9 @@ def _exp2_fma_shift(block_d: int) -> int:
 
 
 def attention_forward(
-    q, k, v, causal: bool, softmax_scale: float, allow_tf32: bool, window: tuple[int,
-                                                                                 int] = (-1, -1),
-    softcap: float = 0.0, varlen: Varlen | None = None, sinks: torch.Tensor | None = None
+    q, k, v, causal: bool, softmax_scale: float, allow_tf32: bool,
+    window: tuple[int, int] = (-1, -1), softcap: float = 0.0, varlen: Varlen | None = None,
+    sinks: torch.Tensor | None = None, softcap_approx: bool = False
 ):
     """o (B, Hq, Nq, Dv) and the base-2 log-sum-exp (B, Hq, Nq) fp32 of checked inputs (a row
     that sees no key: o = 0, lse = +inf, or with a sink lse = the sink); sinks (Hq,) or None."""
@@ -402,7 +401,7 @@ def attention_forward(
     cu_q, cu_k, sequences, n_q, n_k = sequence_args(q, k, varlen)
     o = empty_heads_like(q, head_dim=v.shape[-1])
     lse = empty((B, Hq, Nq), device=q.device, dtype=torch.float32)
-    mask_args, mask_flags = option_args(causal, window, softcap, n_q, n_k)
+    mask_args, mask_flags = option_args(causal, window, softcap, n_q, n_k, softcap_approx)
     args = (Hq, Hq // Hkv, n_q, n_k, softmax_scale * LOG2_E, Nq, *mask_args)
     args = (*args, tuning_bucket(n_q), tuning_bucket(n_k))
     sinks, sink_flags = sink_args(sinks)

@@ -12,6 +12,12 @@ import torch
 
 from fastlm.backend import interpreting
 from fastlm.kernels._common import empty, interpreter_bf16, tl, triton
+from fastlm.kernels.attention.blocks import (
+    SOFTCAP_APPROX,
+    SOFTCAP_APPROX_MODEL,
+    SOFTCAP_EXACT,
+    SOFTCAP_OFF,
+)
 from fastlm.kernels.attention.configs import MAX_HEAD_DIM, TMA_MAX_BLOCK_D
 
 LOG2_E = 1.4426950408889634
@@ -85,20 +91,30 @@ def kernel_strides(t: torch.Tensor, varlen: Varlen | None) -> tuple:
     return (0, *t.stride()[1:]) if varlen is not None else t.stride()
 
 
-def option_args(causal: bool, window: tuple[int, int], softcap: float, n_q: int, n_k: int):
+def option_args(
+    causal: bool, window: tuple[int, int], softcap: float, n_q: int, n_k: int,
+    softcap_approx: bool = False
+):
     """(window_left, window_right, softcap) as the kernels take them, and their flags.
 
     A window side of -1 (unbounded) becomes one that reaches every key (n_k to the left, n_q to
     the right: every diagonal lies in [n_k - n_q, n_k)); causal makes the right side 0. The cap
-    goes into base-2 units. HAS_WINDOW only when a side bounds more than the causal mask does, so
-    the plain causal and full kernels stay as they are.
+    goes into base-2 units, and SOFTCAP says which (`blocks.SOFTCAP_*`): the approximate one is
+    tanh.approx.f32 on a GPU, its error model in the interpreter (which cannot run inline PTX).
+    HAS_WINDOW only when a side bounds more than the causal mask does, so the plain causal and
+    full kernels stay as they are.
     """
     left, right = window
     has_window = left >= 0 or (right >= 0 and not causal)
     if causal:
         right = 0
     args = (left if left >= 0 else n_k, right if right >= 0 else n_q, softcap * LOG2_E)
-    return args, dict(HAS_WINDOW=has_window, SOFTCAP=softcap > 0)
+    mode = SOFTCAP_OFF
+    if softcap > 0:
+        mode = SOFTCAP_EXACT
+        if softcap_approx:
+            mode = SOFTCAP_APPROX_MODEL if interpreting() else SOFTCAP_APPROX
+    return args, dict(HAS_WINDOW=has_window, SOFTCAP=mode)
 
 
 def check_kernel_head_dim(D: int, name: str = "q") -> None:

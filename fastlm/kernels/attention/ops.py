@@ -22,7 +22,7 @@ from fastlm.kernels.attention.launch import (
     empty_heads_like,
 )
 from fastlm.kernels.attention.reference import flash_attention_ref, flash_attention_varlen_ref
-from fastlm.options import OPTIONS, check
+from fastlm.options import OPTIONS, check, check_flag
 
 
 def _check_op_options(
@@ -44,14 +44,14 @@ def _check_op_options(
 def flash_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
     window_left: int, window_right: int, softcap: float, allow_tf32: bool, deterministic: bool,
-    sinks: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None, softcap_approx: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse): o (B, Hq, Nq, Dv) in q's memory layout, lse (B, Hq, Nq) fp32 base 2 (the sinks
     in its sums). deterministic picks the backward's schedule (the forward has one)."""
     _check_op_options(q, sinks, softmax_scale, window_left, window_right, softcap)
     return attention_forward(
         q, k, v, causal, softmax_scale, allow_tf32, (window_left, window_right), softcap,
-        sinks=sinks
+        sinks=sinks, softcap_approx=softcap_approx
     )
 
 
@@ -73,19 +73,24 @@ def _with_sink_grad(grads: tuple, sinks: torch.Tensor | None, q: torch.Tensor) -
 def _flash_attention_backward_op(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
     lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int, window_right: int,
-    softcap: float, allow_tf32: bool, deterministic: bool, sinks: torch.Tensor | None = None
+    softcap: float, allow_tf32: bool, deterministic: bool, sinks: torch.Tensor | None = None,
+    softcap_approx: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsinks); dsinks is (0,) without sinks."""
     _check_op_options(q, sinks, softmax_scale, window_left, window_right, softcap)
     grads = attention_backward(
         do, q, k, v, o, lse, causal, softmax_scale, allow_tf32, deterministic,
-        window=(window_left, window_right), softcap=softcap, sinks=sinks
+        window=(window_left, window_right), softcap=softcap, sinks=sinks,
+        softcap_approx=softcap_approx
     )
     return _with_sink_grad(grads, sinks, q)
 
 
 @_flash_attention_backward_op.register_fake
-def _(do, q, k, v, o, lse, causal, scale, left, right, softcap, tf32, deterministic, sinks=None):
+def _(
+    do, q, k, v, o, lse, causal, scale, left, right, softcap, tf32, deterministic, sinks=None,
+    softcap_approx=False
+):
     grads = empty_heads_like(q), empty_heads_like(k), empty_heads_like(v)
     return _with_sink_grad(
         (*grads, *([] if sinks is None else [torch.empty_like(sinks)])), sinks, q
@@ -95,18 +100,22 @@ def _(do, q, k, v, o, lse, causal, scale, left, right, softcap, tf32, determinis
 def _flash_attention_setup(ctx, inputs, output):
     """Saves q, k, v, o, the sinks and the (B, Hq, Nq) fp32 log-sum-exp: memory linear in the
     sequence."""
-    q, k, v, *flags, sinks = inputs
+    q, k, v, *flags, sinks, softcap_approx = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, sinks)
     ctx.set_materialize_grads(False)  # lse has no gradient: no zero tensor for it
     ctx.mark_non_differentiable(lse)
     ctx.flags = flags
+    ctx.softcap_approx = softcap_approx
 
 
 def _flash_attention_grad(ctx, do, _):
     q, k, v, o, lse, sinks = ctx.saved_tensors
-    dq, dk, dv, dsinks = _flash_attention_backward_op(do, q, k, v, o, lse, *ctx.flags, sinks)
-    return dq, dk, dv, *[None] * len(ctx.flags), dsinks if sinks is not None else None
+    dq, dk, dv, dsinks = _flash_attention_backward_op(
+        do, q, k, v, o, lse, *ctx.flags, sinks, ctx.softcap_approx
+    )
+    dsinks = dsinks if sinks is not None else None
+    return dq, dk, dv, *[None] * len(ctx.flags), dsinks, None
 
 
 torch.library.register_autograd(
@@ -120,7 +129,7 @@ def flash_attention_varlen_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
     softmax_scale: float, window_left: int, window_right: int, softcap: float, allow_tf32: bool,
-    deterministic: bool, sinks: torch.Tensor | None = None
+    deterministic: bool, sinks: torch.Tensor | None = None, softcap_approx: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse): o (total_q, Hq, Dv) in q's memory layout, lse (Hq, total_q) fp32 base 2."""
     _check_op_options(
@@ -129,7 +138,7 @@ def flash_attention_varlen_op(
     varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     o, lse = attention_forward(
         as_heads(q), as_heads(k), as_heads(v), causal, softmax_scale, allow_tf32,
-        (window_left, window_right), softcap, varlen, sinks
+        (window_left, window_right), softcap, varlen, sinks, softcap_approx
     )
     return as_packed(o), lse[0]
 
@@ -145,7 +154,8 @@ def _flash_attention_varlen_backward_op(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
     lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
     max_seqlen_k: int, causal: bool, softmax_scale: float, window_left: int, window_right: int,
-    softcap: float, allow_tf32: bool, deterministic: bool, sinks: torch.Tensor | None = None
+    softcap: float, allow_tf32: bool, deterministic: bool, sinks: torch.Tensor | None = None,
+    softcap_approx: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsinks); dsinks is (0,) without sinks."""
     _check_op_options(
@@ -154,7 +164,8 @@ def _flash_attention_varlen_backward_op(
     dq, dk, dv, *dsinks = attention_backward(
         *(as_heads(t) for t in (do, q, k, v, o)), lse[None], causal, softmax_scale, allow_tf32,
         deterministic, window=(window_left, window_right), softcap=softcap,
-        varlen=Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), sinks=sinks
+        varlen=Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                      max_seqlen_k), sinks=sinks, softcap_approx=softcap_approx
     )
     return _with_sink_grad((*(as_packed(g) for g in (dq, dk, dv)), *dsinks), sinks, q)
 
@@ -162,7 +173,7 @@ def _flash_attention_varlen_backward_op(
 @_flash_attention_varlen_backward_op.register_fake
 def _(
     do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, tf32,
-    deterministic, sinks=None
+    deterministic, sinks=None, softcap_approx=False
 ):
     grads = tuple(as_packed(empty_heads_like(as_heads(t))) for t in (q, k, v))
     return _with_sink_grad(
@@ -171,20 +182,22 @@ def _(
 
 
 def _flash_attention_varlen_setup(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *flags, sinks = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *flags, sinks, softcap_approx = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, sinks)
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(lse)
     ctx.flags = flags
+    ctx.softcap_approx = softcap_approx
 
 
 def _flash_attention_varlen_grad(ctx, do, _):
     q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, sinks = ctx.saved_tensors
     dq, dk, dv, dsinks = _flash_attention_varlen_backward_op(
-        do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *ctx.flags, sinks
+        do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *ctx.flags, sinks, ctx.softcap_approx
     )
-    return dq, dk, dv, None, None, *[None] * len(ctx.flags), dsinks if sinks is not None else None
+    dsinks = dsinks if sinks is not None else None
+    return dq, dk, dv, None, None, *[None] * len(ctx.flags), dsinks, None
 
 
 torch.library.register_autograd(
@@ -222,8 +235,7 @@ def _check_heads(names: tuple[str, str, str], q, k, v, dims: int, layout: str) -
 
 
 def _check_causal_and_scale(causal, softmax_scale) -> None:
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_flag("causal", causal)
     check("softmax_scale", softmax_scale, none_ok=True)
 
 
@@ -258,8 +270,7 @@ def check_options(causal: bool, window_size, softcap, return_lse) -> tuple[tuple
             "use -1 or 0 (or causal=False)"
         )
     softcap = check("softcap", softcap)
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    check_flag("return_lse", return_lse)
     return (left, right), softcap
 
 
@@ -342,7 +353,7 @@ def flash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
     softmax_scale: float | None = None, *, window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0, return_lse: bool = False, allow_tf32: bool = True,
-    deterministic: bool = True, sinks: torch.Tensor | None = None
+    deterministic: bool = True, sinks: torch.Tensor | None = None, softcap_approx: bool = False
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """softmax(softmax_scale * q k^T [+ causal mask]) v without materialising the scores.
 
@@ -366,6 +377,13 @@ def flash_attention(
             may be given as -1 or 0).
         softcap: if > 0, each scaled score s becomes softcap * tanh(s / softcap) before the mask
             and the softmax (gradients through the cap); 0 (the default) is off.
+        softcap_approx: with a cap, compute its tanh approximately, as flash-attention does
+            (tanh.approx.f32 on a GPU, one instruction, 2^-11 relative): each capped score is
+            then off by at most softcap * 2^-11, so each weight by a factor within
+            exp(+-2 softcap 2^-11) (docs/attention.md states the bounds on o and the
+            gradients). Where that instruction cannot run (the interpreter, the PyTorch
+            backend) a model of it: tanh rounded toward zero to 11 bits. Default False: the
+            exact cap.
         return_lse: also return lse (B, Hq, Nq) fp32, the natural log-sum-exp of each row's capped,
             masked scores and its head's sink (-inf for a row that sees no key and no sink, whose
             output is 0). lse carries no gradient. Default False.
@@ -389,8 +407,9 @@ def flash_attention(
 
     Raises:
         TypeError: q, k or v not a tensor of float16, bfloat16 or float32, or of two dtypes;
-            causal, return_lse not a bool; softmax_scale not a real number or None; window_size
-            not a pair of ints; softcap not a real number; sinks not a floating-point tensor.
+            causal, return_lse, softcap_approx not a bool; softmax_scale not a real number or
+            None; window_size not a pair of ints; softcap not a real number; sinks not a
+            floating-point tensor.
         ValueError: q, k, v not 4-D, on two devices, k and v of two shapes (but for the head
             dim), q and k head dims that differ, a head dim of 0, Hq not a multiple of Hkv, batch
             sizes that differ, Nk = 0 or Nq > Nk; a window side outside [-1, 2**30], or
@@ -402,16 +421,18 @@ def flash_attention(
     """
     check_inputs(q, k, v, causal, softmax_scale)
     window, softcap = check_options(causal, window_size, softcap, return_lse)
+    check_flag("softcap_approx", softcap_approx)
     check_sinks(sinks, q.shape[1], q.device)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if not use_triton(q) or q.numel() == 0:
         return flash_attention_ref(
             q, k, v, causal, scale, window_size=window, softcap=softcap, return_lse=return_lse,
-            sinks=sinks
+            sinks=sinks, softcap_approx=softcap_approx
         )
     check_kernel_head_dims(q, v)
     o, lse = flash_attention_op(
-        q, k, v, causal, scale, *window, softcap, bool(allow_tf32), bool(deterministic), sinks
+        q, k, v, causal, scale, *window, softcap, bool(allow_tf32), bool(deterministic), sinks,
+        softcap_approx
     )
     return (o, natural_lse(lse)) if return_lse else o
 
@@ -421,7 +442,7 @@ def flash_attention_varlen(
     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,
     softmax_scale: float | None = None, *, window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0, return_lse: bool = False, allow_tf32: bool = True,
-    deterministic: bool = True, sinks: torch.Tensor | None = None
+    deterministic: bool = True, sinks: torch.Tensor | None = None, softcap_approx: bool = False
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """flash_attention of packed sequences (documents), each attending only within itself.
 
@@ -440,8 +461,9 @@ def flash_attention_varlen(
             sync).
         max_seqlen_q, max_seqlen_k: ints at least the longest sequence's lengths; they size the
             launch, so nothing is read back from the device.
-        causal, softmax_scale, window_size, softcap, allow_tf32, deterministic, sinks: as in
-            `flash_attention` (a sink joins every row of every sequence of its head).
+        causal, softmax_scale, window_size, softcap, allow_tf32, deterministic, sinks,
+            softcap_approx: as in `flash_attention` (a sink joins every row of every sequence of
+            its head).
         return_lse: also return lse (Hq, total_q) fp32 (default False).
 
     Returns:
@@ -468,16 +490,17 @@ def flash_attention_varlen(
             f"cu_seqlens_k has {cu_seqlens_k.numel()} entries, but cu_seqlens_q has "
             f"{cu_seqlens_q.numel()}: one sequence of keys per sequence of queries"
         )
+    check_flag("softcap_approx", softcap_approx)
     check_sinks(sinks, q.shape[1], q.device)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if not use_triton(q) or q.numel() == 0 or k.shape[0] == 0:
         return flash_attention_varlen_ref(
             q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_size=window, softcap=softcap,
-            return_lse=return_lse, sinks=sinks
+            return_lse=return_lse, sinks=sinks, softcap_approx=softcap_approx
         )
     check_kernel_head_dims(q, v)
     o, lse = flash_attention_varlen_op(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal, scale,
-        *window, softcap, bool(allow_tf32), bool(deterministic), sinks
+        *window, softcap, bool(allow_tf32), bool(deterministic), sinks, softcap_approx
     )
     return (o, natural_lse(lse)) if return_lse else o

@@ -29,10 +29,39 @@ def _visible_keys(
     return visible
 
 
+def _tanh_approx_model(x: torch.Tensor) -> torch.Tensor:
+    """The kernels' model of tanh.approx.f32 (`blocks._tanh_approx`): fp32 tanh rounded toward
+    zero to 11 fraction bits, an error below 2^-11 relative; in x's dtype."""
+    bits = torch.tanh(x.float()).view(torch.int32) & -4096  # 0xFFFFF000
+    return bits.view(torch.float32).to(x.dtype)
+
+
+def soft_cap(scores: torch.Tensor, softcap: float, approx: bool = False) -> torch.Tensor:
+    """softcap * tanh(scores / softcap), differentiable with a slope that keeps its relative
+    accuracy in the tails; with `approx`, the kernels' approximate cap as their model computes
+    it: c th with th = `_tanh_approx_model`, and the slope 1 - th^2 from it.
+
+    Autograd takes tanh's slope as 1 - tanh^2 from tanh's output, which is off by an ulp of tanh
+    once tanh rounds near +-1: in fp32 a relative error of 1e-2 in dq and dk at |x| = 6 (x =
+    scores / softcap) and all of them further out, every slope once the cap is far below the
+    scores. Past |x| = 0.6 tanh is computed as sign(x) (1 - 2 sigmoid(-2 |x|)) instead (1 - 2
+    sigmoid >= 0.53 there: no cancellation), whose slope autograd forms as 4 sigmoid(-2 |x|)
+    (1 - sigmoid(-2 |x|)), relatively accurate factors; below 0.6, tanh itself (its slope is above
+    0.7 there)."""
+    x = scores / softcap
+    if approx:
+        th = _tanh_approx_model(x.detach())
+        # value c th; gradient (scores - scores.detach() is 0) the slope 1 - th^2
+        return softcap * th + (scores - scores.detach()) * (1 - th * th)
+    far = torch.sign(x) * (1 - 2 * torch.sigmoid(-2 * x.abs()))
+    return softcap * torch.where(x.abs() < 0.6, torch.tanh(x), far)
+
+
 def flash_attention_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-    softmax_scale: float | None = None, *, window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0, return_lse: bool = False, sinks: torch.Tensor | None = None
+    softmax_scale: float | None = None, *, window_size: tuple[int,
+                                                              int] = (-1, -1), softcap: float = 0.0,
+    return_lse: bool = False, sinks: torch.Tensor | None = None, softcap_approx: bool = False
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """flash_attention's math in PyTorch (the PyTorch backend): GQA by repeating k and v, the
     causal mask aligned to the end, v's head dim its own. Plain attention goes through
@@ -58,7 +87,7 @@ def flash_attention_ref(
     dtype = torch.promote_types(q.dtype, torch.float32)
     scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale
     if softcap:
-        scores = softcap * torch.tanh(scores / softcap)
+        scores = soft_cap(scores, softcap, softcap_approx)
     if visible is not None:
         scores = scores.masked_fill(~visible, -math.inf)
     # The sinks as one more column of the scores, (B, Hq, Nq, 1), that every row sees.
@@ -83,7 +112,7 @@ def flash_attention_varlen_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor, causal: bool = True, softmax_scale: float | None = None, *,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, return_lse: bool = False,
-    sinks: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None, softcap_approx: bool = False
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """flash_attention_varlen's math in PyTorch: `flash_attention_ref` of each sequence on its
     own (the sequence bounds are read on the host). o (total_q, Hq, Dv); lse (Hq, total_q)."""
@@ -92,7 +121,8 @@ def flash_attention_varlen_ref(
     for q0, q1, k0, k1 in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:]):
         o, lse = flash_attention_ref(
             *(t[None].transpose(1, 2) for t in (q[q0:q1], k[k0:k1], v[k0:k1])), causal,
-            softmax_scale, window_size=window_size, softcap=softcap, return_lse=True, sinks=sinks
+            softmax_scale, window_size=window_size, softcap=softcap, return_lse=True, sinks=sinks,
+            softcap_approx=softcap_approx
         )
         outs.append(o[0].transpose(0, 1))
         lses.append(lse[0])
