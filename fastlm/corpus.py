@@ -79,9 +79,13 @@ def is_datasets_folder(path: Path) -> bool:
     return path.is_dir() and any((path / marker).is_file() for marker in DATASETS_MARKERS)
 
 
-def sources(data: str | os.PathLike) -> list[Source]:
-    """The sources of `--data` in reading order (see the module docstring)."""
+def sources(data: str | os.PathLike, exclude: tuple[str | os.PathLike, ...] = ()) -> list[Source]:
+    """The sources of `--data` in reading order (see the module docstring), leaving out what lies
+    in those of the folders `exclude` that lie inside it (a command's own output)."""
     root = Path(data)
+    inside = Path(os.path.realpath(root))
+    excluded = {Path(os.path.realpath(folder)) for folder in exclude}
+    excluded = {folder for folder in excluded if inside in folder.parents}
     if root.is_file():
         return [Source(root, kind_of(root))]
     if not root.is_dir():
@@ -89,10 +93,11 @@ def sources(data: str | os.PathLike) -> list[Source]:
     if is_datasets_folder(root):
         return [Source(root, "datasets")]
 
-    def hidden(p: Path) -> bool:
-        return any(part.startswith(".") for part in p.relative_to(root).parts)
+    def left_out(p: Path) -> bool:
+        hidden = any(part.startswith(".") for part in p.relative_to(root).parts)
+        return hidden or bool(excluded and excluded & set(Path(os.path.realpath(p)).parents))
 
-    files = sorted(p for p in root.rglob("*") if p.is_file() and not hidden(p))
+    files = sorted(p for p in root.rglob("*") if p.is_file() and not left_out(p))
     records = [Source(p, kind_of(p)) for p in files if kind_of(p) != "text"]
     return records or [Source(p, "text") for p in files]
 
@@ -115,11 +120,13 @@ def default_corpus_files(limit_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:
     return files
 
 
-def corpus_sources(data: str | os.PathLike | None) -> list[Source]:
+def corpus_sources(
+    data: str | os.PathLike | None, exclude: tuple[str | os.PathLike, ...] = ()
+) -> list[Source]:
     """The sources of `--data` (`sources`), or the default corpus's files."""
     if data is None:
         return [Source(path, "text") for path in default_corpus_files()]
-    return sources(data)
+    return sources(data, exclude)
 
 
 def stats(found: list[Source]) -> list[dict]:

@@ -48,11 +48,15 @@ class Corpus:
     starts: list[int]  # where each document's text begins in `text`
 
 
-def read_corpus(data: str | os.PathLike | None, text_column: str = "text") -> Corpus:
+def read_corpus(
+    data: str | os.PathLike | None,
+    text_column: str = "text",
+    exclude: tuple[str | os.PathLike, ...] = (),
+) -> Corpus:
     """The documents of `--data` (a text file each, or a record each; `fastlm.corpus`) joined
-    by newlines, in memory."""
+    by newlines, in memory; files in the folders `exclude` are left out."""
     reading = Reading()
-    parts = list(corpus.documents(corpus_sources(data), text_column, reading))
+    parts = list(corpus.documents(corpus_sources(data, exclude), text_column, reading))
     starts, offset = [], 0
     for part in parts:
         starts.append(offset)
@@ -90,6 +94,7 @@ def load_split(
     pack_documents: bool = False,
     document_separator: str | None = None,
     text_column: str = "text",
+    exclude: tuple[str | os.PathLike, ...] = (),
 ) -> TokenSplit:
     """Read the corpus, tokenize this rank's shard and split it into training and held-out tokens.
 
@@ -98,6 +103,7 @@ def load_split(
     document (file) of the shard on its own and record where each begins; document_separator:
     a document also ends after each occurrence of this text (which stays its last token).
     text_column: the column or field of a Parquet, JSON Lines or `datasets` corpus.
+    exclude: folders inside `data` that are none of its text (the run's checkpoint folder).
 
     A folder written by `fastlm-prepare` (`fastlm.token_cache`) is not read into memory: its
     parts are memory-mapped, and this rank's windows read from the file as batches need them.
@@ -114,7 +120,7 @@ def load_split(
         return token_cache.load_split(
             data, tokenizer, context_length, rank, world_size, pack_documents, warn, val_fraction
         )
-    text_corpus = read_corpus(data, text_column)
+    text_corpus = read_corpus(data, text_column, exclude)
     for path, count in text_corpus.replaced.items():
         if warn is not None:
             warn(

@@ -44,6 +44,7 @@ import torch
 import fastlm
 from fastlm import corpus
 from fastlm.corpus import DataError, Reading, corpus_sources
+from fastlm.overwrite import check_spares_inputs
 from fastlm.tokens import Tokenizer, TokenSplit, check_long_enough, load_tokenizer
 
 FORMAT = "fastlm-token-cache"
@@ -145,6 +146,14 @@ def load_split(
             if meta["tokenizer"] != "bytes"
             else f"{folder} was tokenized with the byte tokenizer: leave out --tokenizer"
         )
+    if meta.get("vocab_size") != tokenizer.vocab_size:
+        # The same tokenizer file (its digest matched) counted otherwise: an earlier fastlm
+        # counted a vocabulary with gaps in its ids short and cut ids past 65535 to 16 bits.
+        raise DataError(
+            f"{folder} records a vocabulary of {meta.get('vocab_size')} ids, but its tokenizer "
+            f"has ids up to {tokenizer.vocab_size - 1}: an older fastlm-prepare stored them "
+            "wrongly, prepare it again"
+        )
     if warn is not None and val_fraction not in (None, meta["val_fraction"]):
         warn(
             f"note: the held-out part of {folder} is its last {meta['val_fraction']} (set by "
@@ -207,6 +216,9 @@ def _start_worker(tokenizer_path: str | None) -> None:
     torch.set_num_threads(1)
     # Ctrl-C reaches the whole process group: the main process alone handles it (and ends us).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A forked worker inherits the command's SIGTERM handler, which raises: the pool's terminate()
+    # (the main process leaving) must end a worker quietly, as SIGTERM does by default.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _worker_tokenizer = load_tokenizer(tokenizer_path)
 
 
@@ -357,11 +369,20 @@ def prepare(
         if is_cache(data):
             raise DataError(f"--data {data} is already prepared: pass it to fastlm-train --data")
         check_not_partial(data)
-    found = corpus_sources(data)
+    out = Path(out)
+    staging = out.with_name(out.name + PARTIAL)
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {out} is a file, not a folder: choose another --out")
+    # OUT (and OUT.partial) may lie inside DATA: they are no text of the corpus.
+    found = corpus_sources(data, exclude=(out, staging))
+    if overwrite and out.exists():
+        inputs = [("--data", source.path) for source in found]
+        if tokenizer_path is not None:
+            inputs.append(("--tokenizer", tokenizer_path))
+        check_spares_inputs(out, "--out", inputs, DataError)
     fingerprint = _fingerprint(
         tokenizer, corpus.stats(found), text_column, document_end, document_separator
     )
-    out = Path(out)
     if out.exists() and not overwrite:
         if is_cache(out):
             meta = read_metadata(out)
@@ -375,7 +396,6 @@ def prepare(
                 + ("another prepared corpus" if is_cache(out) else "other files")
                 + ": pass --overwrite to replace it, or another --out"
             )
-    staging = out.with_name(out.name + PARTIAL)
     done = {"documents": 0, "tokens": 0, "starts": 0}
     saved = staging / PROGRESS
     if saved.is_file():
@@ -398,11 +418,16 @@ def prepare(
 
     def cannot_write(path: Path, error: OSError) -> DataError:
         full = error.errno in (errno.ENOSPC, errno.EDQUOT)
+        kept = (
+            f"the {done['documents']:,} documents tokenized so far stay in {staging}; "
+            if done["documents"]
+            else ""
+        )
         return DataError(
-            f"cannot write {path} ({error.strerror or error}): the {done['documents']:,} "
-            f"documents tokenized so far stay in {staging}; "
+            f"cannot write {path} ({error.strerror or error}): {kept}"
             + ("free some space" if full else "fix that")
-            + " and run the same command again to resume"
+            + " and run the same command again"
+            + (" to resume" if kept else "")
         )
 
     try:
@@ -428,31 +453,37 @@ def prepare(
         mininterval=0.5,
         disable=not progress or not sys.stderr.isatty(),
     )
-    with open(tokens_path, "ab") as tokens_file, open(starts_path, "ab") as starts_file:
-        for labels, result in _in_order(chunks, workers, tokenizer_path, dtype):
-            if isinstance(result, _EncodeError):
-                raise DataError(f"{labels[result.position]}: {result.reason}")
-            ids, lengths = result
-            offsets = done["tokens"] + np.concatenate(([0], np.cumsum(lengths)[:-1]))
-            starts = offsets[lengths > 0].astype(np.int64)
-            try:
-                for file, array, path in ((tokens_file, ids, tokens_path),
-                                          (starts_file, starts, starts_path)):  # fmt: skip
-                    write_array(file, array, path)
-            except OSError as error:
-                raise cannot_write(path, error) from None
-            done = {
-                "documents": done["documents"] + len(lengths),
-                "tokens": done["tokens"] + len(ids),
-                "starts": done["starts"] + len(starts),
-            }
-            try:
-                _write_json(saved, {"fingerprint": fingerprint, "done": done})
-            except OSError as error:
-                raise cannot_write(saved, error) from None
-            bar.update(len(lengths))
-            bar.set_postfix(tokens=f"{done['tokens']:,}", refresh=False)
-    bar.close()
+    try:
+        with open(tokens_path, "ab") as tokens_file, open(starts_path, "ab") as starts_file:
+            for labels, result in _in_order(chunks, workers, tokenizer_path, dtype):
+                if isinstance(result, _EncodeError):
+                    raise DataError(f"{labels[result.position]}: {result.reason}")
+                ids, lengths = result
+                offsets = done["tokens"] + np.concatenate(([0], np.cumsum(lengths)[:-1]))
+                starts = offsets[lengths > 0].astype(np.int64)
+                try:
+                    for file, array, path in ((tokens_file, ids, tokens_path),
+                                              (starts_file, starts, starts_path)):  # fmt: skip
+                        write_array(file, array, path)
+                except OSError as error:
+                    raise cannot_write(path, error) from None
+                done = {
+                    "documents": done["documents"] + len(lengths),
+                    "tokens": done["tokens"] + len(ids),
+                    "starts": done["starts"] + len(starts),
+                }
+                try:
+                    _write_json(saved, {"fingerprint": fingerprint, "done": done})
+                except OSError as error:
+                    raise cannot_write(saved, error) from None
+                bar.update(len(lengths))
+                bar.set_postfix(tokens=f"{done['tokens']:,}", refresh=False)
+    except BaseException:
+        if done["documents"] == 0:  # nothing to resume from: leave no empty OUT.partial
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
     for path, count in reading.replaced.items():
         say(f"warning: {path} is not valid UTF-8: {count} undecodable bytes replaced by U+FFFD")
     if not found_text[0]:  # no documents, or only empty ones (as fastlm-train's check)

@@ -74,7 +74,10 @@ class HFTokenizer:
             raise DataError(f"cannot read tokenizer {self.path}: {error}") from None
         # The file's digest names the tokenizer, so a checkpoint records exactly which one it used.
         self.name = "hf-" + hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
-        self.vocab_size = self._tokenizer.get_vocab_size()
+        # The ids the model must cover: up to the largest one, which may lie past
+        # get_vocab_size() (the count of tokens) where the vocabulary's ids have gaps.
+        ids = self._tokenizer.get_vocab(with_added_tokens=True).values()
+        self.vocab_size = max(ids, default=-1) + 1
 
     def encode(self, text: str) -> torch.Tensor:
         try:

@@ -112,6 +112,12 @@ def test_export_refusals(tmp_path, corpus, capsys):
     (tmp_path / "taken" / "x").write_text("mine")
     status, err = export(["--checkpoint", run, "--to-hf", tmp_path / "taken"], capsys)
     assert status == 2 and "already exists" in err and (tmp_path / "taken" / "x").is_file()
+    files = sorted(p.name for p in run.iterdir())
+    for onto, relation in ((run, "is"), (tmp_path, "holds")):  # itself, its parent
+        argv = ["--checkpoint", run, "--to-hf", onto, "--overwrite"]
+        status, err = export(argv, capsys)
+        assert status == 2 and f"--to-hf {onto} {relation} --checkpoint {run}" in err, err
+    assert sorted(p.name for p in run.iterdir()) == files  # --resume still has it all
     status, err = export(["--checkpoint", tmp_path / "nothing", "--to-hf", tmp_path / "o"], capsys)
     assert status == 2 and "no checkpoint at" in err and not (tmp_path / "o").exists()
     (tmp_path / "bare").mkdir()

@@ -403,6 +403,12 @@ def test_hf_tokenizer(corpus, tmp_path, capsys):
     assert status == 0, err
     assert checkpoint.load_config(out)["vocab_size"] == tokenizer.get_vocab_size()
     assert (out / "tokenizer.json").is_file()
+    # --overwrite never deletes an input: here the tokenizer copy inside the checkpoint.
+    copy, before = out / "tokenizer.json", file_hashes(out)
+    argv = ["--data", corpus / "a.txt", "--tokenizer", copy, *TOY, "--out", out, "--overwrite"]
+    status, _, err = run_main(argv, capsys)
+    assert status == 2 and f"--out {out} holds --tokenizer {copy}, which this" in err, err
+    assert file_hashes(out) == before
 
 
 def test_missing_tokenizers_package_is_one_line(corpus, tmp_path, capsys, monkeypatch):

@@ -29,6 +29,7 @@ from fastlm.cli.generate import TOKENIZER_FIELD, load_model
 from fastlm.config import ConfigError
 from fastlm.data import DataError
 from fastlm.hf.families import CONVERTIBLE
+from fastlm.overwrite import check_spares_inputs
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -58,6 +59,9 @@ def export(folder: str | Path, out: str | Path, family: str = "llama", overwrite
     if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} already exists: pass --overwrite to replace it, or another OUT")
     source = checkpoint.resolve(folder)
+    if overwrite and out.exists():
+        inputs = [("--checkpoint", folder), ("--checkpoint", source)]  # source: maybe FOLDER.old
+        check_spares_inputs(out, "--to-hf", inputs, ConfigError)
     model, tokenizer = load_model(source, "reference", "cpu")  # PyTorch ops: any host
     hf_model = to_hf(model, family)
     setattr(hf_model.config, TOKENIZER_FIELD, tokenizer.name)

@@ -61,9 +61,11 @@ from fastlm.config import (
     check_integers,
     with_defaults,
 )
+from fastlm.corpus import corpus_sources
 from fastlm.data import DataError, check_split_options, load_split
 from fastlm.metrics_log import LOGGERS, MetricsLog
 from fastlm.options import FLOAT32_MAX
+from fastlm.overwrite import check_spares_inputs
 from fastlm.tensor_parallel import check_plan
 from fastlm.tokens import load_tokenizer
 
@@ -457,6 +459,11 @@ def claim_out(args: argparse.Namespace, out: Path, config: dict, stack: contextl
             "it, --overwrite to replace it, or another --out"
         )
     checkpoint.check_replaceable(out)
+    if args.overwrite and out.exists():
+        inputs = [("--data", s.path) for s in corpus_sources(args.data, exclude=(out,))]
+        if args.tokenizer is not None:
+            inputs.append(("--tokenizer", args.tokenizer))
+        check_spares_inputs(out, "--out", inputs, CheckpointError)
     if args.resume:
         checkpoint.check_config(with_defaults(checkpoint.load_config(out)), config, args.out)
 
@@ -508,6 +515,7 @@ def prepare(
             args.pack_documents,
             args.document_separator,
             args.text_column,
+            exclude=(out,),  # a checkpoint folder inside --data is none of its text
         ),
     )
     return Trainer(args, run, config, tokenizer.name, out, split, saved)
