@@ -95,8 +95,36 @@ class HFTokenizer:
     def stream_decoder(self) -> StreamDecoder:
         return _PrefixStreamDecoder(self)
 
+    def token_id(self, text: str) -> int | None:
+        """The id of the token `text` (a special token such as "<|endoftext|>"), or None."""
+        return self._tokenizer.token_to_id(text)
+
 
 Tokenizer = ByteTokenizer | HFTokenizer
+
+#: What tokenizers name their end-of-text and beginning-of-text tokens, in the order looked for.
+END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]")
+BEGIN_OF_TEXT = ("<|begin_of_text|>", "<|startoftext|>", "<s>", "<bos>", "<|bos|>", "[BOS]")
+
+
+def special_token(
+    tokenizer: Tokenizer, names: tuple[str, ...], chosen: str | None = None
+) -> tuple[str, int] | None:
+    """(text, id) of the first of `names` the tokenizer has as one token, or of `chosen` when
+    given (DataError if it is not one token); None for none (and for the byte tokenizer, whose
+    ids are bytes: no token ends a text)."""
+    if chosen is not None:
+        found = tokenizer.token_id(chosen) if isinstance(tokenizer, HFTokenizer) else None
+        if found is None:
+            raise DataError(f"the tokenizer has no token {chosen!r}")
+        return chosen, found
+    if isinstance(tokenizer, ByteTokenizer):
+        return None
+    for name in names:
+        found = tokenizer.token_id(name)
+        if found is not None:
+            return name, found
+    return None
 
 
 def load_tokenizer(path: str | os.PathLike | None) -> Tokenizer:
