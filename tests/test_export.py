@@ -11,6 +11,7 @@ from test_train import TOY, run_main
 from fastlm.cli import export as export_cli
 from fastlm.cli import generate as generate_cli
 from fastlm.testing import assert_close
+from fastlm.tokens import load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 transformers = pytest.importorskip("transformers")
@@ -96,7 +97,7 @@ def test_export_with_a_tokenizer_and_generate_from_the_folder(
     assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
     hf_tokenizer_loaded = transformers.AutoTokenizer.from_pretrained(out)
     assert hf_tokenizer_loaded("the quick fox")["input_ids"] == (
-        generate_cli.load_tokenizer(hf_tokenizer).encode("the quick fox").tolist()
+        load_tokenizer(hf_tokenizer).encode("the quick fox").tolist()
     )
     argv = ["--checkpoint", str(out), "--prompt", "the quick", "--temperature", "0"]
     status = generate_cli.main([*argv, "--max-new-tokens", "4"])

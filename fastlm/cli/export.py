@@ -30,8 +30,7 @@ import sys
 from pathlib import Path
 
 from fastlm import checkpoint
-from fastlm.checkpoint import CheckpointError
-from fastlm.cli.generate import TOKENIZER_FIELD, load_model
+from fastlm.checkpoint import TOKENIZER_FIELD, CheckpointError, load_model
 from fastlm.config import ConfigError
 from fastlm.data import DataError
 from fastlm.hf.families import CONVERTIBLE
