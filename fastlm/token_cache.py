@@ -310,7 +310,12 @@ def _try(call) -> tuple | _EncodeError:
 
 
 def _fingerprint(
-    tokenizer: Tokenizer, sources: list[dict], text_column: str, document_end: str, separator
+    tokenizer: Tokenizer,
+    sources: list[dict],
+    text_column: str,
+    document_end: str,
+    separator: str | None,
+    skip_empty: bool,
 ) -> dict:
     """What the tokens depend on: a partial run resumes only when all of it is unchanged."""
     return {
@@ -320,6 +325,7 @@ def _fingerprint(
         "text_column": text_column,
         "document_end": document_end,
         "document_separator": separator,
+        "skip_empty": skip_empty,
     }
 
 
@@ -349,6 +355,7 @@ def prepare(
     document_separator: str | None = None,
     workers: int = 1,
     overwrite: bool = False,
+    skip_empty: bool = False,
     progress: bool = True,
     say: Callable[[str], None] = print,
 ) -> dict:
@@ -374,14 +381,15 @@ def prepare(
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} is a file, not a folder: choose another --out")
     # OUT (and OUT.partial) may lie inside DATA: they are no text of the corpus.
-    found = corpus_sources(data, exclude=(out, staging))
+    reading = Reading(skip_empty=skip_empty)
+    found = corpus_sources(data, exclude=(out, staging), reading=reading)
     if overwrite and out.exists():
         inputs = [("--data", source.path) for source in found]
         if tokenizer_path is not None:
             inputs.append(("--tokenizer", tokenizer_path))
         check_spares_inputs(out, "--out", inputs, DataError)
     fingerprint = _fingerprint(
-        tokenizer, corpus.stats(found), text_column, document_end, document_separator
+        tokenizer, corpus.stats(found), text_column, document_end, document_separator, skip_empty
     )
     if out.exists() and not overwrite:
         if is_cache(out):
@@ -439,7 +447,6 @@ def prepare(
     except OSError as error:
         raise cannot_write(staging, error) from None
 
-    reading = Reading()
     skip, found_text = done["documents"], [False]
     chunks = _chunks(
         found, text_column, reading, document_end, document_separator, skip, found_text
@@ -484,8 +491,8 @@ def prepare(
         raise
     finally:
         bar.close()
-    for path, count in reading.replaced.items():
-        say(f"warning: {path} is not valid UTF-8: {count} undecodable bytes replaced by U+FFFD")
+    for line in corpus.notes(reading):
+        say(line)
     if not found_text[0]:  # no documents, or only empty ones (as fastlm-train's check)
         shutil.rmtree(staging, ignore_errors=True)
         skipped = (
@@ -506,6 +513,8 @@ def prepare(
         "documents": done["starts"],
         "val_fraction": val_fraction,
         "skipped": [str(p) for p in reading.skipped],
+        "left_out": [str(p) for p in reading.left_out],
+        "empty_records": reading.empty_records,
     }
     try:
         if tokenizer_path is not None:

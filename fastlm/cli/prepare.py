@@ -59,6 +59,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="tokenizing processes (default: the CPUs, %(default)s)",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace a prepared --out")
+    parser.add_argument(
+        "--skip-empty",
+        action="store_true",
+        help="skip records whose text is null or empty (counted in a note) instead of "
+        "refusing a null one",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
 
@@ -93,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             document_separator=args.document_separator,
             workers=args.workers,
             overwrite=args.overwrite,
+            skip_empty=args.skip_empty,
             progress=not args.no_progress,
             say=say,
         )

@@ -101,6 +101,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--tokenizer", help="Hugging Face tokenizers JSON (default: UTF-8 bytes)")
     parser.add_argument(
+        "--skip-empty",
+        action="store_true",
+        help="skip records whose text is null or empty (counted in a note) instead of "
+        "refusing a null one",
+    )
+    parser.add_argument(
         "--pack-documents",
         action="store_true",
         help="each corpus file a document: attention and positions stay within a document "
@@ -516,6 +522,7 @@ def prepare(
             args.document_separator,
             args.text_column,
             exclude=(out,),  # a checkpoint folder inside --data is none of its text
+            skip_empty=args.skip_empty,
         ),
     )
     return Trainer(args, run, config, tokenizer.name, out, split, saved)
