@@ -68,11 +68,13 @@ class Reading:
     replaced: dict[Path, int] = field(default_factory=dict)  # bytes that are not UTF-8
     left_out: list[Path] = field(default_factory=list)  # files beside the records of a folder
     empty_records: int = 0  # null or empty texts skipped (skip_empty)
+    unused: str = ""  # a note on an option the sources do not use (--text-column)
 
 
 def notes(reading: Reading) -> list[str]:
     """The lines that tell a user what reading repaired, left out or skipped."""
-    lines = [
+    lines = [reading.unused] if reading.unused else []
+    lines += [
         f"warning: {path} is not valid UTF-8: {count} undecodable bytes replaced by U+FFFD"
         for path, count in reading.replaced.items()
     ]
@@ -174,11 +176,20 @@ def corpus_sources(
     data: str | os.PathLike | None,
     exclude: tuple[str | os.PathLike, ...] = (),
     reading: Reading | None = None,
+    text_column: str = "text",
 ) -> list[Source]:
-    """The sources of `--data` (`sources`), or the default corpus's files."""
+    """The sources of `--data` (`sources`), or the default corpus's files; `reading` also gets
+    a note when a --text-column other than "text" meets text files only."""
     if data is None:
-        return [Source(path, "text") for path in default_corpus_files()]
-    return sources(data, exclude, reading)
+        found = [Source(path, "text") for path in default_corpus_files()]
+    else:
+        found = sources(data, exclude, reading)
+    if reading is not None and text_column != "text" and all(s.kind == "text" for s in found):
+        reading.unused = (
+            f"note: --text-column {text_column} is unused: the corpus is text files, each read "
+            "whole"
+        )
+    return found
 
 
 def stats(found: list[Source]) -> list[dict]:
@@ -367,7 +378,7 @@ def _json_lines(path: Path, text_column: str) -> Iterator[str]:
                 except json.JSONDecodeError as error:
                     ends = "" if line.endswith("\n") else " (the last line is cut: truncated?)"
                     raise DataError(
-                        f"{path}, record {record}: not valid JSON ({error.msg}){ends}"
+                        f"{path}, record {record}: not valid JSON ({error}){ends}"
                     ) from None
                 if not isinstance(row, dict):
                     raise DataError(

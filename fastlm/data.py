@@ -57,7 +57,7 @@ def read_corpus(
     by newlines, in memory; files in the folders `exclude` are left out, and with skip_empty
     records of null or empty text."""
     reading = Reading(skip_empty=skip_empty)
-    found = corpus_sources(data, exclude, reading)
+    found = corpus_sources(data, exclude, reading, text_column)
     parts = list(corpus.documents(found, text_column, reading))
     starts, offset = [], 0
     for part in parts:

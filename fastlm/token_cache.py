@@ -28,6 +28,7 @@ or another format version is refused.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import json
 import multiprocessing
@@ -35,6 +36,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -45,7 +47,14 @@ import fastlm
 from fastlm import corpus
 from fastlm.corpus import DataError, Reading, corpus_sources
 from fastlm.overwrite import check_spares_inputs
-from fastlm.tokens import Tokenizer, TokenSplit, check_long_enough, load_tokenizer
+from fastlm.tokens import (
+    Tokenizer,
+    TokenSplit,
+    check_long_enough,
+    check_marker,
+    load_tokenizer,
+    lossy_note,
+)
 
 FORMAT = "fastlm-token-cache"
 FORMAT_VERSION = 1
@@ -216,9 +225,6 @@ def _start_worker(tokenizer_path: str | None) -> None:
     torch.set_num_threads(1)
     # Ctrl-C reaches the whole process group: the main process alone handles it (and ends us).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # A forked worker inherits the command's SIGTERM handler, which raises: the pool's terminate()
-    # (the main process leaving) must end a worker quietly, as SIGTERM does by default.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _worker_tokenizer = load_tokenizer(tokenizer_path)
 
 
@@ -290,7 +296,9 @@ def _in_order(chunks: Iterator, workers: int, tokenizer_path: str | None, dtype:
         return
     method = "fork" if sys.platform == "linux" else "spawn"
     context = multiprocessing.get_context(method)
-    with context.Pool(workers, initializer=_start_worker, initargs=(tokenizer_path,)) as pool:
+    with _default_sigterm():
+        pool = context.Pool(workers, initializer=_start_worker, initargs=(tokenizer_path,))
+    with pool:
         pending = collections.deque()
         for texts, labels in chunks:
             pending.append((labels, pool.apply_async(_encode_chunk, (texts, dtype))))
@@ -300,6 +308,21 @@ def _in_order(chunks: Iterator, workers: int, tokenizer_path: str | None, dtype:
         while pending:
             labels_, result = pending.popleft()
             yield labels_, _try(result.get)
+
+
+@contextlib.contextmanager
+def _default_sigterm():
+    """SIGTERM's default action while the pool forks its workers: a worker that inherited the
+    command's handler (fastlm.cli.prepare's, which raises) would outlive the pool's terminate()
+    whenever it is not running Python code, and a parent waiting for it would hang."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread sets handlers (and then the command's is not installed)
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _try(call) -> tuple | _EncodeError:
@@ -371,18 +394,22 @@ def prepare(
     if document_separator == "":
         raise DataError("--document-separator must not be empty")
     tokenizer = load_tokenizer(tokenizer_path)
+    check_marker(tokenizer, document_end, "--document-end")
     tokenizer_path = None if tokenizer_path is None else str(tokenizer_path)
     if data is not None:  # None: the default corpus, as fastlm-train's
         if is_cache(data):
             raise DataError(f"--data {data} is already prepared: pass it to fastlm-train --data")
         check_not_partial(data)
+    note = lossy_note(tokenizer)
+    if note:
+        say(note)
     out = Path(out)
     staging = out.with_name(out.name + PARTIAL)
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} is a file, not a folder: choose another --out")
     # OUT (and OUT.partial) may lie inside DATA: they are no text of the corpus.
     reading = Reading(skip_empty=skip_empty)
-    found = corpus_sources(data, exclude=(out, staging), reading=reading)
+    found = corpus_sources(data, (out, staging), reading, text_column)
     if overwrite and out.exists():
         inputs = [("--data", source.path) for source in found]
         if tokenizer_path is not None:
@@ -398,6 +425,12 @@ def prepare(
             if recorded == fingerprint and meta.get("val_fraction") == val_fraction:
                 say(f"fastlm-prepare: {out} already holds this corpus, prepared")
                 return meta
+            if recorded == fingerprint:
+                raise DataError(
+                    f"{out} holds this corpus prepared with --val-fraction "
+                    f"{meta.get('val_fraction')}, not {val_fraction}: pass --overwrite to "
+                    "prepare it again, or another --out"
+                )
         if is_cache(out) or any(out.iterdir()):
             raise DataError(
                 f"{out} already holds "

@@ -109,6 +109,10 @@ def test_json_arrays_csv_and_compressed_text(tmp_path):
     with gzip.open(tmp_path / "t.txt.gz", "wt", encoding="utf-8") as f:
         f.write(DOCS[1])
     assert read_corpus(tmp_path / "t.txt.gz").text == DOCS[1]
+    # A --text-column meeting text files only is said to be unused.
+    notes = []
+    load_split(tmp_path / "t.txt.gz", ByteTokenizer(), 4, 0.1, warn=notes.append, text_column="x")
+    assert notes == ["note: --text-column x is unused: the corpus is text files, each read whole"]
 
 
 def test_files_beside_records_are_named_and_null_texts_skipped_on_request(tmp_path):

@@ -141,7 +141,9 @@ def test_tokenizer_ids_past_its_vocabulary_size(tmp_path, capsys):
     meta_path.write_text(json.dumps({**meta, "vocab_size": 3, "dtype": "uint16"}))
     (tmp_path / "o" / token_cache.TOKENS).write_bytes(tokens.astype(np.uint16).tobytes())
     status, _, err = run_main([*args, "--out", tmp_path / "run2"], capsys)
-    assert status == 2 and err.count("\n") == 1 and "prepare it again" in err, err
+    last = err.strip().splitlines()[-1]  # after the tokenizer's warning: it gives no spaces back
+    assert status == 2 and "Traceback" not in err, err
+    assert last.startswith("fastlm-train: error: ") and last.endswith("prepare it again"), err
 
 
 def test_out_inside_data_is_no_source(tmp_path, capsys):
@@ -178,6 +180,46 @@ def test_overwrite_never_deletes_an_input(tmp_path, capsys, hf_tokenizer):
     status, _, err = prepare([*base, "--tokenizer", copy, "--overwrite"], capsys)
     assert status == 2 and f"holds --tokenizer {copy}, which this command reads" in err, err
     assert copy.is_file() and token_cache.is_cache(tmp_path / "o")
+
+
+def test_tokenizer_mistakes_are_named(tmp_path, capsys, hf_tokenizer):
+    """A JSON file that is no tokenizer, a --document-end the tokenizer lacks (it would become
+    several ordinary tokens): one line each; a tokenizer that does not give back its text
+    (WordLevel with no decoder: spaces lost) is accepted with a warning."""
+    make_corpus(tmp_path / "corpus")
+    base = ["--data", tmp_path / "corpus", "--no-progress"]
+    (tmp_path / "config.json").write_text('{"vocab_size": 3}')
+    (tmp_path / "notes.json").write_text("{'a': 1}")
+    cases = {
+        "config.json": "is JSON but not a Hugging Face tokenizer file",
+        "notes.json": "is not a Hugging Face tokenizer file: not JSON",
+    }
+    for name, reason in cases.items():
+        argv = [*base, "--tokenizer", tmp_path / name, "--out", tmp_path / "o"]
+        status, _, err = prepare(argv, capsys)
+        assert status == 2 and err.count("\n") == 1, err
+        assert f"--tokenizer {tmp_path / name} {reason}" in err, err
+    argv = [*base, "--tokenizer", hf_tokenizer, "--out", tmp_path / "o"]
+    status, _, err = prepare([*argv, "--document-end", "<|endoftext|>"], capsys)
+    assert status == 2 and err.count("\n") == 1, err
+    assert "--document-end '<|endoftext|>' is no token of the tokenizer" in err
+    assert "pass a token it has ([UNK])" in err and not (tmp_path / "o").exists()
+    status, _, err = prepare(argv, capsys)
+    assert status == 0 and "does not give back the text it encodes" in err, err
+
+
+def test_training_from_a_cache_uses_its_tokenizer_copy(tmp_path, capsys, hf_tokenizer):
+    from test_train import TOY, run_main
+
+    make_corpus(tmp_path / "corpus")
+    argv = ["--data", tmp_path / "corpus", "--tokenizer", hf_tokenizer, "--out", tmp_path / "o"]
+    assert prepare(argv, capsys)[0] == 0
+    args = ["--data", tmp_path / "o", *TOY, "--steps", "1", "--out", tmp_path / "run"]
+    status, _, err = run_main(args, capsys)
+    assert status == 0 and f"note: tokenizer {tmp_path / 'o' / 'tokenizer.json'}" in err, err
+    assert (
+        checkpoint.load_config(tmp_path / "run")["tokenizer"] == load_tokenizer(hf_tokenizer).name
+    )
 
 
 # fastlm-prepare with chunks of a few documents, each taking a while: SIGTERM finds it mid-run.
@@ -340,7 +382,7 @@ def test_prepared_out_is_reused_or_refused(tmp_path, capsys):
     status, _, err = prepare(["--data", tmp_path / "o", "--out", tmp_path / "again"], capsys)
     assert status == 2 and "is already prepared: pass it to fastlm-train --data" in err
     status, _, err = prepare([*base, "--val-fraction", "0.1"], capsys)
-    assert status == 2 and "already holds another prepared corpus" in err
+    assert status == 2 and "holds this corpus prepared with --val-fraction 0.05, not 0.1" in err
     status, summary, err = prepare([*base, "--val-fraction", "0.1", "--overwrite"], capsys)
     assert status == 0 and summary["val_fraction"] == 0.1, err
     (tmp_path / "other").mkdir()

@@ -35,7 +35,7 @@ from fastlm.config import ConfigError
 from fastlm.data import DataError
 from fastlm.hf.families import CONVERTIBLE
 from fastlm.overwrite import check_spares_inputs
-from fastlm.tokens import BEGIN_OF_TEXT, END_OF_TEXT, special_token
+from fastlm.tokens import BEGIN_OF_TEXT, END_OF_TEXT, PROBE, special_token
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -64,10 +64,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--overwrite", action="store_true", help="replace OUT")
     return parser.parse_args(argv)
-
-
-#: Text the exported tokenizer must encode as the run's own does, once transformers loads it.
-PROBE = "The quick brown fox, 2 + 2 = 4.\n\tdef f(x):  return x  # ça, 速い!"
 
 
 def export(

@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     summary.update(sources=len(meta["sources"]), out=args.out, seconds=round(seconds, 2))
     say(
         f"fastlm-prepare: {meta['tokens']:,} tokens ({meta['dtype']}) of {meta['documents']:,} "
-        f"documents in {args.out} ({DOCUMENTS} included), {seconds:.1f} s"
+        f"document{'s' if meta['documents'] != 1 else ''} in {args.out} ({DOCUMENTS} included), "
+        f"{seconds:.1f} s"
     )
     print(json.dumps(summary), flush=True)
     return 0

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from fastlm import checkpoint, metrics_log, reference
+from fastlm import checkpoint, metrics_log, reference, token_cache
 from fastlm.checkpoint import CheckpointError
 from fastlm.cli.trainer import (
     LOSS_CURVE,
@@ -67,7 +67,7 @@ from fastlm.metrics_log import LOGGERS, MetricsLog
 from fastlm.options import FLOAT32_MAX
 from fastlm.overwrite import check_spares_inputs
 from fastlm.tensor_parallel import check_plan
-from fastlm.tokens import load_tokenizer
+from fastlm.tokens import load_tokenizer, lossy_note
 
 
 def flag(key: str) -> str:
@@ -109,8 +109,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--pack-documents",
         action="store_true",
-        help="each corpus file a document: attention and positions stay within a document "
-        "(packed, flash_attention_varlen), and no token predicts the next document's first",
+        help="each document (a text file, or a record) apart: attention and positions stay "
+        "within a document (packed, flash_attention_varlen), and no token predicts the next "
+        "document's first",
     )
     parser.add_argument(
         "--document-separator",
@@ -493,7 +494,15 @@ def prepare(
 ) -> Trainer:
     """Check the configuration and the checkpoint folder before reading any data, then build
     the trainer (restored from the checkpoint with --resume)."""
+    if args.tokenizer is None and args.data is not None and token_cache.is_cache(args.data):
+        copy = Path(args.data) / token_cache.TOKENIZER  # the tokenizer it was prepared with
+        if copy.is_file():
+            args.tokenizer = str(copy)
+            say(f"note: tokenizer {copy}, the one {args.data} was prepared with")
     tokenizer = load_tokenizer(args.tokenizer)
+    note = lossy_note(tokenizer)
+    if note:
+        say(note)
     config = model_config(args, tokenizer, run)
     stored = {**config.as_dict(), "tokenizer": tokenizer.name}
     agree(run, lambda: claim_out(args, out, stored, stack) if run.is_main else None)
