@@ -224,7 +224,11 @@ def bad_inputs(tmp_path):
     )
     cut_line = tmp_path / "cutline.jsonl"
     cut_line.write_text('{"text": "a"}\n{"text": "b')
-    cases["truncated jsonl"] = (cut_line, "cutline.jsonl, record 2: not valid JSON")
+    cases["truncated jsonl"] = (  # the parser's message whole, with its position
+        cut_line,
+        "cutline.jsonl, record 2: not valid JSON (Unterminated string starting at: line 1 "
+        "column 10",
+    )
     gz = write_jsonl(tmp_path / "g.jsonl.gz", [{"text": d} for d in DOCS * 200], gzip.open)
     cut_gz = tmp_path / "cut.jsonl.gz"
     cut_gz.write_bytes(gz.read_bytes()[: gz.stat().st_size // 2])

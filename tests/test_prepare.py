@@ -364,7 +364,7 @@ def test_bad_input_leaves_no_cache(tmp_path, capsys):
     argv = ["--data", tmp_path / "d", "--out", tmp_path / "skipping", "--skip-empty"]
     status, summary, err = prepare(argv, capsys)
     assert status == 0 and summary["empty_records"] == 1 and summary["documents"] == 1, err
-    assert "note: 1 records with null or empty text skipped" in err
+    assert "note: 1 records with null or empty text skipped" in err and "of 1 document in" in err
     (tmp_path / "e").mkdir()
     (tmp_path / "e" / "a.jsonl").write_text('{"text": ""}\n{"text": " \\n"}\n')
     pq.write_table(pa.table({"text": ["", "\t"]}), tmp_path / "e" / "b.parquet")
