@@ -95,6 +95,9 @@ def test_default_length_stays_within_the_context(trained, capsys):
     assert "the prompt's 16 tokens fill the model's context of 16" in err
     status, text, err = generate(capsys, *argv, "a" * 16, "--max-new-tokens", "2")
     assert status == 0 and err.startswith("fastlm-generate: 2 tokens in"), err
+    # The thread count chosen (here given) is said.
+    status, text, err = generate(capsys, *argv, "abc", "--threads", "1")
+    assert status == 0 and "s on 1 CPU thread (--threads)" in err, err
 
 
 def test_stop_at_eos(tmp_path, capsys, trained):

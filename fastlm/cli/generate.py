@@ -33,6 +33,7 @@ import torch
 
 from fastlm import sampling
 from fastlm.checkpoint import CheckpointError, load_model
+from fastlm.cli import cpu_threads
 from fastlm.config import MODELS, ConfigError, check_integers, pick_device, torch_seed
 from fastlm.data import DataError
 from fastlm.tokens import END_OF_TEXT, ByteTokenizer, special_token
@@ -79,6 +80,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="default: %(default)s; both load the same checkpoints",
     )
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads (default: OMP_NUM_THREADS if set, else the cores the machine's load "
+        "leaves free, at least 1)",
+    )
     return parser.parse_args(argv)
 
 
@@ -88,6 +95,8 @@ def check_args(args: argparse.Namespace) -> torch.device:
         raise ConfigError(f"--max-new-tokens must be non-negative, got {args.max_new_tokens}")
     if not args.prompt:
         raise ConfigError("--prompt must not be empty")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads must be at least 1, got {args.threads}")
     try:
         sampling.check_sampling(args.temperature, args.top_k, args.top_p)
     except ValueError as error:
@@ -98,6 +107,11 @@ def check_args(args: argparse.Namespace) -> torch.device:
 
 def stream(args: argparse.Namespace) -> int:
     device = check_args(args)
+    on = ""
+    if device.type == "cpu":
+        threads, why = cpu_threads(args.threads)
+        torch.set_num_threads(threads)  # main() restores the setting
+        on = f" on {threads} CPU thread{'s' if threads > 1 else ''} ({why})"
     model, tokenizer = load_model(args.checkpoint, args.model, device)
     try:
         prompt_ids = tokenizer.encode(args.prompt).long().to(device)
@@ -159,13 +173,14 @@ def stream(args: argparse.Namespace) -> int:
     sys.stdout.write(decoder.flush() + "\n")
     sys.stdout.flush()
     seconds = time.perf_counter() - started
-    print(f"fastlm-generate: {count} tokens in {seconds:.2f} s{stopped}", file=sys.stderr)
+    print(f"fastlm-generate: {count} tokens in {seconds:.2f} s{on}{stopped}", file=sys.stderr)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse `argv`, stream the continuation, and return the exit status."""
     args = parse_args(argv)
+    threads = torch.get_num_threads()
     try:
         return stream(args)
     except (ConfigError, DataError, CheckpointError) as error:
@@ -174,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    finally:
+        torch.set_num_threads(threads)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from fastlm import checkpoint, metrics_log, reference, token_cache
 from fastlm.checkpoint import CheckpointError
+from fastlm.cli import cpu_threads
 from fastlm.cli.trainer import (
     LOSS_CURVE,
     PEAK_BF16_FLOPS,
@@ -191,6 +192,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--save-every", type=int, help="steps between checkpoints (0: only at the end)"
     )
     run.add_argument("--device", help="default: cuda (this rank's GPU) when there is one, else cpu")
+    run.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads (default: OMP_NUM_THREADS if set, else the cores the machine's load "
+        "leaves free, at least 1)",
+    )
     run.add_argument("--compile", action="store_true", help="torch.compile the model and loss")
     run.add_argument("--fsdp", action="store_true", help="under torchrun, FSDP2 instead of DDP")
     run.add_argument(
@@ -256,6 +263,7 @@ def check_args(args: argparse.Namespace) -> None:
         "eval_every",
         "eval_batches",
         "vocab_size",
+        "threads",
     )
     for key in positive:
         value = getattr(args, key)
@@ -545,6 +553,9 @@ def finite_or_none(value: float | None) -> float | None:
 def train(args: argparse.Namespace) -> int:
     check_args(args)
     run = start_run(args)
+    if run.device.type == "cpu":
+        args.cpu_threads, args.threads_why = cpu_threads(args.threads)
+        torch.set_num_threads(args.cpu_threads)  # main() restores the setting
     # Resolved once: a link to a folder is written through, and stays a link.
     out = Path(os.path.realpath(args.out))
     with contextlib.ExitStack() as stack:  # holds the lock on `out` until the run ends
@@ -557,6 +568,9 @@ def run_training(args: argparse.Namespace, run: Run, out: Path, stack: contextli
             tqdm.write(message, file=sys.stderr)
 
     trainer = prepare(args, run, out, stack, say)
+    threads_text = ""
+    if run.device.type == "cpu":
+        threads_text = f"{args.cpu_threads} CPU thread{'s' if args.cpu_threads > 1 else ''}"
     parameters = sum(p.numel() for p in trainer.model.parameters())
     tokens_per_step = args.batch_size * args.context_length * args.grad_accum * run.data_size
     work_per_token = flops_per_token(trainer.model, trainer.config)
@@ -568,6 +582,7 @@ def run_training(args: argparse.Namespace, run: Run, out: Path, stack: contextli
         + (", FSDP" if args.fsdp else "")
         + (f", context parallel {run.context}" if run.context > 1 else "")
         + (f", tensor parallel {run.tensor}" if run.tensor > 1 else "")
+        + (f", {threads_text} ({args.threads_why})" if run.device.type == "cpu" else "")
     )
     if peak:
         say(
@@ -634,6 +649,7 @@ def run_training(args: argparse.Namespace, run: Run, out: Path, stack: contextli
                 say(
                     f"step {step}/{args.steps}: training loss {loss:.4f}, held-out loss "
                     f"{held_out:.4f}, {throughput.tokens_per_second:,.0f} tokens/s"
+                    + (f" on {threads_text}" if threads_text else "")
                 )
                 if not math.isfinite(held_out):
                     diverged = f"the held-out loss is {held_out} at step {step}"
@@ -709,6 +725,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     deterministic = torch.are_deterministic_algorithms_enabled()
     deterministic_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    threads = torch.get_num_threads()
     try:
         return train(args)
     except (ConfigError, DataError, CheckpointError) as error:
@@ -719,6 +736,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         torch.use_deterministic_algorithms(deterministic, warn_only=deterministic_warn_only)
+        torch.set_num_threads(threads)
         if dist.is_initialized():
             dist.destroy_process_group()
 
