@@ -33,6 +33,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from fastlm.config import ModelConfig, build_model
+from fastlm.tokens import ByteTokenizer, load_tokenizer
+
 WEIGHTS = "model.safetensors"
 STATE = "state.pt"
 TOKENIZER = "tokenizer.json"
@@ -417,3 +420,94 @@ def check_config(saved: dict, wanted: dict, where: str | os.PathLike) -> None:
         raise CheckpointError(
             f"the checkpoint at {where} has another configuration: " + ", ".join(differences)
         )
+
+
+# --------------------------------------------------------------------------------------------
+# A checkpoint as a model
+# --------------------------------------------------------------------------------------------
+
+
+#: A Hugging Face model folder's config file (a fastlm checkpoint has none).
+HF_CONFIG = "config.json"
+#: config.json's record of the tokenizer a model was trained with ("bytes", or "hf-<digest>"),
+#: written by fastlm-export.
+TOKENIZER_FIELD = "fastlm_tokenizer"
+
+
+def load_model(
+    folder: str | os.PathLike, model_name: str = "fastlm", device: torch.device | str = "cpu"
+):
+    """(model, tokenizer) of a checkpoint of fastlm-train, in eval mode: the model built from its
+    stored configuration, its weights checked against their checksum; or those of a Hugging Face
+    model folder (`load_hf_model`). This is what fastlm-generate and fastlm-export load.
+
+        from fastlm.checkpoint import load_model
+        model, tokenizer = load_model("checkpoints/tiny")   # model_name "reference": PyTorch's
+        ids = fastlm.sample(model, tokenizer.encode("def main(").long(), 50, temperature=0.8)
+        print(tokenizer.decode(ids.tolist()))
+
+    Args:
+        folder: the checkpoint folder (or its model.safetensors), or a Hugging Face folder.
+        model_name: "fastlm" (the kernels) or "reference".
+        device: where to build the model.
+
+    Raises:
+        CheckpointError: no checkpoint there, a damaged one, or one that cannot run here.
+    """
+    if (Path(folder) / HF_CONFIG).is_file():
+        return load_hf_model(Path(folder), model_name, device)
+    folder = resolve(folder)
+    stored = load_config(folder)
+    try:
+        config = ModelConfig.from_dict(stored)
+        config.check(model_name, device)
+    except KeyError as error:
+        raise CheckpointError(f"{folder}: {error.args[0]}") from None
+    except ValueError as error:
+        raise CheckpointError(
+            f"{folder}: the stored configuration cannot run here: {error}"
+        ) from None
+    tokenizer_name = stored.get("tokenizer")
+    if not isinstance(tokenizer_name, str):
+        raise CheckpointError(f"{folder}: the stored configuration names no tokenizer")
+    tokenizer_path = folder / TOKENIZER if tokenizer_name != "bytes" else None
+    if tokenizer_path is not None and not tokenizer_path.is_file():
+        raise CheckpointError(
+            f"{folder} was trained with a tokenizer file but holds no {TOKENIZER}"
+        )
+    tokenizer = load_tokenizer(tokenizer_path)
+    if tokenizer.name != tokenizer_name:  # a Hugging Face tokenizer's name is its file's digest
+        raise CheckpointError(f"{tokenizer_path} is not the tokenizer the model was trained with")
+    model = build_model(config, model_name, device)
+    fit_weights(model, load_weights(folder), folder)
+    return model.eval(), tokenizer
+
+
+def load_hf_model(folder: Path, model_name: str, device: torch.device | str):
+    """A Llama, Mistral or Qwen2 model folder (`fastlm.hf.from_hf` converts it, in float32) and
+    its tokenizer.json, or the byte tokenizer for a folder fastlm-export wrote from a byte-level
+    model."""
+    from fastlm.hf import from_hf
+    from fastlm.hf.families import transformers_module
+
+    try:
+        transformers = transformers_module()
+    except ModuleNotFoundError as error:
+        raise CheckpointError(f"{folder} is a Hugging Face model folder: {error}") from None
+    try:
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as error:
+        raise CheckpointError(f"{folder}: cannot load the Hugging Face model ({error})") from None
+    try:
+        model = from_hf(hf_model, model=model_name)
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{folder}: {error}") from None
+    if (folder / TOKENIZER).is_file():
+        tokenizer = load_tokenizer(folder / TOKENIZER)
+    elif getattr(hf_model.config, TOKENIZER_FIELD, None) == "bytes":
+        tokenizer = ByteTokenizer()
+    else:
+        raise CheckpointError(
+            f"{folder} holds no {TOKENIZER} (fastlm-generate reads a fast tokenizer's file)"
+        )
+    return model.to(device).eval(), tokenizer

@@ -2,24 +2,30 @@
 
 - Plain text: a file, or every non-hidden file below a folder in name order; each file is a
   document. A file with a NUL byte is skipped as binary; bytes that are not UTF-8 become U+FFFD.
+  Gzip'd (`.gz`) and zstandard (`.zst`) text files are read decompressed.
 - Parquet (`.parquet`): each row's `text_column` is a document (FineWeb, DCLM, SlimPajama...).
 - Arrow (`.arrow`, the IPC stream or file format: the shards `datasets` writes): the same.
 - JSON Lines (`.jsonl`, `.ndjson`, also gzip'd `.gz` and zstandard `.zst` where the `zstandard`
   package is installed): each line an object whose `text_column` is a document.
+- A JSON array (a `.json` file whose text begins with `[`): each element an object whose
+  `text_column` is a document, or a string.
+- CSV (`.csv`, also compressed) with a header row: each row's `text_column` is a document.
 - A `datasets` `save_to_disk` folder (`state.json` or `dataset_dict.json`; its "train" split):
   each row a document, read through `datasets` (`pip install fastlm[data]`).
 
-A folder that holds Parquet, Arrow or JSON Lines files anywhere below it (a local copy of a
-Hugging Face dataset, which `load_dataset` reads the same way) is read as those files in name
-order; its other files (README.md, licences) are not text of the corpus. Everything streams:
+A folder that holds record files (Parquet, Arrow, JSON Lines, JSON arrays, CSV) anywhere below it
+(a local copy of a Hugging Face dataset, which `load_dataset` reads the same way) is read as those
+files in name order; its other files (README.md, licences, text files) are not text of the
+corpus, and `Reading.left_out` lists them for the commands to say so. Everything streams:
 Parquet by record batches, Arrow and `datasets` folders memory-mapped, JSON Lines line by line,
 so a corpus larger than memory goes through `fastlm-prepare`. Bad input is one DataError line
-naming the file and the record (counted from 1): a missing column, a record that is not text,
-a truncated file.
+naming the file and the record (counted from 1): a missing column, a record that is not text
+(with `skip_empty`, a null or empty text is skipped and counted instead), a truncated file.
 """
 
 from __future__ import annotations
 
+import csv
 import gzip
 import io
 import json
@@ -32,7 +38,9 @@ from pathlib import Path
 PARQUET = (".parquet",)
 ARROW = (".arrow",)
 JSON_LINES = (".jsonl", ".ndjson", ".json")  # .json only compressed: .json.gz, .json.zst
+CSV = (".csv",)
 COMPRESSED = (".gz", ".zst")
+RECORDS = ("parquet", "arrow", "jsonl", "json", "csv")
 DATASETS_MARKERS = ("state.json", "dataset_dict.json")
 
 # Rows read from a Parquet file or a `datasets` folder at a time: a few MB of text.
@@ -48,19 +56,43 @@ class Source:
     """One file (or `datasets` folder) of the corpus and how to read it."""
 
     path: Path
-    kind: str  # "text", "parquet", "arrow", "jsonl" or "datasets"
+    kind: str  # "text", "parquet", "arrow", "jsonl", "json" (an array), "csv" or "datasets"
 
 
 @dataclass
 class Reading:
-    """What reading the text files skipped or repaired (records are never skipped)."""
+    """How to read, and what reading skipped, left out or repaired."""
 
+    skip_empty: bool = False  # skip (and count) records whose text is null or empty
     skipped: list[Path] = field(default_factory=list)  # binary: a NUL byte (also UTF-16/32)
     replaced: dict[Path, int] = field(default_factory=dict)  # bytes that are not UTF-8
+    left_out: list[Path] = field(default_factory=list)  # files beside the records of a folder
+    empty_records: int = 0  # null or empty texts skipped (skip_empty)
+    unused: str = ""  # a note on an option the sources do not use (--text-column)
+
+
+def notes(reading: Reading) -> list[str]:
+    """The lines that tell a user what reading repaired, left out or skipped."""
+    lines = [reading.unused] if reading.unused else []
+    lines += [
+        f"warning: {path} is not valid UTF-8: {count} undecodable bytes replaced by U+FFFD"
+        for path, count in reading.replaced.items()
+    ]
+    if reading.left_out:
+        shown = ", ".join(str(p) for p in reading.left_out[:5])
+        more = f" and {len(reading.left_out) - 5} more" if len(reading.left_out) > 5 else ""
+        lines.append(
+            f"note: {len(reading.left_out)} files beside the corpus's records are left out (not "
+            f"Parquet, Arrow, JSON Lines, JSON array or CSV files): {shown}{more}"
+        )
+    if reading.empty_records:
+        lines.append(f"note: {reading.empty_records:,} records with null or empty text skipped")
+    return lines
 
 
 def kind_of(path: Path) -> str:
-    """ "parquet", "arrow", "jsonl" or "text", from the file's name."""
+    """ "parquet", "arrow", "jsonl", "json" (an array), "csv" or "text", from the file's name
+    (and for a plain `.json`, its first character)."""
     name = path.name.lower()
     if name.endswith(PARQUET):
         return "parquet"
@@ -72,16 +104,37 @@ def kind_of(path: Path) -> str:
             stem = stem[: -len(suffix)]
             if stem.endswith(JSON_LINES):
                 return "jsonl"
+    if stem.endswith(CSV):
+        return "csv"
+    if name.endswith(".json") and _starts_an_array(path):
+        return "json"
     return "jsonl" if stem.endswith(JSON_LINES[:2]) else "text"
+
+
+def _starts_an_array(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4096).lstrip().startswith(b"[")
+    except OSError:
+        return False
 
 
 def is_datasets_folder(path: Path) -> bool:
     return path.is_dir() and any((path / marker).is_file() for marker in DATASETS_MARKERS)
 
 
-def sources(data: str | os.PathLike) -> list[Source]:
-    """The sources of `--data` in reading order (see the module docstring)."""
+def sources(
+    data: str | os.PathLike,
+    exclude: tuple[str | os.PathLike, ...] = (),
+    reading: Reading | None = None,
+) -> list[Source]:
+    """The sources of `--data` in reading order (see the module docstring), leaving out what lies
+    in those of the folders `exclude` that lie inside it (a command's own output); `reading`
+    gets the files a folder of records leaves out."""
     root = Path(data)
+    inside = Path(os.path.realpath(root))
+    excluded = {Path(os.path.realpath(folder)) for folder in exclude}
+    excluded = {folder for folder in excluded if inside in folder.parents}
     if root.is_file():
         return [Source(root, kind_of(root))]
     if not root.is_dir():
@@ -89,12 +142,16 @@ def sources(data: str | os.PathLike) -> list[Source]:
     if is_datasets_folder(root):
         return [Source(root, "datasets")]
 
-    def hidden(p: Path) -> bool:
-        return any(part.startswith(".") for part in p.relative_to(root).parts)
+    def left_out(p: Path) -> bool:
+        hidden = any(part.startswith(".") for part in p.relative_to(root).parts)
+        return hidden or bool(excluded and excluded & set(Path(os.path.realpath(p)).parents))
 
-    files = sorted(p for p in root.rglob("*") if p.is_file() and not hidden(p))
-    records = [Source(p, kind_of(p)) for p in files if kind_of(p) != "text"]
-    return records or [Source(p, "text") for p in files]
+    files = sorted(p for p in root.rglob("*") if p.is_file() and not left_out(p))
+    found = [Source(p, kind_of(p)) for p in files]
+    records = [source for source in found if source.kind in RECORDS]
+    if records and reading is not None:
+        reading.left_out.extend(s.path for s in found if s.kind not in RECORDS)
+    return records or found
 
 
 #: The default corpus's size: top-level standard-library sources, in name order, up to this.
@@ -115,11 +172,24 @@ def default_corpus_files(limit_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:
     return files
 
 
-def corpus_sources(data: str | os.PathLike | None) -> list[Source]:
-    """The sources of `--data` (`sources`), or the default corpus's files."""
+def corpus_sources(
+    data: str | os.PathLike | None,
+    exclude: tuple[str | os.PathLike, ...] = (),
+    reading: Reading | None = None,
+    text_column: str = "text",
+) -> list[Source]:
+    """The sources of `--data` (`sources`), or the default corpus's files; `reading` also gets
+    a note when a --text-column other than "text" meets text files only."""
     if data is None:
-        return [Source(path, "text") for path in default_corpus_files()]
-    return sources(data)
+        found = [Source(path, "text") for path in default_corpus_files()]
+    else:
+        found = sources(data, exclude, reading)
+    if reading is not None and text_column != "text" and all(s.kind == "text" for s in found):
+        reading.unused = (
+            f"note: --text-column {text_column} is unused: the corpus is text files, each read "
+            "whole"
+        )
+    return found
 
 
 def stats(found: list[Source]) -> list[dict]:
@@ -148,8 +218,32 @@ def read_source(source: Source, text_column: str, reading: Reading) -> Iterator[
     """One source's documents in order (its records, or the text file's whole text)."""
     if source.kind == "text":
         return _text_file(source.path, reading)
-    readers = {"parquet": _parquet, "arrow": _arrow, "jsonl": _json_lines, "datasets": _datasets}
-    return readers[source.kind](source.path, text_column)
+    readers = {
+        "parquet": _parquet,
+        "arrow": _arrow,
+        "jsonl": _json_lines,
+        "json": _json_array,
+        "csv": _csv,
+        "datasets": _datasets,
+    }
+    return _kept(readers[source.kind](source.path, text_column), source, text_column, reading)
+
+
+def _kept(
+    texts: Iterator[str | None], source: Source, text_column: str, reading: Reading
+) -> Iterator[str]:
+    """The records' texts: with skip_empty, null and empty ones skipped and counted; without,
+    a null one refused."""
+    for record, text in enumerate(texts, 1):
+        if reading.skip_empty and not text:
+            reading.empty_records += 1
+        elif text is None:
+            raise DataError(
+                f"{source.path}, record {record}: {text_column!r} is null, not text "
+                "(--skip-empty skips such records)"
+            )
+        else:
+            yield text
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,7 +252,11 @@ def read_source(source: Source, text_column: str, reading: Reading) -> Iterator[
 
 
 def _text_file(path: Path, reading: Reading) -> Iterator[str]:
-    raw = path.read_bytes()
+    try:
+        with _open_bytes(path) as f:
+            raw = f.read()
+    except (EOFError, OSError) as error:
+        raise DataError(f"{path}: the file is truncated or damaged ({error})") from None
     if b"\0" in raw:
         reading.skipped.append(path)
         return
@@ -171,11 +269,16 @@ def _text_file(path: Path, reading: Reading) -> Iterator[str]:
         yield raw.decode("utf-8", errors="replace")
 
 
-def _checked(value: object, path: Path, record: int, text_column: str) -> str:
+def _checked(value: object, path: Path, record: int, text_column: str) -> str | None:
+    """The record's text; None for a null one, which `read_source` skips with `skip_empty`
+    (and refuses otherwise)."""
     if isinstance(value, str):
         return value
-    what = "null" if value is None else f"a {type(value).__name__}"
-    raise DataError(f"{path}, record {record}: {text_column!r} is {what}, not text")
+    if value is None:
+        return None
+    raise DataError(
+        f"{path}, record {record}: {text_column!r} is a {type(value).__name__}, not text"
+    )
 
 
 def _no_column(path: Path, text_column: str, columns: list[str]) -> DataError:
@@ -242,10 +345,11 @@ def _arrow(path: Path, text_column: str) -> Iterator[str]:
     yield from _rows(path, text_column, (batch.column(index).to_pylist() for batch in batches))
 
 
-def _open_lines(path: Path) -> io.TextIOBase:
+def _open_bytes(path: Path) -> io.BufferedIOBase:
+    """The file's bytes, decompressed for `.gz` and `.zst`."""
     name = path.name.lower()
     if name.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
+        return gzip.open(path, "rb")
     if name.endswith(".zst"):
         try:
             import zstandard
@@ -253,9 +357,12 @@ def _open_lines(path: Path) -> io.TextIOBase:
             raise DataError(
                 f"{path}: reading .zst files needs the zstandard package: pip install zstandard"
             ) from None
-        stream = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
-        return io.TextIOWrapper(stream, encoding="utf-8")
-    return open(path, encoding="utf-8")
+        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+    return open(path, "rb")
+
+
+def _open_lines(path: Path) -> io.TextIOBase:
+    return io.TextIOWrapper(_open_bytes(path), encoding="utf-8", newline="")
 
 
 def _json_lines(path: Path, text_column: str) -> Iterator[str]:
@@ -271,7 +378,7 @@ def _json_lines(path: Path, text_column: str) -> Iterator[str]:
                 except json.JSONDecodeError as error:
                     ends = "" if line.endswith("\n") else " (the last line is cut: truncated?)"
                     raise DataError(
-                        f"{path}, record {record}: not valid JSON ({error.msg}){ends}"
+                        f"{path}, record {record}: not valid JSON ({error}){ends}"
                     ) from None
                 if not isinstance(row, dict):
                     raise DataError(
@@ -292,6 +399,41 @@ def _json_lines(path: Path, text_column: str) -> Iterator[str]:
     except ValueError as error:
         if isinstance(error, DataError):
             raise
+        raise DataError(
+            f"{path}, after record {record}: the file is truncated or damaged ({error})"
+        ) from None
+
+
+def _json_array(path: Path, text_column: str) -> Iterator[str | None]:
+    """A JSON array of objects (their `text_column`) or of strings, read whole."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            rows = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DataError(f"{path}: not a readable JSON array ({error})") from None
+    for record, row in enumerate(rows, 1):
+        if isinstance(row, dict):
+            if text_column not in row:
+                raise DataError(
+                    f"{path}, record {record}: no field {text_column!r} (it has "
+                    f"{', '.join(map(repr, list(row)[:8])) or 'none'}): pass --text-column"
+                )
+            row = row[text_column]
+        yield _checked(row, path, record, text_column)
+
+
+def _csv(path: Path, text_column: str) -> Iterator[str | None]:
+    """A CSV file with a header row: each row's `text_column` (an empty cell is empty text)."""
+    record = 0
+    try:
+        with _open_lines(path) as lines:
+            csv.field_size_limit(2**31 - 1)  # a document may be long: not the 128 KiB default
+            reader = csv.DictReader(lines)
+            if text_column not in (reader.fieldnames or []):
+                raise _no_column(path, text_column, list(reader.fieldnames or []))
+            for record, row in enumerate(reader, 1):
+                yield _checked(row[text_column], path, record, text_column)
+    except (EOFError, OSError, UnicodeDecodeError, csv.Error) as error:
         raise DataError(
             f"{path}, after record {record}: the file is truncated or damaged ({error})"
         ) from None

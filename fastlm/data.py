@@ -43,21 +43,27 @@ class Corpus:
     """The text of the corpus's documents, and what reading its text files skipped or repaired."""
 
     text: str
-    skipped: list[Path]  # binary files (a NUL byte: also UTF-16 and UTF-32 text)
-    replaced: dict[Path, int]  # files that are not valid UTF-8: bytes replaced by U+FFFD
     starts: list[int]  # where each document's text begins in `text`
+    reading: Reading  # what reading skipped (binary files), left out or repaired
 
 
-def read_corpus(data: str | os.PathLike | None, text_column: str = "text") -> Corpus:
+def read_corpus(
+    data: str | os.PathLike | None,
+    text_column: str = "text",
+    exclude: tuple[str | os.PathLike, ...] = (),
+    skip_empty: bool = False,
+) -> Corpus:
     """The documents of `--data` (a text file each, or a record each; `fastlm.corpus`) joined
-    by newlines, in memory."""
-    reading = Reading()
-    parts = list(corpus.documents(corpus_sources(data), text_column, reading))
+    by newlines, in memory; files in the folders `exclude` are left out, and with skip_empty
+    records of null or empty text."""
+    reading = Reading(skip_empty=skip_empty)
+    found = corpus_sources(data, exclude, reading, text_column)
+    parts = list(corpus.documents(found, text_column, reading))
     starts, offset = [], 0
     for part in parts:
         starts.append(offset)
         offset += len(part) + 1  # the newline that joins it to the next
-    return Corpus("\n".join(parts), reading.skipped, reading.replaced, starts)
+    return Corpus("\n".join(parts), starts, reading)
 
 
 def _names(paths: list[Path], limit: int = 5) -> str:
@@ -90,6 +96,8 @@ def load_split(
     pack_documents: bool = False,
     document_separator: str | None = None,
     text_column: str = "text",
+    exclude: tuple[str | os.PathLike, ...] = (),
+    skip_empty: bool = False,
 ) -> TokenSplit:
     """Read the corpus, tokenize this rank's shard and split it into training and held-out tokens.
 
@@ -98,6 +106,8 @@ def load_split(
     document (file) of the shard on its own and record where each begins; document_separator:
     a document also ends after each occurrence of this text (which stays its last token).
     text_column: the column or field of a Parquet, JSON Lines or `datasets` corpus.
+    exclude: folders inside `data` that are none of its text (the run's checkpoint folder).
+    skip_empty: skip records whose text is null or empty (counted in a note), not refuse them.
 
     A folder written by `fastlm-prepare` (`fastlm.token_cache`) is not read into memory: its
     parts are memory-mapped, and this rank's windows read from the file as batches need them.
@@ -114,21 +124,19 @@ def load_split(
         return token_cache.load_split(
             data, tokenizer, context_length, rank, world_size, pack_documents, warn, val_fraction
         )
-    text_corpus = read_corpus(data, text_column)
-    for path, count in text_corpus.replaced.items():
-        if warn is not None:
-            warn(
-                f"warning: {path} is not valid UTF-8: {count} undecodable bytes replaced by U+FFFD"
-            )
+    text_corpus = read_corpus(data, text_column, exclude, skip_empty)
+    if warn is not None:
+        for line in corpus.notes(text_corpus.reading):
+            warn(line)
     text = text_corpus.text
     if not text.strip():
         where = f"the corpus at {data}" if data else "the default corpus"
         skipped = (
             (
-                f" (skipped as binary, with NUL bytes: {_names(text_corpus.skipped)}; UTF-16 text "
-                "must be converted to UTF-8)"
+                f" (skipped as binary, with NUL bytes: {_names(text_corpus.reading.skipped)}; "
+                "UTF-16 text must be converted to UTF-8)"
             )
-            if text_corpus.skipped
+            if text_corpus.reading.skipped
             else ""
         )
         raise DataError(f"{where} is empty{skipped}")

@@ -28,6 +28,7 @@ or another format version is refused.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import json
 import multiprocessing
@@ -35,6 +36,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -44,7 +46,15 @@ import torch
 import fastlm
 from fastlm import corpus
 from fastlm.corpus import DataError, Reading, corpus_sources
-from fastlm.tokens import Tokenizer, TokenSplit, check_long_enough, load_tokenizer
+from fastlm.overwrite import check_spares_inputs
+from fastlm.tokens import (
+    Tokenizer,
+    TokenSplit,
+    check_long_enough,
+    check_marker,
+    load_tokenizer,
+    lossy_note,
+)
 
 FORMAT = "fastlm-token-cache"
 FORMAT_VERSION = 1
@@ -144,6 +154,14 @@ def load_split(
             f"{folder / TOKENIZER}) or prepare it again"
             if meta["tokenizer"] != "bytes"
             else f"{folder} was tokenized with the byte tokenizer: leave out --tokenizer"
+        )
+    if meta.get("vocab_size") != tokenizer.vocab_size:
+        # The same tokenizer file (its digest matched) counted otherwise: an earlier fastlm
+        # counted a vocabulary with gaps in its ids short and cut ids past 65535 to 16 bits.
+        raise DataError(
+            f"{folder} records a vocabulary of {meta.get('vocab_size')} ids, but its tokenizer "
+            f"has ids up to {tokenizer.vocab_size - 1}: an older fastlm-prepare stored them "
+            "wrongly, prepare it again"
         )
     if warn is not None and val_fraction not in (None, meta["val_fraction"]):
         warn(
@@ -278,7 +296,9 @@ def _in_order(chunks: Iterator, workers: int, tokenizer_path: str | None, dtype:
         return
     method = "fork" if sys.platform == "linux" else "spawn"
     context = multiprocessing.get_context(method)
-    with context.Pool(workers, initializer=_start_worker, initargs=(tokenizer_path,)) as pool:
+    with _default_sigterm():
+        pool = context.Pool(workers, initializer=_start_worker, initargs=(tokenizer_path,))
+    with pool:
         pending = collections.deque()
         for texts, labels in chunks:
             pending.append((labels, pool.apply_async(_encode_chunk, (texts, dtype))))
@@ -290,6 +310,21 @@ def _in_order(chunks: Iterator, workers: int, tokenizer_path: str | None, dtype:
             yield labels_, _try(result.get)
 
 
+@contextlib.contextmanager
+def _default_sigterm():
+    """SIGTERM's default action while the pool forks its workers: a worker that inherited the
+    command's handler (fastlm.cli.prepare's, which raises) would outlive the pool's terminate()
+    whenever it is not running Python code, and a parent waiting for it would hang."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread sets handlers (and then the command's is not installed)
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _try(call) -> tuple | _EncodeError:
     try:
         return call()
@@ -298,7 +333,12 @@ def _try(call) -> tuple | _EncodeError:
 
 
 def _fingerprint(
-    tokenizer: Tokenizer, sources: list[dict], text_column: str, document_end: str, separator
+    tokenizer: Tokenizer,
+    sources: list[dict],
+    text_column: str,
+    document_end: str,
+    separator: str | None,
+    skip_empty: bool,
 ) -> dict:
     """What the tokens depend on: a partial run resumes only when all of it is unchanged."""
     return {
@@ -308,6 +348,7 @@ def _fingerprint(
         "text_column": text_column,
         "document_end": document_end,
         "document_separator": separator,
+        "skip_empty": skip_empty,
     }
 
 
@@ -337,6 +378,7 @@ def prepare(
     document_separator: str | None = None,
     workers: int = 1,
     overwrite: bool = False,
+    skip_empty: bool = False,
     progress: bool = True,
     say: Callable[[str], None] = print,
 ) -> dict:
@@ -352,16 +394,30 @@ def prepare(
     if document_separator == "":
         raise DataError("--document-separator must not be empty")
     tokenizer = load_tokenizer(tokenizer_path)
+    check_marker(tokenizer, document_end, "--document-end")
     tokenizer_path = None if tokenizer_path is None else str(tokenizer_path)
     if data is not None:  # None: the default corpus, as fastlm-train's
         if is_cache(data):
             raise DataError(f"--data {data} is already prepared: pass it to fastlm-train --data")
         check_not_partial(data)
-    found = corpus_sources(data)
-    fingerprint = _fingerprint(
-        tokenizer, corpus.stats(found), text_column, document_end, document_separator
-    )
+    note = lossy_note(tokenizer)
+    if note:
+        say(note)
     out = Path(out)
+    staging = out.with_name(out.name + PARTIAL)
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {out} is a file, not a folder: choose another --out")
+    # OUT (and OUT.partial) may lie inside DATA: they are no text of the corpus.
+    reading = Reading(skip_empty=skip_empty)
+    found = corpus_sources(data, (out, staging), reading, text_column)
+    if overwrite and out.exists():
+        inputs = [("--data", source.path) for source in found]
+        if tokenizer_path is not None:
+            inputs.append(("--tokenizer", tokenizer_path))
+        check_spares_inputs(out, "--out", inputs, DataError)
+    fingerprint = _fingerprint(
+        tokenizer, corpus.stats(found), text_column, document_end, document_separator, skip_empty
+    )
     if out.exists() and not overwrite:
         if is_cache(out):
             meta = read_metadata(out)
@@ -369,13 +425,18 @@ def prepare(
             if recorded == fingerprint and meta.get("val_fraction") == val_fraction:
                 say(f"fastlm-prepare: {out} already holds this corpus, prepared")
                 return meta
+            if recorded == fingerprint:
+                raise DataError(
+                    f"{out} holds this corpus prepared with --val-fraction "
+                    f"{meta.get('val_fraction')}, not {val_fraction}: pass --overwrite to "
+                    "prepare it again, or another --out"
+                )
         if is_cache(out) or any(out.iterdir()):
             raise DataError(
                 f"{out} already holds "
                 + ("another prepared corpus" if is_cache(out) else "other files")
                 + ": pass --overwrite to replace it, or another --out"
             )
-    staging = out.with_name(out.name + PARTIAL)
     done = {"documents": 0, "tokens": 0, "starts": 0}
     saved = staging / PROGRESS
     if saved.is_file():
@@ -398,11 +459,16 @@ def prepare(
 
     def cannot_write(path: Path, error: OSError) -> DataError:
         full = error.errno in (errno.ENOSPC, errno.EDQUOT)
+        kept = (
+            f"the {done['documents']:,} documents tokenized so far stay in {staging}; "
+            if done["documents"]
+            else ""
+        )
         return DataError(
-            f"cannot write {path} ({error.strerror or error}): the {done['documents']:,} "
-            f"documents tokenized so far stay in {staging}; "
+            f"cannot write {path} ({error.strerror or error}): {kept}"
             + ("free some space" if full else "fix that")
-            + " and run the same command again to resume"
+            + " and run the same command again"
+            + (" to resume" if kept else "")
         )
 
     try:
@@ -414,7 +480,6 @@ def prepare(
     except OSError as error:
         raise cannot_write(staging, error) from None
 
-    reading = Reading()
     skip, found_text = done["documents"], [False]
     chunks = _chunks(
         found, text_column, reading, document_end, document_separator, skip, found_text
@@ -428,33 +493,39 @@ def prepare(
         mininterval=0.5,
         disable=not progress or not sys.stderr.isatty(),
     )
-    with open(tokens_path, "ab") as tokens_file, open(starts_path, "ab") as starts_file:
-        for labels, result in _in_order(chunks, workers, tokenizer_path, dtype):
-            if isinstance(result, _EncodeError):
-                raise DataError(f"{labels[result.position]}: {result.reason}")
-            ids, lengths = result
-            offsets = done["tokens"] + np.concatenate(([0], np.cumsum(lengths)[:-1]))
-            starts = offsets[lengths > 0].astype(np.int64)
-            try:
-                for file, array, path in ((tokens_file, ids, tokens_path),
-                                          (starts_file, starts, starts_path)):  # fmt: skip
-                    write_array(file, array, path)
-            except OSError as error:
-                raise cannot_write(path, error) from None
-            done = {
-                "documents": done["documents"] + len(lengths),
-                "tokens": done["tokens"] + len(ids),
-                "starts": done["starts"] + len(starts),
-            }
-            try:
-                _write_json(saved, {"fingerprint": fingerprint, "done": done})
-            except OSError as error:
-                raise cannot_write(saved, error) from None
-            bar.update(len(lengths))
-            bar.set_postfix(tokens=f"{done['tokens']:,}", refresh=False)
-    bar.close()
-    for path, count in reading.replaced.items():
-        say(f"warning: {path} is not valid UTF-8: {count} undecodable bytes replaced by U+FFFD")
+    try:
+        with open(tokens_path, "ab") as tokens_file, open(starts_path, "ab") as starts_file:
+            for labels, result in _in_order(chunks, workers, tokenizer_path, dtype):
+                if isinstance(result, _EncodeError):
+                    raise DataError(f"{labels[result.position]}: {result.reason}")
+                ids, lengths = result
+                offsets = done["tokens"] + np.concatenate(([0], np.cumsum(lengths)[:-1]))
+                starts = offsets[lengths > 0].astype(np.int64)
+                try:
+                    for file, array, path in ((tokens_file, ids, tokens_path),
+                                              (starts_file, starts, starts_path)):  # fmt: skip
+                        write_array(file, array, path)
+                except OSError as error:
+                    raise cannot_write(path, error) from None
+                done = {
+                    "documents": done["documents"] + len(lengths),
+                    "tokens": done["tokens"] + len(ids),
+                    "starts": done["starts"] + len(starts),
+                }
+                try:
+                    _write_json(saved, {"fingerprint": fingerprint, "done": done})
+                except OSError as error:
+                    raise cannot_write(saved, error) from None
+                bar.update(len(lengths))
+                bar.set_postfix(tokens=f"{done['tokens']:,}", refresh=False)
+    except BaseException:
+        if done["documents"] == 0:  # nothing to resume from: leave no empty OUT.partial
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
+    for line in corpus.notes(reading):
+        say(line)
     if not found_text[0]:  # no documents, or only empty ones (as fastlm-train's check)
         shutil.rmtree(staging, ignore_errors=True)
         skipped = (
@@ -475,6 +546,8 @@ def prepare(
         "documents": done["starts"],
         "val_fraction": val_fraction,
         "skipped": [str(p) for p in reading.skipped],
+        "left_out": [str(p) for p in reading.left_out],
+        "empty_records": reading.empty_records,
     }
     try:
         if tokenizer_path is not None:

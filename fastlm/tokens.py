@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +59,22 @@ class ByteTokenizer:
         return _ByteStreamDecoder()
 
 
+def _check_tokenizer_file(path: Path) -> None:
+    """DataError, in words, for a file that is no `tokenizers` JSON (the library's own message
+    for one is a JSON parser's: "expected `,` or `}` at line 1 column 5")."""
+    try:
+        content = json.loads(path.read_bytes())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DataError(
+            f"--tokenizer {path} is not a Hugging Face tokenizer file: not JSON ({error})"
+        ) from None
+    if not isinstance(content, dict) or "model" not in content:
+        raise DataError(
+            f"--tokenizer {path} is JSON but not a Hugging Face tokenizer file (a tokenizer.json "
+            'has a "model", saved by the tokenizers library or a fast tokenizer)'
+        )
+
+
 class HFTokenizer:
     """A Hugging Face `tokenizers` JSON file."""
 
@@ -68,13 +86,17 @@ class HFTokenizer:
                 "--tokenizer needs the `tokenizers` package: pip install tokenizers"
             ) from None
         self.path = Path(path)
+        _check_tokenizer_file(self.path)
         try:
             self._tokenizer = Tokenizer.from_file(str(self.path))
         except Exception as error:  # the library raises bare Exceptions for unreadable files
             raise DataError(f"cannot read tokenizer {self.path}: {error}") from None
         # The file's digest names the tokenizer, so a checkpoint records exactly which one it used.
         self.name = "hf-" + hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
-        self.vocab_size = self._tokenizer.get_vocab_size()
+        # The ids the model must cover: up to the largest one, which may lie past
+        # get_vocab_size() (the count of tokens) where the vocabulary's ids have gaps.
+        ids = self._tokenizer.get_vocab(with_added_tokens=True).values()
+        self.vocab_size = max(ids, default=-1) + 1
 
     def encode(self, text: str) -> torch.Tensor:
         try:
@@ -92,8 +114,80 @@ class HFTokenizer:
     def stream_decoder(self) -> StreamDecoder:
         return _PrefixStreamDecoder(self)
 
+    def special_tokens(self) -> list:
+        """The tokenizer's special added tokens (AddedToken objects), in id order."""
+        added = self._tokenizer.get_added_tokens_decoder()
+        return [added[i] for i in sorted(added) if added[i].special]
+
+    def token_id(self, text: str) -> int | None:
+        """The id of the token `text` (a special token such as "<|endoftext|>"), or None."""
+        return self._tokenizer.token_to_id(text)
+
 
 Tokenizer = ByteTokenizer | HFTokenizer
+
+#: What tokenizers name their end-of-text and beginning-of-text tokens, in the order looked for.
+END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]")
+BEGIN_OF_TEXT = ("<|begin_of_text|>", "<|startoftext|>", "<s>", "<bos>", "<|bos|>", "[BOS]")
+
+
+#: Text a tokenizer should give back as it is (and an export's tokenizer encode as the run's).
+PROBE = "The quick brown fox, 2 + 2 = 4.\n\tdef f(x):  return x  # ça, 速い!"
+
+# What --document-end looks like when it means a special token: <|endoftext|>, </s>, [SEP].
+_MARKER = re.compile(r"<[^<>\s]+>|\[[A-Za-z_]+\]")
+
+
+def lossy_note(tokenizer: Tokenizer) -> str | None:
+    """A warning when the tokenizer does not give back the text it encodes (a WordPiece that
+    lowercases and has [UNK], a BPE without a decoder): its samples will not read as the
+    corpus. None for one that does."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return None
+    decoded = tokenizer.decode(tokenizer.encode(PROBE).tolist())
+    if decoded == PROBE:
+        return None
+    return (
+        f"warning: the tokenizer {tokenizer.path} does not give back the text it encodes "
+        f"({PROBE!r} decodes as {decoded!r}): generated text will not read as the corpus does"
+    )
+
+
+def check_marker(tokenizer: Tokenizer, text: str, flag: str) -> None:
+    """DataError when `text` looks like a special token (<|endoftext|>, </s>, [SEP]) that the
+    tokenizer does not have: it would silently become several ordinary tokens."""
+    if not isinstance(tokenizer, HFTokenizer) or not _MARKER.fullmatch(text):
+        return
+    if tokenizer.token_id(text) is not None:
+        return
+    count = len(tokenizer.encode(text))
+    special = [t.content for t in tokenizer.special_tokens()][:6]
+    raise DataError(
+        f"{flag} {text!r} is no token of the tokenizer {tokenizer.path}: it would become "
+        f"{count} ordinary tokens; pass a token it has"
+        + (f" ({', '.join(special)})" if special else " (it has no special tokens)")
+        + " or plain text"
+    )
+
+
+def special_token(
+    tokenizer: Tokenizer, names: tuple[str, ...], chosen: str | None = None
+) -> tuple[str, int] | None:
+    """(text, id) of the first of `names` the tokenizer has as one token, or of `chosen` when
+    given (DataError if it is not one token); None for none (and for the byte tokenizer, whose
+    ids are bytes: no token ends a text)."""
+    if chosen is not None:
+        found = tokenizer.token_id(chosen) if isinstance(tokenizer, HFTokenizer) else None
+        if found is None:
+            raise DataError(f"the tokenizer has no token {chosen!r}")
+        return chosen, found
+    if isinstance(tokenizer, ByteTokenizer):
+        return None
+    for name in names:
+        found = tokenizer.token_id(name)
+        if found is not None:
+            return name, found
+    return None
 
 
 def load_tokenizer(path: str | os.PathLike | None) -> Tokenizer:

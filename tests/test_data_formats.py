@@ -2,6 +2,7 @@
 gzip, zstandard), `datasets` save_to_disk folders; each record a document; one-line errors that
 name the file and the record."""
 
+import csv
 import gzip
 import json
 
@@ -90,6 +91,56 @@ def test_plain_json_and_text_files_stay_text(tmp_path):
     assert read_corpus(tmp_path).text == 'plain\n{"a": 1}'
 
 
+def test_json_arrays_csv_and_compressed_text(tmp_path):
+    """A .json array (of objects or strings), a CSV with a header (its --text-column), gzip'd
+    text: each read as what it holds, not as raw text."""
+    (tmp_path / "a.json").write_text(json.dumps([{"text": d, "n": 1} for d in DOCS]))
+    assert corpus.kind_of(tmp_path / "a.json") == "json"
+    assert read_corpus(tmp_path / "a.json").text == joined(DOCS)
+    (tmp_path / "s.json").write_text(" \n" + json.dumps(DOCS))
+    assert read_corpus(tmp_path / "s.json").text == joined(DOCS)
+    with open(tmp_path / "c.csv", "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["id", "body"])
+        writer.writerows([i, d] for i, d in enumerate(DOCS))
+    assert read_corpus(tmp_path / "c.csv", text_column="body").text == joined(DOCS)
+    with pytest.raises(DataError, match="c.csv: no column 'text' .*: pass --text-column"):
+        read_corpus(tmp_path / "c.csv")
+    with gzip.open(tmp_path / "t.txt.gz", "wt", encoding="utf-8") as f:
+        f.write(DOCS[1])
+    assert read_corpus(tmp_path / "t.txt.gz").text == DOCS[1]
+    # A --text-column meeting text files only is said to be unused.
+    notes = []
+    load_split(tmp_path / "t.txt.gz", ByteTokenizer(), 4, 0.1, warn=notes.append, text_column="x")
+    assert notes == ["note: --text-column x is unused: the corpus is text files, each read whole"]
+
+
+def test_files_beside_records_are_named_and_null_texts_skipped_on_request(tmp_path):
+    """A folder of Parquet, JSON Lines, a JSON array and CSV beside text files: the records are
+    read, the text files named in a note; a null text is refused, or with skip_empty skipped
+    and counted."""
+    write_parquet(tmp_path / "a.parquet", DOCS[:2])
+    write_jsonl(tmp_path / "b.jsonl", [{"text": DOCS[2]}, {"text": None}])
+    (tmp_path / "c.json").write_text(json.dumps([DOCS[3]]))
+    (tmp_path / "d.csv").write_text(f"text\n{DOCS[4]}\n")
+    (tmp_path / "e.txt").write_text("not a record")
+    with gzip.open(tmp_path / "f.txt.gz", "wt") as f:
+        f.write("nor this")
+    kinds = [s.kind for s in corpus.sources(tmp_path)]
+    assert kinds == ["parquet", "jsonl", "json", "csv"]
+    with pytest.raises(DataError, match="b.jsonl, record 2: 'text' is null.*--skip-empty"):
+        load_split(tmp_path, ByteTokenizer(), 4, 0.1)
+    notes = []
+    split = load_split(tmp_path, ByteTokenizer(), 4, 0.1, warn=notes.append, skip_empty=True)
+    expected = joined([DOCS[0], DOCS[1], DOCS[3], DOCS[4]])  # DOCS[2] is empty: skipped too
+    assert len(split.train) + len(split.val) == len(expected.encode())
+    assert notes == [
+        f"note: 2 files beside the corpus's records are left out (not Parquet, Arrow, JSON "
+        f"Lines, JSON array or CSV files): {tmp_path / 'e.txt'}, {tmp_path / 'f.txt.gz'}",
+        "note: 2 records with null or empty text skipped",
+    ]
+
+
 @pytest.mark.parametrize("layout", ["stream", "file"])
 def test_arrow_files(tmp_path, layout):
     """Arrow IPC files (the stream format is what `datasets` writes its shards in), in a folder
@@ -173,7 +224,11 @@ def bad_inputs(tmp_path):
     )
     cut_line = tmp_path / "cutline.jsonl"
     cut_line.write_text('{"text": "a"}\n{"text": "b')
-    cases["truncated jsonl"] = (cut_line, "cutline.jsonl, record 2: not valid JSON")
+    cases["truncated jsonl"] = (  # the parser's message whole, with its position
+        cut_line,
+        "cutline.jsonl, record 2: not valid JSON (Unterminated string starting at: line 1 "
+        "column 10",
+    )
     gz = write_jsonl(tmp_path / "g.jsonl.gz", [{"text": d} for d in DOCS * 200], gzip.open)
     cut_gz = tmp_path / "cut.jsonl.gz"
     cut_gz.write_bytes(gz.read_bytes()[: gz.stat().st_size // 2])

@@ -11,6 +11,7 @@ from test_train import TOY, run_main
 from fastlm.cli import export as export_cli
 from fastlm.cli import generate as generate_cli
 from fastlm.testing import assert_close
+from fastlm.tokens import load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 transformers = pytest.importorskip("transformers")
@@ -96,7 +97,7 @@ def test_export_with_a_tokenizer_and_generate_from_the_folder(
     assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
     hf_tokenizer_loaded = transformers.AutoTokenizer.from_pretrained(out)
     assert hf_tokenizer_loaded("the quick fox")["input_ids"] == (
-        generate_cli.load_tokenizer(hf_tokenizer).encode("the quick fox").tolist()
+        load_tokenizer(hf_tokenizer).encode("the quick fox").tolist()
     )
     argv = ["--checkpoint", str(out), "--prompt", "the quick", "--temperature", "0"]
     status = generate_cli.main([*argv, "--max-new-tokens", "4"])
@@ -106,12 +107,63 @@ def test_export_with_a_tokenizer_and_generate_from_the_folder(
     assert status == 0 and capsys.readouterr().out == captured.out  # the same greedy text
 
 
+def test_export_carries_the_tokenizers_special_tokens(tmp_path, corpus, capsys, monkeypatch):
+    """A BPE with <|endoftext|>: config.json, generation_config.json and tokenizer_config.json
+    name its ids and tokens (not Llama's 1 and 2), model_max_length is the context, and
+    transformers' generate stops at it; --family qwen2, whose folder transformers would load
+    as a Qwen2Tokenizer giving other ids, is refused in one line."""
+    tokenizers = pytest.importorskip("tokenizers")
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train([str(corpus)], trainer)
+    bpe.save(str(tmp_path / "bpe.json"))
+    end = bpe.token_to_id("<|endoftext|>")
+    run = train(tmp_path, corpus, capsys, "run", "--tokenizer", tmp_path / "bpe.json", *LLAMA)
+    out = tmp_path / "hf"
+    status, err = export(["--checkpoint", run, "--to-hf", out], capsys)
+    assert status == 0, err
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == end and config["bos_token_id"] is None
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == end and "max_length" not in generation
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert tokenizer_config["eos_token"] == "<|endoftext|>" and "bos_token" not in tokenizer_config
+    loaded = transformers.AutoTokenizer.from_pretrained(out)
+    assert loaded.eos_token_id == end and loaded.model_max_length == 16
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():  # every logit 0: greedy picks id 0, <|endoftext|>
+        hf_model.lm_head.weight.zero_()
+    assert end == 0
+    prompt = loaded("the quick", return_tensors="pt")["input_ids"]
+    new = hf_model.generate(prompt, max_new_tokens=5, do_sample=False)[0, prompt.shape[1] :]
+    assert new.tolist() == [end]  # stopped there, not after 5 tokens
+
+    status, err = export(
+        ["--checkpoint", run, "--to-hf", tmp_path / "q", "--family", "qwen2"], capsys
+    )
+    assert status == 2 and "as Qwen2Tokenizer" in err and "--family llama" in err, err
+    assert not (tmp_path / "q").exists() and not (tmp_path / "q.tmp").exists()
+
+
 def test_export_refusals(tmp_path, corpus, capsys):
     run = train(tmp_path, corpus, capsys, "run")
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "x").write_text("mine")
     status, err = export(["--checkpoint", run, "--to-hf", tmp_path / "taken"], capsys)
     assert status == 2 and "already exists" in err and (tmp_path / "taken" / "x").is_file()
+    files = sorted(p.name for p in run.iterdir())
+    for onto, relation in ((run, "is"), (tmp_path, "holds")):  # itself, its parent
+        argv = ["--checkpoint", run, "--to-hf", onto, "--overwrite"]
+        status, err = export(argv, capsys)
+        assert status == 2 and f"--to-hf {onto} {relation} --checkpoint {run}" in err, err
+    assert sorted(p.name for p in run.iterdir()) == files  # --resume still has it all
     status, err = export(["--checkpoint", tmp_path / "nothing", "--to-hf", tmp_path / "o"], capsys)
     assert status == 2 and "no checkpoint at" in err and not (tmp_path / "o").exists()
     (tmp_path / "bare").mkdir()

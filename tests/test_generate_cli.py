@@ -7,14 +7,20 @@ import sys
 
 import pytest
 import torch
+from test_train import TOY
 
 import fastlm
 import fastlm.cli.generate as generate_cli
 import fastlm.cli.train as train_cli
+from fastlm.checkpoint import load_model
 from fastlm.data import DataError
 from fastlm.tokens import ByteTokenizer, load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# A tiny model that learns a repetitive corpus in 40 steps (the last of a repeated option counts).
+TINY = [*TOY, "--num-layers", "1", "--batch-size", "8", "--steps", "40", "--lr", "1e-2"]
 
 
 @pytest.fixture(scope="module")
@@ -22,35 +28,7 @@ def trained(tmp_path_factory):
     folder = tmp_path_factory.mktemp("generate")
     (folder / "corpus.txt").write_text("abcabcabd café " * 200)
     out = folder / "checkpoint"
-    status = train_cli.main(
-        [
-            "--data",
-            str(folder / "corpus.txt"),
-            "--model",
-            "reference",
-            "--d-model",
-            "32",
-            "--num-layers",
-            "1",
-            "--num-heads",
-            "2",
-            "--d-ff",
-            "64",
-            "--context-length",
-            "16",
-            "--batch-size",
-            "8",
-            "--steps",
-            "40",
-            "--lr",
-            "1e-2",
-            "--no-progress",
-            "--device",
-            "cpu",
-            "--out",
-            str(out),
-        ]
-    )
+    status = train_cli.main(["--data", str(folder / "corpus.txt"), *TINY, "--out", str(out)])
     assert status == 0
     return out
 
@@ -98,10 +76,55 @@ def test_weights_file_path_and_package_function(trained, capsys):
         "reference",
     )
     assert status == 0 and text.startswith("é"), err
-    # Importing the CLI module rebinds the package attribute; calling it still samples.
-    model, _ = generate_cli.load_model(trained, "reference", "cpu")
-    out = fastlm.sample(model, torch.tensor([97, 98]), 4, temperature=0)
+    # The documented Python call (the kernels' model on the CPU by default); importing the CLI
+    # module rebinds the package attribute `sample`, and calling it still samples.
+    model, tokenizer = load_model(trained)
+    assert isinstance(model, fastlm.Transformer) and not model.training
+    out = fastlm.sample(model, tokenizer.encode("ab").long(), 4, temperature=0)
     assert out.shape == (6,) and out[:2].tolist() == [97, 98]
+
+
+def test_default_length_stays_within_the_context(trained, capsys):
+    """The tiny model's context is 16: "abc" leaves 13 tokens, and a prompt that fills the
+    context needs --max-new-tokens (past it every step would rerun the model on a slid window)."""
+    argv = ["--checkpoint", trained, "--model", "reference", "--prompt"]
+    status, text, err = generate(capsys, *argv, "abc")
+    assert status == 0 and err.startswith("fastlm-generate: 13 tokens in"), err
+    status, text, err = generate(capsys, *argv, "a" * 16)
+    assert status == 2 and err.count("\n") == 1, err
+    assert "the prompt's 16 tokens fill the model's context of 16" in err
+    status, text, err = generate(capsys, *argv, "a" * 16, "--max-new-tokens", "2")
+    assert status == 0 and err.startswith("fastlm-generate: 2 tokens in"), err
+    # The thread count chosen (here given) is said.
+    status, text, err = generate(capsys, *argv, "abc", "--threads", "1")
+    assert status == 0 and "s on 1 CPU thread (--threads)" in err, err
+
+
+def test_stop_at_eos(tmp_path, capsys, trained):
+    """A model that has learnt to end "the fox" with <|endoftext|> stops there with
+    --stop-at-eos (the token not printed) and goes on without it; a byte-tokenizer model, which
+    has no end-of-text token, refuses the flag in one line."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    trainer = tokenizers.trainers.WordLevelTrainer(special_tokens=["<|endoftext|>", "[UNK]"])
+    tokenizer.train_from_iterator(["the fox"], trainer)
+    tokenizer.save(str(tmp_path / "tok.json"))
+    (tmp_path / "corpus.txt").write_text("the fox <|endoftext|> " * 200)
+    out = tmp_path / "run"
+    argv = ["--data", tmp_path / "corpus.txt", "--tokenizer", tmp_path / "tok.json", *TINY]
+    assert train_cli.main([str(a) for a in [*argv, "--out", out]]) == 0
+    capsys.readouterr()
+    argv = ["--checkpoint", out, "--prompt", "the fox", "--temperature", "0", "--model"]
+    status, text, err = generate(capsys, *argv, "reference", "--stop-at-eos")
+    assert status == 0 and text == "the fox\n" and "0 tokens" in err, err
+    assert err.rstrip().endswith("stopped at <|endoftext|>")
+    status, text, err = generate(capsys, *argv, "reference", "--max-new-tokens", "2")
+    # Without the flag it goes on (the tokenizer's decode leaves the special token out).
+    assert status == 0 and "2 tokens" in err and text != "the fox\n", err
+    argv = ["--checkpoint", trained, "--prompt", "abc", "--stop-at-eos"]
+    status, _, err = generate(capsys, *argv)
+    assert status == 2 and "--stop-at-eos: the tokenizer has no end-of-text token" in err, err
 
 
 def test_byte_stream_never_splits_a_character():
@@ -299,35 +322,8 @@ def test_never_samples_ids_the_tokenizer_cannot_decode(tmp_path, capsys):
     # temperature sampling is nearly uniform, so without the limit about one id in six of them.
     (tmp_path / "corpus.txt").write_text("abcabd " * 200)
     out = tmp_path / "big-vocab"
-    status = train_cli.main(
-        [
-            "--data",
-            str(tmp_path / "corpus.txt"),
-            "--model",
-            "reference",
-            "--d-model",
-            "32",
-            "--num-layers",
-            "1",
-            "--num-heads",
-            "2",
-            "--d-ff",
-            "64",
-            "--context-length",
-            "16",
-            "--batch-size",
-            "4",
-            "--steps",
-            "2",
-            "--vocab-size",
-            "300",
-            "--no-progress",
-            "--device",
-            "cpu",
-            "--out",
-            str(out),
-        ]
-    )
+    extra = ["--num-layers", "1", "--steps", "2", "--vocab-size", "300", "--out", out]
+    status = train_cli.main([str(a) for a in ["--data", tmp_path / "corpus.txt", *TOY, *extra]])
     assert status == 0
     capsys.readouterr()
     model, tokenizer = generate_cli.load_model(out, "reference", "cpu")

@@ -2,9 +2,15 @@
 interrupted or disk-full run resumes, training from the cache resumes exactly, each rank maps its
 own shard, and a cache of another tokenizer or format version is refused."""
 
+import contextlib
 import errno
 import hashlib
 import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -109,6 +115,167 @@ def test_token_width():
     assert token_cache.token_dtype(65537) == np.uint32  # say Llama 3's 128256
 
 
+def test_tokenizer_ids_past_its_vocabulary_size(tmp_path, capsys):
+    """A vocabulary whose ids have a gap (3 tokens, one of them id 70000): the cache holds the
+    ids whole (uint32, where 16 bits cut 70000 to 4464), fastlm-train trains on it, and a cache
+    an earlier fastlm wrote with 16 bits is refused in one line."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocabulary = {"the": 0, "fox": 1, "[UNK]": 70000}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "gap.json"))
+    assert tokenizer.get_vocab_size() == 3
+    (tmp_path / "c.txt").write_text("the fox jumps " * 400)
+    argv = ["--data", tmp_path / "c.txt", "--tokenizer", tmp_path / "gap.json", "--no-progress"]
+    status, summary, err = prepare([*argv, "--out", tmp_path / "o", "--document-end", ""], capsys)
+    assert status == 0 and summary["dtype"] == "uint32" and summary["vocab_size"] == 70001, err
+    tokens = np.fromfile(tmp_path / "o" / token_cache.TOKENS, dtype=np.uint32)
+    assert tokens[:3].tolist() == [0, 1, 70000]
+    from test_train import TOY, run_main
+
+    args = ["--data", tmp_path / "o", "--tokenizer", tmp_path / "gap.json", *TOY, "--steps", "1"]
+    status, _, err = run_main([*args, "--out", tmp_path / "run"], capsys)
+    assert status == 0, err
+    meta_path = tmp_path / "o" / token_cache.METADATA
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**meta, "vocab_size": 3, "dtype": "uint16"}))
+    (tmp_path / "o" / token_cache.TOKENS).write_bytes(tokens.astype(np.uint16).tobytes())
+    status, _, err = run_main([*args, "--out", tmp_path / "run2"], capsys)
+    last = err.strip().splitlines()[-1]  # after the tokenizer's warning: it gives no spaces back
+    assert status == 2 and "Traceback" not in err, err
+    assert last.startswith("fastlm-train: error: ") and last.endswith("prepare it again"), err
+
+
+def test_out_inside_data_is_no_source(tmp_path, capsys):
+    """--out inside --data: the rerun finds it prepared, and --overwrite tokenizes the corpus
+    again, not the old cache's files (the tokens of a cache written elsewhere)."""
+    (tmp_path / "corpus").mkdir()
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / "corpus" / name).write_text(f"the text of {name}\n" * 50)
+    base = ["--data", tmp_path / "corpus", "--no-progress"]
+    assert prepare([*base, "--out", tmp_path / "elsewhere"], capsys)[0] == 0
+    inside = ["--out", tmp_path / "corpus" / "cache"]
+    status, summary, err = prepare([*base, *inside], capsys)
+    assert status == 0 and summary["sources"] == 2, err
+    status, _, err = prepare([*base, *inside], capsys)
+    assert status == 0 and "already holds this corpus" in err
+    status, summary, err = prepare([*base, *inside, "--overwrite"], capsys)
+    assert status == 0 and summary["sources"] == 2, err
+    assert digest(tmp_path / "corpus" / "cache") == digest(tmp_path / "elsewhere")
+
+
+def test_overwrite_never_deletes_an_input(tmp_path, capsys, hf_tokenizer):
+    """--overwrite refuses an --out that is or holds what the command reads (the corpus's own
+    folder, the tokenizer copy inside a cache), in one line, every file kept."""
+    make_corpus(tmp_path / "corpus")
+    before = sorted(p.name for p in (tmp_path / "corpus").iterdir())
+    argv = ["--data", tmp_path / "corpus", "--out", tmp_path / "corpus", "--overwrite"]
+    status, _, err = prepare(argv, capsys)
+    assert status == 2 and err.count("\n") == 1, err
+    assert f"--out {tmp_path / 'corpus'} holds --data {tmp_path / 'corpus' / 'a.parquet'}" in err
+    assert sorted(p.name for p in (tmp_path / "corpus").iterdir()) == before
+    base = ["--data", tmp_path / "corpus", "--out", tmp_path / "o"]
+    assert prepare([*base, "--tokenizer", hf_tokenizer], capsys)[0] == 0
+    copy = tmp_path / "o" / token_cache.TOKENIZER
+    status, _, err = prepare([*base, "--tokenizer", copy, "--overwrite"], capsys)
+    assert status == 2 and f"holds --tokenizer {copy}, which this command reads" in err, err
+    assert copy.is_file() and token_cache.is_cache(tmp_path / "o")
+
+
+def test_tokenizer_mistakes_are_named(tmp_path, capsys, hf_tokenizer):
+    """A JSON file that is no tokenizer, a --document-end the tokenizer lacks (it would become
+    several ordinary tokens): one line each; a tokenizer that does not give back its text
+    (WordLevel with no decoder: spaces lost) is accepted with a warning."""
+    make_corpus(tmp_path / "corpus")
+    base = ["--data", tmp_path / "corpus", "--no-progress"]
+    (tmp_path / "config.json").write_text('{"vocab_size": 3}')
+    (tmp_path / "notes.json").write_text("{'a': 1}")
+    cases = {
+        "config.json": "is JSON but not a Hugging Face tokenizer file",
+        "notes.json": "is not a Hugging Face tokenizer file: not JSON",
+    }
+    for name, reason in cases.items():
+        argv = [*base, "--tokenizer", tmp_path / name, "--out", tmp_path / "o"]
+        status, _, err = prepare(argv, capsys)
+        assert status == 2 and err.count("\n") == 1, err
+        assert f"--tokenizer {tmp_path / name} {reason}" in err, err
+    argv = [*base, "--tokenizer", hf_tokenizer, "--out", tmp_path / "o"]
+    status, _, err = prepare([*argv, "--document-end", "<|endoftext|>"], capsys)
+    assert status == 2 and err.count("\n") == 1, err
+    assert "--document-end '<|endoftext|>' is no token of the tokenizer" in err
+    assert "pass a token it has ([UNK])" in err and not (tmp_path / "o").exists()
+    status, _, err = prepare(argv, capsys)
+    assert status == 0 and "does not give back the text it encodes" in err, err
+
+
+def test_training_from_a_cache_uses_its_tokenizer_copy(tmp_path, capsys, hf_tokenizer):
+    from test_train import TOY, run_main
+
+    make_corpus(tmp_path / "corpus")
+    argv = ["--data", tmp_path / "corpus", "--tokenizer", hf_tokenizer, "--out", tmp_path / "o"]
+    assert prepare(argv, capsys)[0] == 0
+    args = ["--data", tmp_path / "o", *TOY, "--steps", "1", "--out", tmp_path / "run"]
+    status, _, err = run_main(args, capsys)
+    assert status == 0 and f"note: tokenizer {tmp_path / 'o' / 'tokenizer.json'}" in err, err
+    assert (
+        checkpoint.load_config(tmp_path / "run")["tokenizer"] == load_tokenizer(hf_tokenizer).name
+    )
+
+
+# fastlm-prepare with chunks of a few documents, each taking a while: SIGTERM finds it mid-run.
+SLOW_PREPARE = """
+import sys, time
+import fastlm.cli.prepare as cli
+from fastlm import token_cache
+token_cache.CHUNK_CHARS = 200
+encode = token_cache._encode_chunk
+def slow(*args):
+    time.sleep(0.2)
+    return encode(*args)
+token_cache._encode_chunk = slow
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="finds the workers in /proc")
+def test_sigterm_is_one_line_and_ends_every_worker(tmp_path):
+    from test_train import SUBPROCESS_ENV
+
+    make_corpus(tmp_path / "corpus", documents=300)
+    out = tmp_path / "o"
+    argv = ["--data", tmp_path / "corpus", "--out", out, "--workers", "2", "--no-progress"]
+    command = [sys.executable, "-c", SLOW_PREPARE, *map(str, argv)]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=SUBPROCESS_ENV)
+    progress = tmp_path / "o.partial" / token_cache.PROGRESS
+    deadline = time.monotonic() + 120
+    while not progress.is_file() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM, err
+    assert err.splitlines() == [
+        f"fastlm-prepare: terminated: what is tokenized stays in {out}.partial; the same "
+        "command resumes"
+    ]
+    alive = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if str(out).encode() in (entry / "cmdline").read_bytes():
+                alive.append(entry.name)
+    assert alive == []
+
+
+def test_out_that_is_a_file_is_one_line(tmp_path, capsys):
+    make_corpus(tmp_path / "corpus")
+    (tmp_path / "taken").write_text("mine")
+    for extra in ([], ["--overwrite"]):
+        argv = ["--data", tmp_path / "corpus", "--out", tmp_path / "taken", *extra]
+        status, _, err = prepare(argv, capsys)
+        message = f"--out {tmp_path / 'taken'} is a file, not a folder: choose another --out"
+        assert status == 2 and err == f"fastlm-prepare: error: {message}\n"
+    assert (tmp_path / "taken").read_text() == "mine"
+
+
 @pytest.mark.parametrize("failure", ["interrupt", "full disk", "crash"])
 def test_interrupted_prepare_resumes(tmp_path, capsys, monkeypatch, failure):
     """Ctrl-C, a full disk or a crash after a few chunks keeps DIR.partial and writes no DIR;
@@ -189,10 +356,15 @@ def test_bad_input_leaves_no_cache(tmp_path, capsys):
     pq.write_table(pa.table({"body": ["a", "b"]}), tmp_path / "c" / "a.parquet")
     status, _, err = prepare(["--data", tmp_path / "c", "--out", tmp_path / "o"], capsys)
     assert status == 2 and err.count("\n") == 1 and "a.parquet: no column 'text'" in err
+    assert not (tmp_path / "o.partial").exists()  # nothing to resume: no empty files left
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "a.jsonl").write_text('{"text": "ok"}\n{"text": null}\n')
     status, _, err = prepare(["--data", tmp_path / "d", "--out", tmp_path / "o"], capsys)
     assert status == 2 and "a.jsonl, record 2: 'text' is null, not text" in err
+    argv = ["--data", tmp_path / "d", "--out", tmp_path / "skipping", "--skip-empty"]
+    status, summary, err = prepare(argv, capsys)
+    assert status == 0 and summary["empty_records"] == 1 and summary["documents"] == 1, err
+    assert "note: 1 records with null or empty text skipped" in err and "of 1 document in" in err
     (tmp_path / "e").mkdir()
     (tmp_path / "e" / "a.jsonl").write_text('{"text": ""}\n{"text": " \\n"}\n')
     pq.write_table(pa.table({"text": ["", "\t"]}), tmp_path / "e" / "b.parquet")
@@ -210,7 +382,7 @@ def test_prepared_out_is_reused_or_refused(tmp_path, capsys):
     status, _, err = prepare(["--data", tmp_path / "o", "--out", tmp_path / "again"], capsys)
     assert status == 2 and "is already prepared: pass it to fastlm-train --data" in err
     status, _, err = prepare([*base, "--val-fraction", "0.1"], capsys)
-    assert status == 2 and "already holds another prepared corpus" in err
+    assert status == 2 and "holds this corpus prepared with --val-fraction 0.05, not 0.1" in err
     status, summary, err = prepare([*base, "--val-fraction", "0.1", "--overwrite"], capsys)
     assert status == 0 and summary["val_fraction"] == 0.1, err
     (tmp_path / "other").mkdir()

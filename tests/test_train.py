@@ -19,6 +19,7 @@ import torch
 import fastlm.cli.train as train_cli
 import fastlm.cli.trainer as training
 from fastlm import checkpoint, reference
+from fastlm.cli import choose_threads
 
 # CPU tests (bitwise resume holds on CPU), also on a machine with GPUs.
 TOY = [
@@ -272,6 +273,21 @@ def test_resume_after_a_crash_between_the_renames(corpus, tmp_path, capsys, monk
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "full", "run"]
 
 
+def test_cpu_threads_are_chosen_from_the_load_and_said(corpus, tmp_path, capsys):
+    """--threads, else OMP_NUM_THREADS, else the cores the load leaves free (at least one); the
+    choice is in the start line and each evaluation's line; a bad --threads is one line."""
+    assert choose_threads(None, 2, 7.3, {}) == (1, "the load 7.3 leaves 1 of 2 cores free")
+    assert choose_threads(None, 8, 1.6, {})[0] == 6
+    assert choose_threads(None, 4, 0.0, {"OMP_NUM_THREADS": "3"}) == (3, "OMP_NUM_THREADS")
+    assert choose_threads(2, 4, 9.0, {"OMP_NUM_THREADS": "3"}) == (2, "--threads")
+    args = ["--data", corpus, *TOY, "--steps", "4", "--out", tmp_path / "run", "--threads", "1"]
+    status, _, err = run_main(args, capsys)
+    assert status == 0 and "1 x cpu, 1 CPU thread (--threads)" in err, err
+    assert "tokens/s on 1 CPU thread" in err
+    status, _, err = run_main([*args[:-1], "0"], capsys)
+    assert status == 2 and "--threads must be at least 1, got 0" in err, err
+
+
 def test_folder_with_other_files_is_refused(corpus, tmp_path, capsys):
     out = tmp_path / "mine"
     out.mkdir()
@@ -403,6 +419,12 @@ def test_hf_tokenizer(corpus, tmp_path, capsys):
     assert status == 0, err
     assert checkpoint.load_config(out)["vocab_size"] == tokenizer.get_vocab_size()
     assert (out / "tokenizer.json").is_file()
+    # --overwrite never deletes an input: here the tokenizer copy inside the checkpoint.
+    copy, before = out / "tokenizer.json", file_hashes(out)
+    argv = ["--data", corpus / "a.txt", "--tokenizer", copy, *TOY, "--out", out, "--overwrite"]
+    status, _, err = run_main(argv, capsys)
+    assert status == 2 and f"--out {out} holds --tokenizer {copy}, which this" in err, err
+    assert file_hashes(out) == before
 
 
 def test_missing_tokenizers_package_is_one_line(corpus, tmp_path, capsys, monkeypatch):

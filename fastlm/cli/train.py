@@ -35,8 +35,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from fastlm import checkpoint, metrics_log, reference
+from fastlm import checkpoint, metrics_log, reference, token_cache
 from fastlm.checkpoint import CheckpointError
+from fastlm.cli import cpu_threads
 from fastlm.cli.trainer import (
     LOSS_CURVE,
     PEAK_BF16_FLOPS,
@@ -61,11 +62,13 @@ from fastlm.config import (
     check_integers,
     with_defaults,
 )
+from fastlm.corpus import corpus_sources
 from fastlm.data import DataError, check_split_options, load_split
 from fastlm.metrics_log import LOGGERS, MetricsLog
 from fastlm.options import FLOAT32_MAX
+from fastlm.overwrite import check_spares_inputs
 from fastlm.tensor_parallel import check_plan
-from fastlm.tokens import load_tokenizer
+from fastlm.tokens import load_tokenizer, lossy_note
 
 
 def flag(key: str) -> str:
@@ -99,10 +102,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--tokenizer", help="Hugging Face tokenizers JSON (default: UTF-8 bytes)")
     parser.add_argument(
+        "--skip-empty",
+        action="store_true",
+        help="skip records whose text is null or empty (counted in a note) instead of "
+        "refusing a null one",
+    )
+    parser.add_argument(
         "--pack-documents",
         action="store_true",
-        help="each corpus file a document: attention and positions stay within a document "
-        "(packed, flash_attention_varlen), and no token predicts the next document's first",
+        help="each document (a text file, or a record) apart: attention and positions stay "
+        "within a document (packed, flash_attention_varlen), and no token predicts the next "
+        "document's first",
     )
     parser.add_argument(
         "--document-separator",
@@ -182,6 +192,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--save-every", type=int, help="steps between checkpoints (0: only at the end)"
     )
     run.add_argument("--device", help="default: cuda (this rank's GPU) when there is one, else cpu")
+    run.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads (default: OMP_NUM_THREADS if set, else the cores the machine's load "
+        "leaves free, at least 1)",
+    )
     run.add_argument("--compile", action="store_true", help="torch.compile the model and loss")
     run.add_argument("--fsdp", action="store_true", help="under torchrun, FSDP2 instead of DDP")
     run.add_argument(
@@ -247,6 +263,7 @@ def check_args(args: argparse.Namespace) -> None:
         "eval_every",
         "eval_batches",
         "vocab_size",
+        "threads",
     )
     for key in positive:
         value = getattr(args, key)
@@ -457,6 +474,11 @@ def claim_out(args: argparse.Namespace, out: Path, config: dict, stack: contextl
             "it, --overwrite to replace it, or another --out"
         )
     checkpoint.check_replaceable(out)
+    if args.overwrite and out.exists():
+        inputs = [("--data", s.path) for s in corpus_sources(args.data, exclude=(out,))]
+        if args.tokenizer is not None:
+            inputs.append(("--tokenizer", args.tokenizer))
+        check_spares_inputs(out, "--out", inputs, CheckpointError)
     if args.resume:
         checkpoint.check_config(with_defaults(checkpoint.load_config(out)), config, args.out)
 
@@ -480,7 +502,15 @@ def prepare(
 ) -> Trainer:
     """Check the configuration and the checkpoint folder before reading any data, then build
     the trainer (restored from the checkpoint with --resume)."""
+    if args.tokenizer is None and args.data is not None and token_cache.is_cache(args.data):
+        copy = Path(args.data) / token_cache.TOKENIZER  # the tokenizer it was prepared with
+        if copy.is_file():
+            args.tokenizer = str(copy)
+            say(f"note: tokenizer {copy}, the one {args.data} was prepared with")
     tokenizer = load_tokenizer(args.tokenizer)
+    note = lossy_note(tokenizer)
+    if note:
+        say(note)
     config = model_config(args, tokenizer, run)
     stored = {**config.as_dict(), "tokenizer": tokenizer.name}
     agree(run, lambda: claim_out(args, out, stored, stack) if run.is_main else None)
@@ -508,6 +538,8 @@ def prepare(
             args.pack_documents,
             args.document_separator,
             args.text_column,
+            exclude=(out,),  # a checkpoint folder inside --data is none of its text
+            skip_empty=args.skip_empty,
         ),
     )
     return Trainer(args, run, config, tokenizer.name, out, split, saved)
@@ -521,6 +553,9 @@ def finite_or_none(value: float | None) -> float | None:
 def train(args: argparse.Namespace) -> int:
     check_args(args)
     run = start_run(args)
+    if run.device.type == "cpu":
+        args.cpu_threads, args.threads_why = cpu_threads(args.threads)
+        torch.set_num_threads(args.cpu_threads)  # main() restores the setting
     # Resolved once: a link to a folder is written through, and stays a link.
     out = Path(os.path.realpath(args.out))
     with contextlib.ExitStack() as stack:  # holds the lock on `out` until the run ends
@@ -533,6 +568,9 @@ def run_training(args: argparse.Namespace, run: Run, out: Path, stack: contextli
             tqdm.write(message, file=sys.stderr)
 
     trainer = prepare(args, run, out, stack, say)
+    threads_text = ""
+    if run.device.type == "cpu":
+        threads_text = f"{args.cpu_threads} CPU thread{'s' if args.cpu_threads > 1 else ''}"
     parameters = sum(p.numel() for p in trainer.model.parameters())
     tokens_per_step = args.batch_size * args.context_length * args.grad_accum * run.data_size
     work_per_token = flops_per_token(trainer.model, trainer.config)
@@ -544,6 +582,7 @@ def run_training(args: argparse.Namespace, run: Run, out: Path, stack: contextli
         + (", FSDP" if args.fsdp else "")
         + (f", context parallel {run.context}" if run.context > 1 else "")
         + (f", tensor parallel {run.tensor}" if run.tensor > 1 else "")
+        + (f", {threads_text} ({args.threads_why})" if run.device.type == "cpu" else "")
     )
     if peak:
         say(
@@ -610,6 +649,7 @@ def run_training(args: argparse.Namespace, run: Run, out: Path, stack: contextli
                 say(
                     f"step {step}/{args.steps}: training loss {loss:.4f}, held-out loss "
                     f"{held_out:.4f}, {throughput.tokens_per_second:,.0f} tokens/s"
+                    + (f" on {threads_text}" if threads_text else "")
                 )
                 if not math.isfinite(held_out):
                     diverged = f"the held-out loss is {held_out} at step {step}"
@@ -685,6 +725,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     deterministic = torch.are_deterministic_algorithms_enabled()
     deterministic_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    threads = torch.get_num_threads()
     try:
         return train(args)
     except (ConfigError, DataError, CheckpointError) as error:
@@ -695,6 +736,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         torch.use_deterministic_algorithms(deterministic, warn_only=deterministic_warn_only)
+        torch.set_num_threads(threads)
         if dist.is_initialized():
             dist.destroy_process_group()
 
