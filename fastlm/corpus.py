@@ -31,7 +31,7 @@ import io
 import json
 import os
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,6 +69,10 @@ class Reading:
     left_out: list[Path] = field(default_factory=list)  # files beside the records of a folder
     empty_records: int = 0  # null or empty texts skipped (skip_empty)
     unused: str = ""  # a note on an option the sources do not use (--text-column)
+    # How much of the source being read is read, from 0 to 1, when called (for progress bars:
+    # its records against its row count, or its file's bytes read; compressed bytes for a
+    # compressed file; a file read whole jumps from 0 to 1).
+    fraction: Callable[[], float] = lambda: 0.0
 
 
 def notes(reading: Reading) -> list[str]:
@@ -216,6 +220,7 @@ def documents(found: list[Source], text_column: str, reading: Reading) -> Iterat
 
 def read_source(source: Source, text_column: str, reading: Reading) -> Iterator[str]:
     """One source's documents in order (its records, or the text file's whole text)."""
+    reading.fraction = lambda: 0.0
     if source.kind == "text":
         return _text_file(source.path, reading)
     readers = {
@@ -226,7 +231,8 @@ def read_source(source: Source, text_column: str, reading: Reading) -> Iterator[
         "csv": _csv,
         "datasets": _datasets,
     }
-    return _kept(readers[source.kind](source.path, text_column), source, text_column, reading)
+    texts = readers[source.kind](source.path, text_column, reading)
+    return _kept(texts, source, text_column, reading)
 
 
 def _kept(
@@ -257,6 +263,7 @@ def _text_file(path: Path, reading: Reading) -> Iterator[str]:
             raw = f.read()
     except (EOFError, OSError) as error:
         raise DataError(f"{path}: the file is truncated or damaged ({error})") from None
+    reading.fraction = lambda: 1.0
     if b"\0" in raw:
         reading.skipped.append(path)
         return
@@ -288,11 +295,16 @@ def _no_column(path: Path, text_column: str, columns: list[str]) -> DataError:
     )
 
 
-def _rows(path: Path, text_column: str, batches: Iterator[list]) -> Iterator[str]:
-    """The text of each row of `batches` (lists of the column's values), checked."""
+def _rows(
+    path: Path, text_column: str, batches: Iterator[list], rows: int | None, reading: Reading
+) -> Iterator[str]:
+    """The text of each row of `batches` (lists of the column's values, `rows` in all: None
+    when the caller measures `reading.fraction` itself), checked."""
     import pyarrow as pa
 
     record = 0
+    if rows is not None:
+        reading.fraction = lambda: record / max(rows, 1)
     try:
         for values in batches:
             for value in values:
@@ -304,7 +316,7 @@ def _rows(path: Path, text_column: str, batches: Iterator[list]) -> Iterator[str
         ) from None
 
 
-def _parquet(path: Path, text_column: str) -> Iterator[str]:
+def _parquet(path: Path, text_column: str, reading: Reading) -> Iterator[str]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -317,10 +329,11 @@ def _parquet(path: Path, text_column: str) -> Iterator[str]:
     if text_column not in file.schema_arrow.names:
         raise _no_column(path, text_column, file.schema_arrow.names)
     batches = file.iter_batches(batch_size=ROWS_PER_BATCH, columns=[text_column])
-    yield from _rows(path, text_column, (batch.column(0).to_pylist() for batch in batches))
+    texts = (batch.column(0).to_pylist() for batch in batches)
+    yield from _rows(path, text_column, texts, file.metadata.num_rows, reading)
 
 
-def _arrow(path: Path, text_column: str) -> Iterator[str]:
+def _arrow(path: Path, text_column: str, reading: Reading) -> Iterator[str]:
     """An Arrow IPC file, memory-mapped: the stream format `datasets` writes its shards in, or
     the file format."""
     import pyarrow as pa
@@ -335,6 +348,7 @@ def _arrow(path: Path, text_column: str) -> Iterator[str]:
             reader = pa.ipc.open_file(source)
             schema = reader.schema
             batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        size = max(source.size(), 1)
     except (pa.ArrowException, OSError) as error:
         raise DataError(
             f"{path}: not a readable Arrow file, truncated or damaged ({error})"
@@ -342,33 +356,44 @@ def _arrow(path: Path, text_column: str) -> Iterator[str]:
     if text_column not in schema.names:
         raise _no_column(path, text_column, schema.names)
     index = schema.get_field_index(text_column)
-    yield from _rows(path, text_column, (batch.column(index).to_pylist() for batch in batches))
+    texts = (batch.column(index).to_pylist() for batch in batches)
+    # The stream format keeps no row count: the fraction is the memory map's bytes passed.
+    reading.fraction = lambda: source.tell() / size
+    yield from _rows(path, text_column, texts, None, reading)
 
 
-def _open_bytes(path: Path) -> io.BufferedIOBase:
-    """The file's bytes, decompressed for `.gz` and `.zst`."""
+def _open_bytes(path: Path, reading: Reading | None = None) -> io.BufferedIOBase:
+    """The file's bytes, decompressed for `.gz` and `.zst`; `reading.fraction` then follows the
+    file's bytes read (compressed ones for a compressed file) as the stream is read."""
     name = path.name.lower()
     if name.endswith(".gz"):
-        return gzip.open(path, "rb")
-    if name.endswith(".zst"):
+        stream = gzip.open(path, "rb")
+        raw = stream.fileobj
+    elif name.endswith(".zst"):
         try:
             import zstandard
         except ImportError:
             raise DataError(
                 f"{path}: reading .zst files needs the zstandard package: pip install zstandard"
             ) from None
-        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
-    return open(path, "rb")
+        raw = open(path, "rb")
+        stream = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
+    else:
+        stream = raw = open(path, "rb")
+    if reading is not None:
+        size = max(os.fstat(raw.fileno()).st_size, 1)
+        reading.fraction = lambda: 1.0 if raw.closed else raw.tell() / size
+    return stream
 
 
-def _open_lines(path: Path) -> io.TextIOBase:
-    return io.TextIOWrapper(_open_bytes(path), encoding="utf-8", newline="")
+def _open_lines(path: Path, reading: Reading) -> io.TextIOBase:
+    return io.TextIOWrapper(_open_bytes(path, reading), encoding="utf-8", newline="")
 
 
-def _json_lines(path: Path, text_column: str) -> Iterator[str]:
+def _json_lines(path: Path, text_column: str, reading: Reading) -> Iterator[str]:
     record = 0
     try:
-        with _open_lines(path) as lines:
+        with _open_lines(path, reading) as lines:
             for line in lines:
                 if not line.strip():
                     continue
@@ -404,13 +429,15 @@ def _json_lines(path: Path, text_column: str) -> Iterator[str]:
         ) from None
 
 
-def _json_array(path: Path, text_column: str) -> Iterator[str | None]:
+def _json_array(path: Path, text_column: str, reading: Reading) -> Iterator[str | None]:
     """A JSON array of objects (their `text_column`) or of strings, read whole."""
     try:
         with open(path, encoding="utf-8") as f:
             rows = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise DataError(f"{path}: not a readable JSON array ({error})") from None
+    record = 0
+    reading.fraction = lambda: record / max(len(rows), 1)
     for record, row in enumerate(rows, 1):
         if isinstance(row, dict):
             if text_column not in row:
@@ -422,11 +449,11 @@ def _json_array(path: Path, text_column: str) -> Iterator[str | None]:
         yield _checked(row, path, record, text_column)
 
 
-def _csv(path: Path, text_column: str) -> Iterator[str | None]:
+def _csv(path: Path, text_column: str, reading: Reading) -> Iterator[str | None]:
     """A CSV file with a header row: each row's `text_column` (an empty cell is empty text)."""
     record = 0
     try:
-        with _open_lines(path) as lines:
+        with _open_lines(path, reading) as lines:
             csv.field_size_limit(2**31 - 1)  # a document may be long: not the 128 KiB default
             reader = csv.DictReader(lines)
             if text_column not in (reader.fieldnames or []):
@@ -439,7 +466,7 @@ def _csv(path: Path, text_column: str) -> Iterator[str | None]:
         ) from None
 
 
-def _datasets(path: Path, text_column: str) -> Iterator[str]:
+def _datasets(path: Path, text_column: str, reading: Reading) -> Iterator[str]:
     try:
         import datasets
     except ImportError:
@@ -458,4 +485,5 @@ def _datasets(path: Path, text_column: str) -> Iterator[str]:
     if text_column not in dataset.column_names:
         raise _no_column(path, text_column, dataset.column_names)
     batches = dataset.select_columns([text_column]).iter(batch_size=ROWS_PER_BATCH)
-    yield from _rows(path, text_column, (batch[text_column] for batch in batches))
+    texts = (batch[text_column] for batch in batches)
+    yield from _rows(path, text_column, texts, len(dataset), reading)

@@ -258,11 +258,13 @@ def _chunks(
     separator: str | None,
     skip: int,
     found_text: list[bool],
-) -> Iterator[tuple[list[str], list[str]]]:
-    """(texts, where each comes from) for chunks of whole documents, after the first `skip`;
-    found_text[0] becomes True at the first document that is not all whitespace."""
-    texts, labels, chars, seen = [], [], 0, 0
-    for source in found:
+    sizes: list[int],
+) -> Iterator[tuple[list[str], tuple[list[str], int]]]:
+    """(texts, (where each comes from, the sources' bytes read so far)) for chunks of whole
+    documents, after the first `skip`; `sizes` are the sources' sizes in bytes; found_text[0]
+    becomes True at the first document that is not all whitespace."""
+    texts, labels, chars, seen, before = [], [], 0, 0, 0
+    for source, size in zip(found, sizes):
         for record, text in enumerate(corpus.read_source(source, text_column, reading), 1):
             pieces = [text]
             if separator:
@@ -279,10 +281,11 @@ def _chunks(
                 labels.append(where)
                 chars += len(piece)
                 if chars >= CHUNK_CHARS:
-                    yield texts, labels
+                    yield texts, (labels, before + round(size * min(reading.fraction(), 1)))
                     texts, labels, chars = [], [], 0
+        before += size
     if texts:
-        yield texts, labels
+        yield texts, (labels, before)
 
 
 def _in_order(chunks: Iterator, workers: int, tokenizer_path: str | None, dtype: np.dtype):
@@ -481,21 +484,27 @@ def prepare(
         raise cannot_write(staging, error) from None
 
     skip, found_text = done["documents"], [False]
+    sizes = [row["size"] for row in fingerprint["sources"]]
     chunks = _chunks(
-        found, text_column, reading, document_end, document_separator, skip, found_text
+        found, text_column, reading, document_end, document_separator, skip, found_text, sizes
     )
+    # Progress in the sources' bytes read (compressed ones as stored), which have a known total
+    # (documents do not): tqdm then shows a rate and an ETA.
     bar = tqdm(
         desc="tokenizing",
-        unit=" docs",
-        initial=done["documents"],
+        total=sum(sizes),
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
         file=sys.stderr,
         dynamic_ncols=True,
         mininterval=0.5,
         disable=not progress or not sys.stderr.isatty(),
     )
+    shown = 0
     try:
         with open(tokens_path, "ab") as tokens_file, open(starts_path, "ab") as starts_file:
-            for labels, result in _in_order(chunks, workers, tokenizer_path, dtype):
+            for (labels, read), result in _in_order(chunks, workers, tokenizer_path, dtype):
                 if isinstance(result, _EncodeError):
                     raise DataError(f"{labels[result.position]}: {result.reason}")
                 ids, lengths = result
@@ -516,8 +525,11 @@ def prepare(
                     _write_json(saved, {"fingerprint": fingerprint, "done": done})
                 except OSError as error:
                     raise cannot_write(saved, error) from None
-                bar.update(len(lengths))
-                bar.set_postfix(tokens=f"{done['tokens']:,}", refresh=False)
+                bar.update(read - shown)  # (a disabled bar keeps no count of its own)
+                shown = read
+                bar.set_postfix(
+                    documents=f"{done['documents']:,}", tokens=f"{done['tokens']:,}", refresh=False
+                )
     except BaseException:
         if done["documents"] == 0:  # nothing to resume from: leave no empty OUT.partial
             shutil.rmtree(staging, ignore_errors=True)

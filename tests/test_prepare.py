@@ -349,6 +349,36 @@ def test_resume_encodes_only_the_rest(tmp_path, capsys, monkeypatch):
     assert summary["documents"] == 120
 
 
+def test_progress_bar_counts_bytes_of_a_known_total(tmp_path, capsys, monkeypatch):
+    """The bar's total is the sources' bytes (so tqdm shows an ETA), and it moves within a
+    source (a.parquet has row groups of 7 rows, chunks are a few documents) up to that total."""
+    import tqdm
+
+    monkeypatch.setattr(token_cache, "CHUNK_CHARS", 400)
+    make_corpus(tmp_path / "corpus")
+    bars = []
+
+    class Spy(tqdm.tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.seen = []
+            bars.append(self)
+
+        def update(self, n=1):  # a disabled bar (stderr is no terminal here) counts nothing
+            super().update(n)
+            self.seen.append((self.seen[-1] if self.seen else 0) + n)
+
+    monkeypatch.setattr(tqdm, "tqdm", Spy)
+    status, _, _ = prepare(["--data", tmp_path / "corpus", "--out", tmp_path / "c"], capsys)
+    assert status == 0
+    (bar,) = bars
+    total = sum(p.stat().st_size for p in (tmp_path / "corpus").iterdir())
+    assert bar.total == total
+    assert bar.seen == sorted(bar.seen) and bar.seen[-1] == total
+    first = (tmp_path / "corpus" / "a.parquet").stat().st_size
+    assert any(0 < n < first for n in bar.seen), bar.seen  # inside the first source
+
+
 def test_bad_input_leaves_no_cache(tmp_path, capsys):
     """A missing column, a non-text record, an empty corpus: one line naming file and record,
     exit 2, no DIR (an empty corpus leaves no DIR.partial either)."""
