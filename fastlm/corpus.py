@@ -212,6 +212,12 @@ def stats(found: list[Source]) -> list[dict]:
     return rows
 
 
+def bytes_read(reading: Reading, before: int, size: int) -> int:
+    """For a progress bar: `before`, the bytes of the sources read whole, and the part read of
+    the one being read (`size` bytes)."""
+    return before + round(size * min(reading.fraction(), 1))
+
+
 def documents(found: list[Source], text_column: str, reading: Reading) -> Iterator[str]:
     """The documents of the sources in order, as text."""
     for source in found:

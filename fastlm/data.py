@@ -11,7 +11,9 @@ memory-mapped, split by rank, and drawn into batches.
 - Batches are a pure function of (seed, rank, step, micro-step): a resumed run draws exactly the
   batches the uninterrupted run would have drawn, with no sampler state to save.
 - `--data` is read by `fastlm.corpus`: text files, Parquet, JSON Lines or a `datasets` folder;
-  a folder written by `fastlm-prepare` (`fastlm.token_cache`) is memory-mapped instead.
+  a folder written by `fastlm-prepare` (`fastlm.token_cache`) is memory-mapped instead. A corpus
+  is tokenized document by document as its records are read (only the tokens are kept: the
+  whole text and one huge encoding of it took several times the corpus's size in memory).
 - Packed documents (`--pack-documents`): each corpus file (or record) is a document (and, with
   `--document-separator TEXT`, each stretch of text that ends with TEXT). Its text is tokenized
   on its own, its start recorded, and a batch then carries cu_seqlens that split its windows
@@ -21,13 +23,17 @@ memory-mapped, split by rank, and drawn into batches.
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import re
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from fastlm import corpus, token_cache
 from fastlm.corpus import DataError, Reading, corpus_sources
@@ -55,15 +61,39 @@ def read_corpus(
 ) -> Corpus:
     """The documents of `--data` (a text file each, or a record each; `fastlm.corpus`) joined
     by newlines, in memory; files in the folders `exclude` are left out, and with skip_empty
-    records of null or empty text."""
+    records of null or empty text. (`load_split` streams them instead: `_pieces`.)"""
     reading = Reading(skip_empty=skip_empty)
     found = corpus_sources(data, exclude, reading, text_column)
-    parts = list(corpus.documents(found, text_column, reading))
-    starts, offset = [], 0
-    for part in parts:
-        starts.append(offset)
-        offset += len(part) + 1  # the newline that joins it to the next
-    return Corpus("\n".join(parts), starts, reading)
+    parts = list(_pieces(found, text_column, reading))
+    starts = [0, *itertools.accumulate(len(part) for part in parts)][: len(parts)]
+    return Corpus("".join(parts), starts, reading)
+
+
+def _pieces(
+    found: list[corpus.Source],
+    text_column: str,
+    reading: Reading,
+    sizes: list[int] | None = None,
+    advance: Callable[[int], object] | None = None,
+) -> Iterator[str]:
+    """The corpus's text as `read_corpus` joins it, one document at a time: each document with
+    the newline that joins it to the next (the last one has none). `advance` gets the bytes of
+    the sources (their `sizes`) read since its last call."""
+    previous, before, told = None, 0, 0
+    for source, size in zip(found, sizes or [0] * len(found)):
+        for text in corpus.read_source(source, text_column, reading):
+            if previous is not None:
+                yield previous + "\n"
+            previous = text
+            if advance is not None:
+                at = corpus.bytes_read(reading, before, size)
+                advance(at - told)
+                told = at
+        before += size
+    if advance is not None:
+        advance(before - told)
+    if previous is not None:
+        yield previous
 
 
 def _names(paths: list[Path], limit: int = 5) -> str:
@@ -98,6 +128,7 @@ def load_split(
     text_column: str = "text",
     exclude: tuple[str | os.PathLike, ...] = (),
     skip_empty: bool = False,
+    progress: bool = False,
 ) -> TokenSplit:
     """Read the corpus, tokenize this rank's shard and split it into training and held-out tokens.
 
@@ -108,6 +139,8 @@ def load_split(
     text_column: the column or field of a Parquet, JSON Lines or `datasets` corpus.
     exclude: folders inside `data` that are none of its text (the run's checkpoint folder).
     skip_empty: skip records whose text is null or empty (counted in a note), not refuse them.
+    progress: a corpus (not a cache) is tokenized under a progress bar on stderr, when it is a
+    terminal: what is tokenized, from how many files, the bytes read against their total.
 
     A folder written by `fastlm-prepare` (`fastlm.token_cache`) is not read into memory: its
     parts are memory-mapped, and this rank's windows read from the file as batches need them.
@@ -124,32 +157,47 @@ def load_split(
         return token_cache.load_split(
             data, tokenizer, context_length, rank, world_size, pack_documents, warn, val_fraction
         )
-    text_corpus = read_corpus(data, text_column, exclude, skip_empty)
+    reading = Reading(skip_empty=skip_empty)
+    found = corpus_sources(data, exclude, reading, text_column)
+    where = f"the corpus at {data}" if data else "the default corpus"
+    first, end = 0, math.inf
+    if world_size > 1:  # this rank's shard of the text's characters: a first pass counts them
+        length = sum(map(len, _pieces(found, text_column, Reading(skip_empty=skip_empty))))
+        shard = length // world_size
+        first, end = rank * shard, (rank + 1) * shard
+    separator = document_separator if pack_documents else None
+    files = f"{len(found)} file" + ("s" if len(found) != 1 else "")
+    sizes = [row["size"] for row in corpus.stats(found)]
+    bar = tqdm(
+        desc=f"tokenizing {where} ({files}) with {getattr(tokenizer, 'path', 'UTF-8 bytes')}",
+        total=sum(sizes),
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        leave=False,  # an error after it stays one line
+        file=sys.stderr,
+        dynamic_ncols=True,
+        mininterval=0.5,
+        disable=not progress or not sys.stderr.isatty(),
+    )
+    with bar:
+        pieces = _pieces(found, text_column, reading, sizes, bar.update)
+        tokens, starts, has_text = _encode_documents(tokenizer, pieces, first, end, separator)
     if warn is not None:
-        for line in corpus.notes(text_corpus.reading):
+        for line in corpus.notes(reading):
             warn(line)
-    text = text_corpus.text
-    if not text.strip():
-        where = f"the corpus at {data}" if data else "the default corpus"
+    if not has_text:
         skipped = (
             (
-                f" (skipped as binary, with NUL bytes: {_names(text_corpus.reading.skipped)}; "
+                f" (skipped as binary, with NUL bytes: {_names(reading.skipped)}; "
                 "UTF-16 text must be converted to UTF-8)"
             )
-            if text_corpus.reading.skipped
+            if reading.skipped
             else ""
         )
         raise DataError(f"{where} is empty{skipped}")
-    shard = len(text) // world_size
-    first, end = rank * shard, (rank + 1) * shard
-    if pack_documents:
-        starts = text_corpus.starts
-        if document_separator:
-            ends = (m.end() for m in re.finditer(re.escape(document_separator), text))
-            starts = sorted({*starts, *(e for e in ends if e < len(text))})
-        tokens, starts = _encode_documents(tokenizer, text, starts, first, end)
-    else:
-        tokens, starts = tokenizer.encode(text[first:end]), None
+    if not pack_documents:
+        starts = None
     n_val = int(len(tokens) * val_fraction)
     n_train = len(tokens) - n_val
     split = TokenSplit(train=tokens[:n_train], val=tokens[n_train:])
@@ -161,15 +209,31 @@ def load_split(
 
 
 def _encode_documents(
-    tokenizer: Tokenizer, text: str, starts: list[int], first: int, end: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """text[first:end] tokenized one document at a time, and the token positions where the
-    documents that begin in it begin (a shard may start inside a document)."""
-    cuts = [first, *(s for s in starts if first < s < end), end]
-    pieces = [tokenizer.encode(text[a:b]) for a, b in zip(cuts, cuts[1:])]
-    lengths = torch.tensor([len(p) for p in pieces], dtype=torch.int64)
-    token_starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
-    return torch.cat(pieces), token_starts[lengths > 0]
+    tokenizer: Tokenizer, pieces: Iterator[str], first: int, end: float, separator: str | None
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Characters [first, end) of the text that `pieces` (the documents, `_pieces`) make up,
+    tokenized as they are read, one document at a time (a document also ends after each
+    `separator` in it): the tokens, the token positions where the documents that begin in the
+    range begin (a shard may start inside a document), and whether any document holds more
+    than whitespace. Only the tokens are kept, never the text."""
+    kept, lengths, offset, has_text = [], [], 0, False
+    for piece in pieces:
+        has_text = has_text or (bool(piece) and not piece.isspace())
+        a, b = max(offset, first), min(offset + len(piece), end)
+        cuts = [a]
+        if separator and a < b:
+            ends = (offset + m.end() for m in re.finditer(re.escape(separator), piece))
+            cuts += [e for e in ends if a < e < b]
+        cuts.append(b)
+        for x, y in zip(cuts, cuts[1:]):
+            if x < y:
+                kept.append(tokenizer.encode(piece[x - offset : y - offset]))
+                lengths.append(len(kept[-1]))
+        offset += len(piece)
+    lengths = torch.tensor(lengths, dtype=torch.int64)
+    token_starts = lengths.cumsum(0) - lengths
+    tokens = torch.cat(kept) if kept else torch.empty(0, dtype=torch.int32)
+    return tokens, token_starts[lengths > 0], has_text
 
 
 # --------------------------------------------------------------------------------------------

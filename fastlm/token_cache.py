@@ -281,7 +281,7 @@ def _chunks(
                 labels.append(where)
                 chars += len(piece)
                 if chars >= CHUNK_CHARS:
-                    yield texts, (labels, before + round(size * min(reading.fraction(), 1)))
+                    yield texts, (labels, corpus.bytes_read(reading, before, size))
                     texts, labels, chars = [], [], 0
         before += size
     if texts:

@@ -281,3 +281,45 @@ def test_training_command_on_parquet_shards(tmp_path, capsys):
     status, _, err = run_main([*args, "--out", tmp_path / "bad"], capsys)
     assert status == 2 and err.strip().count("\n") == 0
     assert f"fastlm-train: error: {shards / '003.parquet'}: no column 'text'" in err
+
+
+def test_training_corpus_is_tokenized_as_it_is_read(tmp_path, monkeypatch):
+    """Without a cache, each document is tokenized as its record batch comes in: never the whole
+    text at once (the old way held it all, then its tokens); the tokens are the joined text's,
+    under a progress bar that says what is tokenized and counts the file's bytes."""
+    import fastlm.data
+
+    docs = DOCS * 3
+    path = write_parquet(tmp_path / "one.parquet", docs)
+    monkeypatch.setattr(corpus, "ROWS_PER_BATCH", 2)
+    events = []
+    iter_batches = pq.ParquetFile.iter_batches
+
+    def batches(self, *args, **kwargs):
+        for batch in iter_batches(self, *args, **kwargs):
+            events.append(("batch", batch.num_rows))
+            yield batch
+
+    class Spy(ByteTokenizer):
+        def encode(self, text):
+            events.append(("encode", len(text)))
+            return super().encode(text)
+
+    bars, tqdm = [], fastlm.data.tqdm
+
+    def bar(**kwargs):
+        bars.append(kwargs)
+        return tqdm(**kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", batches)
+    monkeypatch.setattr(fastlm.data, "tqdm", bar)
+    split = load_split(path, Spy(), context_length=8, val_fraction=0.2, progress=True)
+    (kwargs,) = bars
+    assert f"tokenizing the corpus at {path} (1 file)" in kwargs["desc"]
+    assert kwargs["total"] == path.stat().st_size
+    kinds = [kind for kind, _ in events]
+    assert kinds.count("batch") == (len(docs) + 1) // 2
+    assert kinds.index("encode") < len(kinds) - 1 - kinds[::-1].index("batch")
+    assert max(n for kind, n in events if kind == "encode") <= max(map(len, docs)) + 1
+    tokens = torch.cat([split.train, split.val])
+    assert bytes(tokens.tolist()) == "\n".join(docs).encode()

@@ -540,6 +540,7 @@ def prepare(
             args.text_column,
             exclude=(out,),  # a checkpoint folder inside --data is none of its text
             skip_empty=args.skip_empty,
+            progress=not args.no_progress and run.is_main,
         ),
     )
     return Trainer(args, run, config, tokenizer.name, out, split, saved)
