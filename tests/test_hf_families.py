@@ -123,6 +123,7 @@ FAMILY_CONFIGS = {
     "bitnet": dict(),
     "minimax": dict(layer_types=["linear_attention", "full_attention"], block_size=4),
     "dots1": dict(first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1),
+    "olmoe": dict(),
     "qwen3_next": dict(
         layer_types=["linear_attention", "full_attention"],
         linear_key_head_dim=8,
@@ -252,9 +253,14 @@ def _batches():
 
 #: fastlm's attention ops: one call per attention layer forward, one backward.
 ATTENTION_OPS = ("flash_attention", "flash_attention_varlen")
-#: Families whose experts' gate is gpt-oss's clamped SwiGLU: the op that must run it, forward and
-#: backward (the whole experts, interleaved gate/up, clamp and biases: fastlm.moe_experts).
-OPTIONS_GATE = {"gpt_oss": "moe_experts"}
+#: Families whose experts run on fastlm.moe_experts, forward and backward: those of transformers'
+#: experts interface (gpt-oss's with its clamped, interleaved, biased gate) and Llama 4's block,
+#: which scales each token's input by its router score.
+EXPERTS_ON_THE_OP = {
+    "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "granitemoe",
+    "llama4_text", "ernie4_5_moe", "hunyuan_v1_moe", "minimax", "dots1", "olmoe", "qwen3_next",
+    "jamba", "gemma4_text",
+}  # fmt: skip
 
 
 def patched_copy(model):
@@ -365,9 +371,10 @@ def test_family_patched_matches_unpatched(family):
         assert not {"sdpa", "softmax over keys"} & calls.names, calls.calls
         if "rope" in model.fastlm_patched:  # found a layout: no family code rotates instead
             assert calls.calls["rope"] > 0, calls.calls
-        if family in OPTIONS_GATE:
-            gate = OPTIONS_GATE[family]
-            assert calls.calls[gate] > 0 and calls.calls[f"{gate}_backward"] > 0, calls.calls
+        if family in EXPERTS_ON_THE_OP:
+            assert "moe_experts" in model.fastlm_patched
+            assert calls.calls["moe_experts"] > 0, calls.calls
+            assert calls.calls["moe_experts_backward"] > 0, calls.calls
 
 
 def test_layers_of_a_head_dim_the_kernel_does_not_take(monkeypatch):
@@ -484,6 +491,27 @@ class _ClampedExperts(torch.nn.Module):
     def _apply_gate(self, gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
         return self.act_fn(gate.clamp(max=self.bound)) * up.clamp(-self.bound, self.bound)
+
+
+def test_an_experts_block_runs_on_the_op_only_if_it_scales_the_input():
+    """Llama 4's block (the token scaled by its router score before its experts) is found by
+    what it computes; the same block weighting its experts' outputs instead, a formula the
+    input-scaled forward does not compute, is left with the reason."""
+    model = tiny_model("llama4_text")
+    block = next(m for m in model.modules() if type(m).__name__ == "Llama4TextMoe")
+    options = probe.input_scaled_experts_options(block)
+    assert options == dict(transposed=True, activation="silu", shared="shared_expert")
+
+    class OutputWeighted(type(block)):
+        def forward(self, hidden_states):
+            x = hidden_states.reshape(-1, self.hidden_dim)
+            scores, logits = self.router(x)  # (T, E), 0 outside the top k
+            routed = self.experts(x.repeat(self.num_experts, 1)).view(self.num_experts, *x.shape)
+            return self.shared_expert(x) + (routed * scores.T[..., None]).sum(0), logits
+
+    block.__class__ = OutputWeighted
+    assert probe.input_scaled_experts_candidate(block)
+    assert "not sum_j down_e" in probe.input_scaled_experts_options(block)
 
 
 def test_a_clamp_runs_on_the_kernel_or_is_left_never_dropped():

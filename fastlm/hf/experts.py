@@ -20,7 +20,7 @@ from fastlm.kernels.moe.experts import moe_experts
 NAME = "fastlm"
 
 #: The probe's activation names (`fastlm.hf.forwards.activation_of`) as moe_experts's.
-_ACTIVATIONS = {"silu": "silu", "tanh": "gelu_tanh", "none": "gelu"}
+EXPERTS_ACTIVATIONS = {"silu": "silu", "tanh": "gelu_tanh", "none": "gelu"}
 
 
 def fastlm_experts_forward(
@@ -68,7 +68,7 @@ def use_op(module: torch.nn.Module, gate_options: dict) -> bool:
     form = stacked and getattr(module, "has_gate", False) and hasattr(module, "config")
     if not form or getattr(module, "has_post_expert_norm", True) or module._is_expert_parallel:
         return False
-    activation = _ACTIVATIONS.get(gate_options["activation"])
+    activation = EXPERTS_ACTIVATIONS.get(gate_options["activation"])
     if activation is None:
         return False
     clamp = {k: v for k, v in gate_options.items() if k not in ("activation", "interleaved")}

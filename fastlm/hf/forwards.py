@@ -23,6 +23,7 @@ from fastlm.backend import use_triton
 from fastlm.hf.families import IGNORE_INDEX, modeling_module
 from fastlm.kernels import cross_entropy, geglu, rms_norm, swiglu_packed
 from fastlm.kernels import swiglu as swiglu_op
+from fastlm.kernels.moe.experts import moe_experts
 from fastlm.kernels.rope import rope_ref
 from fastlm.tensor_parallel import lm_head_cross_entropy
 
@@ -114,6 +115,39 @@ def experts_gate(self, gate_up: torch.Tensor, activation: str, interleaved: bool
     if interleaved:
         return swiglu_packed(gate_up, interleaved=True, **options)
     return packed_gated(gate_up, activation, True, **options)
+
+
+def input_scaled_experts_forward(self, hidden_states: torch.Tensor, transposed: bool,
+                                 activation: str, shared: str | None, experts_op=None):  # fmt: skip
+    """Llama 4's MoE block: each token's top-k experts take the token scaled by its router score
+    (the router's own output, 0 outside the top k) and their outputs add, beside the shared
+    expert:
+
+        out[t] = shared(x[t]) + sum_j down_e(act(gate_up_e(s[t, e] x[t]))),  e = ids[t, j]
+
+    Llama 4's own forward runs every expert over every token (those it did not choose take a
+    zero row); here only the chosen ones run, on `fastlm.moe_experts` with weight 1 (the score
+    scales the input, not the output). Returns (out (T, D), router logits (T, E)), as it does.
+    `experts_op`: the experts' math (the probe passes the float64 reference)."""
+    experts_op = experts_op or moe_experts
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])  # (T, D)
+    scores, logits = self.router(x)  # (T, E) each
+    ids = torch.topk(logits, self.top_k, dim=1).indices  # (T, k), as the router chose them
+    k, tokens = ids.shape[1], x.shape[0]
+    routed_in = x * scores.gather(1, ids).T.reshape(k, tokens, 1)  # (k, T, D)
+    routed = experts_op(
+        routed_in.reshape(k * tokens, -1),
+        ids.T.reshape(-1, 1),
+        x.new_ones(k * tokens, 1),
+        self.experts.gate_up_proj,
+        self.experts.down_proj,
+        transposed=transposed,
+        activation=activation,
+    ).view(k, tokens, -1)
+    out = routed.sum(0)
+    if shared is not None:
+        out = getattr(self, shared)(x) + out
+    return out, logits
 
 
 # --------------------------------------------------------------------------------------------
@@ -511,6 +545,7 @@ PARTS = {
     "mlp": mlp_forward,
     "packed_mlp": packed_mlp_forward,
     "experts_gate": experts_gate,
+    "input_scaled_experts": input_scaled_experts_forward,
     "attention": attention_forward,
     "kv_shared_inputs": kv_shared_inputs,
     "causal_lm": causal_lm_forward,

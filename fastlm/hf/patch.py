@@ -131,6 +131,14 @@ def _patch_mlps(model, report) -> None:
                     "experts_implementation 'eager' computes the gate inline; "
                     "set_experts_implementation('grouped_mm') runs it on the kernel",
                 )
+        elif probe.input_scaled_experts_candidate(module):
+            found = probe.input_scaled_experts_options(module)
+            if isinstance(found, str):
+                report.leave(name, found)
+            else:  # the whole block's experts on fastlm.moe_experts
+                bind([module], "input_scaled_experts", **found)
+                report.ran("moe_experts")
+            continue
         else:
             continue
         report.ran("swiglu" if options["activation"] == "silu" else "geglu")

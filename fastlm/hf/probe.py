@@ -28,9 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from fastlm.hf.experts import EXPERTS_ACTIVATIONS
 from fastlm.hf.families import config_value
-from fastlm.hf.forwards import activation_of, number_holder
+from fastlm.hf.forwards import activation_of, input_scaled_experts_forward, number_holder
 from fastlm.kernels.geglu import geglu_ref
+from fastlm.kernels.moe.experts import moe_experts_ref
 from fastlm.kernels.rmsnorm import rms_norm_ref
 from fastlm.kernels.swiglu import swiglu_packed_ref, swiglu_ref
 
@@ -442,6 +444,69 @@ def experts_gate_options(module: nn.Module) -> dict | str:
         if all(_agree(ours, expected) for expected in modes):
             return options
     return "their gate is neither act(gate) * up nor gpt-oss's clamped SwiGLU of the projection"
+
+
+def input_scaled_experts_candidate(module: nn.Module) -> bool:
+    """A `router` child, an `experts` child with stacked 3-D `gate_up_proj` and `down_proj` that
+    does not dispatch through transformers' experts interface (which gives its classes an
+    `_apply_gate`), and a `top_k`: maybe an MoE block that scales each token's input by its
+    router score (Llama 4's)."""
+    experts = getattr(module, "experts", None)
+    stacked = isinstance(experts, nn.Module) and all(
+        isinstance(getattr(experts, n, None), torch.Tensor) and getattr(experts, n).dim() == 3
+        for n in ("gate_up_proj", "down_proj")
+    )
+    return (
+        stacked
+        and not hasattr(type(experts), "_apply_gate")
+        and isinstance(getattr(module, "router", None), nn.Linear)
+        and isinstance(getattr(module, "top_k", None), int)
+    )
+
+
+class _InputScaled(nn.Module):
+    """`forwards.input_scaled_experts_forward` on the reference experts as a forward, so that
+    `functional_call` can run it with the block's parameters replaced."""
+
+    def __init__(self, block: nn.Module, **options):
+        super().__init__()
+        self.block, self.options = block, options
+
+    def forward(self, x: torch.Tensor):
+        options = dict(self.options, experts_op=moe_experts_ref)
+        return input_scaled_experts_forward(self.block, x, **options)
+
+
+def input_scaled_experts_options(module: nn.Module) -> dict | str:
+    """Options for `forwards.input_scaled_experts_forward` (the experts' layout, activation and
+    the shared expert's child name) if the block computes it, else why not: both run in float64
+    on random parameters, in training and eval mode, their outputs and router logits compared."""
+    experts = module.experts
+    activation = EXPERTS_ACTIVATIONS.get(_activation(experts)[0])
+    if activation is None:
+        return "their experts' activation is none fastlm has (SiLU, GELU)"
+    others = [n for n, _ in module.named_children() if n not in ("router", "experts")]
+    unread = [n for n, _ in itertools.chain(experts.named_parameters(), experts.named_buffers())]
+    unread = [n for n in unread if n not in ("gate_up_proj", "down_proj")]
+    if len(others) > 1 or unread or unread_state(module, ("router", "experts", *others)):
+        return "it holds more than a router, stacked gate/up and down experts and a shared expert"
+    device = probe_device(module)
+    values = random_parameters(module, device)
+    hidden = module.router.in_features
+    x = torch.randn(7, hidden, generator=_generator(device), dtype=torch.float64, device=device)
+    with torch.no_grad():
+        theirs = in_both_modes(module, device, lambda: functional_call(module, values, (x,)))
+        values = {f"block.{name}": value for name, value in values.items()}
+        shared = next(iter(others), None)
+        for transposed in (True, False):
+            options = dict(transposed=transposed, activation=activation, shared=shared)
+            try:
+                ours = functional_call(_InputScaled(module, **options), values, (x,))
+            except RuntimeError:  # the other layout's shapes do not chain
+                continue
+            if all(isinstance(t, tuple) and _agree(list(ours), list(t)) for t in theirs):
+                return options
+    return "it is not sum_j down_e(act(gate_up_e(score_j x))) over the router's choice"
 
 
 # --------------------------------------------------------------------------------------------
