@@ -1,6 +1,7 @@
 """`python -m fastlm.cli.generate` on a checkpoint written by `fastlm.cli.train`: streaming, seeds,
 whole characters from byte tokens, and one-line errors."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -12,8 +13,9 @@ from test_train import TOY
 import fastlm
 import fastlm.cli.generate as generate_cli
 import fastlm.cli.train as train_cli
-from fastlm.checkpoint import load_model
+from fastlm.checkpoint import load_config, load_model
 from fastlm.data import DataError
+from fastlm.testing import assert_close
 from fastlm.tokens import ByteTokenizer, load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -86,7 +88,7 @@ def test_weights_file_path_and_package_function(trained, capsys):
 
 def test_default_length_stays_within_the_context(trained, capsys):
     """The tiny model's context is 16: "abc" leaves 13 tokens, and a prompt that fills the
-    context needs --max-new-tokens (past it every step would rerun the model on a slid window)."""
+    context needs --max-new-tokens (past it the model attends to a sliding window only)."""
     argv = ["--checkpoint", trained, "--model", "reference", "--prompt"]
     status, text, err = generate(capsys, *argv, "abc")
     assert status == 0 and err.startswith("fastlm-generate: 13 tokens in"), err
@@ -315,6 +317,33 @@ def test_reference_generates_through_one_window_shape(trained):
     out = fastlm.sample(model, prompt, 20, temperature=0)  # past the context of 16: slides
     assert set(shapes) == {(1, model.context_length)} and len(shapes) == 20
     assert out.shape == (22,)  # that the padding changes no token: the test below
+
+
+def test_past_the_context_the_kv_cache_slides(trained, monkeypatch):
+    """Past the context (16) the fastlm model's cache slides: each step runs one token through
+    the model (it ran the whole window), and the logits are those of a sliding-window attention
+    over the whole text: the same weights at a context of the text's length, each token
+    attending to itself and the 15 before it, all rotated by their absolute positions."""
+    model, _ = load_model(trained)
+    width = model.context_length
+    fed, logits = [], []
+    model.register_forward_pre_hook(lambda module, args: fed.append(args[0].shape[-1]))
+    model.register_forward_hook(lambda module, args, out: logits.append(out[0, -1]))
+    out = fastlm.sample(model, torch.tensor([97, 98, 99]), width + 3, temperature=0)
+    assert fed == [3] + [1] * (width + 2)  # the last 6 steps past the context
+    config = fastlm.ModelConfig.from_dict({**load_config(trained), "context_length": out.numel()})
+    wide = fastlm.build_model(config, "fastlm", "cpu")
+    wide.load_state_dict(model.state_dict())
+    window = functools.partial(fastlm.model.flash_attention, window_size=(width - 1, 0))
+    monkeypatch.setattr(fastlm.model, "flash_attention", window)  # the cached path's attention
+    with torch.no_grad():
+        windowed = wide(out[None], kv_cache=wide.make_kv_cache())[0]
+    # Both in float32: the sums differ in order only (the ring's slots are not in position order).
+    assert_close(torch.stack(logits), windowed[2:-1], torch.float32, "sliding cache's logits")
+    cache = model.make_kv_cache()
+    model(out[None, :width], kv_cache=cache)
+    with pytest.raises(ValueError, match="token_ids: 16 cached .* slides one token at a time"):
+        model(out[None, :2], kv_cache=cache)
 
 
 def test_never_samples_ids_the_tokenizer_cannot_decode(tmp_path, capsys):
