@@ -14,6 +14,7 @@ import fastlm
 import fastlm.cli.generate as generate_cli
 import fastlm.cli.train as train_cli
 from fastlm.checkpoint import load_config, load_model
+from fastlm.cli import THREAD_CROSSOVER_FLOPS, choose_threads
 from fastlm.data import DataError
 from fastlm.testing import assert_close
 from fastlm.tokens import ByteTokenizer, load_tokenizer
@@ -317,6 +318,39 @@ def test_reference_generates_through_one_window_shape(trained):
     out = fastlm.sample(model, prompt, 20, temperature=0)  # past the context of 16: slides
     assert set(shapes) == {(1, model.context_length)} and len(shapes) == 20
     assert out.shape == (22,)  # that the padding changes no token: the test below
+
+
+def test_threads_follow_the_steps_work_and_the_free_cores(trained, capsys, monkeypatch):
+    """A thread, and one more for each THREAD_CROSSOVER_FLOPS of a step's work, within the cores
+    the load leaves free; --threads and OMP_NUM_THREADS override; fastlm-generate passes its step's
+    work (one token's forward: 2 FLOPs a weight) and says why."""
+    crossover = THREAD_CROSSOVER_FLOPS
+    assert choose_threads(None, 2, 0.0, {}, work=crossover * 0.99) == (
+        1,
+        f"the load 0.0 leaves 2 of 2 cores free; a step of {crossover * 0.99 / 1e9:.3g} GFLOP "
+        "pays for 1",
+    )
+    assert choose_threads(None, 2, 0.0, {}, work=crossover) == (
+        2,
+        "the load 0.0 leaves 2 of 2 cores free",
+    )
+    assert choose_threads(None, 16, 0.0, {}, work=crossover * 3.5)[0] == 4
+    assert choose_threads(None, 2, 7.3, {}, work=crossover * 100)[0] == 1  # the load's limit
+    assert choose_threads(None, 2, 0.0, {}, work=None)[0] == 2  # work not known: the cores'
+    assert choose_threads(None, 2, 0.0, {"OMP_NUM_THREADS": "2"}, work=1.0)[0] == 2
+    assert choose_threads(2, 2, 0.0, {"OMP_NUM_THREADS": "1"}, work=1.0) == (2, "--threads")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    weights = sum(p.numel() for p in load_model(trained)[0].parameters())
+    status, _, err = generate(
+        capsys, "--checkpoint", trained, "--prompt", "ab", "--max-new-tokens", "1"
+    )
+    assert status == 0, err
+    assert err.endswith(
+        f"s on 1 CPU thread (the load 0.0 leaves 2 of 2 cores free; a step of "
+        f"{2 * weights / 1e6:.3g} MFLOP pays for 1)\n"
+    ), err
 
 
 def test_past_the_context_the_kv_cache_slides(trained, monkeypatch):

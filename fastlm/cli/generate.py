@@ -91,7 +91,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--threads",
         type=int,
         help="CPU threads (default: OMP_NUM_THREADS if set, else the cores the machine's load "
-        "leaves free, at least 1)",
+        "leaves free, at least 1, and no more than the model's step pays for: 1, and 1 more for "
+        "each 2 GFLOP of a step: one token's forward)",
     )
     return parser.parse_args(argv)
 
@@ -114,12 +115,13 @@ def check_args(args: argparse.Namespace) -> torch.device:
 
 def stream(args: argparse.Namespace) -> int:
     device = check_args(args)
+    model, tokenizer = load_model(args.checkpoint, args.model, device)
     on = ""
-    if device.type == "cpu":
-        threads, why = cpu_threads(args.threads)
+    if device.type == "cpu":  # a step: one token's forward, 2 FLOPs a weight
+        work = 2 * sum(p.numel() for p in model.parameters())
+        threads, why = cpu_threads(args.threads, work)
         torch.set_num_threads(threads)  # main() restores the setting
         on = f" on {threads} CPU thread{'s' if threads > 1 else ''} ({why})"
-    model, tokenizer = load_model(args.checkpoint, args.model, device)
     try:
         prompt_ids = tokenizer.encode(args.prompt).long().to(device)
     except DataError as error:
