@@ -18,6 +18,7 @@ load both ways with `strict=True`. What changes is how the math runs:
 - `loss()` runs the final norm's output through fused linear cross-entropy: the [tokens x vocab]
   logits never exist at once;
 - generation uses a KV cache (`make_kv_cache`) read by flash attention with fewer queries than keys;
+  past the context it slides (`KVCache`);
 - `set_context_parallel(group)` spreads each sequence over a process group's ranks
   (`fastlm.distributed`): RoPE and flash attention on each rank's shard, keys and values
   exchanged with the others.
@@ -46,7 +47,7 @@ from fastlm.kernels.attention import MAX_HEAD_DIM, flash_attention, rope_attenti
 from fastlm.kernels.linear import autocast_dtype, cast_weights, half_linear
 from fastlm.kernels.linear_cross_entropy import linear_cross_entropy
 from fastlm.kernels.rmsnorm import add_rms_norm, rms_norm
-from fastlm.kernels.rope import apply_rope_, check_positions
+from fastlm.kernels.rope import apply_rope_, check_positions, rope_frequencies
 from fastlm.modules import RmsNorm, RoPE, SwiGlu
 
 
@@ -89,12 +90,21 @@ class Embedding(reference.Embedding):
 
 
 class KVCache:
-    """Keys and values of every layer for up to `max_seq_len` positions, for generation.
+    """Keys and values of every layer for the last `max_seq_len` positions, for generation.
 
     Each layer's k and v are [B, H, max_seq_len, D], allocated at the first append in the dtype
     the attention computes in (bf16 under autocast). `length` counts the positions written: a
     forward through the model appends each layer's new keys and values at `length`, then advances
     it by the new tokens.
+
+    Once max_seq_len positions are written the cache slides: tokens then come one at a time, each
+    written over the oldest's slot (a ring), so the new token attends to itself and the
+    max_seq_len - 1 tokens before it, and costs one token's forward. Keys keep the RoPE rotation
+    of their absolute position and the new token is rotated by its own (past the RoPE tables:
+    `MultiHeadAttentionWithRoPE`), so attention sees the same relative distances as within the
+    context: it is a sliding-window attention of width max_seq_len (as transformers' sliding
+    window cache). It is not re-encoding the last max_seq_len tokens: the kept keys and values of
+    the deeper layers are those computed when their token was new, from the tokens it saw then.
 
     Args:
         num_layers: the model's blocks.
@@ -110,31 +120,41 @@ class KVCache:
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Store this step's k, v after the cached ones and return all of them.
 
-        Writes positions `length` to `length + T - 1` of `layer`'s cache; `length` itself is
-        advanced by the model once every layer has appended.
+        Writes positions `length` to `length + T - 1` of `layer`'s cache (once full, the one new
+        position over the oldest); `length` itself is advanced by the model once every layer has
+        appended.
 
         Args:
             layer: the block's index.
             k, v: (B, H, T, D), this step's keys and values.
 
         Returns:
-            (k, v), each (B, H, S, D) with S = length + T: views of the cache.
+            (k, v), each (B, H, S, D) with S = min(length + T, max_seq_len): views of the cache,
+            in slot order (once it slides, not in position order: attention sums over them).
 
         Raises:
-            ValueError: length + T above max_seq_len.
+            ValueError: as `check_room`.
         """
         B, H, T, D = k.shape
-        end = self.length + T
-        if end > self.max_seq_len:
-            raise ValueError(
-                f"the KV cache holds {self.max_seq_len} positions; {end} were asked for"
-            )
+        self.check_room(T)
         if self.k[layer] is None:
             self.k[layer] = k.new_zeros(B, H, self.max_seq_len, D)
             self.v[layer] = v.new_zeros(B, H, self.max_seq_len, D)
-        self.k[layer][:, :, self.length : end] = k
-        self.v[layer][:, :, self.length : end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        start = self.length % self.max_seq_len  # the oldest's slot once full (check_room: T 1)
+        self.k[layer][:, :, start : start + T] = k
+        self.v[layer][:, :, start : start + T] = v
+        S = min(self.length + T, self.max_seq_len)
+        return self.k[layer][:, :, :S], self.v[layer][:, :, :S]
+
+    def check_room(self, new_tokens: int) -> None:
+        """ValueError naming token_ids unless `new_tokens` may follow the cached ones: up to
+        max_seq_len positions in all, then one token at a time (the cache slides)."""
+        if new_tokens > 1 and self.length + new_tokens > self.max_seq_len:
+            raise ValueError(
+                f"token_ids: {self.length} cached + {new_tokens} new tokens exceed "
+                f"context_length={self.max_seq_len}; past it the KV cache slides one token at a "
+                "time"
+            )
 
 
 def kernels_run_on(device: torch.device | str | None) -> bool:
@@ -324,20 +344,27 @@ class MultiHeadAttentionWithRoPE(nn.Module):
         # q (B, H, T, D), k and v (B, Hkv, T, D): views of the projection; q and k rotated in its
         # storage, in one launch.
         q, k, v = split_heads(self.qkv_proj(x, half_qkv), H, Hkv)
-        apply_rope_(
-            q,
-            k,
-            self.rope.cos_cached,
-            self.rope.sin_cached,
-            token_positions,
-            interleaved=self.rope.interleaved,
-        )
+        cos, sin = self.rope.cos_cached, self.rope.sin_cached
+        if kv_cache is not None and kv_cache.length + T > cos.shape[0]:  # a sliding cache
+            cos, sin, token_positions = _rope_rows(self.rope, token_positions)
+        apply_rope_(q, k, cos, sin, token_positions, interleaved=self.rope.interleaved)
         if kv_cache is not None:
             k, v = kv_cache.append(layer, k, v)  # (B, Hkv, S, D)
             out = flash_attention(q, k, v, causal=True)  # (B, H, T, D)
         else:  # (B, H, T, D) in (B, T, H, D) memory, the keys exchanged with the group
             out = context_parallel_attention(q, k, v, context_parallel)
         return self.output_proj(out.transpose(1, 2).reshape(B, T, -1), half_out)
+
+
+def _rope_rows(rope: RoPE, positions: torch.Tensor):
+    """(cos, sin, index): the RoPE rows of `positions`, which may lie past rope's tables (a
+    sliding KV cache's), by the tables' own formula (`rope_tables`: the same float32 products, so
+    a position inside the tables gets its table row), and each position's row in them."""
+    angles = torch.outer(
+        positions.reshape(-1).float(), rope_frequencies(rope.theta, rope.d_k, positions.device)
+    )
+    index = torch.arange(positions.numel(), device=positions.device).reshape(positions.shape)
+    return angles.cos(), angles.sin(), index
 
 
 class TransformerBlock(reference.TransformerBlock):
@@ -502,7 +529,7 @@ class Transformer(reference.Transformer):
 
         Args:
             token_ids: (B, T) int32 or int64 in [0, vocab_size); with a KV cache, cached + T at
-                most context_length.
+                most context_length, or T 1 past it (the cache slides: `KVCache`).
             token_positions: (T,) or (B, T) integers in [0, context_length), the positions RoPE
                 rotates by (default: L to L + T - 1, L the KV cache's length, 0 without one). Their
                 values are checked once here, not in every layer.
@@ -692,7 +719,7 @@ class Transformer(reference.Transformer):
         return loss if group is None else mean_share(loss, targets, ignore_index, group)
 
     def make_kv_cache(self, batch_size: int | None = None) -> KVCache:
-        """An empty KV cache for generating up to context_length positions.
+        """An empty KV cache for generating: the last context_length positions (`KVCache`).
 
         Args:
             batch_size: unused: the batch size is taken from the first tokens appended.
@@ -710,11 +737,8 @@ def _check_tokens(
     token values are read back only from CPU tensors. On a GPU, and under torch.compile, an id
     outside the vocabulary trips a device-side assert instead (a RuntimeError at the next
     synchronisation; F.embedding would otherwise read out of bounds)."""
-    if kv_cache is not None and kv_cache.length + token_ids.shape[-1] > context_length:
-        raise ValueError(
-            f"token_ids: {kv_cache.length} cached + {token_ids.shape[-1]} new tokens "
-            f"exceed context_length={context_length}"
-        )
+    if kv_cache is not None:
+        kv_cache.check_room(token_ids.shape[-1])
     on_host = token_ids.device.type == "cpu" and not torch.compiler.is_compiling()
     reference.check_token_input(token_ids, vocab_size, context_length, check_values=on_host)
     if not on_host:

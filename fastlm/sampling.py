@@ -3,12 +3,16 @@ has one. `fastlm.sample` (this module's `sample`) is the public function; `pytho
 fastlm.cli.generate` is the command built on `sample_stream`.
 
 A model with a KV cache exposes `make_kv_cache(batch_size)` and accepts `forward(token_ids,
-token_positions, kv_cache=cache)`; each step then feeds only the new token. Any other model (the
-reference `Transformer`, say) runs the whole window each step, padded on the right to the full
-context: causal attention keeps the padding out of the real tokens' logits, and every step has
-the same shape, so code specialised per shape (the reference's einx expressions) is prepared
-once rather than once per length. When the context is full, both keep the last
-`context_length` tokens (a cached model restarts its cache on that window).
+kv_cache=cache)`; each step then feeds only the new token, also past the context, where the cache
+slides (`fastlm.KVCache`): each token attends to itself and the context_length - 1 tokens before
+it, their keys and values as computed when each was new, at the relative distances of the
+context (a sliding-window attention). Any other model (the reference `Transformer`, say) runs
+the whole window each step, padded on the right to the full context: causal attention keeps the
+padding out of the real tokens' logits, and every step has the same shape, so code specialised
+per shape (the reference's einx expressions) is prepared once rather than once per length. Past
+the context it re-encodes the last `context_length` tokens at every step, from position 0: not
+what the sliding cache computes (whose step costs one token's forward, not context_length
+tokens').
 """
 
 from __future__ import annotations
@@ -134,26 +138,21 @@ def sample_stream(
     check("max_new_tokens", max_new_tokens)
     check("vocab_size", vocab_size, none_ok=True)
     context = model.context_length
-    use_cache = hasattr(model, "make_kv_cache")
-    cache, cached_len = None, 0  # tokens of `window` already in the cache
     window = tokens[:, -context:]
+    cache = model.make_kv_cache(window.shape[0]) if hasattr(model, "make_kv_cache") else None
+    new = window  # the tokens the cache has not seen
     for _ in range(max_new_tokens):
         length = window.shape[1]
-        if use_cache:
-            if cache is None:
-                cache, cached_len = model.make_kv_cache(window.shape[0]), 0
-            positions = torch.arange(cached_len, length, device=window.device)
-            logits = model(window[:, cached_len:], positions, kv_cache=cache)[:, -1]
-            cached_len = length
+        if cache is not None:
+            logits = model(new, kv_cache=cache)[:, -1]
         else:
             padded = window.new_zeros(window.shape[0], context)
             padded[:, :length] = window
             logits = model(padded)[:, length - 1]
         next_ids = sample_next(logits[:, :vocab_size], temperature, top_k, top_p, generator)
         yield next_ids
-        window = torch.cat([window, next_ids[:, None]], dim=1)
-        if window.shape[1] > context:  # the context is full: slide, and rebuild the cache on it
-            window, cache = window[:, -context:], None
+        new = next_ids[:, None]
+        window = torch.cat([window, new], dim=1)[:, -context:]
 
 
 def sample(
@@ -168,8 +167,9 @@ def sample(
 ) -> torch.Tensor:
     """The prompt followed by `max_new_tokens` sampled tokens, in the prompt's shape.
 
-    Runs under torch.no_grad. When the context is full, the model sees the last context_length
-    tokens (see the module docstring).
+    Runs under torch.no_grad. Past the context, a model with a KV cache slides it (each token
+    attends to the context_length - 1 before it); any other model re-encodes the last
+    context_length tokens at each step (see the module docstring).
 
     Args:
         model: as in `sample_stream`: a model with `context_length`, run with its KV cache when it

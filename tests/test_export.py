@@ -2,7 +2,10 @@
 fastlm-generate's model (interleaved RoPE included, by its exact q/k row permutation), with the
 tokenizer's files when the run had one; fastlm-generate reads such a folder back."""
 
+import contextlib
 import json
+import logging
+import warnings
 
 import pytest
 import torch
@@ -33,6 +36,28 @@ def hf_tokenizer(tmp_path, corpus):
     path = tmp_path / "tok.json"
     tokenizer.save(str(path))
     return path
+
+
+@contextlib.contextmanager
+def transformers_warnings():
+    """Every warning transformers gives inside the block, as a list of messages: its logger's
+    records at WARNING and above (transformers' own handler writes to the stderr it found at
+    import, which capsys does not see) and Python warnings."""
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)  # whatever TRANSFORMERS_VERBOSITY says
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield records
+        records.extend(str(warning.message) for warning in caught)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def train(tmp_path, corpus, capsys, name, *options):
@@ -110,8 +135,10 @@ def test_export_with_a_tokenizer_and_generate_from_the_folder(
 def test_export_carries_the_tokenizers_special_tokens(tmp_path, corpus, capsys, monkeypatch):
     """A BPE with <|endoftext|>: config.json, generation_config.json and tokenizer_config.json
     name its ids and tokens (not Llama's 1 and 2), model_max_length is the context, and
-    transformers' generate stops at it; --family qwen2, whose folder transformers would load
-    as a Qwen2Tokenizer giving other ids, is refused in one line."""
+    transformers' generate stops at it, with max_new_tokens and no warning (a max_length in
+    generation_config.json made each such call warn that both were set); --family qwen2, whose
+    folder transformers would load as a Qwen2Tokenizer giving other ids, is refused in one
+    line."""
     tokenizers = pytest.importorskip("tokenizers")
     monkeypatch.setenv("FASTLM_BACKEND", "torch")
     bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
@@ -142,8 +169,10 @@ def test_export_carries_the_tokenizers_special_tokens(tmp_path, corpus, capsys, 
         hf_model.lm_head.weight.zero_()
     assert end == 0
     prompt = loaded("the quick", return_tensors="pt")["input_ids"]
-    new = hf_model.generate(prompt, max_new_tokens=5, do_sample=False)[0, prompt.shape[1] :]
+    with transformers_warnings() as said:
+        new = hf_model.generate(prompt, max_new_tokens=5, do_sample=False)[0, prompt.shape[1] :]
     assert new.tolist() == [end]  # stopped there, not after 5 tokens
+    assert not said, said
 
     status, err = export(
         ["--checkpoint", run, "--to-hf", tmp_path / "q", "--family", "qwen2"], capsys

@@ -1,6 +1,7 @@
 """`python -m fastlm.cli.generate` on a checkpoint written by `fastlm.cli.train`: streaming, seeds,
 whole characters from byte tokens, and one-line errors."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -12,8 +13,10 @@ from test_train import TOY
 import fastlm
 import fastlm.cli.generate as generate_cli
 import fastlm.cli.train as train_cli
-from fastlm.checkpoint import load_model
+from fastlm.checkpoint import load_config, load_model
+from fastlm.cli import THREAD_CROSSOVER_FLOPS, choose_threads
 from fastlm.data import DataError
+from fastlm.testing import assert_close
 from fastlm.tokens import ByteTokenizer, load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -86,7 +89,7 @@ def test_weights_file_path_and_package_function(trained, capsys):
 
 def test_default_length_stays_within_the_context(trained, capsys):
     """The tiny model's context is 16: "abc" leaves 13 tokens, and a prompt that fills the
-    context needs --max-new-tokens (past it every step would rerun the model on a slid window)."""
+    context needs --max-new-tokens (past it the model attends to a sliding window only)."""
     argv = ["--checkpoint", trained, "--model", "reference", "--prompt"]
     status, text, err = generate(capsys, *argv, "abc")
     assert status == 0 and err.startswith("fastlm-generate: 13 tokens in"), err
@@ -315,6 +318,66 @@ def test_reference_generates_through_one_window_shape(trained):
     out = fastlm.sample(model, prompt, 20, temperature=0)  # past the context of 16: slides
     assert set(shapes) == {(1, model.context_length)} and len(shapes) == 20
     assert out.shape == (22,)  # that the padding changes no token: the test below
+
+
+def test_threads_follow_the_steps_work_and_the_free_cores(trained, capsys, monkeypatch):
+    """A thread, and one more for each THREAD_CROSSOVER_FLOPS of a step's work, within the cores
+    the load leaves free; --threads and OMP_NUM_THREADS override; fastlm-generate passes its step's
+    work (one token's forward: 2 FLOPs a weight) and says why."""
+    crossover = THREAD_CROSSOVER_FLOPS
+    assert choose_threads(None, 2, 0.0, {}, work=crossover * 0.99) == (
+        1,
+        f"the load 0.0 leaves 2 of 2 cores free; a step of {crossover * 0.99 / 1e9:.3g} GFLOP "
+        "pays for 1",
+    )
+    assert choose_threads(None, 2, 0.0, {}, work=crossover) == (
+        2,
+        "the load 0.0 leaves 2 of 2 cores free",
+    )
+    assert choose_threads(None, 16, 0.0, {}, work=crossover * 3.5)[0] == 4
+    assert choose_threads(None, 2, 7.3, {}, work=crossover * 100)[0] == 1  # the load's limit
+    assert choose_threads(None, 2, 0.0, {}, work=None)[0] == 2  # work not known: the cores'
+    assert choose_threads(None, 2, 0.0, {"OMP_NUM_THREADS": "2"}, work=1.0)[0] == 2
+    assert choose_threads(2, 2, 0.0, {"OMP_NUM_THREADS": "1"}, work=1.0) == (2, "--threads")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    weights = sum(p.numel() for p in load_model(trained)[0].parameters())
+    status, _, err = generate(
+        capsys, "--checkpoint", trained, "--prompt", "ab", "--max-new-tokens", "1"
+    )
+    assert status == 0, err
+    assert err.endswith(
+        f"s on 1 CPU thread (the load 0.0 leaves 2 of 2 cores free; a step of "
+        f"{2 * weights / 1e6:.3g} MFLOP pays for 1)\n"
+    ), err
+
+
+def test_past_the_context_the_kv_cache_slides(trained, monkeypatch):
+    """Past the context (16) the fastlm model's cache slides: each step runs one token through
+    the model (it ran the whole window), and the logits are those of a sliding-window attention
+    over the whole text: the same weights at a context of the text's length, each token
+    attending to itself and the 15 before it, all rotated by their absolute positions."""
+    model, _ = load_model(trained)
+    width = model.context_length
+    fed, logits = [], []
+    model.register_forward_pre_hook(lambda module, args: fed.append(args[0].shape[-1]))
+    model.register_forward_hook(lambda module, args, out: logits.append(out[0, -1]))
+    out = fastlm.sample(model, torch.tensor([97, 98, 99]), width + 3, temperature=0)
+    assert fed == [3] + [1] * (width + 2)  # the last 6 steps past the context
+    config = fastlm.ModelConfig.from_dict({**load_config(trained), "context_length": out.numel()})
+    wide = fastlm.build_model(config, "fastlm", "cpu")
+    wide.load_state_dict(model.state_dict())
+    window = functools.partial(fastlm.model.flash_attention, window_size=(width - 1, 0))
+    monkeypatch.setattr(fastlm.model, "flash_attention", window)  # the cached path's attention
+    with torch.no_grad():
+        windowed = wide(out[None], kv_cache=wide.make_kv_cache())[0]
+    # Both in float32: the sums differ in order only (the ring's slots are not in position order).
+    assert_close(torch.stack(logits), windowed[2:-1], torch.float32, "sliding cache's logits")
+    cache = model.make_kv_cache()
+    model(out[None, :width], kv_cache=cache)
+    with pytest.raises(ValueError, match="token_ids: 16 cached .* slides one token at a time"):
+        model(out[None, :2], kv_cache=cache)
 
 
 def test_never_samples_ids_the_tokenizer_cannot_decode(tmp_path, capsys):

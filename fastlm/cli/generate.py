@@ -10,10 +10,14 @@ modulo 2**64). A prompt byte that is not UTF-8 (a shell passes it on as is) is a
 any other with the byte tokenizer, shown as U+FFFD as a sampled one would be; a tokenizer.json
 tokenizer takes text only and refuses it.
 By default it draws what the model's context leaves after the prompt (200 tokens at most), so
-that the model always sees the whole text; `--max-new-tokens` goes past it (the model then sees
-the last context-length tokens). `--stop-at-eos` stops at the tokenizer's end-of-text token
-(`<|endoftext|>`, `</s>`, ... : `fastlm.tokens.END_OF_TEXT`), which is not printed; a tokenizer
-without one (the byte tokenizer) refuses it.
+that the model always sees the whole text; `--max-new-tokens` goes past it. Past the context the
+fastlm model's KV cache slides: each new token attends to itself and the context-length - 1
+tokens before it, whose keys and values are those computed when each was new (a sliding-window
+attention at the context's relative distances), and each step costs one token's forward. That is
+not re-encoding the last context-length tokens from position 0, which `--model reference` does
+at every step (context-length tokens' forward each). `--stop-at-eos` stops at the tokenizer's
+end-of-text token (`<|endoftext|>`, `</s>`, ... : `fastlm.tokens.END_OF_TEXT`), which is not
+printed; a tokenizer without one (the byte tokenizer) refuses it.
 Exit status: 0, or 2 with one line on stderr for a bad checkpoint or argument.
 
 `--checkpoint` also takes a Hugging Face model folder (config.json, weights, tokenizer.json) of a
@@ -54,7 +58,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--max-new-tokens",
         type=int,
         help=f"default: what the model's context leaves after the prompt, {DEFAULT_NEW_TOKENS} at "
-        "most (past the context the model sees only its last context-length tokens)",
+        "most. Past the context the fastlm model's KV cache slides (each token attends to the "
+        "context-length - 1 before it, their keys and values kept as computed when each was "
+        "new: one token's forward a step); --model reference re-encodes the last context-length "
+        "tokens at every step",
     )
     parser.add_argument(
         "--stop-at-eos",
@@ -84,7 +91,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--threads",
         type=int,
         help="CPU threads (default: OMP_NUM_THREADS if set, else the cores the machine's load "
-        "leaves free, at least 1)",
+        "leaves free, at least 1, and no more than the model's step pays for: 1, and 1 more for "
+        "each 2 GFLOP of a step: one token's forward)",
     )
     return parser.parse_args(argv)
 
@@ -107,12 +115,13 @@ def check_args(args: argparse.Namespace) -> torch.device:
 
 def stream(args: argparse.Namespace) -> int:
     device = check_args(args)
+    model, tokenizer = load_model(args.checkpoint, args.model, device)
     on = ""
-    if device.type == "cpu":
-        threads, why = cpu_threads(args.threads)
+    if device.type == "cpu":  # a step: one token's forward, 2 FLOPs a weight
+        work = 2 * sum(p.numel() for p in model.parameters())
+        threads, why = cpu_threads(args.threads, work)
         torch.set_num_threads(threads)  # main() restores the setting
         on = f" on {threads} CPU thread{'s' if threads > 1 else ''} ({why})"
-    model, tokenizer = load_model(args.checkpoint, args.model, device)
     try:
         prompt_ids = tokenizer.encode(args.prompt).long().to(device)
     except DataError as error:
@@ -123,13 +132,13 @@ def stream(args: argparse.Namespace) -> int:
         raise CheckpointError("the prompt has token ids outside the checkpoint's vocabulary")
     max_new_tokens = args.max_new_tokens
     if max_new_tokens is None:
-        # Within the context: past it every step would run the model on a slid window anew.
+        # Within the context: past it the model attends to a sliding window only.
         room = model.context_length - prompt_ids.numel()
         if room <= 0:
             raise ConfigError(
                 f"the prompt's {prompt_ids.numel()} tokens fill the model's context of "
-                f"{model.context_length}: pass --max-new-tokens to go on (the model then sees "
-                f"the last {model.context_length} tokens)"
+                f"{model.context_length}: pass --max-new-tokens to go on (the model then attends "
+                f"to the last {model.context_length} tokens)"
             )
         max_new_tokens = min(DEFAULT_NEW_TOKENS, room)
     end = special_token(tokenizer, END_OF_TEXT) if args.stop_at_eos else None

@@ -196,7 +196,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--threads",
         type=int,
         help="CPU threads (default: OMP_NUM_THREADS if set, else the cores the machine's load "
-        "leaves free, at least 1)",
+        "leaves free, at least 1, and no more than the model's step pays for: 1, and 1 more for "
+        "each 2 GFLOP of a step: a micro-batch's forward and backward)",
     )
     run.add_argument("--compile", action="store_true", help="torch.compile the model and loss")
     run.add_argument("--fsdp", action="store_true", help="under torchrun, FSDP2 instead of DDP")
@@ -569,12 +570,15 @@ def run_training(args: argparse.Namespace, run: Run, out: Path, stack: contextli
             tqdm.write(message, file=sys.stderr)
 
     trainer = prepare(args, run, out, stack, say)
-    threads_text = ""
-    if run.device.type == "cpu":
-        threads_text = f"{args.cpu_threads} CPU thread{'s' if args.cpu_threads > 1 else ''}"
     parameters = sum(p.numel() for p in trainer.model.parameters())
     tokens_per_step = args.batch_size * args.context_length * args.grad_accum * run.data_size
     work_per_token = flops_per_token(trainer.model, trainer.config)
+    threads_text = ""
+    if run.device.type == "cpu":  # the model known: its micro-batch's forward and backward
+        step_work = work_per_token * args.batch_size * args.context_length
+        args.cpu_threads, args.threads_why = cpu_threads(args.threads, step_work)
+        torch.set_num_threads(args.cpu_threads)  # main() restores the setting
+        threads_text = f"{args.cpu_threads} CPU thread{'s' if args.cpu_threads > 1 else ''}"
     peak = peak_flops(args, run.device)
     say(
         f"fastlm-train: {args.model} model, {parameters / 1e6:.2f}M parameters, preset "
