@@ -124,3 +124,25 @@ def test_bad_options(options, match):
     for cls in (R.Transformer, fastlm.Transformer):
         with pytest.raises(ValueError, match=match):
             cls(**TINY_MODEL, **options)
+
+
+def test_moe_presets_keep_their_dense_siblings_active_parameters():
+    """tiny-moe and gpt2-small-moe use per token the parameters of tiny and gpt2-small plus
+    their routers' (layers x d_model x E); the MFU's FLOPs count those (k of E experts)."""
+    from fastlm.cli.trainer import flops_per_token
+    from fastlm.config import MODEL_FIELDS, PRESETS, ModelConfig, build_model
+
+    def config(name):
+        fields = {k: v for k, v in PRESETS[name].items() if k in MODEL_FIELDS}
+        return ModelConfig(vocab_size=256, **fields)
+
+    for moe, dense in (("tiny-moe", "tiny"), ("gpt2-small-moe", "gpt2-small")):
+        c = config(moe)
+        routers = c.num_layers * c.d_model * c.num_experts
+        assert c.active_parameters() == config(dense).num_parameters() + routers
+    c = config("tiny-moe")
+    model = build_model(c, "reference", device="meta")
+    embedding = c.vocab_size * c.d_model
+    attention = 12 * c.num_layers * c.d_model * c.context_length
+    expected = 6 * (c.active_parameters() - embedding) + attention
+    assert flops_per_token(model, c.as_dict()) == expected
