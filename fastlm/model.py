@@ -48,7 +48,7 @@ from fastlm.kernels.linear import autocast_dtype, cast_weights, half_linear
 from fastlm.kernels.linear_cross_entropy import linear_cross_entropy
 from fastlm.kernels.rmsnorm import add_rms_norm, rms_norm
 from fastlm.kernels.rope import apply_rope_, check_positions, rope_frequencies
-from fastlm.modules import RmsNorm, RoPE, SwiGlu
+from fastlm.modules import MoeLayer, RmsNorm, RoPE, SwiGlu
 
 
 class Linear(reference.Linear):
@@ -375,7 +375,8 @@ class TransformerBlock(reference.TransformerBlock):
 
     Args:
         d_model, num_heads, d_ff, max_seq_len, theta, device, dtype, num_kv_heads,
-            rope_interleaved, norm_eps: as in `fastlm.reference.TransformerBlock`.
+            rope_interleaved, norm_eps, moe: as in `fastlm.reference.TransformerBlock` (with
+            `moe`, ffe is a `fastlm.modules.MoeLayer`).
 
     Raises:
         ValueError: as `MultiHeadAttentionWithRoPE`.
@@ -384,6 +385,7 @@ class TransformerBlock(reference.TransformerBlock):
     norm_class = RmsNorm
     attention_class = MultiHeadAttentionWithRoPE
     ffn_class = SwiGlu
+    moe_class = MoeLayer
 
     def forward(
         self,
@@ -440,8 +442,8 @@ class TransformerBlock(reference.TransformerBlock):
         dtype = autocast_dtype(*(w for group in attention + ffe for w in group))
         if dtype is None:
             return None, None
-        qkv, out, w13, w2 = cast_weights(attention + ffe, dtype)
-        return (qkv, out), (w13, w2)
+        qkv, out, *half_ffe = cast_weights(attention + ffe, dtype)  # MoE: no ffe groups
+        return (qkv, out), (tuple(half_ffe) or None)
 
 
 def _add_norm(delta: torch.Tensor | None, residual: torch.Tensor, norm: RmsNorm):
@@ -471,6 +473,11 @@ class Transformer(reference.Transformer):
         vocab_size, context_length, d_model, num_layers, num_heads, d_ff, rope_theta, device,
             dtype, num_kv_heads, rope_interleaved, tie_embeddings, norm_eps: as in
             `fastlm.reference.Transformer`, whose constructor this is.
+        num_experts, experts_per_token, moe_d_ff, num_shared_experts, first_dense_layers,
+            router, normalize_top_k, aux_loss_coef, z_loss_coef, router_bias_rate: the
+            mixture-of-experts options of `fastlm.reference.Transformer`; the MoE layers
+            (`fastlm.modules.MoeLayer`) run their experts on `fastlm.moe_experts`, and `loss`
+            is the cross-entropy alone: add `auxiliary_loss()` for training (docs/moe-training.md).
 
     Raises:
         ValueError: as `fastlm.reference.Transformer`; and, where the Triton kernels run on
