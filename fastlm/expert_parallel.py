@@ -34,9 +34,10 @@ price: a token with c choices on one rank is sent c times (what DeepSeek-V3's no
 routing saves by sending a token once per node); `ExpertParallelPlan` counts it that way.
 
 Why our own autograd.Function and not `torch.distributed._functional_collectives`'
-`all_to_all_single_autograd`: that API is private (underscore module), returns tensors that wait
-lazily, and the split sizes are host integers here either way; the Function is a few lines whose
-backward is exactly the reverse call, on any backend that has `all_to_all_single` (gloo, nccl).
+`all_to_all_single_autograd`: that one is differentiable on gloo too (checked on torch 2.13),
+but it is private API (an underscore module) and returns tensors that wait lazily; the split
+sizes are host integers here either way, and the Function is a few lines whose backward is
+exactly the reverse call, on any backend that has `all_to_all_single` (gloo, nccl).
 
 Costs (bytes per rank and step, token imbalance, memory): `ExpertParallelPlan`, and
 docs/distributed.md's "Expert parallelism".
@@ -54,11 +55,13 @@ from fastlm.distributed import mesh_group
 from fastlm.kernels.moe.experts import _check_ids, moe_experts
 
 __all__ = [
+    "ExpertParallelExperts",
     "ExpertParallelPlan",
     "check_expert_parallel",
     "expert_parallel_experts",
     "expert_parallel_mesh",
     "expert_range",
+    "set_expert_parallel",
 ]
 
 
@@ -345,6 +348,76 @@ def expert_parallel_experts(
     else:
         y = _no_rows(rows, weights, gate_up_local, down_local)
     return _Combine.apply(y, k, routes)
+
+
+class ExpertParallelExperts(torch.nn.Module):
+    """A layer's stacked experts holding this rank's E / P of them and running
+    `expert_parallel_experts`: a drop-in for a module with parameters `gate_up` (E, 2F, D) and
+    `down` (E, D, F), `num_experts` and forward(x, expert_ids, expert_weights) (fastlm's MoE
+    layers' `experts`). Its parameters keep the names, with E / P experts.
+
+    Args:
+        gate_up: (E / P, 2F, D), this rank's experts `expert_range(E, rank, P)`.
+        down: (E / P, D, F).
+        num_experts: E.
+        group: the expert-parallel ProcessGroup.
+    """
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, num_experts: int, group):
+        super().__init__()
+        self.gate_up = torch.nn.Parameter(gate_up)
+        self.down = torch.nn.Parameter(down)
+        self.num_experts = num_experts
+        self.group = group
+
+    @classmethod
+    def of(cls, experts: torch.nn.Module, group: dist.ProcessGroup) -> ExpertParallelExperts:
+        """This rank's share of `experts` (a copy of its slice of `gate_up` and `down`)."""
+        P, rank = dist.get_world_size(group), dist.get_rank(group)
+        lo, hi = expert_range(experts.num_experts, rank, P)
+        take = [w.detach()[lo:hi].clone() for w in (experts.gate_up, experts.down)]
+        return cls(*take, experts.num_experts, group)
+
+    def forward(self, x, expert_ids, expert_weights) -> torch.Tensor:
+        """As the module it replaces: the weights cast to x's dtype (under autocast), then
+        `expert_parallel_experts` over the group."""
+        gate_up, down = self.gate_up, self.down
+        if gate_up.dtype != x.dtype:
+            gate_up, down = gate_up.to(x.dtype), down.to(x.dtype)
+        return expert_parallel_experts(
+            x, expert_ids, expert_weights, gate_up, down, self.num_experts, self.group
+        )
+
+
+def set_expert_parallel(model: torch.nn.Module, group) -> int:
+    """Spread the experts of every MoE layer of `model` over an expert-parallel group: each
+    layer's `experts` (a module with `gate_up`, `down` and `num_experts`, under a module with
+    `run_experts`) becomes this rank's `ExpertParallelExperts`. Every rank calls it with the same
+    model (the same full weights); a group of one rank changes nothing.
+
+    Training: each rank's experts' gradient then sums the P ranks' tokens, so where the other
+    parameters' gradients are averaged over all W ranks, the experts' are averaged over the
+    ranks that hold the same experts (W / P) and divided by P as well.
+
+    Args:
+        model: e.g. a `fastlm.Transformer` with MoE layers.
+        group: a ProcessGroup, a DeviceMesh (1-D, or with an "expert" dimension) or None (the
+            default group).
+
+    Returns:
+        The number of layers changed.
+
+    Raises:
+        ValueError: a layer's E not divisible by the group's size; a mesh without an "expert"
+            dimension.
+    """
+    group = mesh_group(group, "expert")
+    if group is None or dist.get_world_size(group) == 1:
+        return 0
+    layers = [m for m in model.modules() if hasattr(m, "run_experts") and hasattr(m, "experts")]
+    for layer in layers:
+        layer.experts = ExpertParallelExperts.of(layer.experts, group)
+    return len(layers)
 
 
 # --------------------------------------------------------------------------------------------
