@@ -47,7 +47,7 @@ from fastlm.kernels.linear import autocast_dtype, cast_weights, half_linear
 from fastlm.kernels.linear_cross_entropy import linear_cross_entropy
 from fastlm.kernels.rmsnorm import add_rms_norm, rms_norm
 from fastlm.kernels.rope import apply_rope_, check_positions
-from fastlm.modules import RmsNorm, RoPE, SwiGlu
+from fastlm.modules import MoeLayer, RmsNorm, RoPE, SwiGlu
 
 
 class Linear(reference.Linear):
@@ -357,6 +357,7 @@ class TransformerBlock(reference.TransformerBlock):
     norm_class = RmsNorm
     attention_class = MultiHeadAttentionWithRoPE
     ffn_class = SwiGlu
+    moe_class = MoeLayer
 
     def forward(
         self,
@@ -413,8 +414,8 @@ class TransformerBlock(reference.TransformerBlock):
         dtype = autocast_dtype(*(w for group in attention + ffe for w in group))
         if dtype is None:
             return None, None
-        qkv, out, w13, w2 = cast_weights(attention + ffe, dtype)
-        return (qkv, out), (w13, w2)
+        qkv, out, *half_ffe = cast_weights(attention + ffe, dtype)  # MoE: no ffe groups
+        return (qkv, out), (tuple(half_ffe) or None)
 
 
 def _add_norm(delta: torch.Tensor | None, residual: torch.Tensor, norm: RmsNorm):

@@ -14,6 +14,7 @@ from torch import nn
 from fastlm import reference
 from fastlm.kernels.cross_entropy import check_ignore_index, cross_entropy
 from fastlm.kernels.linear import half_linear
+from fastlm.kernels.moe.experts import moe_experts
 from fastlm.kernels.rmsnorm import rms_norm
 from fastlm.kernels.rope import rope_tables, rotate_in_place
 from fastlm.kernels.swiglu import swiglu, swiglu_packed
@@ -163,6 +164,60 @@ class SwiGlu(nn.Module):
         w13, w2 = half
         gate_up = half_linear(x, w13, self.w1.w, self.w3.w)  # (..., 2 d_ff): gate | up
         return half_linear(swiglu_packed(gate_up), w2, self.w2.w)
+
+
+class StackedExperts(reference.StackedExperts):
+    """`reference.StackedExperts` (parameters `gate_up` (E, 2F, D), `down` (E, D, F), same
+    init) running `fastlm.moe_experts`: the routing metadata and the grouped GEMMs in a few
+    kernels, forward and backward, instead of a loop over experts."""
+
+    def forward(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The weighted sum of each token's experts' outputs.
+
+        Args:
+            x: (T, D) float32, float16 or bfloat16; under autocast the weights are cast to its
+                dtype (one copy each per forward, as autocast casts a Linear's weight).
+            expert_ids: (T, k) integer in [0, E).
+            expert_weights: (T, k) float (the router's float32 weights: the op takes them so).
+
+        Returns:
+            (T, D) in x's dtype.
+        """
+        gate_up, down = self.gate_up, self.down
+        if gate_up.dtype != x.dtype:
+            gate_up, down = gate_up.to(x.dtype), down.to(x.dtype)
+        return moe_experts(x, expert_ids, expert_weights, gate_up, down)
+
+
+class MoeLayer(reference.MoeLayer):
+    """`reference.MoeLayer` (constructor, parameters, buffers, auxiliary losses) with the experts
+    on `fastlm.moe_experts` and the shared experts on fastlm's SwiGLU.
+
+    The router stays in PyTorch: its (T, E) logits are one small GEMM, computed in float32
+    outside autocast as the reference's, and softmax/sigmoid and top-k over E columns have no
+    fastlm kernel (the experts op routes by the chosen ids itself: `fastlm::moe_route`).
+    Expert parallelism replaces `run_experts(x, expert_ids, expert_weights)`.
+    """
+
+    experts_class = StackedExperts
+    ffn_class = SwiGlu
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The router's (expert_ids, expert_weights, logits) for x (T, D), in float32 under
+        autocast too."""
+        with torch.autocast(x.device.type, enabled=False):
+            return self.router(x)
+
+    def forward(self, x: torch.Tensor, half=None) -> torch.Tensor:
+        """The layer's output (x's shape and dtype), its losses left in `losses`; `half` (the
+        block's cast weights) is unused: the experts cast their own weights under autocast."""
+        return super().forward(x)
+
+    def cast_groups(self) -> list[list[torch.Tensor]]:
+        """No weight groups for the block's `cast_weights` (the experts cast their own)."""
+        return []
 
 
 class CrossEntropyLoss(nn.Module):

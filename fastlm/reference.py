@@ -215,6 +215,335 @@ class MoeExperts(nn.Module):
         return gate_up, torch.stack([f.w2.w for f in self.experts])
 
 
+# --------------------------------------------------------------------------------------------
+# Mixture of experts
+# --------------------------------------------------------------------------------------------
+
+#: The router kinds: softmax top-k (Mixtral, Qwen3-MoE) and sigmoid scores with a selection bias
+#: (DeepSeek-V3's auxiliary-loss-free balancing).
+ROUTERS = ("softmax", "sigmoid")
+
+
+def check_moe_options(
+    num_experts: int,
+    experts_per_token: int,
+    moe_d_ff: int | None,
+    num_shared_experts: int,
+    first_dense_layers: int,
+    router: str,
+    normalize_top_k: bool,
+    aux_loss_coef: float,
+    z_loss_coef: float,
+    router_bias_rate: float,
+    num_layers: int | None = None,
+    name: Callable[[str], str] = str,
+) -> None:
+    """ValueError naming the option for mixture-of-experts options no model can run.
+
+    num_experts 0 is the dense model (the other options are then not read, but must still be
+    well-formed); otherwise 1 <= experts_per_token <= num_experts, moe_d_ff None (d_ff) or
+    positive, num_shared_experts and first_dense_layers non-negative (first_dense_layers below
+    num_layers, so that one layer at least is a mixture), router one of `ROUTERS`, the
+    coefficients and the bias rate finite and non-negative.
+
+    Args:
+        num_experts, experts_per_token, moe_d_ff, num_shared_experts, first_dense_layers, router,
+            normalize_top_k, aux_loss_coef, z_loss_coef, router_bias_rate: as in `Transformer`.
+        num_layers: the model's blocks (None: not checked against first_dense_layers).
+        name: spells an option in the message (the commands pass their flags).
+    """
+
+    def integer(option: str, value, low: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name(option)} must be an integer >= {low}, got {value!r}")
+
+    integer("num_experts", num_experts, 0)
+    integer("experts_per_token", experts_per_token, 1)
+    if moe_d_ff is not None:
+        integer("moe_d_ff", moe_d_ff, 1)
+    integer("num_shared_experts", num_shared_experts, 0)
+    integer("first_dense_layers", first_dense_layers, 0)
+    if router not in ROUTERS:
+        raise ValueError(f"{name('router')} must be one of {', '.join(ROUTERS)}, got {router!r}")
+    if not isinstance(normalize_top_k, bool):
+        raise ValueError(
+            f"{name('normalize_top_k')} must be true or false, got {normalize_top_k!r}"
+        )
+    for option, value in (
+        ("aux_loss_coef", aux_loss_coef),
+        ("z_loss_coef", z_loss_coef),
+        ("router_bias_rate", router_bias_rate),
+    ):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name(option)} must be a number, got {value!r}")
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name(option)} must be finite and >= 0, got {value!r}")
+    if num_experts == 0:
+        return
+    if experts_per_token > num_experts:
+        raise ValueError(
+            f"{name('experts_per_token')} ({experts_per_token}) must be at most "
+            f"{name('num_experts')} ({num_experts})"
+        )
+    if num_layers is not None and first_dense_layers >= num_layers:
+        raise ValueError(
+            f"{name('first_dense_layers')} ({first_dense_layers}) must be below the "
+            f"{num_layers} layers ({name('num_layers')}), or the model has no mixture-of-experts "
+            f"layer (num_experts 0 is the dense model)"
+        )
+
+
+class Router(nn.Module):
+    """Each token's k experts and their weights, from scores s = x W^T (logits, (T, E)).
+
+    - "softmax" (Mixtral, Qwen3-MoE): p = softmax(s); the k largest p are chosen and are the
+      weights, renormalised to sum 1 with `normalize_top_k`.
+    - "sigmoid" (DeepSeek-V3's auxiliary-loss-free balancing): p = sigmoid(s); the k largest
+      p + b are chosen, b the buffer `selection_bias` (E,), but the weights are the unbiased p of
+      the chosen experts (renormalised with `normalize_top_k`): b steers the choice, never the
+      output, and learns by `update_bias`, not by gradient.
+
+    The logits and everything after them are computed in float32 (float64 stays float64), as the
+    models it follows compute their routers. While training, the router counts the
+    assignments each expert gets (`load`, a non-persistent buffer) for `update_bias` and the
+    balance statistics; `reset_load` clears it.
+
+    Args:
+        d_model: D.
+        num_experts: E.
+        experts_per_token: k.
+        kind: "softmax" or "sigmoid" (`ROUTERS`).
+        normalize_top_k: renormalise the k weights to sum 1.
+        device, dtype: of `weight` (E, D) and `selection_bias`.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        experts_per_token: int,
+        kind: str = "softmax",
+        normalize_top_k: bool = True,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        self.num_experts = num_experts
+        self.experts_per_token = experts_per_token
+        self.kind = kind
+        self.normalize_top_k = normalize_top_k
+        std = math.sqrt(2.0 / (d_model + num_experts))
+        self.weight = nn.Parameter(_trunc_normal((num_experts, d_model), std, device, dtype))
+        if kind == "sigmoid":
+            self.register_buffer(
+                "selection_bias", torch.zeros(num_experts, device=device, dtype=dtype)
+            )
+        self.register_buffer(
+            "load", torch.zeros(num_experts, device=device, dtype=torch.float32), persistent=False
+        )
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """s = x W^T in float32 (float64 for float64): (T, D) -> (T, E)."""
+        compute = torch.promote_types(x.dtype, torch.float32)
+        return x.to(compute) @ self.weight.to(compute).T
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The routing of x's tokens.
+
+        Args:
+            x: (T, d_model).
+
+        Returns:
+            (expert_ids (T, k) int64, expert_weights (T, k) float32 (float64 for a float64 x),
+            logits (T, E)): the weights differentiable to x and W through p.
+        """
+        logits = self.logits(x)  # (T, E)
+        k = self.experts_per_token
+        if self.kind == "softmax":
+            probs = torch.softmax(logits, dim=-1)  # (T, E)
+            weights, ids = probs.topk(k, dim=-1)  # (T, k) each
+        else:
+            probs = torch.sigmoid(logits)  # (T, E)
+            biased = probs.detach() + self.selection_bias.to(probs.dtype)
+            ids = biased.topk(k, dim=-1).indices  # (T, k): chosen by the biased scores
+            weights = probs.gather(-1, ids)  # (T, k): weighted by the unbiased ones
+        if self.normalize_top_k:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.training:
+            with torch.no_grad():
+                self.load += torch.bincount(ids.flatten(), minlength=self.num_experts)
+        return ids, weights, logits
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each token's distribution over the experts, (T, E), for the load-balancing loss: the
+        softmax, or the sigmoid scores normalised to sum 1 (DeepSeek-V3's balance loss)."""
+        if self.kind == "softmax":
+            return torch.softmax(logits, dim=-1)
+        probs = torch.sigmoid(logits)
+        return probs / probs.sum(dim=-1, keepdim=True)
+
+    def reset_load(self) -> None:
+        """Start counting the assignments afresh."""
+        self.load.zero_()
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor, rate: float) -> None:
+        """Auxiliary-loss-free balancing (DeepSeek-V3): b_e += rate * sign(mean(load) - load_e),
+        so an expert that got fewer assignments than the mean is chosen more readily. A softmax
+        router has no bias: nothing happens.
+
+        Args:
+            load: (E,) the assignments each expert got over the step (all ranks').
+            rate: the step size (DeepSeek-V3: 1e-3).
+        """
+        if self.kind == "sigmoid":
+            step = torch.sign(load.mean() - load) * rate
+            self.selection_bias += step.to(self.selection_bias.dtype)
+
+
+class StackedExperts(nn.Module):
+    """E SwiGLU experts stacked as transformers 5 holds them: `gate_up` (E, 2F, D), expert e's
+    gate rows (the seed FFN's w1) above its up rows (w3), and `down` (E, D, F) (w2). Each expert
+    is initialised as the seed's `SwiGlu`: N(0, 2 / (D + F)) truncated at +-3 std.
+
+    The forward is the definition, one expert at a time:
+    out[t] = sum_j w[t, j] * down_e (silu(gate_e x[t]) * up_e x[t]), e = expert_ids[t, j].
+
+    Args:
+        num_experts: E.
+        d_model: D.
+        d_ff: F, each expert's hidden width.
+        device, dtype: of the weights.
+    """
+
+    def __init__(self, num_experts: int, d_model: int, d_ff: int, device=None, dtype=None):
+        super().__init__()
+        self.num_experts = num_experts
+        self.d_ff = d_ff
+        std = math.sqrt(2.0 / (d_model + d_ff))
+        shape = (num_experts, 2 * d_ff, d_model)
+        self.gate_up = nn.Parameter(_trunc_normal(shape, std, device, dtype))
+        self.down = nn.Parameter(_trunc_normal((num_experts, d_model, d_ff), std, device, dtype))
+
+    def forward(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The weighted sum of each token's experts' outputs.
+
+        Args:
+            x: (T, D), the weights' dtype.
+            expert_ids: (T, k) integer in [0, E).
+            expert_weights: (T, k) float.
+
+        Returns:
+            (T, D) in x's dtype.
+        """
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            tokens, slots = (expert_ids == e).nonzero(as_tuple=True)  # e's assignments
+            gate, up = self.gate_up[e].split(self.d_ff)  # (F, D) each
+            g, u = x[tokens] @ gate.T, x[tokens] @ up.T  # (n_e, F) each
+            y = (torch.sigmoid(g) * g * u) @ self.down[e].T  # (n_e, D)
+            w = expert_weights[tokens, slots, None].to(x.dtype)  # (n_e, 1)
+            out = out.index_add(0, tokens, w * y)
+        return out
+
+
+class MoeLayer(nn.Module):
+    """A mixture-of-experts feed-forward: out = experts(x, router(x)) + shared(x).
+
+    The router (`Router`, parameter `router.weight` (E, D), for "sigmoid" also the buffer
+    `router.selection_bias` (E,)) picks k experts per token; `experts` (`StackedExperts`:
+    `experts.gate_up` (E, 2F, D), `experts.down` (E, D, F)) computes their weighted sum, through
+    the one method `run_experts(x, expert_ids, expert_weights)` (where expert parallelism plugs
+    in); `shared` (a `SwiGlu` of num_shared_experts * F, absent without shared experts) sees every
+    token.
+
+    Its auxiliary losses, from the last forward, are kept in `losses` (graph-connected scalars)
+    for the model to add (`Transformer.auxiliary_loss`):
+
+    - "balance": Switch Transformer's E * sum_e f_e P_e, f_e the share of the T k assignments
+      that went to e, P_e the mean over tokens of the router's probability of e
+      (`Router.probabilities`); 1 when perfectly balanced. (transformers' Qwen3-MoE loss is k
+      times this: its f sums to k.)
+    - "z": ST-MoE's router z-loss, the mean over tokens of logsumexp(logits)^2.
+
+    Args:
+        d_model: D.
+        num_experts: E.
+        experts_per_token: k.
+        d_ff: F, each expert's hidden width.
+        num_shared_experts: the shared experts, one SwiGLU of num_shared_experts * F (0: none).
+        router: "softmax" or "sigmoid".
+        normalize_top_k: renormalise each token's k weights to sum 1.
+        device, dtype: of the parameters.
+    """
+
+    router_class = Router
+    experts_class = StackedExperts
+    ffn_class = SwiGlu
+
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        experts_per_token: int,
+        d_ff: int,
+        num_shared_experts: int = 0,
+        router: str = "softmax",
+        normalize_top_k: bool = True,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        self.router = self.router_class(
+            d_model, num_experts, experts_per_token, router, normalize_top_k, device, dtype
+        )
+        self.experts = self.experts_class(num_experts, d_model, d_ff, device, dtype)
+        self.shared = None
+        if num_shared_experts:
+            self.shared = self.ffn_class(d_model, num_shared_experts * d_ff, device, dtype)
+        self.losses: dict[str, torch.Tensor] = {}
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The router's (expert_ids, expert_weights, logits) for x (T, D) (`Router.forward`)."""
+        return self.router(x)
+
+    def run_experts(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed experts' weighted sum (T, D) for x (T, D): the one place the experts run."""
+        return self.experts(x, expert_ids, expert_weights)
+
+    def auxiliary_losses(self, logits: torch.Tensor, expert_ids: torch.Tensor) -> dict:
+        """{"balance": E sum_e f_e P_e, "z": mean logsumexp(logits)^2} for logits (T, E) and the
+        chosen expert_ids (T, k)."""
+        E = self.router.num_experts
+        counts = torch.bincount(expert_ids.flatten(), minlength=E)  # (E,)
+        share = counts.to(logits.dtype) / expert_ids.numel()  # f_e: (E,), sums to 1
+        mean_probs = self.router.probabilities(logits).mean(dim=0)  # P_e: (E,)
+        z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        return {"balance": E * (share * mean_probs).sum(), "z": z}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output; its auxiliary losses are left in `losses`.
+
+        Args:
+            x: (..., D).
+
+        Returns:
+            x's shape, x's dtype.
+        """
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (T, D)
+        expert_ids, expert_weights, logits = self.route(x)  # (T, k), (T, k), (T, E)
+        self.losses = self.auxiliary_losses(logits, expert_ids)
+        out = self.run_experts(x, expert_ids, expert_weights)  # (T, D)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out.reshape(shape)
+
+
 class RoPE(nn.Module):
     """Rotary position embedding: pair i of a head vector at position p is rotated by the angle
     p * theta^(-2i / d_k).
@@ -520,6 +849,8 @@ class TransformerBlock(nn.Module):
         num_kv_heads: key/value heads for grouped-query attention (default None: num_heads).
         rope_interleaved: RoPE's pair layout (default True: interleaved).
         norm_eps: both RMSNorms' epsilon (default 1e-5).
+        moe: the keyword arguments of a `MoeLayer` (but d_model, device, dtype), which is then
+            the feed-forward `ffe` in place of the SwiGLU of d_ff (default None: the SwiGLU).
 
     Raises:
         ValueError: as `MultiHeadAttentionWithRoPE`.
@@ -528,6 +859,7 @@ class TransformerBlock(nn.Module):
     norm_class = RmsNorm
     attention_class = MultiHeadAttentionWithRoPE
     ffn_class = SwiGlu
+    moe_class = MoeLayer
 
     def __init__(
         self,
@@ -541,6 +873,7 @@ class TransformerBlock(nn.Module):
         num_kv_heads: int | None = None,
         rope_interleaved: bool = True,
         norm_eps: float = 1e-5,
+        moe: dict | None = None,
     ):
         super().__init__()
         self.rms_norm1 = self.norm_class(d_model, norm_eps, device=device, dtype=dtype)
@@ -548,7 +881,10 @@ class TransformerBlock(nn.Module):
             d_model, num_heads, max_seq_len, theta, device, dtype, num_kv_heads, rope_interleaved
         )
         self.rms_norm2 = self.norm_class(d_model, norm_eps, device=device, dtype=dtype)
-        self.ffe = self.ffn_class(d_model, d_ff, device, dtype)
+        if moe:
+            self.ffe = self.moe_class(d_model, **moe, device=device, dtype=dtype)
+        else:
+            self.ffe = self.ffn_class(d_model, d_ff, device, dtype)
 
     def forward(
         self,
@@ -634,10 +970,31 @@ class Transformer(nn.Module):
         tie_embeddings: True makes out_linear.w the very parameter embedding.w, one parameter
             under both state_dict keys (default False).
         norm_eps: every RMSNorm's epsilon (default 1e-5).
+        num_experts: E > 0 makes the feed-forward of every layer from first_dense_layers on a
+            mixture of experts (`MoeLayer`, at `blocks.<i>.ffe`: `router.weight`,
+            `router.selection_bias` for the sigmoid router, `experts.gate_up`, `experts.down`,
+            `shared.w1.w`...); default 0: the dense model, the other options below unread.
+        experts_per_token: k, the experts each token goes through (default 2).
+        moe_d_ff: each expert's hidden width (default None: d_ff; the dense layers keep d_ff).
+        num_shared_experts: experts every token goes through, one SwiGLU of
+            num_shared_experts * moe_d_ff (default 0: none).
+        first_dense_layers: the first layers keep the dense SwiGLU (default 0).
+        router: "softmax" (default; Mixtral, Qwen3-MoE) or "sigmoid" (DeepSeek-V3's
+            auxiliary-loss-free balancing: a selection bias updated by `update_router_bias`).
+        normalize_top_k: renormalise each token's k weights to sum 1 (default True).
+        aux_loss_coef: the load-balancing loss's coefficient in `auxiliary_loss` (default 0.01).
+        z_loss_coef: the router z-loss's coefficient (default 0.001).
+        router_bias_rate: the sigmoid router's bias step in `update_router_bias` (default 1e-3).
+
+    The auxiliary losses: each forward leaves each MoE layer's losses in its `losses`;
+    `auxiliary_loss()` is aux_loss_coef times their mean over the MoE layers of the balance loss
+    plus z_loss_coef times that of the z-loss, for the training loss to add (fastlm-train adds it
+    to the cross-entropy in training mode; it reports the cross-entropy apart).
 
     Raises:
         ValueError: d_model not a multiple of num_heads, an odd head dim, or a num_kv_heads that
-            is not a positive divisor of num_heads.
+            is not a positive divisor of num_heads; a mixture-of-experts option out of range
+            (`check_moe_options`), naming it.
     """
 
     embedding_class = Embedding
@@ -661,10 +1018,46 @@ class Transformer(nn.Module):
         rope_interleaved: bool = True,
         tie_embeddings: bool = False,
         norm_eps: float = 1e-5,
+        num_experts: int = 0,
+        experts_per_token: int = 2,
+        moe_d_ff: int | None = None,
+        num_shared_experts: int = 0,
+        first_dense_layers: int = 0,
+        router: str = "softmax",
+        normalize_top_k: bool = True,
+        aux_loss_coef: float = 0.01,
+        z_loss_coef: float = 0.001,
+        router_bias_rate: float = 0.001,
     ):
         super().__init__()
+        check_moe_options(
+            num_experts,
+            experts_per_token,
+            moe_d_ff,
+            num_shared_experts,
+            first_dense_layers,
+            router,
+            normalize_top_k,
+            aux_loss_coef,
+            z_loss_coef,
+            router_bias_rate,
+            num_layers,
+        )
         self.vocab_size = vocab_size
         self.context_length = context_length
+        self.aux_loss_coef = aux_loss_coef
+        self.z_loss_coef = z_loss_coef
+        self.router_bias_rate = router_bias_rate
+        moe = None
+        if num_experts:
+            moe = dict(
+                num_experts=num_experts,
+                experts_per_token=experts_per_token,
+                d_ff=d_ff if moe_d_ff is None else moe_d_ff,
+                num_shared_experts=num_shared_experts,
+                router=router,
+                normalize_top_k=normalize_top_k,
+            )
         self.embedding = self.embedding_class(vocab_size, d_model, device, dtype)
         self.blocks = nn.ModuleList(
             self.block_class(
@@ -678,8 +1071,9 @@ class Transformer(nn.Module):
                 num_kv_heads,
                 rope_interleaved,
                 norm_eps,
+                moe=moe if layer >= first_dense_layers else None,
             )
-            for _ in range(num_layers)
+            for layer in range(num_layers)
         )
         self.final_norm = self.norm_class(d_model, norm_eps, device=device, dtype=dtype)
         self.out_linear = self.linear_class(d_model, vocab_size, device, dtype)
@@ -722,6 +1116,53 @@ class Transformer(nn.Module):
         for block in self.blocks:
             x = block(x, token_positions, mask)
         return self.out_linear(self.final_norm(x)).reshape(B, T, -1)  # (B, T, V)
+
+    def moe_layers(self) -> list[MoeLayer]:
+        """The mixture-of-experts layers, in order (empty for a dense model)."""
+        return [block.ffe for block in self.blocks if isinstance(block.ffe, MoeLayer)]
+
+    def auxiliary_loss(self) -> torch.Tensor | None:
+        """aux_loss_coef * mean over MoE layers of the balance loss + z_loss_coef * mean of the
+        z-loss, of the last forward (graph-connected: add it to the loss before backward);
+        None for a dense model or before a forward."""
+        layers = [layer for layer in self.moe_layers() if layer.losses]
+        if not layers:
+            return None
+        balance = torch.stack([layer.losses["balance"] for layer in layers]).mean()
+        z = torch.stack([layer.losses["z"] for layer in layers]).mean()
+        return self.aux_loss_coef * balance + self.z_loss_coef * z
+
+    @torch.no_grad()
+    def update_router_bias(self, reduce: Callable | None = None) -> dict[str, float]:
+        """After an optimizer step: each sigmoid router's bias steps toward balance from the
+        assignments its experts got since the last call (`Router.update_bias`), every router's
+        count is reset, and the balance of those assignments is returned.
+
+        Args:
+            reduce: sums (or averages) a tensor over the data-parallel ranks, so that every rank
+                updates its bias by the same counts (default None: this process's counts).
+
+        Returns:
+            {"load_max_over_mean": the largest over layers of max_e load_e / mean_e load_e,
+            "balance_loss", "z_loss": the means over layers of the last forward's losses};
+            empty for a dense model.
+        """
+        layers = self.moe_layers()
+        if not layers:
+            return {}
+        loads = torch.stack([layer.router.load for layer in layers])  # (L, E)
+        if reduce is not None:
+            loads = reduce(loads)
+        for layer, load in zip(layers, loads):
+            layer.router.update_bias(load, self.router_bias_rate)
+            layer.router.reset_load()
+        ratio = (loads.amax(dim=1) / loads.mean(dim=1).clamp_min(1e-30)).max()
+        stats = {"load_max_over_mean": float(ratio)}
+        with_losses = [layer.losses for layer in layers if layer.losses]
+        for key, name in (("balance", "balance_loss"), ("z", "z_loss")):
+            if with_losses:
+                stats[name] = float(torch.stack([lo[key].detach() for lo in with_losses]).mean())
+        return stats
 
 
 def document_mask(cu_seqlens: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
