@@ -20,17 +20,21 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import TINY_MODEL
 from test_distributed import _backend, spawn
 from torch.autograd.graph import saved_tensors_hooks
 
+from fastlm import Transformer
 from fastlm.expert_parallel import (
     ExpertParallelPlan,
     check_expert_parallel,
     expert_parallel_experts,
     expert_parallel_mesh,
     expert_range,
+    set_expert_parallel,
 )
 from fastlm.kernels.moe import moe_experts
+from fastlm.testing import relative_error
 
 pytestmark = pytest.mark.skipif(not dist.is_gloo_available(), reason="needs gloo")
 
@@ -150,23 +154,71 @@ def _exchange_check(rank, p: dict, backend: str, group):
         assert kept == plan.activation_bytes(int(mine.sum())), rank
 
 
-def _worker(rank, world_size, problems):
+# A fastlm.Transformer whose second layer is a mixture of 4 experts (k 2, a shared expert).
+MOE_MODEL = dict(
+    TINY_MODEL, num_experts=4, experts_per_token=2, moe_d_ff=24, num_shared_experts=1,
+    first_dense_layers=1
+)  # fmt: skip
+EXPERTS = ("experts.gate_up", "experts.down")
+
+
+def _model_problem(seed: int):
+    """The model, a batch of 2 sequences (one per rank) and the single-process loss and
+    gradients (PyTorch backend: the whole model through the interpreter would take minutes)."""
+    torch.manual_seed(seed)
+    model = Transformer(**MOE_MODEL)
+    tokens = torch.randint(0, MOE_MODEL["vocab_size"], (P, MOE_MODEL["context_length"] + 1))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    with _backend("torch"):
+        loss = model.loss(inputs, targets)
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+    names = [name for name, _ in model.named_parameters()]
+    return model, inputs, targets, dict(loss=loss.detach(), **dict(zip(names, grads)))
+
+
+def _model_check(rank, model, inputs, targets, expected):
+    """Each rank trains on its sequence with its half of the experts: the loss and the other
+    parameters' gradients averaged over the ranks (as DDP does), and each expert's gradient
+    divided by P (it already sums both ranks' tokens: `set_expert_parallel`), equal one
+    process's within 1e-5 (fp32 sums over all tokens in other orders, as tests/test_distributed.py's
+    model check)."""
+    with _backend("torch"):
+        assert set_expert_parallel(model, dist.group.WORLD) == 1
+        loss = model.loss(inputs[rank : rank + 1], targets[rank : rank + 1])
+        names, params = zip(*model.named_parameters())
+        got = dict(loss=loss.detach(), **dict(zip(names, torch.autograd.grad(loss, params))))
+    lo, hi = expert_range(MOE_MODEL["num_experts"], rank, P)
+    assert set(got) == set(expected)
+    for name, value in got.items():
+        ref = expected[name]
+        if name.endswith(EXPERTS):
+            assert value.shape[0] == hi - lo
+            ref = ref[lo:hi]
+        else:
+            dist.all_reduce(value)
+        error = relative_error(value / P, ref)
+        assert error <= 1e-5, f"rank {rank}: {name}: relative error {error:.2e}"
+
+
+def _worker(rank, world_size, problems, model_problem):
     mesh = expert_parallel_mesh(P, E)
     for n, (backend, problem) in enumerate(problems):
         _exchange_check(rank, problem, backend, mesh if n % 2 else None)
+    _model_check(rank, *model_problem)
 
 
 def test_matches_single_process(tmp_path, fresh_seed):
     """On each of 2 ranks (3 and 6 experts, k = 3, 5 and 4 tokens): output and the gradients of
     x, the routing weights and the rank's experts equal one process's (exact, or the PyTorch
     backend's reordering bound for out and dx), with an expert that gets no token and a rank
-    that receives no row; bytes sent and saved are the cost model's."""
+    that receives no row; bytes sent and saved are the cost model's; and a fastlm.Transformer
+    with a mixture-of-experts layer, its experts spread over the ranks, trains as one process."""
     problems = [
         (backend, _problem(fresh_seed + n, case))
         for n, case in enumerate(("spread", "one rank"))
         for backend in ("torch", "triton")
     ]
-    spawn(P, tmp_path, _worker, problems)
+    spawn(P, tmp_path, _worker, problems, _model_problem(fresh_seed))
 
 
 # --------------------------------------------------------------------------------------------
