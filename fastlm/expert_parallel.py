@@ -274,8 +274,8 @@ def _no_rows(rows, weights, gate_up_local, down_local) -> torch.Tensor:
     """The experts' output (0, D) of a rank that receives no row, tied to the rows, their weights
     and the experts: the backward then reaches the dispatches' reverse exchanges on this rank
     too (every rank must make each collective call), and the experts' gradients are zeros."""
-    tie = (gate_up_local.sum() + down_local.sum()) * 0
-    return rows + weights[:, None] * 0 + tie.to(rows.dtype)
+    tie = (gate_up_local.sum() + down_local.sum()) * 0 + weights[:, None] * 0
+    return rows + tie.to(rows.dtype)  # in the rows' dtype: every rank exchanges the same
 
 
 @torch.compiler.disable

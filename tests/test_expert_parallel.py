@@ -7,12 +7,13 @@ in this process.
 Why exact: expert e receives the same rows in the same order as on one process (the ranks' tokens
 in rank order, each rank's in token order), so every expert's GEMMs, and so the weights' and the
 routing weights' gradients, are the same sums in the same order. The kernels (Triton's
-interpreter) also sum each token's k rows in choice order, as the exchange does: output and dx
-are bitwise equal. The PyTorch backend's `moe_experts_ref` adds a token's k rows in expert order
-(an index_add per expert) while the exchange adds them in choice order, so there output and dx
-are the same k terms summed in another order: each element within 2 gamma_{k-1} sum_j |term_j|
-(each order's error is at most gamma_{k-1} = (k-1) u / (1 - (k-1) u) times the sum of the terms'
-magnitudes, u = 2^-24), with the terms computed per choice.
+interpreter) also round each row to x's dtype and sum each token's k rows in fp32 in choice
+order, as the exchange does: output and dx are bitwise equal, in fp32 and bf16. The PyTorch
+backend's `moe_experts_ref` adds a token's k rows in expert order (an index_add per expert)
+while the exchange adds them in choice order, so there (fp32) output and dx are the same k terms
+summed in another order: each element within 2 gamma_{k-1} sum_j |term_j| (each order's error
+is at most gamma_{k-1} = (k-1) u / (1 - (k-1) u) times the sum of the terms' magnitudes,
+u = 2^-24), with the terms computed per choice.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ TOKENS = (5, 4)  # per rank: ranks may hold different numbers of tokens
 U = 2.0**-24
 
 
-def _problem(seed: int, case: str) -> dict:
+def _problem(seed: int, case: str, dtype: torch.dtype = torch.float32) -> dict:
     """Inputs for all ranks. "spread": distinct random experts per token, none picking expert 1
     (an expert with no token). "one rank": every token picks experts 0, 1, 2 in a random order,
     all on rank 0, so rank 1 receives no row (and rank 0 the worst case, T P min(k, E / P))."""
@@ -55,12 +56,12 @@ def _problem(seed: int, case: str) -> dict:
     else:
         ids = torch.stack([torch.randperm(K, generator=g) for _ in range(T)])
     return dict(
-        x=torch.randn(T, D, generator=g),
+        x=torch.randn(T, D, generator=g).to(dtype),
         ids=ids,
-        weights=torch.rand(T, K, generator=g),
-        gate_up=torch.randn(E, 2 * F, D, generator=g) / D**0.5,
-        down=torch.randn(E, D, F, generator=g) / F**0.5,
-        dout=torch.randn(T, D, generator=g),
+        weights=torch.rand(T, K, generator=g),  # float32, as fastlm's router gives them
+        gate_up=(torch.randn(E, 2 * F, D, generator=g) / D**0.5).to(dtype),
+        down=(torch.randn(E, D, F, generator=g) / F**0.5).to(dtype),
+        dout=torch.randn(T, D, generator=g).to(dtype),
     )
 
 
@@ -68,11 +69,14 @@ def _leaves(*tensors):
     return [t.detach().clone().requires_grad_() for t in tensors]
 
 
-def _single_process(p: dict) -> dict:
+def _single_process(p: dict, terms: bool) -> dict:
+    """Output and gradients; with `terms`, also sum_j |term_j| of out and of dx."""
     x, w, gate_up, down = _leaves(p["x"], p["weights"], p["gate_up"], p["down"])
     out = moe_experts(x, p["ids"], w, gate_up, down)
     out.backward(p["dout"])
-    # Each choice's terms of out and dx (for the PyTorch backend's order bound).
+    grads = dict(out=out.detach(), x=x.grad, weights=w.grad, gate_up=gate_up.grad, down=down.grad)
+    if not terms:
+        return grads
     terms, dx_terms = [], []
     for j in range(K):
         xj, wj = _leaves(p["x"], p["weights"][:, j : j + 1])
@@ -80,15 +84,7 @@ def _single_process(p: dict) -> dict:
         (dxj,) = torch.autograd.grad(yj, xj, p["dout"])
         terms.append(yj.detach().abs())
         dx_terms.append(dxj.abs())
-    return dict(
-        out=out.detach(),
-        x=x.grad,
-        weights=w.grad,
-        gate_up=gate_up.grad,
-        down=down.grad,
-        out_terms=sum(terms),
-        x_terms=sum(dx_terms),
-    )
+    return dict(grads, out_terms=sum(terms), x_terms=sum(dx_terms))
 
 
 def _check(name, got, want, terms=None):
@@ -123,7 +119,8 @@ class _Traffic:
 
 def _exchange_check(rank, p: dict, backend: str, group):
     with _backend(backend):
-        ref = _single_process(p)
+        exact = backend == "triton"
+        ref = _single_process(p, terms=not exact)
         lo_t = sum(TOKENS[:rank])
         tokens = slice(lo_t, lo_t + TOKENS[rank])
         lo, hi = expert_range(E, rank, P)
@@ -135,7 +132,6 @@ def _exchange_check(rank, p: dict, backend: str, group):
             with saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
                 out = expert_parallel_experts(x, p["ids"][tokens], w, gate_up, down, E, group)
             out.backward(p["dout"][tokens])
-    exact = backend == "triton"
     _check("out", out, ref["out"][tokens], None if exact else ref["out_terms"][tokens])
     _check("dx", x.grad, ref["x"][tokens], None if exact else ref["x_terms"][tokens])
     _check("d expert_weights", w.grad, ref["weights"][tokens])
@@ -146,7 +142,7 @@ def _exchange_check(rank, p: dict, backend: str, group):
     mine = (p["ids"] // (E // P)) == rank  # rows this rank's experts take
     rows_in = int(mine.sum()) - int(mine[tokens].sum())
     rows_out = int((~mine[tokens]).sum())
-    plan = ExpertParallelPlan(TOKENS[rank], D, F, E, K, P, element_size=4)
+    plan = ExpertParallelPlan(TOKENS[rank], D, F, E, K, P, x.element_size(), weight_size=4)
     assert traffic.bytes == plan.step_bytes(rows_out, rows_in), (backend, rank)
     if exact:
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
@@ -208,7 +204,8 @@ def _worker(rank, world_size, problems, model_problem):
 
 
 def test_matches_single_process(tmp_path, fresh_seed):
-    """On each of 2 ranks (3 and 6 experts, k = 3, 5 and 4 tokens): output and the gradients of
+    """On each of 2 ranks (3 and 6 experts, k = 3, 5 and 4 tokens; fp32, and bf16 on the
+    kernels): output and the gradients of
     x, the routing weights and the rank's experts equal one process's (exact, or the PyTorch
     backend's reordering bound for out and dx), with an expert that gets no token and a rank
     that receives no row; bytes sent and saved are the cost model's; and a fastlm.Transformer
@@ -218,6 +215,8 @@ def test_matches_single_process(tmp_path, fresh_seed):
         for n, case in enumerate(("spread", "one rank"))
         for backend in ("torch", "triton")
     ]
+    # bf16 tokens and experts, float32 routing weights: the rank without rows exchanges bf16 too.
+    problems.append(("triton", _problem(fresh_seed + 2, "one rank", torch.bfloat16)))
     spawn(P, tmp_path, _worker, problems, _model_problem(fresh_seed))
 
 
