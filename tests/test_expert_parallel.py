@@ -1,0 +1,281 @@
+"""Expert parallelism (`fastlm.expert_parallel`): a gloo group of 2 processes spawned once
+(starting processes is what costs) runs every exchange check, each rank comparing its share with
+the single-process `fastlm.moe_experts` on all the tokens and all the experts, which each rank
+computes itself (same threads, same inputs). The layout checks and the cost model's arithmetic run
+in this process.
+
+Why exact: expert e receives the same rows in the same order as on one process (the ranks' tokens
+in rank order, each rank's in token order), so every expert's GEMMs, and so the weights' and the
+routing weights' gradients, are the same sums in the same order. The kernels (Triton's
+interpreter) also round each row to x's dtype and sum each token's k rows in fp32 in choice
+order, as the exchange does: output and dx are bitwise equal, in fp32 and bf16. The PyTorch
+backend's `moe_experts_ref` adds a token's k rows in expert order (an index_add per expert)
+while the exchange adds them in choice order, so there (fp32) output and dx are the same k terms
+summed in another order: each element within 2 gamma_{k-1} sum_j |term_j| (each order's error
+is at most gamma_{k-1} = (k-1) u / (1 - (k-1) u) times the sum of the terms' magnitudes,
+u = 2^-24), with the terms computed per choice.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import TINY_MODEL
+from test_distributed import _backend, spawn
+from torch.autograd.graph import saved_tensors_hooks
+
+from fastlm import Transformer
+from fastlm.expert_parallel import (
+    ExpertParallelPlan,
+    check_expert_parallel,
+    expert_parallel_experts,
+    expert_parallel_mesh,
+    expert_range,
+    set_expert_parallel,
+)
+from fastlm.kernels.moe import moe_experts
+from fastlm.testing import relative_error
+
+pytestmark = pytest.mark.skipif(not dist.is_gloo_available(), reason="needs gloo")
+
+P, E, K, D, F = 2, 6, 3, 12, 10
+TOKENS = (5, 4)  # per rank: ranks may hold different numbers of tokens
+U = 2.0**-24
+
+
+def _problem(seed: int, case: str, dtype: torch.dtype = torch.float32) -> dict:
+    """Inputs for all ranks. "spread": distinct random experts per token, none picking expert 1
+    (an expert with no token). "one rank": every token picks experts 0, 1, 2 in a random order,
+    all on rank 0, so rank 1 receives no row (and rank 0 the worst case, T P min(k, E / P))."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(TOKENS)
+    if case == "spread":
+        allowed = torch.tensor([0, 2, 3, 4, 5])
+        ids = torch.stack([allowed[torch.randperm(5, generator=g)[:K]] for _ in range(T)])
+    else:
+        ids = torch.stack([torch.randperm(K, generator=g) for _ in range(T)])
+    return dict(
+        x=torch.randn(T, D, generator=g).to(dtype),
+        ids=ids,
+        weights=torch.rand(T, K, generator=g),  # float32, as fastlm's router gives them
+        gate_up=(torch.randn(E, 2 * F, D, generator=g) / D**0.5).to(dtype),
+        down=(torch.randn(E, D, F, generator=g) / F**0.5).to(dtype),
+        dout=torch.randn(T, D, generator=g).to(dtype),
+    )
+
+
+def _leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def _single_process(p: dict, terms: bool) -> dict:
+    """Output and gradients; with `terms`, also sum_j |term_j| of out and of dx."""
+    x, w, gate_up, down = _leaves(p["x"], p["weights"], p["gate_up"], p["down"])
+    out = moe_experts(x, p["ids"], w, gate_up, down)
+    out.backward(p["dout"])
+    grads = dict(out=out.detach(), x=x.grad, weights=w.grad, gate_up=gate_up.grad, down=down.grad)
+    if not terms:
+        return grads
+    terms, dx_terms = [], []
+    for j in range(K):
+        xj, wj = _leaves(p["x"], p["weights"][:, j : j + 1])
+        yj = moe_experts(xj, p["ids"][:, j : j + 1], wj, p["gate_up"], p["down"])
+        (dxj,) = torch.autograd.grad(yj, xj, p["dout"])
+        terms.append(yj.detach().abs())
+        dx_terms.append(dxj.abs())
+    return dict(grads, out_terms=sum(terms), x_terms=sum(dx_terms))
+
+
+def _check(name, got, want, terms=None):
+    if terms is None:
+        assert torch.equal(got, want), f"{name}: max difference {(got - want).abs().max():.2e}"
+        return
+    gamma = (K - 1) * U / (1 - (K - 1) * U)
+    excess = (got - want).abs() - 2 * gamma * terms
+    assert excess.max() <= 0, f"{name}: {excess.max():.2e} beyond the reordering bound"
+
+
+class _Traffic:
+    """Bytes that all_to_all_single moves to other ranks, and the rows of (T, D) or wider."""
+
+    def __init__(self, rank: int):
+        self.rank, self.bytes, self.rows_out, self.rows_in = rank, 0, 0, 0
+        self.call = dist.all_to_all_single
+
+    def __enter__(self):
+        def counting(output, input, output_split_sizes=None, input_split_sizes=None, group=None):
+            row = input[0].nbytes if input.dim() > 0 and input.shape[0] else 0
+            splits = input_split_sizes or [input.shape[0] // P] * P
+            self.bytes += sum(n for r, n in enumerate(splits) if r != self.rank) * row
+            return self.call(output, input, output_split_sizes, input_split_sizes, group=group)
+
+        dist.all_to_all_single = counting
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_to_all_single = self.call
+
+
+def _exchange_check(rank, p: dict, backend: str, group):
+    with _backend(backend):
+        exact = backend == "triton"
+        ref = _single_process(p, terms=not exact)
+        lo_t = sum(TOKENS[:rank])
+        tokens = slice(lo_t, lo_t + TOKENS[rank])
+        lo, hi = expert_range(E, rank, P)
+        x, w = _leaves(p["x"][tokens], p["weights"][tokens])
+        gate_up, down = _leaves(p["gate_up"][lo:hi], p["down"][lo:hi])
+        saved = []
+        params = {gate_up.untyped_storage().data_ptr(), down.untyped_storage().data_ptr()}
+        with _Traffic(rank) as traffic:
+            with saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                out = expert_parallel_experts(x, p["ids"][tokens], w, gate_up, down, E, group)
+            out.backward(p["dout"][tokens])
+    _check("out", out, ref["out"][tokens], None if exact else ref["out_terms"][tokens])
+    _check("dx", x.grad, ref["x"][tokens], None if exact else ref["x_terms"][tokens])
+    _check("d expert_weights", w.grad, ref["weights"][tokens])
+    _check("d gate_up", gate_up.grad, ref["gate_up"][lo:hi])
+    _check("d down", down.grad, ref["down"][lo:hi])
+
+    # The cost model: traffic and what the kernels' path keeps for the backward.
+    mine = (p["ids"] // (E // P)) == rank  # rows this rank's experts take
+    rows_in = int(mine.sum()) - int(mine[tokens].sum())
+    rows_out = int((~mine[tokens]).sum())
+    plan = ExpertParallelPlan(TOKENS[rank], D, F, E, K, P, x.element_size(), weight_size=4)
+    assert traffic.bytes == plan.step_bytes(rows_out, rows_in), (backend, rank)
+    if exact:
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+        kept = sum(n for ptr, n in storages.items() if ptr not in params)
+        assert kept == plan.activation_bytes(int(mine.sum())), rank
+
+
+# A fastlm.Transformer whose second layer is a mixture of 4 experts (k 2, a shared expert).
+MOE_MODEL = dict(
+    TINY_MODEL, num_experts=4, experts_per_token=2, moe_d_ff=24, num_shared_experts=1,
+    first_dense_layers=1
+)  # fmt: skip
+EXPERTS = ("experts.gate_up", "experts.down")
+
+
+def _model_problem(seed: int):
+    """The model, a batch of 2 sequences (one per rank) and the single-process loss and
+    gradients (PyTorch backend: the whole model through the interpreter would take minutes)."""
+    torch.manual_seed(seed)
+    model = Transformer(**MOE_MODEL)
+    tokens = torch.randint(0, MOE_MODEL["vocab_size"], (P, MOE_MODEL["context_length"] + 1))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    with _backend("torch"):
+        loss = model.loss(inputs, targets)
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+    names = [name for name, _ in model.named_parameters()]
+    return model, inputs, targets, dict(loss=loss.detach(), **dict(zip(names, grads)))
+
+
+def _model_check(rank, model, inputs, targets, expected):
+    """Each rank trains on its sequence with its half of the experts: the loss and the other
+    parameters' gradients averaged over the ranks (as DDP does), and each expert's gradient
+    divided by P (it already sums both ranks' tokens: `set_expert_parallel`), equal one
+    process's within 1e-5 (fp32 sums over all tokens in other orders, as tests/test_distributed.py's
+    model check)."""
+    with _backend("torch"):
+        assert set_expert_parallel(model, dist.group.WORLD) == 1
+        loss = model.loss(inputs[rank : rank + 1], targets[rank : rank + 1])
+        names, params = zip(*model.named_parameters())
+        got = dict(loss=loss.detach(), **dict(zip(names, torch.autograd.grad(loss, params))))
+    lo, hi = expert_range(MOE_MODEL["num_experts"], rank, P)
+    assert set(got) == set(expected)
+    for name, value in got.items():
+        ref = expected[name]
+        if name.endswith(EXPERTS):
+            assert value.shape[0] == hi - lo
+            ref = ref[lo:hi]
+        else:
+            dist.all_reduce(value)
+        error = relative_error(value / P, ref)
+        assert error <= 1e-5, f"rank {rank}: {name}: relative error {error:.2e}"
+
+
+def _worker(rank, world_size, problems, model_problem):
+    mesh = expert_parallel_mesh(P, E)
+    for n, (backend, problem) in enumerate(problems):
+        _exchange_check(rank, problem, backend, mesh if n % 2 else None)
+    _model_check(rank, *model_problem)
+
+
+def test_matches_single_process(tmp_path, fresh_seed):
+    """On each of 2 ranks (3 and 6 experts, k = 3, 5 and 4 tokens; fp32, and bf16 on the
+    kernels): output and the gradients of
+    x, the routing weights and the rank's experts equal one process's (exact, or the PyTorch
+    backend's reordering bound for out and dx), with an expert that gets no token and a rank
+    that receives no row; bytes sent and saved are the cost model's; and a fastlm.Transformer
+    with a mixture-of-experts layer, its experts spread over the ranks, trains as one process."""
+    problems = [
+        (backend, _problem(fresh_seed + n, case))
+        for n, case in enumerate(("spread", "one rank"))
+        for backend in ("torch", "triton")
+    ]
+    # bf16 tokens and experts, float32 routing weights: the rank without rows exchanges bf16 too.
+    problems.append(("triton", _problem(fresh_seed + 2, "one rank", torch.bfloat16)))
+    spawn(P, tmp_path, _worker, problems, _model_problem(fresh_seed))
+
+
+# --------------------------------------------------------------------------------------------
+# In this process
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((6, 4, 8), "num_experts 6 must be divisible by expert_parallel 4"),
+        ((8, 4, 6), "expert_parallel 4 must divide the number of processes \\(6\\)"),
+        ((8, 4, 8, ("data", "context")), "needs an 'expert' mesh dimension"),
+        ((8, 0, 8), "expert_parallel must be at least 1"),
+    ],
+)
+def test_bad_layout_is_one_value_error(args, message):
+    with pytest.raises(ValueError, match=message):
+        check_expert_parallel(*args)
+
+
+def test_layout_and_one_process():
+    assert check_expert_parallel(8, 4, 8, ("data", "expert")) == 2
+    assert [expert_range(8, r, 4) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    with pytest.raises(ValueError, match="gate_up_local must hold E / P = 8 / 1 = 8 experts"):
+        expert_parallel_experts(
+            *(torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.long)),
+            torch.ones(2, 1),
+            torch.zeros(4, 6, 4),
+            torch.zeros(4, 4, 3),
+            8,
+        )
+    # Without torch.distributed: the single-process op itself.
+    x, ids, w = torch.randn(3, 4), torch.tensor([[1, 0], [2, 1], [0, 2]]), torch.rand(3, 2)
+    gate_up, down = torch.randn(3, 6, 4), torch.randn(3, 4, 3)
+    out = expert_parallel_experts(x, ids, w, gate_up, down, 3)
+    assert torch.equal(out, moe_experts(x, ids, w, gate_up, down))
+
+
+def test_plan_arithmetic_by_hand():
+    """T 4, D 3, F 5, E 4, k 2, P 2, bf16 rows and fp32 routing weights."""
+    plan = ExpertParallelPlan(4, 3, 5, 4, 2, 2, element_size=2, weight_size=4, capacity_factor=1.5)
+    assert plan.experts_per_rank == 2
+    assert plan.row_bytes == 4 * 3 * 2 + 2 * 4 == 32  # x, y, dy, dx of 3 bf16 + w, dw
+    # 3 rows out, 1 in: 4 x (2 D e + w) = 4 x 16, and 2 counts of 8 bytes to the other rank.
+    assert plan.step_bytes(3, 1) == 64 + 16
+    # Uniform: T k (P - 1) / P = 4 rows each way: 8 x 16 + 16.
+    assert plan.expected_step_bytes == 144
+    assert plan.expected_rows == 8  # T k
+    assert plan.worst_rows == 4 * 2 * 2  # T P min(k, E / P)
+    assert ExpertParallelPlan(4, 3, 5, 8, 2, 8).worst_rows == 4 * 8 * 1  # E / P = 1 < k
+    # Capacity ceil(1.5 x 4 x 2 x 2 / 4) = 6 rows per expert, 2 experts: 12 of the 16 possible.
+    assert plan.capacity_rows == 12
+    # 2 experts of 3 D F = 45, the router 4 x 3 = 12: 102 parameters of 4 + 4 + 8 bytes.
+    assert plan.expert_parameters == 102 and plan.state_bytes == 102 * 16
+    shared = ExpertParallelPlan(4, 3, 5, 4, 2, 2, shared_experts=1, shared_d_ff=7)
+    assert shared.expert_parameters == 102 + 63
+    # 8 received rows: 8 x (3 x 2 + 4 + 4) + 4 x 3 for the op's sort, 2 x 8 x 8 for the routes.
+    assert plan.activation_bytes(8) == 112 + 12 + 128
+    with pytest.raises(ValueError, match="num_experts 4 must be divisible by expert_parallel 3"):
+        ExpertParallelPlan(4, 3, 5, 4, 2, 3)
