@@ -43,6 +43,48 @@ hypothesis_configuration.set_hypothesis_home_dir(SCRATCH / "hypothesis")
 settings.register_profile("fastlm", database=None)
 settings.load_profile("fastlm")
 
+
+def _patch_the_language_once_per_launch() -> None:
+    """Triton's interpreter (3.9) re-patches triton.language's builtins, walking every module
+    member with `inspect.getmembers`, on every call of a @triton.jit device function inside a
+    kernel, although the launch patched them already (and restores them when it ends): kernels
+    that call helpers in their loops (the MoE kernels, attention's) spend up to 40% of their
+    interpreted time there. Here a device call whose language modules the running launch has
+    patched skips it; any other call patches as before. Test time only: what runs is unchanged."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:  # tests/without_triton.py hides triton
+        return
+
+    original, patched = interpreter._patch_lang, set()
+
+    class LaunchScope:
+        def __init__(self, scope):
+            self.scope = scope
+
+        def restore(self):
+            patched.clear()
+            self.scope.restore()
+
+    class Nothing:
+        def restore(self):
+            pass
+
+    def patch_lang(fn):
+        langs = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+        if patched and langs <= patched:
+            return Nothing()
+        scope = original(fn)
+        patched.update(langs)
+        return LaunchScope(scope)
+
+    interpreter._patch_lang = patch_lang
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_the_language_once_per_launch()
+
 import fastlm.kernels._common as kernel_common  # noqa: E402
 from fastlm.kernels.linear import has_mixed_gemm  # noqa: E402
 from fastlm.testing import mixed_gemms_on_cpu  # noqa: E402
