@@ -45,6 +45,10 @@ class ModelConfig:
         rope_interleaved: RoPE's pair layout (default True: interleaved).
         tie_embeddings: one parameter for the embedding and the output projection (default False).
         norm_eps: every RMSNorm's epsilon (default 1e-5).
+        num_experts, experts_per_token, moe_d_ff, num_shared_experts, first_dense_layers, router,
+            normalize_top_k, aux_loss_coef, z_loss_coef, router_bias_rate: the
+            mixture-of-experts options of `fastlm.reference.Transformer` (default num_experts 0:
+            the dense model).
     """
 
     vocab_size: int
@@ -59,6 +63,17 @@ class ModelConfig:
     rope_interleaved: bool = True
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
+    # The mixture-of-experts options (MOE_DEFAULTS; num_experts 0: the dense model).
+    num_experts: int = 0
+    experts_per_token: int = 2
+    moe_d_ff: int | None = None  # None: d_ff
+    num_shared_experts: int = 0
+    first_dense_layers: int = 0
+    router: str = "softmax"
+    normalize_top_k: bool = True
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+    router_bias_rate: float = 0.001
 
     @classmethod
     def from_dict(cls, values: Mapping) -> ModelConfig:
@@ -112,6 +127,8 @@ class ModelConfig:
         """
         for field in MODEL_FIELDS:
             value = getattr(self, field)
+            if field in MOE_DEFAULTS:  # checked together below
+                continue
             if field in ("rope_theta", "norm_eps"):
                 try:  # the rule of every numeric option, its type errors a ValueError here
                     check(name(field), value, spec=ALIASES[field])
@@ -124,6 +141,8 @@ class ModelConfig:
                 pass
             elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name(field)} must be a positive integer, got {value!r}")
+        moe = {field: getattr(self, field) for field in MOE_DEFAULTS}
+        reference.check_moe_options(**moe, num_layers=self.num_layers, name=name)
         if model not in MODELS:
             raise ValueError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
         # The reference needs the same split into heads of an even size (RoPE rotates pairs);
@@ -143,12 +162,30 @@ class ModelConfig:
         Returns:
             The number of parameters.
         """
+        return self._count(self.num_experts)
+
+    def active_parameters(self) -> int:
+        """The parameters one token's forward uses: `num_parameters` with each mixture-of-experts
+        layer's experts_per_token experts in place of all of them (the router counted).
+
+        Returns:
+            The number of active parameters (num_parameters for a dense model).
+        """
+        return self._count(self.experts_per_token if self.num_experts else 0)
+
+    def _count(self, experts: int) -> int:
+        """Parameters with `experts` routed experts in each mixture-of-experts layer."""
         d, head_dim = self.d_model, self.d_model // self.num_heads
         kv_heads = self.num_kv_heads or self.num_heads
         attention = d * (self.num_heads + 2 * kv_heads) * head_dim + d * d
-        block = attention + 3 * d * self.d_ff + 2 * d  # + SwiGLU's three matrices, two norms
+        dense = attention + 3 * d * self.d_ff + 2 * d  # + SwiGLU's three matrices, two norms
+        blocks = self.num_layers * dense
+        if self.num_experts:  # the feed-forward of each MoE layer: experts, shared, router
+            widths = (experts + self.num_shared_experts) * (self.moe_d_ff or self.d_ff)
+            moe = dense - 3 * d * self.d_ff + 3 * d * widths + self.num_experts * d
+            blocks += (self.num_layers - self.first_dense_layers) * (moe - dense)
         embeddings = self.vocab_size * d * (1 if self.tie_embeddings else 2)
-        return embeddings + self.num_layers * block + d
+        return embeddings + blocks + d
 
 
 MODEL_FIELDS = tuple(field.name for field in dataclasses.fields(ModelConfig))
@@ -159,6 +196,20 @@ OPTION_DEFAULTS = {
     "tie_embeddings": False,
     "norm_eps": 1e-5,
 }
+#: The mixture-of-experts options, with their defaults (the dense model).
+MOE_DEFAULTS = {
+    "num_experts": 0,
+    "experts_per_token": 2,
+    "moe_d_ff": None,
+    "num_shared_experts": 0,
+    "first_dense_layers": 0,
+    "router": "softmax",
+    "normalize_top_k": True,
+    "aux_loss_coef": 0.01,
+    "z_loss_coef": 0.001,
+    "router_bias_rate": 0.001,
+}
+OPTION_DEFAULTS.update(MOE_DEFAULTS)
 REQUIRED_FIELDS = tuple(name for name in MODEL_FIELDS if name not in OPTION_DEFAULTS)
 
 
@@ -213,6 +264,45 @@ PRESETS = {
         rope_interleaved=False,
         tie_embeddings=True,
         norm_eps=1e-6,
+        batch_size=16,
+        steps=5000,
+        lr=6e-4,
+        eval_every=250,
+        save_every=1000,
+    ),
+    # tiny's mixture-of-experts sibling: 8 experts of half tiny's d_ff, 2 per token, so each
+    # token's feed-forward is as wide as tiny's (2 x 192 = 384): the same active parameters but
+    # the routers' 4 x 128 x 8 = 4,096, and 4 x 6 x 3 x 128 x 192 = 1.77M more in all.
+    "tiny-moe": dict(
+        d_model=128,
+        num_layers=4,
+        num_heads=4,
+        d_ff=384,
+        num_experts=8,
+        experts_per_token=2,
+        moe_d_ff=192,
+        context_length=128,
+        max_context=512,
+        batch_size=16,
+        steps=400,
+        lr=3e-3,
+        eval_every=100,
+        save_every=200,
+    ),
+    # gpt2-small's sibling: 16 experts of half its d_ff, 2 per token: each token's feed-forward
+    # is 2 x 3 x 768 x 1024 = 3 x 768 x 2048 = 4.72M per layer, gpt2-small's, so the active
+    # parameters are gpt2-small's 85.35M plus the routers' 12 x 768 x 16 = 0.15M; in all
+    # 12 x 14 x 3 x 768 x 1024 = 396M more (the experts a token does not use).
+    "gpt2-small-moe": dict(
+        d_model=768,
+        num_layers=12,
+        num_heads=12,
+        d_ff=2048,
+        num_experts=16,
+        experts_per_token=2,
+        moe_d_ff=1024,
+        context_length=1024,
+        max_context=1024,
         batch_size=16,
         steps=5000,
         lr=6e-4,

@@ -348,7 +348,8 @@ class TransformerBlock(reference.TransformerBlock):
 
     Args:
         d_model, num_heads, d_ff, max_seq_len, theta, device, dtype, num_kv_heads,
-            rope_interleaved, norm_eps: as in `fastlm.reference.TransformerBlock`.
+            rope_interleaved, norm_eps, moe: as in `fastlm.reference.TransformerBlock` (with
+            `moe`, ffe is a `fastlm.modules.MoeLayer`).
 
     Raises:
         ValueError: as `MultiHeadAttentionWithRoPE`.
@@ -445,6 +446,11 @@ class Transformer(reference.Transformer):
         vocab_size, context_length, d_model, num_layers, num_heads, d_ff, rope_theta, device,
             dtype, num_kv_heads, rope_interleaved, tie_embeddings, norm_eps: as in
             `fastlm.reference.Transformer`, whose constructor this is.
+        num_experts, experts_per_token, moe_d_ff, num_shared_experts, first_dense_layers,
+            router, normalize_top_k, aux_loss_coef, z_loss_coef, router_bias_rate: the
+            mixture-of-experts options of `fastlm.reference.Transformer`; the MoE layers
+            (`fastlm.modules.MoeLayer`) run their experts on `fastlm.moe_experts`, and `loss`
+            is the cross-entropy alone: add `auxiliary_loss()` for training (docs/moe-training.md).
 
     Raises:
         ValueError: as `fastlm.reference.Transformer`; and, where the Triton kernels run on

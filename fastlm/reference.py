@@ -293,6 +293,15 @@ def check_moe_options(
         )
 
 
+def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of the assignments `expert_ids` (any shape, ids in [0, num_experts)) each
+    expert got: (num_experts,) int64, by index_add (torch.bincount would read the largest id
+    back to the host on a GPU)."""
+    ids = expert_ids.flatten()
+    ones = torch.ones_like(ids, dtype=torch.int64)
+    return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).index_add_(0, ids, ones)
+
+
 class Router(nn.Module):
     """Each token's k experts and their weights, from scores s = x W^T (logits, (T, E)).
 
@@ -371,7 +380,7 @@ class Router(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.training:
             with torch.no_grad():
-                self.load += torch.bincount(ids.flatten(), minlength=self.num_experts)
+                self.load += expert_counts(ids, self.num_experts)
         return ids, weights, logits
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
@@ -519,7 +528,7 @@ class MoeLayer(nn.Module):
         """{"balance": E sum_e f_e P_e, "z": mean logsumexp(logits)^2} for logits (T, E) and the
         chosen expert_ids (T, k)."""
         E = self.router.num_experts
-        counts = torch.bincount(expert_ids.flatten(), minlength=E)  # (E,)
+        counts = expert_counts(expert_ids, E)  # (E,)
         share = counts.to(logits.dtype) / expert_ids.numel()  # f_e: (E,), sums to 1
         mean_probs = self.router.probabilities(logits).mean(dim=0)  # P_e: (E,)
         z = torch.logsumexp(logits, dim=-1).pow(2).mean()

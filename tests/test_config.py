@@ -32,6 +32,8 @@ PRESET_PARAMETERS = {
     "gpt2-small": 85_347_072,
     "llama-small": 75_713_280,
     "gpt2-medium": 308_855_808,
+    "tiny-moe": 2_692_224,  # 922,752 active (tiny's and the routers' 4,096)
+    "gpt2-small-moe": 481_856_256,  # 85,494,528 active (gpt2-small's and 147,456)
 }
 
 

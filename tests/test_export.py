@@ -171,3 +171,45 @@ def test_export_refusals(tmp_path, corpus, capsys):
     argv = ["--checkpoint", str(tmp_path / "bare"), "--prompt", "x"]
     assert generate_cli.main(argv) == 2
     assert "cannot load the Hugging Face model" in capsys.readouterr().err
+
+
+MOE = ["--num-experts", "4", "--experts-per-token", "2", "--moe-d-ff", "24"]
+MOE_CASES = {  # (training options, the family written, its class)
+    # softmax router, no renormalisation, a dense first layer, shared experts (gated by 1/2)
+    "softmax": (["--no-normalize-top-k", "--first-dense-layers", "1", "--num-shared-experts", "1"],
+                "qwen2_moe", "Qwen2MoeForCausalLM"),
+    # sigmoid router with its bias moved by training (a rate large enough to matter in 3 steps)
+    "sigmoid": (["--router", "sigmoid", "--router-bias-rate", "0.05", "--num-shared-experts", "1"],
+                "glm4_moe", "Glm4MoeForCausalLM"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_export_then_from_pretrained_gives_the_same_logits(
+    tmp_path, corpus, capsys, monkeypatch, case
+):
+    """A mixture-of-experts checkpoint is written as its router's family by default;
+    from_pretrained gives fastlm's logits; Qwen3-MoE (q/k norms) and a family of the other
+    router are refused in one line."""
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")  # the interpreted kernels are test_moe_model's
+    options, family, cls = MOE_CASES[case]
+    run = train(tmp_path, corpus, capsys, "run", *MOE, *options)
+    out = tmp_path / "hf"
+    status, err = export(["--checkpoint", run, "--to-hf", out], capsys)
+    assert status == 0, err
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(hf_model).__name__ == cls
+    model, _ = generate_cli.load_model(run, "fastlm", "cpu")
+    if case == "sigmoid":
+        bias = model.moe_layers()[0].router.selection_bias
+        assert bias.abs().sum() > 0  # the test exercises the bias
+        assert torch.equal(hf_model.model.layers[0].mlp.gate.e_score_correction_bias, bias)
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        assert_close(hf_model(ids).logits.double(), model(ids).double(), torch.float32, "logits")
+    capsys.readouterr()  # transformers' loading bars
+    other = "glm4_moe" if family == "qwen2_moe" else "qwen2_moe"
+    for wrong, message in (("qwen3_moe", "q_norm, k_norm"), (other, f"--family {family}")):
+        status, err = export(["--checkpoint", run, "--to-hf", tmp_path / wrong, "--family", wrong],
+                             capsys)  # fmt: skip
+        assert status == 2 and err.count("\n") == 1 and message in err, err

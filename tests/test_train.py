@@ -894,3 +894,37 @@ def test_document_separator_ends_documents(tmp_path, corpus, capsys):
     status, _, err = run_main(args, capsys)
     assert status == 2 and "--document-separator needs --pack-documents" in err
     assert not out.parent.exists()  # refused before --out's folder is locked
+
+
+def test_moe_preset_resume_matches_uninterrupted_run(corpus, tmp_path, capsys, monkeypatch):
+    """The MoE preset (made toy-sized) with the sigmoid router: its balancing bias moves each
+    step, is checkpointed, and a run interrupted at step 4 and resumed ends with the
+    uninterrupted run's losses, weights and biases, bitwise; the balance is reported."""
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")  # the interpreted kernels are test_moe_model's
+    moe = ["--preset", "tiny-moe", "--num-experts", "4", "--moe-d-ff", "24", "--router",
+           "sigmoid", "--router-bias-rate", "0.01"]  # fmt: skip
+    args = ["--data", corpus, *TOY, *moe, "--model", "fastlm", "--steps", "6", "--save-every", "3"]
+    status, full, err = run_main([*args, "--out", tmp_path / "full"], capsys)
+    assert status == 0, err
+    assert "experts' tokens max/mean" in err and "balance loss" in err
+    out = tmp_path / "split"
+    with sigint_in_step(4):
+        status, part, err = run_main([*args, "--out", out], capsys)
+    assert status == 130 and part["steps"] == 4, err
+    status, resumed, err = run_main([*args, "--out", out, "--resume"], capsys)
+    assert status == 0, err
+    expected, got = checkpoint.load_state(tmp_path / "full"), checkpoint.load_state(out)
+    assert got["train_losses"] == expected["train_losses"]
+    weights = checkpoint.load_weights(out)
+    expected_weights = checkpoint.load_weights(tmp_path / "full")
+    assert weights.keys() == expected_weights.keys()
+    assert all(torch.equal(weights[k], expected_weights[k]) for k in expected_weights)
+    biases = [k for k in weights if k.endswith("router.selection_bias")]
+    assert len(biases) == 2 and all(weights[k].abs().sum() > 0 for k in biases)
+
+
+def test_moe_bad_options_are_one_line(corpus, tmp_path, capsys):
+    moe = ["--data", corpus, *TOY, "--preset", "tiny-moe", "--out", tmp_path / "run"]
+    status, _, err = run_main([*moe, "--num-experts", "4", "--experts-per-token", "5"], capsys)
+    assert status == 2 and "--experts-per-token (5) must be at most --num-experts (4)" in err
+    assert not (tmp_path / "run").exists()

@@ -20,6 +20,15 @@ both: the export permutes them, exactly, and the logits are the same. A byte-tok
 tokenizer files (its token ids are UTF-8 bytes); config.json records `fastlm_tokenizer: bytes`,
 which fastlm-generate reads back. The folder is written beside OUT and renamed into place whole.
 Exit status: 0, or 2 with one line on stderr.
+
+A mixture-of-experts model is written as the transformers family that computes its layers
+exactly (`moe_to_hf`): a softmax router as Qwen2-MoE (`qwen2_moe`: norm_topk_prob, dense-first
+layers as mlp_only_layers, shared experts as its shared expert, whose sigmoid gate gets a zero
+weight, sigmoid(0) = 1/2, and whose down projection is doubled: exact, both factors powers of
+two), a sigmoid router as GLM-4.5 (`glm4_moe`: e_score_correction_bias, one group,
+routed_scaling_factor 1, first_k_dense_replace, n_shared_experts, full-width RoPE, no q/k norm).
+Qwen3-MoE is refused: its attention normalises q and k per head (q_norm, k_norm), which
+fastlm's does not. --family defaults to the router's family (llama for a dense model).
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ import argparse
 import shutil
 import sys
 from pathlib import Path
+
+import torch
 
 from fastlm import checkpoint
 from fastlm.checkpoint import TOKENIZER_FIELD, CheckpointError, load_model
@@ -44,9 +55,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--to-hf", required=True, metavar="OUT", help="the folder to write")
     parser.add_argument(
         "--family",
-        choices=CONVERTIBLE,
-        default="llama",
-        help="the transformers family to write (default: %(default)s)",
+        choices=(*CONVERTIBLE, *MOE_FAMILIES.values(), "qwen3_moe"),
+        help="the transformers family to write (default: llama; for a mixture of experts "
+        "qwen2_moe with a softmax router, glm4_moe with a sigmoid one)",
     )
     parser.add_argument(
         "--eos-token",
@@ -66,17 +77,155 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+#: The transformers family that computes a mixture-of-experts model's layers exactly, by router.
+MOE_FAMILIES = {"softmax": "qwen2_moe", "sigmoid": "glm4_moe"}
+
+
+def _moe_problems(model, family: str | None) -> str | None:
+    """Why `family` cannot hold `model` exactly (a mixture of experts or not), or None."""
+    layers = model.moe_layers()
+    if not layers:
+        if family in (*MOE_FAMILIES.values(), "qwen3_moe"):
+            return f"--family {family} is a mixture-of-experts family; this model is dense"
+        return None
+    router = layers[0].router
+    wanted = MOE_FAMILIES[router.kind]
+    if family == "qwen3_moe":
+        return (
+            "Qwen3-MoE's attention normalises q and k per head (q_norm, k_norm), which "
+            f"fastlm's does not: --family {wanted} computes this model exactly"
+        )
+    if family != wanted:
+        return (
+            f"a mixture of experts with a {router.kind} router is written as --family {wanted} "
+            f"(the family whose router computes it exactly), not {family}"
+        )
+    if router.kind == "sigmoid" and router.num_experts < 2:
+        return "glm4_moe's group-limited routing needs at least 2 experts"
+    return None
+
+
+def moe_to_hf(model, family: str, transformers):
+    """A transformers ForCausalLM of `family` (`MOE_FAMILIES`) holding the weights of a
+    mixture-of-experts `fastlm.reference.Transformer` (or `fastlm.Transformer`), on its
+    device and in its dtype, computing the same logits (the module docstring says how each
+    option maps). RuntimeError when transformers' parameter names differ."""
+    from fastlm.hf.convert import _half_split_order, _reorder_heads
+
+    moe = model.moe_layers()[0]
+    router, experts = moe.router, moe.experts
+    attention = model.blocks[0].mult_head_atten
+    head_dim, rope = attention.head_dim, attention.rope
+    embedding = model.embedding.w
+    d_model = embedding.shape[1]
+    first_dense = next(i for i, b in enumerate(model.blocks) if b.ffe is moe)
+    shared = moe.shared.w1.w.shape[0] if moe.shared is not None else 0
+    dense_d_ff = model.blocks[0].ffe.w1.w.shape[0] if first_dense else experts.d_ff
+    fields = dict(
+        vocab_size=model.vocab_size,
+        hidden_size=d_model,
+        intermediate_size=dense_d_ff,
+        num_hidden_layers=len(model.blocks),
+        num_attention_heads=attention.num_heads,
+        num_key_value_heads=attention.num_kv_heads,
+        max_position_embeddings=model.context_length,
+        rms_norm_eps=model.final_norm.eps,
+        tie_word_embeddings=model.out_linear.w is embedding,
+        hidden_act="silu",
+        moe_intermediate_size=experts.d_ff,
+        num_experts_per_tok=router.experts_per_token,
+        norm_topk_prob=router.normalize_top_k,
+        attention_bias=False,
+    )
+    rope_parameters = {"rope_type": "default", "rope_theta": float(rope.theta)}
+    if family == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(
+            **fields,
+            rope_parameters=rope_parameters,
+            num_experts=router.num_experts,
+            shared_expert_intermediate_size=shared,
+            mlp_only_layers=list(range(first_dense)),
+            decoder_sparse_step=1,
+            qkv_bias=False,
+            use_sliding_window=False,
+            router_aux_loss_coef=model.aux_loss_coef,
+        )
+        hf_model = transformers.Qwen2MoeForCausalLM(config)
+    else:
+        config = transformers.Glm4MoeConfig(
+            **fields,
+            rope_parameters={**rope_parameters, "partial_rotary_factor": 1.0},
+            partial_rotary_factor=1.0,
+            n_routed_experts=router.num_experts,
+            n_shared_experts=shared // experts.d_ff,
+            first_k_dense_replace=first_dense,
+            routed_scaling_factor=1.0,
+            n_group=1,
+            topk_group=1,
+            use_qk_norm=False,
+        )
+        hf_model = transformers.Glm4MoeForCausalLM(config)
+    hf_model.to(device=embedding.device, dtype=embedding.dtype)
+    order = _half_split_order(head_dim) if rope.interleaved else None
+    kv_width = attention.num_kv_heads * head_dim
+    state = {"model.embed_tokens.weight": embedding, "model.norm.weight": model.final_norm.g}
+    state["lm_head.weight"] = model.out_linear.w
+
+    def mlp(prefix: str, ffn, down_scale: float = 1.0) -> None:
+        state[prefix + "gate_proj.weight"] = ffn.w1.w
+        state[prefix + "up_proj.weight"] = ffn.w3.w
+        state[prefix + "down_proj.weight"] = ffn.w2.w * down_scale
+
+    for i, block in enumerate(model.blocks):
+        q, k, v = block.mult_head_atten.qkv_proj.w.split((d_model, kv_width, kv_width))
+        if order is not None:
+            q, k = (_reorder_heads(w, head_dim, order) for w in (q, k))
+        prefix = f"model.layers.{i}."
+        state[prefix + "input_layernorm.weight"] = block.rms_norm1.g
+        state[prefix + "post_attention_layernorm.weight"] = block.rms_norm2.g
+        for name, w in (("q", q), ("k", k), ("v", v)):
+            state[prefix + f"self_attn.{name}_proj.weight"] = w
+        state[prefix + "self_attn.o_proj.weight"] = block.mult_head_atten.output_proj.w
+        layer = block.ffe
+        if i < first_dense:
+            mlp(prefix + "mlp.", layer)
+            continue
+        state[prefix + "mlp.gate.weight"] = layer.router.weight
+        state[prefix + "mlp.experts.gate_up_proj"] = layer.experts.gate_up
+        state[prefix + "mlp.experts.down_proj"] = layer.experts.down
+        if family == "glm4_moe":
+            state[prefix + "mlp.gate.e_score_correction_bias"] = layer.router.selection_bias
+            if layer.shared is not None:
+                mlp(prefix + "mlp.shared_experts.", layer.shared)
+        elif layer.shared is not None:  # sigmoid(0 . x) = 1/2 of twice the output: exact
+            mlp(prefix + "mlp.shared_expert.", layer.shared, down_scale=2.0)
+            state[prefix + "mlp.shared_expert_gate.weight"] = layer.router.weight.new_zeros(
+                1, d_model
+            )
+    with torch.no_grad():
+        missing, unexpected = hf_model.load_state_dict(state, strict=False)
+    if fields["tie_word_embeddings"]:
+        missing = [name for name in missing if name != "lm_head.weight"]
+    if not shared:  # zero-width shared experts: nothing to fill
+        missing = [name for name in missing if "shared_expert" not in name]
+    if missing or unexpected:
+        raise RuntimeError(f"moe_to_hf: parameters not filled {missing}, unexpected {unexpected}")
+    return hf_model
+
+
 def export(
     folder: str | Path,
     out: str | Path,
-    family: str = "llama",
+    family: str | None = None,
     overwrite: bool = False,
     eos_token: str | None = None,
     bos_token: str | None = None,
 ):
-    """Write the checkpoint `folder` as a Hugging Face model folder `out`; its path. eos_token,
-    bos_token: the tokenizer's end- and beginning-of-text tokens (default: the first of
-    `fastlm.tokens.END_OF_TEXT` / `BEGIN_OF_TEXT` it has; none for the byte tokenizer)."""
+    """Write the checkpoint `folder` as a Hugging Face model folder `out`; its path. family:
+    None (the default) for llama, or for a mixture of experts its router's family
+    (`MOE_FAMILIES`). eos_token, bos_token: the tokenizer's end- and beginning-of-text tokens
+    (default: the first of `fastlm.tokens.END_OF_TEXT` / `BEGIN_OF_TEXT` it has; none for the
+    byte tokenizer)."""
     from fastlm.hf import to_hf
     from fastlm.hf.families import transformers_module
 
@@ -92,10 +241,16 @@ def export(
         inputs = [("--checkpoint", folder), ("--checkpoint", source)]  # source: maybe FOLDER.old
         check_spares_inputs(out, "--to-hf", inputs, ConfigError)
     model, tokenizer = load_model(source, "reference", "cpu")  # PyTorch ops: any host
+    layers = model.moe_layers()
+    if family is None:
+        family = MOE_FAMILIES[layers[0].router.kind] if layers else "llama"
+    problem = _moe_problems(model, family)
+    if problem:
+        raise ConfigError(problem)
     eos = special_token(tokenizer, END_OF_TEXT, eos_token)
     bos = special_token(tokenizer, BEGIN_OF_TEXT, bos_token)
     ids = {"bos_token_id": bos and bos[1], "eos_token_id": eos and eos[1]}
-    hf_model = to_hf(model, family)
+    hf_model = moe_to_hf(model, family, transformers) if layers else to_hf(model, family)
     setattr(hf_model.config, TOKENIZER_FIELD, tokenizer.name)
     # The tokenizer's own ids, not the family's defaults (Llama's 1 and 2 are other tokens here).
     for key, value in ids.items():
@@ -156,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, CheckpointError) as error:
         print(f"fastlm-export: error: {error}", file=sys.stderr)
         return 2
-    print(f"fastlm-export: wrote {out} ({args.family})", file=sys.stderr)
+    print(f"fastlm-export: wrote {out}", file=sys.stderr)
     return 0
 
 

@@ -160,6 +160,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the output projection shares the embedding's weight (default: not)",
     )
     model.add_argument("--norm-eps", type=float, help="RMSNorm's epsilon (1e-05)")
+    moe = parser.add_argument_group(
+        "mixture of experts (default: the preset's; docs/moe-training.md)"
+    )
+    moe.add_argument(
+        "--num-experts", type=int, help="experts per MoE layer; 0: the dense model (0)"
+    )
+    moe.add_argument("--experts-per-token", type=int, help="k, the experts a token uses (2)")
+    moe.add_argument("--moe-d-ff", type=int, help="each expert's hidden width (--d-ff)")
+    moe.add_argument(
+        "--num-shared-experts", type=int, help="experts every token uses, one SwiGLU (0)"
+    )
+    moe.add_argument("--first-dense-layers", type=int, help="the first layers stay dense (0)")
+    moe.add_argument(
+        "--router",
+        choices=("softmax", "sigmoid"),
+        help="softmax top-k (the default), or sigmoid scores with a balancing bias",
+    )
+    moe.add_argument(
+        "--normalize-top-k",
+        action=argparse.BooleanOptionalAction,
+        help="renormalise each token's k weights to sum 1 (the default)",
+    )
+    moe.add_argument("--aux-loss-coef", type=float, help="load-balancing loss coefficient (0.01)")
+    moe.add_argument("--z-loss-coef", type=float, help="router z-loss coefficient (0.001)")
+    moe.add_argument(
+        "--router-bias-rate", type=float, help="the sigmoid router's bias step per step (0.001)"
+    )
 
     optim = parser.add_argument_group("optimisation (default: the preset's)")
     optim.add_argument("--steps", type=int, help="optimizer steps in all (a resumed run included)")
@@ -278,6 +305,9 @@ def check_args(args: argparse.Namespace) -> None:
         "rope_theta",
         "norm_eps",
         "peak_tflops",
+        "aux_loss_coef",
+        "z_loss_coef",
+        "router_bias_rate",
     ):
         value = getattr(args, key)
         if value is not None and not math.isfinite(value):
@@ -389,6 +419,12 @@ def model_config(args: argparse.Namespace, tokenizer, run: Run) -> ModelConfig:
         check_plan(config.as_dict(), args.tensor_parallel, name=flag)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    if config.num_experts and (args.fsdp or args.tensor_parallel > 1):
+        what = "--fsdp" if args.fsdp else "--tensor-parallel"
+        raise ConfigError(
+            f"{what} does not run mixture-of-experts models yet (--num-experts "
+            f"{config.num_experts}): train them with DDP or on one device"
+        )
     return config
 
 
@@ -546,6 +582,14 @@ def prepare(
     return Trainer(args, run, config, tokenizer.name, out, split, saved)
 
 
+def moe_text(stats: dict[str, float]) -> str:
+    """A mixture of experts' balance over the last step, for the evaluation line."""
+    return (
+        f"; experts' tokens max/mean {stats['load_max_over_mean']:.2f}, balance loss "
+        f"{stats['balance_loss']:.4f}, z-loss {stats['z_loss']:.4g}"
+    )
+
+
 def finite_or_none(value: float | None) -> float | None:
     """JSON has no NaN or infinity: null instead."""
     return value if value is not None and math.isfinite(value) else None
@@ -623,6 +667,11 @@ def run_training(args: argparse.Namespace, run: Run, out: Path, stack: contextli
             postfix = {"loss": f"{loss:.3f}", "tok/s": f"{throughput.tokens_per_second:,.0f}"}
             if peak:
                 postfix["mfu"] = f"{mfu(throughput.tokens_per_second):.1%}"
+            moe = trainer.moe_stats
+            if moe:  # the busiest expert's tokens over the mean (the worst layer's), the losses
+                postfix["load"] = f"{moe['load_max_over_mean']:.2f}"
+                postfix["bal"] = f"{moe['balance_loss']:.3f}"
+                postfix["z"] = f"{moe['z_loss']:.3g}"
             progress.set_postfix(postfix, refresh=False)
             progress.update()
             if metrics.loggers:
@@ -634,6 +683,7 @@ def run_training(args: argparse.Namespace, run: Run, out: Path, stack: contextli
                         "train/lr": lr,
                         "train/grad_norm": None if norm is None else float(norm),
                         "train/tokens_per_second": throughput.tokens_per_second,
+                        **{f"moe/{key}": value for key, value in moe.items()},
                     },
                     step,
                 )
@@ -651,6 +701,7 @@ def run_training(args: argparse.Namespace, run: Run, out: Path, stack: contextli
                     f"step {step}/{args.steps}: training loss {loss:.4f}, held-out loss "
                     f"{held_out:.4f}, {throughput.tokens_per_second:,.0f} tokens/s"
                     + (f" on {threads_text}" if threads_text else "")
+                    + (moe_text(trainer.moe_stats) if trainer.moe_stats else "")
                 )
                 if not math.isfinite(held_out):
                     diverged = f"the held-out loss is {held_out} at step {step}"

@@ -45,7 +45,9 @@ class NextTokenLoss(nn.Module):
     """The model and its loss in one forward, so DDP and FSDP see the whole computation.
 
     A model with `loss(token_ids, targets)` (fastlm's fused linear cross-entropy) computes it
-    itself; otherwise the logits go through the reference cross-entropy in float32.
+    itself; otherwise the logits go through the reference cross-entropy in float32. In training
+    mode a mixture-of-experts model's `auxiliary_loss()` (its load-balancing and z-losses, times
+    their coefficients) is added; in eval mode the loss is the cross-entropy alone.
     """
 
     def __init__(self, model: nn.Module):
@@ -57,6 +59,11 @@ class NextTokenLoss(nn.Module):
         self, token_ids: torch.Tensor, targets: torch.Tensor, cu_seqlens: torch.Tensor | None = None
     ) -> torch.Tensor:
         """cu_seqlens: packed documents (`Transformer.loss` / `reference.Transformer.forward`)."""
+        loss = self.next_token_loss(token_ids, targets, cu_seqlens)
+        auxiliary = self.model.auxiliary_loss() if self.training else None
+        return loss if auxiliary is None else loss + auxiliary
+
+    def next_token_loss(self, token_ids, targets, cu_seqlens) -> torch.Tensor:
         packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
         if hasattr(self.model, "loss"):
             return self.model.loss(token_ids, targets, **packed)
@@ -71,11 +78,16 @@ def flops_per_token(model: nn.Module, config: dict) -> float:
     """Training FLOPs per token, PaLM's convention: 6 per weight used in a matmul (the embedding
     lookup is not one) plus 12 * layers * d_model * context for attention scores and values
     (the full square, although causal attention needs only half of it). A tied output
-    projection is the embedding's weight used in a matmul: counted once, as a matmul weight."""
+    projection is the embedding's weight used in a matmul: counted once, as a matmul weight. A
+    mixture-of-experts layer counts the experts one token uses (k of E) and its router."""
     embedding = config["vocab_size"] * config["d_model"]
     if config.get("tie_embeddings"):
         embedding = 0
     matmul_weights = sum(p.numel() for p in model.parameters()) - embedding
+    for layer in model.moe_layers():  # a token uses k of the E experts
+        router, experts = layer.router, layer.experts
+        unused = router.num_experts - router.experts_per_token
+        matmul_weights -= unused * (experts.gate_up[0].numel() + experts.down[0].numel())
     attention = 12 * config["num_layers"] * config["d_model"] * config["context_length"]
     return 6 * matmul_weights + attention
 
@@ -454,6 +466,8 @@ class Trainer:
         self.loss_fn = torch.compile(self.wrapped) if args.compile else self.wrapped
         self.step = saved["step"] if saved else 0
         self.grad_norm = None  # the last step's, before clipping (None without clipping)
+        # A mixture of experts' balance over the last step (`Transformer.update_router_bias`).
+        self.moe_stats: dict[str, float] = {}
         self.train_losses: list[float] = list(saved["train_losses"]) if saved else []
         # Targets this rank's training batches left out (document starts under --pack-documents)
         # and all of them, this run: rows are windows of the token stream, never padded.
@@ -511,6 +525,9 @@ class Trainer:
             with gradient_sync(self.wrapped, last):
                 loss = self.loss(token_ids, targets, cu_seqlens)
                 (loss / args.grad_accum).backward()
+            auxiliary = self.model.auxiliary_loss()  # in `loss`; the cross-entropy is reported
+            if auxiliary is not None:
+                loss = loss - auxiliary
             total += loss.detach().float()
         if self.run.tensor > 1:  # the norms' gains: each tensor rank's tokens' share
             tensor_parallel.reduce_gradients(self.model)
@@ -525,6 +542,8 @@ class Trainer:
             norm = norm.full_tensor()
         self.grad_norm = norm
         self.optimizer.step()
+        # The sigmoid routers' balancing bias, from the step's assignments on every rank.
+        self.moe_stats = self.model.update_router_bias(self.run.mean)
         self.step += 1
         flags = torch.tensor(float(stop.requested), device=self.run.device)
         loss, stopping = self.run.mean(torch.stack([total / args.grad_accum, flags])).tolist()
