@@ -18,14 +18,20 @@ u = 2^-24), with the terms computed per choice.
 
 from __future__ import annotations
 
+import os
+import socket
+from pathlib import Path
+
 import pytest
+import test_train
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from conftest import TINY_MODEL
-from test_distributed import _backend, spawn
+from test_distributed import FASTLM_TOY, _backend, spawn
 from torch.autograd.graph import saved_tensors_hooks
 
-from fastlm import Transformer
+from fastlm import Transformer, checkpoint
 from fastlm.expert_parallel import (
     ExpertParallelPlan,
     check_expert_parallel,
@@ -279,3 +285,118 @@ def test_plan_arithmetic_by_hand():
     assert plan.activation_bytes(8) == 112 + 12 + 128
     with pytest.raises(ValueError, match="num_experts 4 must be divisible by expert_parallel 3"):
         ExpertParallelPlan(4, 3, 5, 4, 2, 3)
+
+
+# --------------------------------------------------------------------------------------------
+# fastlm-train --expert-parallel
+# --------------------------------------------------------------------------------------------
+
+MOE_TOY = [
+    *FASTLM_TOY,
+    *("--num-experts", "4", "--experts-per-token", "2", "--moe-d-ff", "32"),
+    *("--steps", "6", "--save-every", "2"),
+]
+corpus = test_train.corpus  # the fixture
+
+# fp32 rounding over a few steps: each expert's gradient sums the ranks' tokens in another order
+# (a few units of 2^-24), AdamW's update then carries such differences on.
+TRAIN_BOUND = 1e-5
+
+# Three runs of 2 processes, one after the other in the same two: (--out, flags, the saves
+# rank 0 copies, at (step, to --out of a later run)), and what each must show.
+TRAIN_RUNS = (
+    ("ddp", [], {2: ("ep",), 4: ("ddp-4",)}),  # P = 1: DDP over both ranks, all experts each
+    ("ep", ["--expert-parallel", "2", "--resume"], {4: ("back", "ep-4")}),  # from ddp's step 2
+    ("back", ["--resume"], {}),  # from ep's step 4, back at P = 1
+)
+
+
+def _train_entry(rank, world_size, ports, folder, corpus):
+    """Each of TRAIN_RUNS through fastlm-train's main, as torchrun would start it, in a forked
+    process (fastlm imported already: what a torchrun per run would spend seconds on)."""
+    import shutil
+
+    import fastlm.cli.train as train_cli
+    import fastlm.cli.trainer as training
+    from fastlm.expert_parallel import expert_modules
+
+    torch.set_num_threads(1)
+    save = training.Trainer.save
+    folder = Path(folder)
+    for (name, flags, copies), port in zip(TRAIN_RUNS, ports):
+
+        def save_and_copy(trainer, copies=copies):
+            note = save(trainer)
+            for to in copies.get(trainer.step, ()) if rank == 0 else ():
+                shutil.copytree(trainer.out, folder / to)  # before this run's final barrier
+            held = trainer.model.moe_layers()[0].experts.gate_up.shape[0]
+            spread = len(expert_modules(trainer.model))
+            (folder / f"held-{trainer.out.name}-{rank}").write_text(f"{held} {spread}")
+            return note
+
+        training.Trainer.save = save_and_copy
+        os.environ.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        argv = ["--data", corpus, *MOE_TOY, *flags, "--out", str(folder / name)]
+        status = train_cli.main(argv)
+        assert status == 0, f"rank {rank}, run {name}: exit status {status}"
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def test_train_expert_parallel_matches_ddp_and_resumes_across_p(tmp_path, corpus, monkeypatch):
+    """fastlm-train on 2 gloo ranks: a DDP run (P = 1); its step-2 checkpoint resumed with
+    --expert-parallel 2 (1 -> 2: each rank slices its 2 of the 4 experts and their AdamW
+    moments); that run's step-4 checkpoint resumed at P = 1 (2 -> 1). The P = 2 losses are the
+    DDP run's to fp32 rounding (the expert gradients summed in another order), its checkpoint
+    holds the whole (E, ...) tensors (the same keys, shapes and values as the DDP run's), and
+    the resumed P = 1 run continues the same curve."""
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")  # the interpreted kernels: the tests above
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    args = (_free_ports(len(TRAIN_RUNS)), str(tmp_path), str(corpus))
+    mp.start_processes(_train_entry, args=(2, *args), nprocs=2, join=True, start_method="fork")
+
+    held = {p.name: p.read_text() for p in tmp_path.glob("held-*")}
+    assert held == {
+        **{f"held-{run}-{r}": "4 0" for run in ("ddp", "back") for r in (0, 1)},
+        **{f"held-ep-{r}": "2 2" for r in (0, 1)},  # 2 of the 4 experts in both layers
+    }
+    runs = [name for name, _, _ in TRAIN_RUNS]
+    losses = {name: checkpoint.load_state(tmp_path / name)["train_losses"] for name in runs}
+    assert len(losses["ddp"]) == 6
+    assert losses["ep"][:2] == losses["ddp"][:2] and losses["back"][:4] == losses["ep"][:4]
+    assert losses["ep"] == pytest.approx(losses["ddp"], rel=TRAIN_BOUND, abs=0)
+    assert losses["back"] == pytest.approx(losses["ddp"], rel=TRAIN_BOUND, abs=0)
+    for step in (4, 6):  # P = 2's checkpoint (step 4 copied), and P = 1's after it, as DDP's
+        got = "ep-4" if step == 4 else "back"
+        want = "ddp-4" if step == 4 else "ddp"
+        for part in ("weights", "state"):
+            a, b = (_checkpoint_tensors(tmp_path / n, part) for n in (got, want))
+            assert a.keys() == b.keys() and a, (got, part)
+            errors = {}
+            for key in a:
+                assert a[key].shape == b[key].shape, (got, key)
+                errors[key] = relative_error(a[key], b[key])
+            worst = max(errors, key=errors.get)
+            assert errors[worst] <= TRAIN_BOUND, f"{got} {worst}: {errors[worst]:.2e}"
+
+
+def _checkpoint_tensors(folder: Path, part: str) -> dict[str, torch.Tensor]:
+    """A checkpoint's weights, or its AdamW moments keyed "parameter/entry"."""
+    if part == "weights":
+        return checkpoint.load_weights(folder)
+    state = checkpoint.load_state(folder)["optimizer"]["state"]
+    return {f"{k}/{e}": v for k, entries in state.items() for e, v in entries.items() if v.ndim}
