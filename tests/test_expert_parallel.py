@@ -302,17 +302,22 @@ corpus = test_train.corpus  # the fixture
 # (a few units of 2^-24), AdamW's update then carries such differences on.
 TRAIN_BOUND = 1e-5
 
-# Three runs of 2 processes, one after the other in the same two: (--out, flags, the saves
-# rank 0 copies, at (step, to --out of a later run)), and what each must show.
-TRAIN_RUNS = (
-    ("ddp", [], {2: ("ep",), 4: ("ddp-4",)}),  # P = 1: DDP over both ranks, all experts each
-    ("ep", ["--expert-parallel", "2", "--resume"], {4: ("back", "ep-4")}),  # from ddp's step 2
-    ("back", ["--resume"], {}),  # from ep's step 4, back at P = 1
-)
+
+def _train_runs(world_size: int) -> tuple:
+    """Three runs on the same `world_size` processes, one after the other: (--out, P, the saves
+    rank 0 copies: {step: --out folders of later runs}). A DDP run (P = 1); its step-2
+    checkpoint resumed at P = 2; that one's step-4 checkpoint resumed at P = 1 (2 processes) or
+    P = 4 (4 processes)."""
+    last = "p1" if world_size == 2 else "p4"
+    return (
+        ("ddp", 1, {2: ("p2",), 4: ("ddp-4",)}),
+        ("p2", 2, {4: (last, "p2-4")}),
+        (last, int(last[1:]), {}),
+    )
 
 
 def _train_entry(rank, world_size, ports, folder, corpus):
-    """Each of TRAIN_RUNS through fastlm-train's main, as torchrun would start it, in a forked
+    """Each of `_train_runs` through fastlm-train's main, as torchrun would start it, in a forked
     process (fastlm imported already: what a torchrun per run would spend seconds on)."""
     import shutil
 
@@ -323,7 +328,7 @@ def _train_entry(rank, world_size, ports, folder, corpus):
     torch.set_num_threads(1)
     save = training.Trainer.save
     folder = Path(folder)
-    for (name, flags, copies), port in zip(TRAIN_RUNS, ports):
+    for (name, P, copies), port in zip(_train_runs(world_size), ports):
 
         def save_and_copy(trainer, copies=copies):
             note = save(trainer)
@@ -342,6 +347,7 @@ def _train_entry(rank, world_size, ports, folder, corpus):
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
         )
+        flags = ["--expert-parallel", str(P)] + (["--resume"] if name != "ddp" else [])
         argv = ["--data", corpus, *MOE_TOY, *flags, "--out", str(folder / name)]
         status = train_cli.main(argv)
         assert status == 0, f"rank {rank}, run {name}: exit status {status}"
@@ -357,32 +363,37 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
-def test_train_expert_parallel_matches_ddp_and_resumes_across_p(tmp_path, corpus, monkeypatch):
-    """fastlm-train on 2 gloo ranks: a DDP run (P = 1); its step-2 checkpoint resumed with
-    --expert-parallel 2 (1 -> 2: each rank slices its 2 of the 4 experts and their AdamW
-    moments); that run's step-4 checkpoint resumed at P = 1 (2 -> 1). The P = 2 losses are the
-    DDP run's to fp32 rounding (the expert gradients summed in another order), its checkpoint
-    holds the whole (E, ...) tensors (the same keys, shapes and values as the DDP run's), and
-    the resumed P = 1 run continues the same curve."""
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_train_expert_parallel_matches_ddp_and_resumes_across_p(
+    tmp_path, corpus, monkeypatch, world_size
+):
+    """fastlm-train on `world_size` gloo ranks (`_train_runs`): a DDP run (P = 1), its step-2
+    checkpoint resumed with --expert-parallel 2 (1 -> 2: each rank slices its 2 of the 4
+    experts and their AdamW moments; on 4 ranks two ranks hold each expert, their gradients
+    averaged by `reduce_expert_gradients`), that run's step-4 checkpoint resumed at P = 1 or 4.
+    The losses are the DDP run's to fp32 rounding (each expert's gradient summed in another
+    order), the P = 2 checkpoint holds the whole (E, ...) tensors (the DDP run's keys, shapes
+    and values), and so does the last run's. One process training this model has gradient
+    norms of 1.6 to 2.1, above --grad-clip 1: every step clips, by the norm over all experts."""
     monkeypatch.setenv("FASTLM_BACKEND", "torch")  # the interpreted kernels: the tests above
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    args = (_free_ports(len(TRAIN_RUNS)), str(tmp_path), str(corpus))
-    mp.start_processes(_train_entry, args=(2, *args), nprocs=2, join=True, start_method="fork")
+    runs = _train_runs(world_size)
+    args = (world_size, _free_ports(len(runs)), str(tmp_path), str(corpus))
+    mp.start_processes(_train_entry, args, nprocs=world_size, join=True, start_method="fork")
 
     held = {p.name: p.read_text() for p in tmp_path.glob("held-*")}
-    assert held == {
-        **{f"held-{run}-{r}": "4 0" for run in ("ddp", "back") for r in (0, 1)},
-        **{f"held-ep-{r}": "2 2" for r in (0, 1)},  # 2 of the 4 experts in both layers
+    assert held == {  # E / P experts in each of the 2 layers; P = 1 leaves the layers alone
+        f"held-{name}-{r}": f"{4 // P} {2 if P > 1 else 0}"
+        for name, P, _ in runs
+        for r in range(world_size)
     }
-    runs = [name for name, _, _ in TRAIN_RUNS]
-    losses = {name: checkpoint.load_state(tmp_path / name)["train_losses"] for name in runs}
-    assert len(losses["ddp"]) == 6
-    assert losses["ep"][:2] == losses["ddp"][:2] and losses["back"][:4] == losses["ep"][:4]
-    assert losses["ep"] == pytest.approx(losses["ddp"], rel=TRAIN_BOUND, abs=0)
-    assert losses["back"] == pytest.approx(losses["ddp"], rel=TRAIN_BOUND, abs=0)
-    for step in (4, 6):  # P = 2's checkpoint (step 4 copied), and P = 1's after it, as DDP's
-        got = "ep-4" if step == 4 else "back"
-        want = "ddp-4" if step == 4 else "ddp"
+    names = [name for name, _, _ in runs]
+    losses = {name: checkpoint.load_state(tmp_path / name)["train_losses"] for name in names}
+    ddp, p2, last = (losses[name] for name in names)
+    assert len(ddp) == 6 and p2[:2] == ddp[:2] and last[:4] == p2[:4]  # the histories resumed
+    assert p2 == pytest.approx(ddp, rel=TRAIN_BOUND, abs=0)
+    assert last == pytest.approx(ddp, rel=TRAIN_BOUND, abs=0)
+    for got, want in (("p2-4", "ddp-4"), (names[-1], "ddp")):
         for part in ("weights", "state"):
             a, b = (_checkpoint_tensors(tmp_path / n, part) for n in (got, want))
             assert a.keys() == b.keys() and a, (got, part)
