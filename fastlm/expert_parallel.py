@@ -62,6 +62,7 @@ __all__ = [
     "expert_modules",
     "expert_parallel_experts",
     "expert_parallel_mesh",
+    "expert_parameter_names",
     "expert_range",
     "full_expert_state",
     "reduce_expert_gradients",
@@ -486,6 +487,8 @@ def clip_grad_norm_(root: torch.nn.Module, max_norm: float) -> torch.Tensor:
     experts = {id(getattr(m, w)) for _, m in expert_modules(root) for w in EXPERT_WEIGHTS}
     groups = {id(m.group): m.group for _, m in expert_modules(root)}
     grads = [(id(p) in experts, p.grad) for p in root.parameters() if p.grad is not None]
+    if not grads:  # as on every rank of the group: the same model, the same backward
+        return torch.zeros(())
     zero = torch.zeros((), device=grads[0][1].device)
     dense, spread = (
         sum((g.float().square().sum() for e, g in grads if e is kind), zero)

@@ -133,8 +133,9 @@ class Run:
     the `tensor` ranks of `tensor_group` (neighbours) share each layer, DDP and FSDP2 run over
     `data_mesh` (the data x context ranks) and the data is split world / (context x tensor).
     With expert parallelism the `expert` ranks of `expert_group` (neighbours) share each MoE
-    layer's experts, and `expert_replicas` (the ranks rank +- k expert) hold the same ones; the
-    data split is the one without it (each rank's tokens go to the experts' ranks and back)."""
+    layer's experts, and `expert_replicas` (the ranks r + k expert, k = 0, 1, ...) hold the same
+    ones; the data split is the one without it (each rank's tokens go to the experts' ranks and
+    back)."""
 
     rank: int
     world_size: int
