@@ -294,7 +294,7 @@ def test_plan_arithmetic_by_hand():
 MOE_TOY = [
     *FASTLM_TOY,
     *("--num-experts", "4", "--experts-per-token", "2", "--moe-d-ff", "32"),
-    *("--steps", "6", "--save-every", "2"),
+    *("--steps", "6", "--save-every", "2", "--grad-accum", "2"),  # DDP's no_sync: experts too
 ]
 corpus = test_train.corpus  # the fixture
 

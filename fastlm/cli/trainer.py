@@ -259,9 +259,10 @@ def distribute(loss_module: NextTokenLoss, run: Run, fsdp: bool) -> nn.Module:
     group = run.data_mesh.get_group() if run.data_mesh is not None else None
     # Each rank's experts are its own (neither broadcast from rank 0 nor averaged over the
     # world): `expert_parallel.reduce_expert_gradients` averages them over their replicas.
-    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-        loss_module, expert_parallel.expert_parameter_names(loss_module)
-    )
+    experts = expert_parallel.expert_parameter_names(loss_module)
+    if experts:
+        DDP = nn.parallel.DistributedDataParallel
+        DDP._set_params_and_buffers_to_ignore_for_model(loss_module, experts)
     return nn.parallel.DistributedDataParallel(
         loss_module, device_ids=device_ids, process_group=group, **{no_sync: False}
     )
