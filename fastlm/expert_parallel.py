@@ -58,10 +58,16 @@ __all__ = [
     "ExpertParallelExperts",
     "ExpertParallelPlan",
     "check_expert_parallel",
+    "clip_grad_norm_",
+    "expert_modules",
     "expert_parallel_experts",
     "expert_parallel_mesh",
+    "expert_parameter_names",
     "expert_range",
+    "full_expert_state",
+    "reduce_expert_gradients",
     "set_expert_parallel",
+    "shard_expert_optimizer_state",
 ]
 
 
@@ -83,6 +89,7 @@ def check_expert_parallel(
     expert_parallel: int,
     world_size: int | None = None,
     mesh_dims: tuple[str, ...] | None = None,
+    name=str,
 ) -> int:
     """Check an expert-parallel layout before any process group is made; experts per rank.
 
@@ -92,6 +99,7 @@ def check_expert_parallel(
         world_size: the processes of the run (None: not checked); P must divide it.
         mesh_dims: the names of the DeviceMesh's dimensions the experts' group is taken from
             (None: not checked); with P > 1 one must be "expert".
+        name: how the messages spell an argument's name (fastlm-train passes its flags').
 
     Returns:
         E / P.
@@ -101,15 +109,17 @@ def check_expert_parallel(
         ValueError: a count below 1, E not divisible by P, P not dividing the world size, or a
             mesh without an "expert" dimension; one line each.
     """
-    E = _positive_int("num_experts", num_experts)
-    P = _positive_int("expert_parallel", expert_parallel)
+    E = _positive_int(name("num_experts"), num_experts)
+    P = _positive_int(name("expert_parallel"), expert_parallel)
     if E % P:
         raise ValueError(
-            f"num_experts {E} must be divisible by expert_parallel {P}: each rank holds E / P "
-            "experts"
+            f"{name('num_experts')} {E} must be divisible by {name('expert_parallel')} {P}: each "
+            "rank holds E / P experts"
         )
     if world_size is not None and _positive_int("world_size", world_size) % P:
-        raise ValueError(f"expert_parallel {P} must divide the number of processes ({world_size})")
+        raise ValueError(
+            f"{name('expert_parallel')} {P} must divide the number of processes ({world_size})"
+        )
     if mesh_dims is not None and P > 1 and "expert" not in mesh_dims:
         raise ValueError(
             f"expert parallelism over {P} ranks needs an 'expert' mesh dimension, got "
@@ -418,6 +428,120 @@ def set_expert_parallel(model: torch.nn.Module, group) -> int:
     for layer in layers:
         layer.experts = ExpertParallelExperts.of(layer.experts, group)
     return len(layers)
+
+
+# --------------------------------------------------------------------------------------------
+# Training: gradients, clipping and checkpoints of an expert-parallel model
+# --------------------------------------------------------------------------------------------
+
+EXPERT_WEIGHTS = ("gate_up", "down")
+
+
+def expert_modules(root: torch.nn.Module) -> list[tuple[str, ExpertParallelExperts]]:
+    """(name relative to `root`, module) of each `ExpertParallelExperts` under `root`; empty
+    for a model `set_expert_parallel` left alone."""
+    return [(n, m) for n, m in root.named_modules() if isinstance(m, ExpertParallelExperts)]
+
+
+def expert_parameter_names(root: torch.nn.Module) -> list[str]:
+    """The names (relative to `root`) of this rank's expert parameters: the ones a
+    data-parallel wrapper must leave to `reduce_expert_gradients`."""
+    return [f"{name}.{w}" for name, _ in expert_modules(root) for w in EXPERT_WEIGHTS]
+
+
+@torch.no_grad()
+def reduce_expert_gradients(root: torch.nn.Module, replicas, world_size: int) -> None:
+    """The experts' part of a data-parallel gradient average, in place.
+
+    Every other parameter's gradient is averaged over the W = `world_size` ranks by DDP:
+    (1 / W) sum_r grad L_r. An expert's gradient on its rank already sums the P ranks of its
+    expert group (their tokens came to it), so the same average is the sum over the W / P
+    ranks that hold the same experts (`replicas`), divided by W.
+
+    Args:
+        root: the model (or a module holding it).
+        replicas: the ProcessGroup of the ranks holding this rank's experts (None: only this
+            one, W = P).
+        world_size: W, the ranks DDP averages the other gradients over.
+    """
+    for _, module in expert_modules(root):
+        for w in EXPERT_WEIGHTS:
+            grad = getattr(module, w).grad
+            if grad is None:
+                continue
+            if replicas is not None and dist.get_world_size(replicas) > 1:
+                dist.all_reduce(grad, group=replicas)
+            grad.div_(world_size)
+
+
+@torch.no_grad()
+def clip_grad_norm_(root: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Scale every gradient by max_norm / (norm + 1e-6) where the global norm is above max_norm
+    (`fastlm.reference.gradient_clip`'s rule), the norm counting all E experts of each layer
+    (their squares summed over the expert group) and every other gradient once. Call after
+    `reduce_expert_gradients` (and DDP's average).
+
+    Returns:
+        The norm before clipping, fp32.
+    """
+    experts = {id(getattr(m, w)) for _, m in expert_modules(root) for w in EXPERT_WEIGHTS}
+    groups = {id(m.group): m.group for _, m in expert_modules(root)}
+    grads = [(id(p) in experts, p.grad) for p in root.parameters() if p.grad is not None]
+    if not grads:  # as on every rank of the group: the same model, the same backward
+        return torch.zeros(())
+    zero = torch.zeros((), device=grads[0][1].device)
+    dense, spread = (
+        sum((g.float().square().sum() for e, g in grads if e is kind), zero)
+        for kind in (False, True)
+    )
+    for group in groups.values():  # one group in a run (the expert mesh dimension)
+        dist.all_reduce(spread, group=group)
+    norm = (dense + spread).sqrt()
+    scale = torch.where(norm > max_norm, max_norm / (norm + 1e-6), 1.0)
+    for _, grad in grads:
+        grad.mul_(scale.to(grad.dtype))
+    return norm
+
+
+def _gather_experts(local: torch.Tensor, group) -> torch.Tensor:
+    """The expert group's shares (E / P, ...) of a tensor, in rank order: (E, ...) on the CPU."""
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.detach().contiguous(), group=group)
+    return torch.cat(parts).cpu()
+
+
+def full_expert_state(
+    root: torch.nn.Module, optimizer: torch.optim.Optimizer, weights: dict, state: dict, prefix=""
+) -> None:
+    """Put the whole (E, ...) expert weights and their optimizer state into a checkpoint's
+    `weights` (keys relative to `root`) and optimizer `state` ({"state": {prefix + key:
+    {entry: tensor}}}), in place, so that it holds a one-process model's layout. A collective
+    of the expert groups: every rank calls it (a rank whose dicts are empty gets them filled).
+    """
+    for name, module in expert_modules(root):
+        for w in EXPERT_WEIGHTS:
+            param, key = getattr(module, w), f"{name}.{w}"
+            weights[key] = _gather_experts(param, module.group)
+            entries = state.setdefault("state", {}).setdefault(prefix + key, {})
+            for entry, value in optimizer.state[param].items():
+                if isinstance(value, torch.Tensor) and value.ndim > 0:  # not AdamW's step
+                    entries[entry] = _gather_experts(value, module.group)
+
+
+def shard_expert_optimizer_state(root: torch.nn.Module, state: dict, prefix="") -> dict:
+    """A one-process optimizer state dict ({"state": {prefix + key: {entry: tensor}}}) with each
+    expert entry cut to this rank's experts (`expert_range`), to load into the optimizer of a
+    model `set_expert_parallel` spread; the rest is left as it is."""
+    out = {**state, "state": {k: dict(v) for k, v in state["state"].items()}}
+    for name, module in expert_modules(root):
+        P, rank = dist.get_world_size(module.group), dist.get_rank(module.group)
+        lo, hi = expert_range(module.num_experts, rank, P)
+        for w in EXPERT_WEIGHTS:
+            entries = out["state"].get(f"{prefix}{name}.{w}", {})
+            for entry, value in entries.items():
+                if isinstance(value, torch.Tensor) and value.ndim > 0:
+                    entries[entry] = value[lo:hi].clone()
+    return out
 
 
 # --------------------------------------------------------------------------------------------

@@ -528,3 +528,24 @@ def assert_refused_in_one_line(tmp_path, corpus, capsys, extra, message) -> None
 )
 def test_train_bad_context_parallel_is_one_line(tmp_path, corpus, capsys, extra, message):
     assert_refused_in_one_line(tmp_path, corpus, capsys, extra, message)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--expert-parallel", "2"], "the model is dense (--num-experts 0)"),
+        (
+            ["--expert-parallel", "2", "--num-experts", "3"],
+            "--num-experts 3 must be divisible by --expert-parallel 2",
+        ),
+        (
+            ["--expert-parallel", "2", "--num-experts", "4"],
+            "--expert-parallel 2 must divide the number of processes (1)",
+        ),
+        (["--expert-parallel", "2", "--num-experts", "4", "--fsdp"], "not --fsdp yet"),
+    ],
+)
+def test_train_bad_expert_parallel_is_one_line(tmp_path, corpus, capsys, extra, message):
+    """Checked with the arguments, before any process group (tests/test_expert_parallel.py
+    trains with it)."""
+    assert_refused_in_one_line(tmp_path, corpus, capsys, extra, message)

@@ -18,14 +18,20 @@ u = 2^-24), with the terms computed per choice.
 
 from __future__ import annotations
 
+import os
+import socket
+from pathlib import Path
+
 import pytest
+import test_train
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from conftest import TINY_MODEL
-from test_distributed import _backend, spawn
+from test_distributed import FASTLM_TOY, _backend, spawn
 from torch.autograd.graph import saved_tensors_hooks
 
-from fastlm import Transformer
+from fastlm import Transformer, checkpoint
 from fastlm.expert_parallel import (
     ExpertParallelPlan,
     check_expert_parallel,
@@ -279,3 +285,129 @@ def test_plan_arithmetic_by_hand():
     assert plan.activation_bytes(8) == 112 + 12 + 128
     with pytest.raises(ValueError, match="num_experts 4 must be divisible by expert_parallel 3"):
         ExpertParallelPlan(4, 3, 5, 4, 2, 3)
+
+
+# --------------------------------------------------------------------------------------------
+# fastlm-train --expert-parallel
+# --------------------------------------------------------------------------------------------
+
+MOE_TOY = [
+    *FASTLM_TOY,
+    *("--num-experts", "4", "--experts-per-token", "2", "--moe-d-ff", "32"),
+    *("--steps", "6", "--save-every", "2", "--grad-accum", "2"),  # DDP's no_sync: experts too
+]
+corpus = test_train.corpus  # the fixture
+
+# fp32 rounding over a few steps: each expert's gradient sums the ranks' tokens in another order
+# (a few units of 2^-24), AdamW's update then carries such differences on.
+TRAIN_BOUND = 1e-5
+
+
+def _train_runs(world_size: int) -> tuple:
+    """Three runs on the same `world_size` processes, one after the other: (--out, P, the saves
+    rank 0 copies: {step: --out folders of later runs}). A DDP run (P = 1); its step-2
+    checkpoint resumed at P = 2; that one's step-4 checkpoint resumed at P = 1 (2 processes) or
+    P = 4 (4 processes)."""
+    last = "p1" if world_size == 2 else "p4"
+    return (
+        ("ddp", 1, {2: ("p2",), 4: ("ddp-4",)}),
+        ("p2", 2, {4: (last, "p2-4")}),
+        (last, int(last[1:]), {}),
+    )
+
+
+def _train_entry(rank, world_size, ports, folder, corpus):
+    """Each of `_train_runs` through fastlm-train's main, as torchrun would start it, in a forked
+    process (fastlm imported already: what a torchrun per run would spend seconds on)."""
+    import shutil
+
+    import fastlm.cli.train as train_cli
+    import fastlm.cli.trainer as training
+    from fastlm.expert_parallel import expert_modules
+
+    torch.set_num_threads(1)
+    save = training.Trainer.save
+    folder = Path(folder)
+    for (name, P, copies), port in zip(_train_runs(world_size), ports):
+
+        def save_and_copy(trainer, copies=copies):
+            note = save(trainer)
+            for to in copies.get(trainer.step, ()) if rank == 0 else ():
+                shutil.copytree(trainer.out, folder / to)  # before this run's final barrier
+            held = trainer.model.moe_layers()[0].experts.gate_up.shape[0]
+            spread = len(expert_modules(trainer.model))
+            (folder / f"held-{trainer.out.name}-{rank}").write_text(f"{held} {spread}")
+            return note
+
+        training.Trainer.save = save_and_copy
+        os.environ.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        flags = ["--expert-parallel", str(P)] + (["--resume"] if name != "ddp" else [])
+        argv = ["--data", corpus, *MOE_TOY, *flags, "--out", str(folder / name)]
+        status = train_cli.main(argv)
+        assert status == 0, f"rank {rank}, run {name}: exit status {status}"
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_train_expert_parallel_matches_ddp_and_resumes_across_p(
+    tmp_path, corpus, monkeypatch, world_size
+):
+    """fastlm-train on `world_size` gloo ranks (`_train_runs`): a DDP run (P = 1), its step-2
+    checkpoint resumed with --expert-parallel 2 (1 -> 2: each rank slices its 2 of the 4
+    experts and their AdamW moments; on 4 ranks two ranks hold each expert, their gradients
+    averaged by `reduce_expert_gradients`), that run's step-4 checkpoint resumed at P = 1 or 4.
+    The losses are the DDP run's to fp32 rounding (each expert's gradient summed in another
+    order), the P = 2 checkpoint holds the whole (E, ...) tensors (the DDP run's keys, shapes
+    and values), and so does the last run's. One process training this model has gradient
+    norms of 1.4 to 1.7, above --grad-clip 1: every step clips, by the norm over all experts."""
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")  # the interpreted kernels: the tests above
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    runs = _train_runs(world_size)
+    args = (world_size, _free_ports(len(runs)), str(tmp_path), str(corpus))
+    mp.start_processes(_train_entry, args, nprocs=world_size, join=True, start_method="fork")
+
+    held = {p.name: p.read_text() for p in tmp_path.glob("held-*")}
+    assert held == {  # E / P experts in each of the 2 layers; P = 1 leaves the layers alone
+        f"held-{name}-{r}": f"{4 // P} {2 if P > 1 else 0}"
+        for name, P, _ in runs
+        for r in range(world_size)
+    }
+    names = [name for name, _, _ in runs]
+    losses = {name: checkpoint.load_state(tmp_path / name)["train_losses"] for name in names}
+    ddp, p2, last = (losses[name] for name in names)
+    assert len(ddp) == 6 and p2[:2] == ddp[:2] and last[:4] == p2[:4]  # the histories resumed
+    assert p2 == pytest.approx(ddp, rel=TRAIN_BOUND, abs=0)
+    assert last == pytest.approx(ddp, rel=TRAIN_BOUND, abs=0)
+    for got, want in (("p2-4", "ddp-4"), (names[-1], "ddp")):
+        for part in ("weights", "state"):
+            a, b = (_checkpoint_tensors(tmp_path / n, part) for n in (got, want))
+            assert a.keys() == b.keys() and a, (got, part)
+            errors = {}
+            for key in a:
+                assert a[key].shape == b[key].shape, (got, key)
+                errors[key] = relative_error(a[key], b[key])
+            worst = max(errors, key=errors.get)
+            assert errors[worst] <= TRAIN_BOUND, f"{got} {worst}: {errors[worst]:.2e}"
+
+
+def _checkpoint_tensors(folder: Path, part: str) -> dict[str, torch.Tensor]:
+    """A checkpoint's weights, or its AdamW moments keyed "parameter/entry"."""
+    if part == "weights":
+        return checkpoint.load_weights(folder)
+    state = checkpoint.load_state(folder)["optimizer"]["state"]
+    return {f"{k}/{e}": v for k, entries in state.items() for e, v in entries.items() if v.ndim}

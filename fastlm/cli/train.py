@@ -9,6 +9,7 @@ bar and notes go to stderr; stdout gets one JSON line (the run's summary) at the
     torchrun --nproc_per_node=8 -m fastlm.cli.train --preset gpt2-medium [--fsdp]
     torchrun --nproc_per_node=8 -m fastlm.cli.train --context-parallel 4   # 2 data x 4 context
     torchrun --nproc_per_node=8 -m fastlm.cli.train --tensor-parallel 2 --context-parallel 2 --fsdp
+    torchrun --nproc_per_node=8 -m fastlm.cli.train --preset gpt2-small-moe --expert-parallel 4
 
 Exit status: 0 done, 2 bad input (one line on stderr, no checkpoint touched), 3 diverged (a loss
 or a weight became NaN or infinite: the run stopped there and saved nothing from then on, so
@@ -48,7 +49,6 @@ from fastlm.cli.trainer import (
     Trainer,
     agree,
     curve_settings,
-    flops_per_token,
     peak_flops,
     peak_memory_bytes,
     start_run,
@@ -64,6 +64,7 @@ from fastlm.config import (
 )
 from fastlm.corpus import corpus_sources
 from fastlm.data import DataError, check_split_options, load_split
+from fastlm.expert_parallel import check_expert_parallel
 from fastlm.metrics_log import LOGGERS, MetricsLog
 from fastlm.options import FLOAT32_MAX
 from fastlm.overwrite import check_spares_inputs
@@ -245,6 +246,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "heads, d_ff and the vocabulary divisible by T); a (data x context x tensor) mesh (1)",
     )
     run.add_argument(
+        "--expert-parallel",
+        type=int,
+        default=1,
+        metavar="P",
+        help="under torchrun, spread each MoE layer's experts over P ranks (expert parallelism: "
+        "E / P experts each, P divides the processes and --num-experts); every rank keeps its "
+        "own data (1)",
+    )
+    run.add_argument(
         "--peak-tflops",
         type=float,
         help="the GPU's dense bf16 peak, for the MFU "
@@ -359,6 +369,34 @@ def check_args(args: argparse.Namespace) -> None:
     check_integers(vars(args), exempt=("seed",))  # any seed: torch_seed reduces it
     check_context_parallel(args)
     check_tensor_parallel(args)
+    check_expert_parallel_args(args)
+
+
+def check_expert_parallel_args(args: argparse.Namespace) -> None:
+    """ConfigError for an --expert-parallel the run cannot take, the processes included (from
+    torchrun's WORLD_SIZE): all before any process group is made."""
+    P = args.expert_parallel
+    if P < 1:
+        raise ConfigError(f"--expert-parallel must be at least 1, got {P}")
+    if P == 1:
+        return
+    if not args.num_experts:
+        raise ConfigError(
+            f"--expert-parallel {P} spreads a mixture of experts' experts, but the model is "
+            "dense (--num-experts 0): pass --num-experts or an MoE --preset"
+        )
+    for refused, reason in (
+        (args.model != "fastlm", "runs fastlm's model (--model fastlm)"),
+        (args.fsdp, "runs under DDP, not --fsdp yet"),
+        (args.tensor_parallel > 1, "does not combine with --tensor-parallel yet"),
+    ):
+        if refused:
+            raise ConfigError(f"--expert-parallel {reason}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        check_expert_parallel(args.num_experts, P, world, name=flag)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(str(error)) from None
 
 
 def check_tensor_parallel(args: argparse.Namespace) -> None:
@@ -614,9 +652,10 @@ def run_training(args: argparse.Namespace, run: Run, out: Path, stack: contextli
             tqdm.write(message, file=sys.stderr)
 
     trainer = prepare(args, run, out, stack, say)
-    parameters = sum(p.numel() for p in trainer.model.parameters())
+    # counted on the whole model (expert parallelism holds a share of the experts here)
+    parameters = trainer.num_parameters
     tokens_per_step = args.batch_size * args.context_length * args.grad_accum * run.data_size
-    work_per_token = flops_per_token(trainer.model, trainer.config)
+    work_per_token = trainer.flops_per_token
     threads_text = ""
     if run.device.type == "cpu":  # the model known: its micro-batch's forward and backward
         step_work = work_per_token * args.batch_size * args.context_length
@@ -631,6 +670,7 @@ def run_training(args: argparse.Namespace, run: Run, out: Path, stack: contextli
         + (", FSDP" if args.fsdp else "")
         + (f", context parallel {run.context}" if run.context > 1 else "")
         + (f", tensor parallel {run.tensor}" if run.tensor > 1 else "")
+        + (f", expert parallel {run.expert}" if run.expert > 1 else "")
         + (f", {threads_text} ({args.threads_why})" if run.device.type == "cpu" else "")
     )
     if peak:

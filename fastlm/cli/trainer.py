@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastlm import checkpoint, reference, tensor_parallel
+from fastlm import checkpoint, expert_parallel, reference, tensor_parallel
 from fastlm.checkpoint import CheckpointError
 from fastlm.config import ConfigError, ModelConfig, build_model, pick_device, torch_seed
 from fastlm.data import IGNORE_INDEX, DataError, eval_batches, training_batch
@@ -131,7 +131,11 @@ class Run:
     parallelism, the `context` ranks of its `context_group` (neighbours in rank order) share
     each sequence, and the data is split `world_size / context` ways. With tensor parallelism
     the `tensor` ranks of `tensor_group` (neighbours) share each layer, DDP and FSDP2 run over
-    `data_mesh` (the data x context ranks) and the data is split world / (context x tensor)."""
+    `data_mesh` (the data x context ranks) and the data is split world / (context x tensor).
+    With expert parallelism the `expert` ranks of `expert_group` (neighbours) share each MoE
+    layer's experts, and `expert_replicas` (the ranks r + k expert, k = 0, 1, ...) hold the same
+    ones; the data split is the one without it (each rank's tokens go to the experts' ranks and
+    back)."""
 
     rank: int
     world_size: int
@@ -141,6 +145,9 @@ class Run:
     tensor: int = 1
     tensor_group: dist.ProcessGroup | None = None
     data_mesh: object = None
+    expert: int = 1
+    expert_group: dist.ProcessGroup | None = None
+    expert_replicas: dist.ProcessGroup | None = None
 
     @property
     def data_rank(self) -> int:
@@ -203,6 +210,12 @@ def start_run(args: argparse.Namespace) -> Run:
         run.data_mesh = mesh["data", "context"]._flatten("data_context")
     elif run.context > 1:  # DDP and FSDP2 keep the whole world: gradients average over both
         run.context_group = context_parallel_mesh(run.context, device.type)["context"].get_group()
+    if args.expert_parallel > 1:  # any split of the world will do: DDP averages over all of it
+        mesh = expert_parallel.expert_parallel_mesh(
+            args.expert_parallel, args.num_experts, device.type
+        )
+        run.expert = args.expert_parallel
+        run.expert_group, run.expert_replicas = (mesh[d].get_group() for d in ("expert", "data"))
     return run
 
 
@@ -244,6 +257,12 @@ def distribute(loss_module: NextTokenLoss, run: Run, fsdp: bool) -> nn.Module:
         "forward_sync_buffers" if "forward_sync_buffers" in ddp_options else "broadcast_buffers"
     )
     group = run.data_mesh.get_group() if run.data_mesh is not None else None
+    # Each rank's experts are its own (neither broadcast from rank 0 nor averaged over the
+    # world): `expert_parallel.reduce_expert_gradients` averages them over their replicas.
+    experts = expert_parallel.expert_parameter_names(loss_module)
+    if experts:
+        DDP = nn.parallel.DistributedDataParallel
+        DDP._set_params_and_buffers_to_ignore_for_model(loss_module, experts)
     return nn.parallel.DistributedDataParallel(
         loss_module, device_ids=device_ids, process_group=group, **{no_sync: False}
     )
@@ -309,7 +328,13 @@ def full_state(loss_module: NextTokenLoss, optimizer: torch.optim.Optimizer):
     if tensor:  # whole tensors: the checkpoint resumes on any mesh
         weights = {k: v.cpu() for k, v in tensor_parallel.full_state_dict(weights, model).items()}
         state = tensor_parallel.full_optimizer_state(state, model, device="cpu")
+    # All E experts of each layer, whatever --expert-parallel: likewise (a no-op without it).
+    expert_parallel.full_expert_state(model, optimizer, weights, state, prefix=LOSS_PREFIX)
     return weights, state
+
+
+# The model's parameter names in an optimizer state dict of the NextTokenLoss around it.
+LOSS_PREFIX = "model."
 
 
 def load_optimizer(
@@ -441,6 +466,16 @@ class Trainer:
         self.model = build_model(config, args.model, run.device)
         if saved is not None:  # whole tensors, before any sharding
             checkpoint.fit_weights(self.model, saved["weights"], out)
+        # Counted on the whole model, before any rank keeps only its share of it.
+        self.num_parameters = sum(p.numel() for p in self.model.parameters())
+        self.flops_per_token = flops_per_token(self.model, self.config)
+        if run.expert > 1:  # this rank's experts, sliced from the whole ones
+            expert_parallel.set_expert_parallel(self.model, run.expert_group)
+            if saved is not None:
+                optimizer_state = expert_parallel.shard_expert_optimizer_state(
+                    self.model, saved["optimizer"], prefix=LOSS_PREFIX
+                )
+                saved = {**saved, "optimizer": optimizer_state}
         if run.tensor > 1:
             tensor_parallel.parallelize(self.model, run.tensor_group)
             if saved is not None:
@@ -535,6 +570,13 @@ class Trainer:
             if args.grad_clip:
                 data = self.run.data_mesh.get_group() if args.fsdp else None
                 norm = tensor_parallel.clip_grad_norm_(self.model, args.grad_clip, data)
+        elif self.run.expert > 1:  # DDP left the experts' gradients alone
+            expert_parallel.reduce_expert_gradients(
+                self.model, self.run.expert_replicas, self.run.world_size
+            )
+            norm = None
+            if args.grad_clip:
+                norm = expert_parallel.clip_grad_norm_(self.model, args.grad_clip)
         else:
             norm = clip_gradients(self.wrapped, args.grad_clip, self.run.device, args.fsdp)
         # Kept for --log (read back only there: on a GPU reading it waits for the step).
