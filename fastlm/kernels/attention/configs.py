@@ -181,7 +181,8 @@ DKDV_CUDA_CONFIGS = [
     # warps: 392 B on sm_90a), so the pass runs as a dV and a dK launch (`split_kv_grads`). 64
     # query columns on 8 warps repeat no MMA work (at most 255 registers, dK's 160 KiB of shared
     # memory within sm_80's 163), but spill with an option on sm_90a (8 B with the window, cap and
-    # sinks, 80 B packed); 32 on 8 warps (1.5 times its MMA, the last below) take every option.
+    # sinks, 80 B packed); 32 on 8 warps (the last below: 1.5 and 1.67 times the dV and the dK
+    # launch's MMA) take every option.
     # (Before the M32 N32 of head block 256: the autotuner's list holds each shape once, where
     # it first appears, and pruning keeps that order.)
     cuda_config(64, 16, 8, 1, 512, 0, options=False, min_block_d=512),
