@@ -27,8 +27,11 @@ on alternate layers, full causal on the others) by fastlm (`sinks=`) against tra
 eager attention (the sinks a column of the B x H x N x N scores) and FlexAttention (its
 log-sum-exp corrected for the sink); DeepSeek's MLA (q and k 192, v 128, 16 heads) by fastlm
 (v's own head dim) against SDPA with v padded to 192 (what transformers' flash-attention path
-does) and SDPA with v as it is. Errors against the eager (gpt-oss) and padded (MLA) rows.
-TFLOP/s count the attended pairs: 2 (D + Dv) flops each forward. Files attention_families.*.
+does) and SDPA with v as it is; Gemma 4's global layer (head dim 512, 8 query and 4 KV heads:
+transformers' Gemma4TextConfig) by fastlm against SDPA (grouped heads; above head dim 256 it
+takes its math kernel) and FlexAttention with a causal block mask. Errors against the eager
+(gpt-oss), padded (MLA) and SDPA (Gemma 4) rows. TFLOP/s count the attended pairs: 2 (D + Dv)
+flops each forward. Files attention_families.*.
 """
 
 from __future__ import annotations
@@ -394,6 +397,7 @@ def varlen_main(args) -> int:
 
 GPT_OSS = dict(heads=64, kv_heads=8, head_dim=64, window=128)
 MLA = dict(heads=16, head_dim=192, head_dim_v=128)
+GEMMA4_GLOBAL = dict(heads=8, kv_heads=4, head_dim=512)
 FAMILY_SEQS = (4096, 16384)
 FAMILY_KEY = ("case", "N", "mode")
 FAMILY_COLUMNS = ["case", "N", "mode", "impl", "ms", "TFLOP/s", "vs fastlm", "rel err"]
@@ -477,8 +481,30 @@ def mla_implementations() -> dict:
     }
 
 
+def gemma4_global_implementations() -> dict:
+    impls = {
+        "fastlm": lambda q, k, v: flash_attention(q, k, v),
+        "sdpa": lambda q, k, v: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True
+        ),
+    }
+    flex = _flex_attention()
+    if flex is not None:
+        masks = {}
+
+        def flex_causal(q, k, v):
+            n = q.shape[-2]
+            if n not in masks:
+                masks.clear()
+                masks[n] = flex[1](lambda b, h, i, j: i >= j, None, None, n, n)
+            return flex[0](q, k, v, block_mask=masks[n], enable_gqa=True)
+
+        impls["flex causal"] = flex_causal
+    return impls
+
+
 def family_cases(seqs):
-    """gpt-oss's two kinds of layer, then MLA, at each N (batch 1)."""
+    """gpt-oss's two kinds of layer, MLA, then Gemma 4's global layer, at each N (batch 1)."""
     for n in seqs:
         for window in (GPT_OSS["window"], None):
             name = f"gpt-oss-20b {'window 128' if window else 'full'} + sinks"
@@ -505,6 +531,20 @@ def family_cases(seqs):
         flops = 2 * MLA["heads"] * n * (n + 1) // 2 * (MLA["head_dim"] + MLA["head_dim_v"])
         yield dict(case="MLA 192/128", N=n), build_mla, flops, {}
 
+        def build_gemma4(n=n):
+            h, h_kv, d = (
+                GEMMA4_GLOBAL["heads"],
+                GEMMA4_GLOBAL["kv_heads"],
+                GEMMA4_GLOBAL["head_dim"],
+            )
+            q, _, _ = random_inputs(1, h, n, d)
+            _, k, v = random_inputs(1, h_kv, n, d)
+            impls = gemma4_global_implementations()
+            return impls, [q, k, v], impls["sdpa"]
+
+        flops = 2 * GEMMA4_GLOBAL["heads"] * n * (n + 1) // 2 * 2 * GEMMA4_GLOBAL["head_dim"]
+        yield dict(case="Gemma 4 global (head dim 512)", N=n), build_gemma4, flops, {}
+
 
 def families_main(args) -> int:
     run = common.Run("attention_families", args, FAMILY_COLUMNS, BUDGET_S)
@@ -512,7 +552,8 @@ def families_main(args) -> int:
         run.note("this torch has no FlexAttention: its rows are left out")
     bench(run, family_cases(FAMILY_SEQS[:1] if args.quick else FAMILY_SEQS))
     common.add_ratios(run.rows, "vs fastlm", "fastlm", FAMILY_KEY, "ms", higher_is_better=True)
-    title = "gpt-oss-20b and MLA attention, bf16, causal, batch 1 (vs X: X's ms / fastlm's)"
+    title = "gpt-oss-20b, MLA and Gemma 4 global attention, bf16, causal, batch 1"
+    title += " (vs X: X's ms / fastlm's)"
     table = common.versus(run.rows, FAMILY_KEY, ("ms", "TFLOP/s"))
     return run.finish(common.table_lines(title, table), group_by=FAMILY_KEY)
 
@@ -523,7 +564,8 @@ def parser():
     )
     p.add_argument("--impls", nargs="+", metavar="NAME", help="only these implementations")
     p.add_argument("--varlen", action="store_true", help="packed documents and a window instead")
-    families = "gpt-oss-20b's attention (sinks, window) and MLA's (v head dim 128) instead"
+    families = "gpt-oss-20b's attention (sinks, window), MLA's (v head dim 128) and Gemma 4's"
+    families += " global layer (head dim 512) instead"
     p.add_argument("--families", action="store_true", help=families)
     return p
 

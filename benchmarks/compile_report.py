@@ -120,6 +120,7 @@ def _attention_internals() -> SimpleNamespace:
         as_heads=launch.as_heads,
         varlen=launch.Varlen,
         max_head_dim=configs.MAX_HEAD_DIM,
+        max_head_dim_fp32=configs.MAX_HEAD_DIM_FP32,
         tma_max_block_d=configs.TMA_MAX_BLOCK_D,
         fitting_configs=configs.fitting_configs,
         has_options=configs.has_options,
@@ -477,7 +478,8 @@ def cases(quick: bool) -> list[Case]:
         attention_specs = [
             (name, d, True, None)
             for name in ("bf16", "fp32")
-            for d in (64, 128, ATTENTION.max_head_dim)
+            for d in (64, 128, 256, ATTENTION.max_head_dim)
+            if name != "fp32" or d <= ATTENTION.max_head_dim_fp32
         ] + [("bf16", 128, False, None), ("fp16", 128, True, None), *options]
         # The newer families' shapes: gpt-oss (head dim 64, a window of 128 with sinks, or
         # sinks alone), DeepSeek's MLA (q and k 192, v 128; dense and packed) and 96 / 64.
@@ -486,6 +488,11 @@ def cases(quick: bool) -> list[Case]:
         attention_specs += [("bf16", (96, 64), True, None)]
         # The approximate cap (softcap_approx): the hot-loop test reads its rows in the kept report.
         attention_specs += [("bf16", 128, True, "softcap+approx")]
+        # Gemma 4's global layers (head dim 512): with every option at once, and packed.
+        attention_specs += [
+            ("bf16", 512, True, "window+softcap+sinks"),
+            ("bf16", 512, True, "varlen"),
+        ]
     return [
         *rmsnorm_cases(dtypes),
         *rope_cases(dtypes, head_dims),
@@ -595,9 +602,14 @@ def tasks(all_cases: list[Case], archs: list[str]) -> list[Task]:
             minimum = ATTENTION.min_capability.get(fn.fn.__name__, 0)
             if "TMA" in case.op:  # a pointer kernel's descriptor variant: where TMA is
                 minimum = max(minimum, ATTENTION.min_capability["_attention_fwd_tma_kernel"])
+            label = case.label  # the split dK/dV pass launches its kernel once per gradient
+            if launch.args.get("WITH_DK") is False:
+                label += " (dV)"
+            elif launch.args.get("WITH_DV") is False:
+                label += " (dK)"
             for args, options, default, fallback in variants:
                 signature, constexprs, attrs = specialise(fn, args)
-                where = (case.op, case.label, case.fields, fn.fn.__module__, fn.fn.__name__)
+                where = (case.op, label, case.fields, fn.fn.__module__, fn.fn.__name__)
                 compiled = (signature, constexprs, attrs, options)
                 for arch in (a for a in archs if ARCHS[a][0] >= minimum):
                     task = Task(*where, _blocks(args), default, arch, *compiled, fallback)

@@ -212,6 +212,10 @@ def tile_flops(kernel: str, constexprs: dict) -> tuple[int, str]:
     """The FLOPs of one iteration's dots and the tile (rows x cols of its score block)."""
     qk_dots, v_dots, rows, cols = KERNEL_DOTS[kernel]
     qk_dots += bool(constexprs.get("ATOMIC_DQ"))
+    if not constexprs.get("WITH_DK", True):  # the split dK/dV pass's dV launch: no dP, no dK
+        qk_dots, v_dots = qk_dots - 1, v_dots - 1
+    if not constexprs.get("WITH_DV", True):  # its dK launch: no dV
+        v_dots -= 1
     r, c, d = constexprs[rows], constexprs[cols], constexprs["BLOCK_D"]
     d_v = constexprs.get("BLOCK_DV", d)  # v's head block (MLA: narrower than q's)
     return 2 * r * c * (qk_dots * d + v_dots * d_v), f"{r}x{c}"

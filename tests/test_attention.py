@@ -803,6 +803,28 @@ def test_value_head_dim_of_its_own(device, deterministic, B, Hq, Hkv, Nq, Nk, D,
     assert o.shape == (B, Hq, Nq, Dv) and grads[2].shape == v.shape
 
 
+# Head blocks of 512 (Gemma 4's global layers), where the dK/dV pass runs as a dV and a dK
+# launch (`split_kv_grads`), 16-bit only: every option at once on grouped heads, then a head dim
+# padded to 512 for q and k with a narrower v (full), and the reverse.
+WIDE_HEAD_CASES = [
+    (1, 2, 1, 7, 9, 512, 512, True, (4, 0), 2.0, True, torch.bfloat16),
+    (1, 2, 2, 6, 6, 264, 128, False, NO_WINDOW, 0.0, False, torch.bfloat16),
+    (1, 2, 1, 5, 5, 64, 512, True, NO_WINDOW, 0.0, False, torch.float16),
+]
+
+
+@pytest.mark.parametrize(
+    "B,Hq,Hkv,Nq,Nk,D,Dv,causal,window,softcap,with_sinks,dtype", WIDE_HEAD_CASES
+)
+def test_head_dim_512(
+    device, B, Hq, Hkv, Nq, Nk, D, Dv, causal, window, softcap, with_sinks, dtype
+):
+    """o, lse and every gradient against float64 at head blocks of 512."""
+    q, k, v = make_heads(B, Hq, Hkv, Nq, Nk, D, dtype, device, Dv=Dv)
+    sinks = make_sinks(Hq, device) if with_sinks else None
+    run_dense(q, k, v, causal, window, softcap, sinks=sinks)
+
+
 @pytest.mark.parametrize("tma", TMA_PATHS[1:], ids=["other-path"])
 @pytest.mark.parametrize("case", [VALUE_DIM_CASES[i] for i in (1, 3)])
 def test_value_head_dim_other_data_path(device, monkeypatch, tma, case):
@@ -978,7 +1000,8 @@ BAD_INPUTS = [
     (dict(q=_heads(N=0), k=_heads(N=0), v=_heads(N=0)), ValueError, "k has sequence length 0"),
     (dict(k=_heads(B=2), v=_heads(B=2)), ValueError, "k has batch size 2"),
     (dict(q=_heads(D=12), k=_heads(D=12), v=_heads(D=12)), ValueError, "head dim 12"),
-    (dict(q=_heads(D=264), k=_heads(D=264), v=_heads(D=264)), ValueError, "head dim 264"),
+    (dict(q=_heads(D=520), k=_heads(D=520), v=_heads(D=520)), ValueError, "head dim 520"),
+    (dict(q=_heads(D=264), k=_heads(D=264), v=_heads(D=264)), ValueError, "256 in fp32"),
     (dict(causal="yes"), TypeError, "causal must be a bool"),
     (dict(softmax_scale="0.1"), TypeError, "softmax_scale must be a real number"),
     (dict(window_size=(-2, -1)), ValueError, r"window_size\[0\] must be an int in \[-1, 2\*\*30\]"),

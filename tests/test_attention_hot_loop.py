@@ -367,3 +367,35 @@ def test_capped_hot_loops_stay_near_the_plain_ones(option):
         if instructions > most_instructions or clocks > most_clocks:
             over[key] = f"instructions {instructions:.2f}x, clocks {clocks:.2f}x"
     assert not over, over
+
+
+def test_head_block_512_has_hot_loops_without_spills():
+    """Gemma 4's global layers (16-bit head dim 512) in the kept report: the forward, the split
+    dK/dV pass's dV and dK launches and the dQ pass, plain, with the window, cap and sinks, and
+    packed, on sm_90a and sm_80, each with a hot loop read and nothing spilled; the split
+    launches' MMA counted against their own matmuls (`hot_loop.tile_flops`: 2 and 3 dots), so the
+    configs without repeated work issue exactly their tile."""
+    rows = json.loads(KEPT_REPORT.read_text())["rows"]
+    rows = [row for row in rows if row.get("head_dim") == 512 and row.get("hot_loop")]
+
+    def launch(row):  # the split pass's launches end their case with "(dV)" or "(dK)"
+        grads = row["case"].rsplit(" ", 1)[-1]
+        return row["kernel"], grads if grads in ("(dV)", "(dK)") else None
+
+    seen = {(row["arch"], *launch(row), row.get("option")) for row in rows}
+    launches = [
+        ("_attention_fwd_kernel", None),
+        ("_attention_bwd_dkdv_kernel", "(dV)"),
+        ("_attention_bwd_dkdv_kernel", "(dK)"),
+        ("_attention_bwd_dq_kernel", None),
+    ]
+    expected = {
+        (arch, *each, option)
+        for arch in ("sm_90a", "sm_80")
+        for each in launches
+        for option in (None, "window+softcap+sinks", "varlen")
+    }
+    assert expected <= seen, expected - seen
+    assert all(row["spill_stores"] == 0 and not row["problems"] for row in rows)
+    whole = [row for row in rows if not row["notes"]]  # no repeated MMA: the dK/dV M64 N16
+    assert whole and all(row["hot_loop"]["mma_ratio"] == 1.0 for row in whole)

@@ -208,6 +208,11 @@ def test_varlen_sinks_and_value_head_dim(
     )
 
 
+def test_varlen_head_dim_512(device):
+    """Packed sequences at a head block of 512 (the split dK/dV pass), grouped heads, the cap."""
+    run_varlen([3, 6], [5, 6], 2, 1, 512, True, NO_WINDOW, 1.5, torch.bfloat16, device)
+
+
 @pytest.mark.parametrize("tma", TMA_PATHS[1:], ids=["other-path"])
 @pytest.mark.parametrize("case", [VARLEN_SINK_CASES[i] for i in (0, 1, 3)])
 def test_varlen_sinks_and_value_head_dim_other_data_path(device, monkeypatch, tma, case):

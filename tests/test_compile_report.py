@@ -22,7 +22,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import triton
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -211,7 +210,8 @@ def _attention_internals() -> SimpleNamespace:
         importlib.import_module(f"fastlm.kernels.attention.{name}")
         for name in ("configs", "forward", "backward")
     )
-    every, tma = (configs.MAX_HEAD_DIM,) * 2, (configs.TMA_MAX_BLOCK_D, 0)
+    every = (configs.MAX_HEAD_DIM, configs.MAX_HEAD_DIM_FP32)
+    tma = (configs.TMA_MAX_BLOCK_D, 0)
     atomic = (configs.ATOMIC_MAX_BLOCK_D,) * 2
     return SimpleNamespace(
         prune_module=configs,
@@ -235,16 +235,13 @@ def test_autotuners_try_the_configs_the_report_compiles(monkeypatch):
     attention = _attention_internals()
     monkeypatch.setattr(attention.prune_module, "interpreting", lambda: False)  # as on CUDA
     for kernel, cuda, served in attention.autotuned:
-        every = [
-            triton.Config(dict(c.blocks), num_warps=c.num_warps, num_stages=c.num_stages)
-            for c in cuda
-        ]
+        every = attention.prune_module.cuda_triton_configs(cuda)
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             q = torch.empty(0, dtype=dtype)
             largest = served[1] if dtype == torch.float32 else served[0]
             for block_d, flag in (
                 (d, flag)
-                for d in (16, 32, 64, 128, 256)
+                for d in (16, 32, 64, 128, 256, 512)
                 if d <= largest
                 for flag in (None, *attention.option_flags)
             ):

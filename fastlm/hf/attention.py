@@ -59,7 +59,7 @@ import torch
 from fastlm.hf.families import config_value, modeling_module
 from fastlm.kernels import flash_attention, flash_attention_varlen
 from fastlm.kernels._common import FLOAT_DTYPES
-from fastlm.kernels.attention import MAX_HEAD_DIM
+from fastlm.kernels.attention import MAX_HEAD_DIM, MAX_HEAD_DIM_FP32
 from fastlm.model import kernel_takes_head_dim, kernels_run_on
 from fastlm.options import check_flag
 
@@ -300,8 +300,13 @@ def _fallback_reason(module, query, key, value, attention_mask, dropout, kwargs)
         return f"{query.dtype} inputs"
     sizes = {query.shape[-1], value.shape[-1]}
     untaken = sorted(d for d in sizes if not kernel_takes_head_dim(d))
-    if untaken and kernels_run_on(query.device):  # the layer's own, e.g. Gemma 4's global 512
+    if untaken and kernels_run_on(query.device):  # the layer's own (any head dim past 512, say)
         return f"head dim {untaken[0]} (the kernel takes multiples of 8 to {MAX_HEAD_DIM})"
+    fp32_untaken = query.dtype == torch.float32 and max(sizes) > MAX_HEAD_DIM_FP32
+    if fp32_untaken and kernels_run_on(query.device):  # Gemma 4's global 512 in fp32
+        return (
+            f"fp32 head dim {max(sizes)} (the kernel takes fp32 head dims to {MAX_HEAD_DIM_FP32})"
+        )
     if query.shape[2] > key.shape[2]:
         return "more queries than keys"
     return None

@@ -29,6 +29,9 @@ batch * query head), computes dQ. Every grid is 1-D, block index fastest
 (`blocks.block_start_and_batch_head`).
 With deterministic=False the dK/dV pass also computes dQ = s * dS k for its key block and adds it
 with fp32 atomics into a zeroed buffer (FA2's 5-matmul schedule): one pass, P computed once.
+Head dims run to 512 (16-bit; fp32 to 256). At head block 512 no program holds both fp32 dK and dV
+accumulators without spilling, so the dK/dV pass runs as two launches, one per gradient, each
+recomputing P (`backward.split_kv_grads`: 5/4 of that pass's matmuls, 8/7 of the backward's).
 
 Options, each a constexpr so that the plain kernels compile as without them:
 
@@ -88,12 +91,13 @@ The files, in reading order:
 - `qkv.py`: `rope_attention`, RoPE and attention on a packed q|k|v projection.
 """
 
-from fastlm.kernels.attention.configs import MAX_HEAD_DIM
+from fastlm.kernels.attention.configs import MAX_HEAD_DIM, MAX_HEAD_DIM_FP32
 from fastlm.kernels.attention.ops import flash_attention, flash_attention_varlen
 from fastlm.kernels.attention.qkv import rope_attention, rope_attention_ref, split_heads
 from fastlm.kernels.attention.reference import flash_attention_ref, flash_attention_varlen_ref
 
 __all__ = [
-    "MAX_HEAD_DIM", "flash_attention_ref", "flash_attention_varlen_ref", "flash_attention",
-    "flash_attention_varlen", "rope_attention", "rope_attention_ref", "split_heads"
+    "MAX_HEAD_DIM", "MAX_HEAD_DIM_FP32", "flash_attention_ref", "flash_attention_varlen_ref",
+    "flash_attention", "flash_attention_varlen", "rope_attention", "rope_attention_ref",
+    "split_heads"
 ]

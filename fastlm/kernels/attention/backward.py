@@ -28,10 +28,12 @@ from fastlm.kernels.attention.configs import (
     DKDV_CUDA_CONFIGS,
     DKDV_DQ_CONFIGS,
     DKDV_DQ_CUDA_CONFIGS,
+    DKDV_TUNING_KEY,
     DQ_CONFIGS,
     DQ_CUDA_CONFIGS,
     DQ_TMA_CONFIGS,
     DQ_TMA_CUDA_CONFIGS,
+    SPLIT_KV_MIN_BLOCK_D,
     TUNING_KEY,
     prune_to_fitting,
 )
@@ -87,12 +89,14 @@ def _dkdv_query_blocks(
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, CHECK_ROWS: tl.constexpr, MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,  #
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, TO_FP32: tl.constexpr,  #
-    DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr
+    DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, WITH_DK: tl.constexpr,  #
+    WITH_DV: tl.constexpr
 ):
     """Add to (dk, dv) of one key block the query blocks starting in [lo, hi) of one query head;
     with ATOMIC_DQ also add this key block's share of dq, s * dS k, to the fp32 DQ_head. MASKED:
     some of these queries must not see some of the keys (CAUSAL, HAS_WINDOW, or keys past n_k in
-    a partial key block: `query_range`)."""
+    a partial key block: `query_range`). WITH_DK, WITH_DV: which of the two it adds to (the other
+    is returned as it came; `split_kv_grads`)."""
     offs_m = lo + tl.arange(0, BLOCK_M)
     dq_ptrs = DQ_head + offs_m.to(tl.int64)[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
     q_ptrs = Q_head + offs_m.to(tl.int64)[:, None] * stride_qm + offs_d[None, :] * stride_qd
@@ -119,12 +123,14 @@ def _dkdv_query_blocks(
             )
             exponent = tl.where(visible, exponent, float("-inf"))
         p_t = tl.math.exp2(exponent)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        if SOFTCAP:  # through the cap: d(cap tanh(s / cap)) / ds = 1 - tanh^2 (`capped_scores`)
-            ds_t = ds_t * dcap
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        if WITH_DV:
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        if WITH_DK:
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            if SOFTCAP:  # through the cap: d(cap tanh(s / cap)) / ds = 1 - tanh^2 (`capped_scores`)
+                ds_t = ds_t * dcap
+            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
         if ATOMIC_DQ:  # the fifth matmul: other key blocks add to the same rows, in any order
             dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION)
             tl.atomic_add(
@@ -139,7 +145,7 @@ def _dkdv_query_blocks(
 
 
 @triton.autotune(
-    configs=DKDV_CONFIGS, key=TUNING_KEY, prune_configs_by=prune_to_fitting(DKDV_CUDA_CONFIGS)
+    configs=DKDV_CONFIGS, key=DKDV_TUNING_KEY, prune_configs_by=prune_to_fitting(DKDV_CUDA_CONFIGS)
 )
 @triton.jit
 def _attention_bwd_dkdv_kernel(
@@ -156,12 +162,13 @@ def _attention_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,  #
     BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,  #
     SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, TO_FP32: tl.constexpr,  #
-    DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr,  #
-    BLOCK_N: tl.constexpr
+    DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, WITH_DK: tl.constexpr,  #
+    WITH_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 ):
     """dK and dV of one key block; with ATOMIC_DQ also dQ, added with fp32 atomics into a zeroed
     DQ (FA2's 5-matmul schedule: one pass, no dQ kernel, sums in no fixed order). Without it
-    DQ is unused. VARLEN as in the forward."""
+    DQ is unused. VARLEN as in the forward. WITH_DK, WITH_DV: which of dK and dV it computes and
+    stores (both, or one for `split_kv_grads`)."""
     # In order: the first key blocks, seen by the most causal queries, are already the longest.
     start_n, batch_kv_head = block_start_and_batch_head(n_k, BLOCK_N, False)
     batch = (batch_kv_head // num_kv_heads).to(tl.int64)
@@ -178,10 +185,12 @@ def _attention_bwd_dkdv_kernel(
         K + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn + rows * stride_kn +
         offs_d[None, :] * stride_kd, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True, TO_FP32
     )  # (BLOCK_N, BLOCK_D)
-    v = load_tile(
-        V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn + rows * stride_vn +
-        offs_dv[None, :] * stride_vd, offs_n, n_k, offs_dv, HEAD_DIM_V, BLOCK_DV, True, TO_FP32
-    )  # (BLOCK_N, BLOCK_DV)
+    v = k  # dV alone needs no v
+    if WITH_DK:
+        v = load_tile(
+            V + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn + rows * stride_vn +
+            offs_dv[None, :] * stride_vd, offs_n, n_k, offs_dv, HEAD_DIM_V, BLOCK_DV, True, TO_FP32
+        )  # (BLOCK_N, BLOCK_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
@@ -213,7 +222,7 @@ def _attention_bwd_dkdv_kernel(
                 starts[phase], ends[phase], n_q, n_k, causal_shift, softmax_scale, qk_scale,
                 window_left, window_right, softcap, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
                 BLOCK_M, phase != 1, masked[phase], CAUSAL, HAS_WINDOW, SOFTCAP, TO_FP32,
-                DOT_PRECISION, ATOMIC_DQ
+                DOT_PRECISION, ATOMIC_DQ, WITH_DK, WITH_DV
             )
 
     dk_ptrs = (
@@ -224,8 +233,10 @@ def _attention_bwd_dkdv_kernel(
         DV + batch * stride_dvb + kv_head * stride_dvh + k_start * stride_dvn + rows * stride_dvn +
         offs_dv[None, :] * stride_dvd
     )
-    store_tile(dk_ptrs, dk * softmax_scale, offs_n, n_k, offs_d, HEAD_DIM)
-    store_tile(dv_ptrs, dv, offs_n, n_k, offs_dv, HEAD_DIM_V)
+    if WITH_DK:
+        store_tile(dk_ptrs, dk * softmax_scale, offs_n, n_k, offs_d, HEAD_DIM)
+    if WITH_DV:
+        store_tile(dv_ptrs, dv, offs_n, n_k, offs_dv, HEAD_DIM_V)
 
 
 _attention_bwd_dkdv_dq_kernel = triton.autotune(
@@ -371,6 +382,19 @@ def sink_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> to
     return (-(p_sink * delta).sum((0, 2))).to(sinks.dtype)
 
 
+def split_kv_grads(block_d: int, block_dv: int) -> list[dict]:
+    """The dK/dV pass's launches: one that computes both, or above SPLIT_KV_MIN_BLOCK_D one for
+    dV and one for dK, so that each holds one fp32 accumulator of the key block.
+
+    Both recompute P (q k^T); the dK launch also computes dP = dO v^T, the dV launch does not
+    load v. The pass's matmuls go from q k^T, P^T dO, dO v^T, dS^T q (2 D + 2 Dv per score) to
+    3 D + 2 Dv: 5/4 of them at D = Dv, and the whole backward's (with the dQ pass's 2 D + Dv) from
+    4 D + 3 Dv to 5 D + 3 Dv, 8/7."""
+    if max(block_d, block_dv) < SPLIT_KV_MIN_BLOCK_D:
+        return [dict(WITH_DK=True, WITH_DV=True)]
+    return [dict(WITH_DK=False, WITH_DV=True), dict(WITH_DK=True, WITH_DV=False)]
+
+
 def attention_backward(
     do, q, k, v, o, lse, causal: bool, softmax_scale: float, allow_tf32: bool, deterministic: bool,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
@@ -416,15 +440,16 @@ def attention_backward(
         _attention_bwd_dkdv_dq_kernel[block_grid(n_k, "BLOCK_N", sequences * Hkv)](
             q, k, v, do, dk, dv, dq_acc, lse, delta, cu_q, cu_k,
             *(s for t in (q, k, v, do, dk, dv, dq_acc) for s in kernel_strides(t, varlen)), Hkv,
-            group, *args, ATOMIC_DQ=True, **flags
+            group, *args, ATOMIC_DQ=True, WITH_DK=True, WITH_DV=True, **flags
         )
         return dq.copy_(dq_acc), dk, dv, *dsinks
-    _attention_bwd_dkdv_kernel[block_grid(n_k, "BLOCK_N", sequences * Hkv)](
-        q, k, v, do, dk, dv, dk,  # stands in for the unused DQ
-        lse, delta, cu_q, cu_k,
-        *(s for t in (q, k, v, do, dk, dv, dk) for s in kernel_strides(t, varlen)), Hkv, group,
-        *args, ATOMIC_DQ=False, **flags
-    )
+    for grads in split_kv_grads(flags["BLOCK_D"], flags["BLOCK_DV"]):
+        _attention_bwd_dkdv_kernel[block_grid(n_k, "BLOCK_N", sequences * Hkv)](
+            q, k, v, do, dk, dv, dk,  # stands in for the unused DQ
+            lse, delta, cu_q, cu_k,
+            *(s for t in (q, k, v, do, dk, dv, dk) for s in kernel_strides(t, varlen)), Hkv, group,
+            *args, ATOMIC_DQ=False, **grads, **flags
+        )
     # The dQ pass streams k and v: through tensor descriptors where the forward would use them.
     tma = use_tensor_descriptors(k, v)
     dq_kernel = _attention_bwd_dq_tma_autotuned if tma else _attention_bwd_dq_kernel

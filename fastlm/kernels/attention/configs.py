@@ -10,8 +10,12 @@ from typing import NamedTuple
 from fastlm.backend import interpreting
 from fastlm.kernels._common import triton
 
-#: Head dims the kernels take: multiples of 8 (padded inside to a power of two of at least 16).
-MAX_HEAD_DIM = 256
+#: Head dims the kernels take: multiples of 8 (padded inside to a power of two of at least 16),
+#: fp32 ones to MAX_HEAD_DIM_FP32: at a head block of 512 every fp32 config spilled on sm_90a and
+#: sm_80 (the forward's M32 N32 on 8 warps 688 B, the dK/dV and dQ passes also overflowed shared
+#: memory), as the fp32 tiles are twice the 16-bit ones.
+MAX_HEAD_DIM = 512
+MAX_HEAD_DIM_FP32 = 256
 
 
 class CudaConfig(NamedTuple):
@@ -74,7 +78,7 @@ def fitting_configs(
 
 def triton_configs(
     interpreter_blocks: dict, cuda: list[CudaConfig],
-    covers: tuple[int, int] = (MAX_HEAD_DIM, MAX_HEAD_DIM)
+    covers: tuple[int, int] = (MAX_HEAD_DIM, MAX_HEAD_DIM_FP32)
 ) -> list[triton.Config]:
     """One small config under the interpreter (autotuning there runs every config); the CUDA list
     otherwise, which `prune_to_fitting` cuts down per launch. `covers`: the largest head blocks
@@ -84,7 +88,17 @@ def triton_configs(
         assert fitting_configs(cuda, block_d, element_size), "a head dim no config takes"
     if interpreting():
         return [triton.Config(interpreter_blocks, num_warps=4, num_stages=1)]
-    return [triton.Config(c.blocks, num_warps=c.num_warps, num_stages=c.num_stages) for c in cuda]
+    return cuda_triton_configs(cuda)
+
+
+def cuda_triton_configs(cuda: list[CudaConfig]) -> list[triton.Config]:
+    """The CUDA list as Triton configs, each shape once: a shape may be listed twice, kept for
+    different head blocks, and pruning (`prune_to_fitting`) matches configs by shape."""
+    shapes = dict.fromkeys((tuple(c.blocks.items()), c.num_warps, c.num_stages) for c in cuda)
+    return [
+        triton.Config(dict(blocks), num_warps=warps, num_stages=stages)
+        for blocks, warps, stages in shapes
+    ]
 
 
 def prune_to_fitting(cuda: list[CudaConfig]):
@@ -147,7 +161,11 @@ FWD_CUDA_CONFIGS = [
     cuda_config(128, 64, 8, 2, 0, 0, split_blocks=(MLA_BLOCKS, )),
     cuda_config(64, 32, 4, 2, 0, 0, split_blocks=(MLA_BLOCKS, )),
     cuda_config(32, 32, 8, 1, 0, 256, min_block_d=256),  # the exception (above)
-    cuda_config(32, 32, 4, 1, 256, 128)
+    cuda_config(32, 32, 4, 1, 256, 128),
+    # Head block 512 (Gemma 4's global layers; 16-bit only): 32 rows on 8 warps again, the one
+    # shape that compiled without spills on both archs, with every option (at most 252 registers,
+    # 66 KiB of shared memory); 64 rows spilled 620 B (sm_90a), 16 rows on 4 warps 184 B.
+    cuda_config(32, 32, 8, 1, 512, 0, min_block_d=512),
 ]
 # dK/dV keep a key block's k, v, dk, dv on chip and stream query blocks past it: its fp32 dk and
 # dv accumulators take twice the registers of the forward's one, hence the small key blocks. The
@@ -159,14 +177,28 @@ DKDV_CUDA_CONFIGS = [
     cuda_config(32, 64, 4, 3, 128, 0, options=False),  # with the cap: 28 B spilled on sm_80
     cuda_config(16, 64, 4, 2, 64, 64),
     cuda_config(64, 32, 8, 1, 256, 128),
-    cuda_config(32, 32, 8, 1, 0, 256, min_block_d=256)  # 1.5 times its MMA: as the forward's
+    # Head block 512, 16-bit: no config held dk and dv at once without spilling (M16 N16 on 4
+    # warps: 392 B on sm_90a), so the pass runs as a dV and a dK launch (`split_kv_grads`). 64
+    # query columns on 8 warps repeat no MMA work (at most 255 registers, dK's 160 KiB of shared
+    # memory within sm_80's 163), but spill with an option on sm_90a (8 B with the window, cap and
+    # sinks, 80 B packed); 32 on 8 warps (the last below: 1.5 and 1.67 times the dV and the dK
+    # launch's MMA) take every option.
+    # (Before the M32 N32 of head block 256: the autotuner's list holds each shape once, where
+    # it first appears, and pruning keeps that order.)
+    cuda_config(64, 16, 8, 1, 512, 0, options=False, min_block_d=512),
+    cuda_config(32, 32, 8, 1, 0, 256, min_block_d=256),  # 1.5 times its MMA: as the forward's
+    cuda_config(32, 32, 8, 1, 512, 0, min_block_d=512),
 ]
+#: Head blocks from which the dK/dV pass runs as two launches, dV and dK (`split_kv_grads`).
+SPLIT_KV_MIN_BLOCK_D = 512
 # dQ keeps a query block's q, dO, dq on chip and streams key blocks past it.
 DQ_CUDA_CONFIGS = [
     cuda_config(128, 64, 8, 3, 128, 0, split_v=False),  # 96 / 64: 44 B spilled on sm_80
     cuda_config(64, 32, 4, 2, 128, 128),
     cuda_config(32, 32, 4, 1, 256, 128),
-    cuda_config(16, 64, 8, 1, 0, 256)
+    cuda_config(16, 64, 8, 1, 0, 256),
+    # Head block 512, 16-bit: as the forward's (1.67 times its MMA); M16 N32 on 4 warps spilled.
+    cuda_config(32, 32, 8, 1, 512, 0, min_block_d=512),
 ]
 FWD_CONFIGS = triton_configs({"BLOCK_M": 64, "BLOCK_N": 32}, FWD_CUDA_CONFIGS)
 DKDV_CONFIGS = triton_configs({"BLOCK_M": 32, "BLOCK_N": 64}, DKDV_CUDA_CONFIGS)
@@ -177,6 +209,8 @@ TUNING_KEY = [
     "q_bucket", "k_bucket", "BLOCK_D", "BLOCK_DV", "CAUSAL", "HAS_WINDOW", "SOFTCAP", "VARLEN",
     "DOT_PRECISION"
 ]
+#: The dK/dV pass's: its split launches (`SPLIT_KV_MIN_BLOCK_D`) are tuned apart.
+DKDV_TUNING_KEY = [*TUNING_KEY, "WITH_DK", "WITH_DV"]
 
 # The descriptor forward's own list (the pointer list's shapes: TMA moves the same tiles). Each
 # compiled for sm_90a without spills at bf16 head dims 64 and 128 (ptxas -v, Triton 3.9); fp32 and

@@ -18,7 +18,7 @@ from fastlm.kernels.attention.blocks import (
     SOFTCAP_EXACT,
     SOFTCAP_OFF,
 )
-from fastlm.kernels.attention.configs import MAX_HEAD_DIM, TMA_MAX_BLOCK_D
+from fastlm.kernels.attention.configs import MAX_HEAD_DIM, MAX_HEAD_DIM_FP32, TMA_MAX_BLOCK_D
 
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
@@ -117,12 +117,14 @@ def option_args(
     return args, dict(HAS_WINDOW=has_window, SOFTCAP=mode)
 
 
-def check_kernel_head_dim(D: int, name: str = "q") -> None:
-    """PyTorch's attention takes any head dim; the kernels only these (q's and k's, and v's)."""
-    if D % 8 or not 8 <= D <= MAX_HEAD_DIM:
+def check_kernel_head_dim(D: int, name: str = "q", dtype: torch.dtype | None = None) -> None:
+    """PyTorch's attention takes any head dim; the kernels only these (q's and k's, and v's),
+    fewer in fp32."""
+    limit = MAX_HEAD_DIM_FP32 if dtype == torch.float32 else MAX_HEAD_DIM
+    if D % 8 or not 8 <= D <= limit:
         raise ValueError(
             f"{name} has head dim {D}; the Triton kernel takes multiples of 8 from 8 to "
-            f"{MAX_HEAD_DIM} (FASTLM_BACKEND=torch runs any)"
+            f"{MAX_HEAD_DIM} ({MAX_HEAD_DIM_FP32} in fp32; FASTLM_BACKEND=torch runs any)"
         )
 
 

@@ -306,8 +306,8 @@ def check_cu_seqlens(name: str, cu: object, total: int, max_seqlen: object, devi
 
 def check_kernel_head_dims(q: torch.Tensor, v: torch.Tensor) -> None:
     """q's (and k's) head dim and v's, as the Triton kernels take them."""
-    check_kernel_head_dim(q.shape[-1])
-    check_kernel_head_dim(v.shape[-1], "v")
+    check_kernel_head_dim(q.shape[-1], dtype=q.dtype)
+    check_kernel_head_dim(v.shape[-1], "v", v.dtype)
 
 
 def check_sinks(sinks: object, num_heads: int, device) -> None:

@@ -233,7 +233,7 @@ def rope_attention(
             )
             return as_heads(o)
         return flash_attention_ref(q, k, v, causal, scale)
-    check_kernel_head_dim(q.shape[-1])
+    check_kernel_head_dim(q.shape[-1], dtype=q.dtype)
     positions = check_rope_args(q, cos, sin, token_positions, check_values=check_positions)
     if qkv.numel() == 0:
         return empty_heads_like(q)
