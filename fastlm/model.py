@@ -181,7 +181,7 @@ def kernel_takes_head_dim(head_dim: int) -> bool:
         head_dim: the head dim (d_model / num_heads).
 
     Returns:
-        True for a multiple of 8 up to `MAX_HEAD_DIM` (256).
+        True for a multiple of 8 up to `MAX_HEAD_DIM` (512; 256 in fp32, `MAX_HEAD_DIM_FP32`).
     """
     return head_dim % 8 == 0 and head_dim <= MAX_HEAD_DIM
 
@@ -193,7 +193,8 @@ def check_heads(
 
     The heads must be of an even size (RoPE rotates pairs; the reference needs that too) and,
     where the Triton kernels run (`kernels`), of a size flash attention's kernel takes: a multiple
-    of 8 up to 256. The message then suggests the nearest num_heads that fits.
+    of 8 up to 512 (heads above 256 in 16-bit only: the kernel refuses them in fp32, naming the
+    tensor). The message then suggests the nearest num_heads that fits.
 
     Args:
         d_model: the model width.

@@ -142,7 +142,8 @@ FAMILY_CONFIGS = {
     ),  # fmt: skip
     "lfm2": dict(layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False),
     # Gemma 4: sliding and global layers with their own head dims (16 and 32; the real global
-    # 512 needs the kernels' head dims up to 512), key/value heads (1 and 2) and RoPE
+    # layers' 512, which the kernels take, is tested in test_attention.py), key/value heads
+    # (1 and 2) and RoPE
     # (proportional, a quarter rotary on the global layers), per-layer input embeddings, the
     # last layer reusing the global layer's keys and values (with a double-wide MLP), keys as
     # values on the global layers, the MoE block beside the MLP, a final logit cap.
@@ -379,7 +380,7 @@ def test_family_patched_matches_unpatched(family):
 
 def test_layers_of_a_head_dim_the_kernel_does_not_take(monkeypatch):
     """Gemma 4's global layers with a head dim of their own that fastlm's kernel does not take
-    (20, not a multiple of 8; the real model's 512 needs the kernels' head dims up to 512), its
+    (20, not a multiple of 8; the real model's 512 the kernels take), its
     sliding layers at 16: patch reads each layer's head dim from the layer (never the config's
     ambiguous global one), runs the sliding layer on the kernel and names the global layers it
     leaves, which run SDPA; loss and every gradient as the unpatched copy's."""

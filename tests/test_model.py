@@ -10,6 +10,7 @@ from conftest import TINY_MODEL
 import fastlm
 from fastlm import reference as R
 from fastlm.kernels._common import HAVE_TRITON
+from fastlm.kernels.attention import MAX_HEAD_DIM
 from fastlm.testing import TOLERANCE, assert_close, attention_dtype, relative_error
 
 #: float32's bound, or float16's where the model's attention runs its float32 dots in TF32 (on
@@ -247,8 +248,8 @@ def test_heads_the_kernel_cannot_take_run_on_the_torch_backend(device, monkeypat
     if HAVE_TRITON:
         message = (
             r"d_model 8 / num_heads 2 gives heads of 4 dims, but fastlm's attention kernel "
-            r"takes multiples of 8 up to 256: change d_model or num_heads \(with d_model "
-            r"8: num_heads 1\)"
+            rf"takes multiples of 8 up to {MAX_HEAD_DIM}: change d_model or num_heads "
+            r"\(with d_model 8: num_heads 1\)"
         )
         with pytest.raises(ValueError, match=message):
             fastlm.Transformer(**config, device=device)
