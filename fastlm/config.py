@@ -113,9 +113,9 @@ class ModelConfig:
 
         Every field must have its type and be positive (num_kv_heads may be None); d_model must
         split into num_heads heads of an even size (RoPE rotates pairs), for fastlm's model
-        where the kernels run on `device` also a multiple of 8 up to 256; num_kv_heads must
-        divide num_heads; norm_eps must be at most float32's largest and rope_theta must give
-        finite RoPE angles in float32.
+        where the kernels run on `device` also a multiple of 8 up to 512 (256 in fp32);
+        num_kv_heads must divide num_heads; norm_eps must be at most float32's largest and
+        rope_theta must give finite RoPE angles in float32.
 
         Args:
             model: "fastlm" (the default) or "reference".
@@ -142,7 +142,10 @@ class ModelConfig:
             elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name(field)} must be a positive integer, got {value!r}")
         moe = {field: getattr(self, field) for field in MOE_DEFAULTS}
-        reference.check_moe_options(**moe, num_layers=self.num_layers, name=name)
+        try:  # the option rule, its type errors a ValueError here (as for rope_theta)
+            reference.check_moe_options(**moe, num_layers=self.num_layers, name=name)
+        except TypeError as error:
+            raise ValueError(str(error)) from None
         if model not in MODELS:
             raise ValueError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
         # The reference needs the same split into heads of an even size (RoPE rotates pairs);

@@ -240,7 +240,7 @@ class MultiHeadAttentionWithRoPE(nn.Module):
     Args:
         d_model: the input and output width, a multiple of num_heads.
         num_heads: the query heads; the head dim d_model / num_heads must be even and, where the
-            Triton kernels run on `device`, a multiple of 8 up to 256.
+            Triton kernels run on `device`, a multiple of 8 up to 512 (256 in fp32).
         max_seq_len: the longest sequence, and the positions RoPE's tables hold.
         theta: RoPE's base.
         device, dtype: of the parameters (default: PyTorch's defaults).
@@ -482,7 +482,7 @@ class Transformer(reference.Transformer):
 
     Raises:
         ValueError: as `fastlm.reference.Transformer`; and, where the Triton kernels run on
-            `device`, a head dim (d_model / num_heads) that is not a multiple of 8 up to 256
+            `device`, a head dim (d_model / num_heads) that is not a multiple of 8 up to 512
             (the message says what to change; FASTLM_BACKEND=torch runs any even head dim).
     """
 

@@ -99,6 +99,14 @@ OPTIONS: dict[str, Range] = {
     "num_kv_heads": _int(1, meaning="None: as many as query heads"),
     "vocab_size": _int(1, INT64_MAX, meaning="None: the model's"),
     "max_new_tokens": _int(0, INT64_MAX, meaning="0 draws nothing"),
+    # A model's mixture of experts (`reference.check_moe_options` adds how they relate).
+    "num_experts": _int(0, meaning="0: a dense model"),
+    "experts_per_token": _int(1, meaning="at most num_experts"),
+    "num_shared_experts": _int(0, meaning="dense experts every token takes"),
+    "first_dense_layers": _int(0, meaning="below num_layers"),
+    "aux_loss_coef": _real(0.0, BIG, meaning="the balance loss's weight; 0 is off"),
+    "z_loss_coef": _real(0.0, BIG, meaning="the router z-loss's weight; 0 is off"),
+    "router_bias_rate": _real(0.0, BIG, meaning="the selection bias's step; 0: it stays"),
     # A tensor, each element as float32 holds it; -inf (no sink for that head) is allowed too.
     "sinks": _real(-SINK_MAX, SINK_MAX, meaning="-inf: no sink for that head"),
 }

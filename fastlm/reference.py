@@ -17,6 +17,8 @@ import einx
 import torch
 from torch import nn
 
+from fastlm.options import check, check_flag
+
 # --------------------------------------------------------------------------------------------
 # Layers
 # --------------------------------------------------------------------------------------------
@@ -238,13 +240,14 @@ def check_moe_options(
     num_layers: int | None = None,
     name: Callable[[str], str] = str,
 ) -> None:
-    """ValueError naming the option for mixture-of-experts options no model can run.
+    """A ValueError (a TypeError for a wrong type: the option rule, `fastlm.options.check`)
+    naming the option, for mixture-of-experts options no model can run.
 
     num_experts 0 is the dense model (the other options are then not read, but must still be
     well-formed); otherwise 1 <= experts_per_token <= num_experts, moe_d_ff None (d_ff) or
     positive, num_shared_experts and first_dense_layers non-negative (first_dense_layers below
-    num_layers, so that one layer at least is a mixture), router one of `ROUTERS`, the
-    coefficients and the bias rate finite and non-negative.
+    num_layers, so that one layer at least is a mixture), router one of `ROUTERS`,
+    normalize_top_k a bool, the coefficients and the bias rate finite and non-negative.
 
     Args:
         num_experts, experts_per_token, moe_d_ff, num_shared_experts, first_dense_layers, router,
@@ -252,32 +255,25 @@ def check_moe_options(
         num_layers: the model's blocks (None: not checked against first_dense_layers).
         name: spells an option in the message (the commands pass their flags).
     """
-
-    def integer(option: str, value, low: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name(option)} must be an integer >= {low}, got {value!r}")
-
-    integer("num_experts", num_experts, 0)
-    integer("experts_per_token", experts_per_token, 1)
-    if moe_d_ff is not None:
-        integer("moe_d_ff", moe_d_ff, 1)
-    integer("num_shared_experts", num_shared_experts, 0)
-    integer("first_dense_layers", first_dense_layers, 0)
-    if router not in ROUTERS:
-        raise ValueError(f"{name('router')} must be one of {', '.join(ROUTERS)}, got {router!r}")
-    if not isinstance(normalize_top_k, bool):
-        raise ValueError(
-            f"{name('normalize_top_k')} must be true or false, got {normalize_top_k!r}"
-        )
+    # The option rule of every numeric option (fastlm/options.py): a wrong type a TypeError,
+    # nan, inf or out of range a ValueError naming the option.
     for option, value in (
+        ("num_experts", num_experts),
+        ("experts_per_token", experts_per_token),
+        ("num_shared_experts", num_shared_experts),
+        ("first_dense_layers", first_dense_layers),
         ("aux_loss_coef", aux_loss_coef),
         ("z_loss_coef", z_loss_coef),
         ("router_bias_rate", router_bias_rate),
     ):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{name(option)} must be a number, got {value!r}")
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"{name(option)} must be finite and >= 0, got {value!r}")
+        check(name(option), value, spec=option)
+    if moe_d_ff is not None and (
+        isinstance(moe_d_ff, bool) or not isinstance(moe_d_ff, int) or moe_d_ff < 1
+    ):  # a size, as d_ff
+        raise ValueError(f"{name('moe_d_ff')} must be an integer >= 1 or None, got {moe_d_ff!r}")
+    if router not in ROUTERS:
+        raise ValueError(f"{name('router')} must be one of {', '.join(ROUTERS)}, got {router!r}")
+    check_flag(name("normalize_top_k"), normalize_top_k)
     if num_experts == 0:
         return
     if experts_per_token > num_experts:

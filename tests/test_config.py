@@ -25,6 +25,7 @@ from fastlm.config import (
     with_defaults,
 )
 from fastlm.kernels._common import HAVE_TRITON
+from fastlm.kernels.attention import MAX_HEAD_DIM
 
 # Parameters of each preset with byte tokens, as docs/training.md states them (0.9M, 85M, 309M).
 PRESET_PARAMETERS = {
@@ -122,7 +123,7 @@ def test_head_dims_for_the_kernels_only_where_they_run(monkeypatch):
     monkeypatch.setenv("FASTLM_BACKEND", "triton")
     message = (
         "d_model 48 / num_heads 4 gives heads of 12 dims, but fastlm's attention kernel "
-        "takes multiples of 8 up to 256: change d_model or num_heads (with d_model 48: "
+        f"takes multiples of 8 up to {MAX_HEAD_DIM}: change d_model or num_heads (with d_model 48: "
         "num_heads 3), or run PyTorch's attention with FASTLM_BACKEND=torch"
     )
     with pytest.raises(ValueError) as error:

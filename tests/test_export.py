@@ -181,7 +181,8 @@ def test_export_carries_the_tokenizers_special_tokens(tmp_path, corpus, capsys, 
     assert not (tmp_path / "q").exists() and not (tmp_path / "q.tmp").exists()
 
 
-def test_export_refusals(tmp_path, corpus, capsys):
+def test_export_refusals(tmp_path, corpus, capsys, monkeypatch):
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")  # a checkpoint is all it needs: no kernels
     run = train(tmp_path, corpus, capsys, "run")
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "x").write_text("mine")

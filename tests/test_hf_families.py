@@ -427,6 +427,22 @@ class _Memory(LargestTensor):
         return self
 
 
+def test_fp32_heads_past_the_kernels_fp32_limit_run_sdpa(monkeypatch):
+    """fp32 heads of 264 dims (the kernels take 16-bit heads to 512 but fp32 ones to 256: a
+    Gemma 4 global layer run in fp32): the layer runs SDPA, saying why, and gives causal
+    grouped-query attention's output (float64 math)."""
+    monkeypatch.setattr(hf_attention, "_warned", set())
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    q, k, v = (torch.randn(1, h, 5, 264) for h in (2, 1, 1))
+    with pytest.warns(UserWarning, match="fp32 head dim 264 .* runs transformers' SDPA"):
+        out, _ = hf_attention.fastlm_attention(module, q, k, v, None, scaling=0.1)
+    scores = 0.1 * q.double() @ k.double().transpose(-1, -2)  # (1, 2, 5, 5)
+    scores = scores.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+    expected = (scores.softmax(-1) @ v.double()).transpose(1, 2)  # (1, 5, 2, 264)
+    assert_close(out, expected, torch.float32, "fp32 head dim 264 on SDPA")
+
+
 def test_gpt_oss_layer_memory_is_linear_in_tokens():
     """A gpt-oss layer (4 query heads, sinks, full attention) training on T and 4T tokens: the
     patched model's saved bytes and largest tensor grow at most 4x (linear), and no tensor

@@ -432,6 +432,32 @@ def _entries() -> list[Entry]:
         )
         if run is not attention_module:
             entries.append(Entry(where, "norm_eps", lambda v, r=run: r(norm_eps=v), named="eps"))
+    # The mixture-of-experts options, beside a num_experts that makes them read: checked when
+    # the model is built, before any kernel runs (one backend).
+    moe = dict(num_experts=4, experts_per_token=2)
+    for where, run, type_error in (
+        ("fastlm.Transformer", transformer, TypeError),
+        ("fastlm.ModelConfig", model_config, ValueError),
+    ):
+        for option, kwargs in (
+            ("num_experts", dict(valid=[0, 2, 5], invalid=[1])),  # 1: below experts_per_token
+            ("experts_per_token", dict(valid=[1, 4], invalid=[5])),
+            ("num_shared_experts", dict(valid=[0, 1])),
+            ("first_dense_layers", dict(valid=[0], invalid=[1])),  # 1: every layer dense
+            ("aux_loss_coef", dict(valid=[0.0, 0.01, 1])),
+            ("z_loss_coef", dict(valid=[0.0, 1e-3, 1])),
+            ("router_bias_rate", dict(valid=[0.0, 1e-3, 1])),
+        ):
+            entries.append(
+                Entry(
+                    where,
+                    option,
+                    lambda v, r=run, o=option: r(**{**moe, o: v}),
+                    backends=_TORCH_ONLY,
+                    type_error=type_error,
+                    **kwargs,
+                )
+            )
     # Sampling runs on PyTorch alone; ModelConfig's rule is the commands': every bad value, of
     # the wrong type too, a ValueError naming the field.
     settings = dict(none_ok=True)
@@ -562,7 +588,7 @@ REGISTRY = _entries()
 #: Numeric parameters that are sizes (their functions' shape checks cover them), not options.
 SIZES = {
     "vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff", "max_seq_len",
-    "d_k", "max_new_tokens",
+    "d_k", "max_new_tokens", "moe_d_ff",
 }  # fmt: skip
 
 

@@ -20,6 +20,7 @@ import fastlm.cli.train as train_cli
 import fastlm.cli.trainer as training
 from fastlm import checkpoint, reference
 from fastlm.cli import choose_threads
+from fastlm.kernels.attention import MAX_HEAD_DIM
 
 # CPU tests (bitwise resume holds on CPU), also on a machine with GPUs.
 TOY = [
@@ -503,8 +504,9 @@ def test_head_dim_the_kernels_cannot_run(corpus, tmp_path, capsys, monkeypatch):
     assert status == 2 and summary is None and not (tmp_path / "kernels").exists()
     assert err.strip().splitlines() == [
         "fastlm-train: error: --d-model 16 / --num-heads 8 gives heads of 2 dims, but fastlm's "
-        "attention kernel takes multiples of 8 up to 256: change --d-model or --num-heads (with "
-        "--d-model 16: --num-heads 2), or run PyTorch's attention with FASTLM_BACKEND=torch"
+        f"attention kernel takes multiples of 8 up to {MAX_HEAD_DIM}: change --d-model or "
+        "--num-heads (with --d-model 16: --num-heads 2), or run PyTorch's attention with "
+        "FASTLM_BACKEND=torch"
     ]
     monkeypatch.setenv("FASTLM_BACKEND", "torch")
     status, summary, err = run_main([*args, "--out", tmp_path / "torch"], capsys)
