@@ -110,12 +110,12 @@ def moe_to_hf(model, family: str, transformers):
     mixture-of-experts `fastlm.reference.Transformer` (or `fastlm.Transformer`), on its
     device and in its dtype, computing the same logits (the module docstring says how each
     option maps). RuntimeError when transformers' parameter names differ."""
-    from fastlm.hf.convert import _half_split_order, _reorder_heads
+    from fastlm.hf.convert import attention_state
 
     moe = model.moe_layers()[0]
     router, experts = moe.router, moe.experts
     attention = model.blocks[0].mult_head_atten
-    head_dim, rope = attention.head_dim, attention.rope
+    rope = attention.rope
     embedding = model.embedding.w
     d_model = embedding.shape[1]
     first_dense = next(i for i, b in enumerate(model.blocks) if b.ffe is moe)
@@ -166,10 +166,7 @@ def moe_to_hf(model, family: str, transformers):
         )
         hf_model = transformers.Glm4MoeForCausalLM(config)
     hf_model.to(device=embedding.device, dtype=embedding.dtype)
-    order = _half_split_order(head_dim) if rope.interleaved else None
-    kv_width = attention.num_kv_heads * head_dim
-    state = {"model.embed_tokens.weight": embedding, "model.norm.weight": model.final_norm.g}
-    state["lm_head.weight"] = model.out_linear.w
+    state = attention_state(model)
 
     def mlp(prefix: str, ffn, down_scale: float = 1.0) -> None:
         state[prefix + "gate_proj.weight"] = ffn.w1.w
@@ -177,15 +174,7 @@ def moe_to_hf(model, family: str, transformers):
         state[prefix + "down_proj.weight"] = ffn.w2.w * down_scale
 
     for i, block in enumerate(model.blocks):
-        q, k, v = block.mult_head_atten.qkv_proj.w.split((d_model, kv_width, kv_width))
-        if order is not None:
-            q, k = (_reorder_heads(w, head_dim, order) for w in (q, k))
         prefix = f"model.layers.{i}."
-        state[prefix + "input_layernorm.weight"] = block.rms_norm1.g
-        state[prefix + "post_attention_layernorm.weight"] = block.rms_norm2.g
-        for name, w in (("q", q), ("k", k), ("v", v)):
-            state[prefix + f"self_attn.{name}_proj.weight"] = w
-        state[prefix + "self_attn.o_proj.weight"] = block.mult_head_atten.output_proj.w
         layer = block.ffe
         if i < first_dense:
             mlp(prefix + "mlp.", layer)

@@ -48,6 +48,33 @@ def _reorder_heads(weight: torch.Tensor, head_dim: int, order: torch.Tensor) -> 
     return heads[:, order.to(weight.device)].reshape(rows, columns)
 
 
+def attention_state(model: nn.Module) -> dict:
+    """{transformers' Llama-layout name: tensor} for everything of a fastlm model but its
+    feed-forward layers: the embedding, the final norm, the head, and each block's norms and
+    q/k/v/o projections (q and k reordered to half-split pairs when RoPE is interleaved). The
+    callers add their MLPs or experts under `model.layers.{i}.mlp.`."""
+    attention = model.blocks[0].mult_head_atten
+    head_dim, d_model = attention.head_dim, model.embedding.w.shape[1]
+    kv_width = attention.num_kv_heads * head_dim
+    order = _half_split_order(head_dim) if attention.rope.interleaved else None
+    state = {
+        "model.embed_tokens.weight": model.embedding.w,
+        "model.norm.weight": model.final_norm.g,
+        "lm_head.weight": model.out_linear.w,
+    }
+    for i, block in enumerate(model.blocks):
+        q, k, v = block.mult_head_atten.qkv_proj.w.split((d_model, kv_width, kv_width))
+        if order is not None:
+            q, k = (_reorder_heads(w, head_dim, order) for w in (q, k))
+        prefix = f"model.layers.{i}."
+        state[prefix + "input_layernorm.weight"] = block.rms_norm1.g
+        state[prefix + "post_attention_layernorm.weight"] = block.rms_norm2.g
+        for name, w in (("q", q), ("k", k), ("v", v)):
+            state[prefix + f"self_attn.{name}_proj.weight"] = w
+        state[prefix + "self_attn.o_proj.weight"] = block.mult_head_atten.output_proj.w
+    return state
+
+
 def _unconvertible(hf_model: nn.Module, family: str) -> list[str]:
     """What of this model fastlm.Transformer cannot hold, one phrase each."""
     config = hf_model.config
@@ -194,7 +221,7 @@ def to_hf(model: nn.Module, family: str = "llama") -> nn.Module:
             f"got {type(model).__name__}"
         )
     attention = model.blocks[0].mult_head_atten
-    head_dim, rope = attention.head_dim, attention.rope
+    rope = attention.rope
     embedding = model.embedding.w
     d_model = embedding.shape[1]
     fields = dict(
@@ -216,20 +243,9 @@ def to_hf(model: nn.Module, family: str = "llama") -> nn.Module:
     config_class = getattr(transformers, causal_lm.replace("ForCausalLM", "Config"))
     hf_model = getattr(transformers, causal_lm)(config_class(**fields))
     hf_model.to(device=embedding.device, dtype=embedding.dtype)
-    order = _half_split_order(head_dim) if rope.interleaved else None
-    kv_width = attention.num_kv_heads * head_dim
-    state = {"model.embed_tokens.weight": embedding, "model.norm.weight": model.final_norm.g}
-    state["lm_head.weight"] = model.out_linear.w
+    state = attention_state(model)
     for i, block in enumerate(model.blocks):
-        q, k, v = block.mult_head_atten.qkv_proj.w.split((d_model, kv_width, kv_width))
-        if order is not None:
-            q, k = (_reorder_heads(w, head_dim, order) for w in (q, k))
         prefix = f"model.layers.{i}."
-        state[prefix + "input_layernorm.weight"] = block.rms_norm1.g
-        state[prefix + "post_attention_layernorm.weight"] = block.rms_norm2.g
-        for name, w in (("q", q), ("k", k), ("v", v)):
-            state[prefix + f"self_attn.{name}_proj.weight"] = w
-        state[prefix + "self_attn.o_proj.weight"] = block.mult_head_atten.output_proj.w
         state[prefix + "mlp.gate_proj.weight"] = block.ffe.w1.w
         state[prefix + "mlp.down_proj.weight"] = block.ffe.w2.w
         state[prefix + "mlp.up_proj.weight"] = block.ffe.w3.w
