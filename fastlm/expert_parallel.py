@@ -63,6 +63,7 @@ __all__ = [
     "expert_parallel_experts",
     "expert_parallel_mesh",
     "expert_parameter_names",
+    "expert_parameters",
     "expert_range",
     "full_expert_state",
     "reduce_expert_gradients",
@@ -449,6 +450,12 @@ def expert_parameter_names(root: torch.nn.Module) -> list[str]:
     return [f"{name}.{w}" for name, _ in expert_modules(root) for w in EXPERT_WEIGHTS]
 
 
+def expert_parameters(root: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """This rank's expert parameters (`expert_parameter_names`' parameters), for FSDP2's
+    `ignored_params`."""
+    return [getattr(m, w) for _, m in expert_modules(root) for w in EXPERT_WEIGHTS]
+
+
 @torch.no_grad()
 def reduce_expert_gradients(root: torch.nn.Module, replicas, world_size: int) -> None:
     """The experts' part of a data-parallel gradient average, in place.
@@ -477,28 +484,39 @@ def reduce_expert_gradients(root: torch.nn.Module, replicas, world_size: int) ->
 @torch.no_grad()
 def clip_grad_norm_(root: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Scale every gradient by max_norm / (norm + 1e-6) where the global norm is above max_norm
-    (`fastlm.reference.gradient_clip`'s rule), the norm counting all E experts of each layer
-    (their squares summed over the expert group) and every other gradient once. Call after
-    `reduce_expert_gradients` (and DDP's average).
+    (`fastlm.reference.gradient_clip`'s rule), the norm counting each gradient element once: all
+    E experts of each layer (their squares summed over the expert group, once whatever the
+    replicas), an FSDP2-sharded gradient's shards (DTensors: their squares summed over their
+    mesh) and every other (replicated, as under DDP) gradient as it is. Call after
+    `reduce_expert_gradients` (and DDP's average or FSDP2's reduce-scatter).
 
     Returns:
         The norm before clipping, fp32.
     """
-    experts = {id(getattr(m, w)) for _, m in expert_modules(root) for w in EXPERT_WEIGHTS}
-    groups = {id(m.group): m.group for _, m in expert_modules(root)}
-    grads = [(id(p) in experts, p.grad) for p in root.parameters() if p.grad is not None]
+    # The group each gradient's squares are summed over: an expert's its expert group (which
+    # holds all E), an FSDP2 DTensor's its mesh's (a 1-D mesh: the data ranks), None for a
+    # gradient every rank holds whole (DDP's, or one process's).
+    experts = {id(getattr(m, w)): m.group for _, m in expert_modules(root) for w in EXPERT_WEIGHTS}
+    grads, squares = [], {}  # id(group) -> [group, sum of squares]
+    for param in root.parameters():
+        grad, group = param.grad, experts.get(id(param))
+        if grad is None:
+            continue
+        if hasattr(grad, "to_local"):
+            group, grad = grad.device_mesh.get_group(), grad.to_local()
+        entry = squares.setdefault(id(group), [group, 0.0])
+        entry[1] = entry[1] + grad.float().square().sum()
+        grads.append(grad)
     if not grads:  # as on every rank of the group: the same model, the same backward
         return torch.zeros(())
-    zero = torch.zeros((), device=grads[0][1].device)
-    dense, spread = (
-        sum((g.float().square().sum() for e, g in grads if e is kind), zero)
-        for kind in (False, True)
-    )
-    for group in groups.values():  # one group in a run (the expert mesh dimension)
-        dist.all_reduce(spread, group=group)
-    norm = (dense + spread).sqrt()
+    norm = torch.zeros((), device=grads[0].device)
+    for group, total in squares.values():  # in first-seen order: the same on every rank
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        norm = norm + total
+    norm = norm.sqrt()
     scale = torch.where(norm > max_norm, max_norm / (norm + 1e-6), 1.0)
-    for _, grad in grads:
+    for grad in grads:
         grad.mul_(scale.to(grad.dtype))
     return norm
 

@@ -18,6 +18,7 @@ u = 2^-24), with the terms computed per choice.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from pathlib import Path
@@ -294,6 +295,8 @@ def test_plan_arithmetic_by_hand():
 MOE_TOY = [
     *FASTLM_TOY,
     *("--num-experts", "4", "--experts-per-token", "2", "--moe-d-ff", "32"),
+    # The balancing bias (updated from the counts of all ranks) moves each step.
+    *("--router", "sigmoid", "--router-bias-rate", "0.01"),
     *("--steps", "6", "--save-every", "2", "--grad-accum", "2"),  # DDP's no_sync: experts too
 ]
 corpus = test_train.corpus  # the fixture
@@ -304,15 +307,24 @@ TRAIN_BOUND = 1e-5
 
 
 def _train_runs(world_size: int) -> tuple:
-    """Three runs on the same `world_size` processes, one after the other: (--out, P, the saves
-    rank 0 copies: {step: --out folders of later runs}). A DDP run (P = 1); its step-2
-    checkpoint resumed at P = 2; that one's step-4 checkpoint resumed at P = 1 (2 processes) or
-    P = 4 (4 processes)."""
-    last = "p1" if world_size == 2 else "p4"
+    """The runs on the same `world_size` processes, one after the other: (--out, P, the saves
+    rank 0 copies: {step: --out folders of later runs}); an --out starting "fsdp" runs --fsdp.
+    A DDP run (P = 1); its step-2 checkpoint resumed at P = 2; that one's step-4 checkpoint
+    resumed at P = 1 (2 processes) or P = 4 (4 processes). On 2 processes also FSDP2: the DDP
+    run's step-2 checkpoint resumed with --fsdp --expert-parallel 2, and that one's step-4
+    checkpoint with --fsdp alone (P = 1)."""
+    if world_size == 4:
+        return (
+            ("ddp", 1, {2: ("p2",), 4: ("ddp-4",)}),
+            ("p2", 2, {4: ("p4", "p2-4")}),
+            ("p4", 4, {}),
+        )
     return (
-        ("ddp", 1, {2: ("p2",), 4: ("ddp-4",)}),
-        ("p2", 2, {4: (last, "p2-4")}),
-        (last, int(last[1:]), {}),
+        ("ddp", 1, {2: ("p2", "fsdp-p2"), 4: ("ddp-4",)}),
+        ("p2", 2, {4: ("p1", "p2-4")}),
+        ("p1", 1, {}),
+        ("fsdp-p2", 2, {4: ("fsdp", "fsdp-p2-4")}),
+        ("fsdp", 1, {}),
     )
 
 
@@ -334,9 +346,16 @@ def _train_entry(rank, world_size, ports, folder, corpus):
             note = save(trainer)
             for to in copies.get(trainer.step, ()) if rank == 0 else ():
                 shutil.copytree(trainer.out, folder / to)  # before this run's final barrier
-            held = trainer.model.moe_layers()[0].experts.gate_up.shape[0]
+            layers = trainer.model.moe_layers()
+            gate_up = layers[0].experts.gate_up
+            held = gate_up.shape[0]  # (FSDP2's DTensor: the whole shape)
             spread = len(expert_modules(trainer.model))
-            (folder / f"held-{trainer.out.name}-{rank}").write_text(f"{held} {spread}")
+            # FSDP2 shards the experts (DTensors), or leaves expert parallelism's alone
+            sharded = f"{type(trainer.wrapped).__name__}/{type(gate_up).__name__}"
+            biases = torch.cat([layer.router.selection_bias for layer in layers])
+            bias = hashlib.sha256(biases.numpy().tobytes()).hexdigest()  # the same on every rank
+            text = f"{held} {spread} {sharded} {bias}"
+            (folder / f"held-{trainer.out.name}-{rank}").write_text(text)
             return note
 
         training.Trainer.save = save_and_copy
@@ -348,6 +367,7 @@ def _train_entry(rank, world_size, ports, folder, corpus):
             MASTER_PORT=str(port),
         )
         flags = ["--expert-parallel", str(P)] + (["--resume"] if name != "ddp" else [])
+        flags += ["--fsdp"] if name.startswith("fsdp") else []
         argv = ["--data", corpus, *MOE_TOY, *flags, "--out", str(folder / name)]
         status = train_cli.main(argv)
         assert status == 0, f"rank {rank}, run {name}: exit status {status}"
@@ -365,35 +385,56 @@ def _free_ports(count: int) -> list[int]:
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_train_expert_parallel_matches_ddp_and_resumes_across_p(
-    tmp_path, corpus, monkeypatch, world_size
+    tmp_path, corpus, monkeypatch, capsys, world_size
 ):
     """fastlm-train on `world_size` gloo ranks (`_train_runs`): a DDP run (P = 1), its step-2
     checkpoint resumed with --expert-parallel 2 (1 -> 2: each rank slices its 2 of the 4
     experts and their AdamW moments; on 4 ranks two ranks hold each expert, their gradients
-    averaged by `reduce_expert_gradients`), that run's step-4 checkpoint resumed at P = 1 or 4.
-    The losses are the DDP run's to fp32 rounding (each expert's gradient summed in another
-    order), the P = 2 checkpoint holds the whole (E, ...) tensors (the DDP run's keys, shapes
-    and values), and so does the last run's. One process training this model has gradient
-    norms of 1.4 to 1.7, above --grad-clip 1: every step clips, by the norm over all experts."""
+    averaged by `reduce_expert_gradients`), that run's step-4 checkpoint resumed at P = 1 or 4;
+    on 2 ranks the DDP run's step-2 checkpoint also resumed under FSDP2 with --expert-parallel
+    2 (the experts outside FSDP2) and that one's step-4 checkpoint under FSDP2 alone (the
+    experts sharded with the rest). The losses are the DDP run's to fp32 rounding (each
+    expert's gradient summed in another order), every P = 2 checkpoint holds the whole
+    (E, ...) tensors (the DDP run's keys, shapes and values), and so does each last run's; the
+    sigmoid routers' balancing bias is the same on every rank. One process training this model
+    has gradient norms of 1.3 to 1.7, above --grad-clip 1: every step clips, by the norm over
+    all experts.
+    On 2 ranks, the FSDP2 + EP step-4 checkpoint and the DDP one resume in one process (another
+    data split: its own curve) to the same step-5 loss."""
     monkeypatch.setenv("FASTLM_BACKEND", "torch")  # the interpreted kernels: the tests above
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     runs = _train_runs(world_size)
     args = (world_size, _free_ports(len(runs)), str(tmp_path), str(corpus))
     mp.start_processes(_train_entry, args, nprocs=world_size, join=True, start_method="fork")
 
-    held = {p.name: p.read_text() for p in tmp_path.glob("held-*")}
-    assert held == {  # E / P experts in each of the 2 layers; P = 1 leaves the layers alone
-        f"held-{name}-{r}": f"{4 // P} {2 if P > 1 else 0}"
-        for name, P, _ in runs
-        for r in range(world_size)
+    def expected(name: str, P: int) -> str:
+        """E / P experts in each of the 2 layers (P = 1 leaves the layers alone); the wrapper,
+        and the experts' class: FSDP2's DTensor shards without EP only."""
+        fsdp = name.startswith("fsdp")
+        wrapper = "FSDPNextTokenLoss" if fsdp else "DistributedDataParallel"
+        experts = "DTensor" if fsdp and P == 1 else "Parameter"
+        return f"{4 // P} {2 if P > 1 else 0} {wrapper}/{experts}"
+
+    held = {p.name: p.read_text().rsplit(" ", 1) for p in tmp_path.glob("held-*")}
+    assert {name: counts for name, (counts, _) in held.items()} == {
+        f"held-{name}-{r}": expected(name, P) for name, P, _ in runs for r in range(world_size)
     }
+    for name, _, _ in runs:  # the balancing bias: each rank's the same
+        assert len({held[f"held-{name}-{r}"][1] for r in range(world_size)}) == 1, name
     names = [name for name, _, _ in runs]
     losses = {name: checkpoint.load_state(tmp_path / name)["train_losses"] for name in names}
-    ddp, p2, last = (losses[name] for name in names)
-    assert len(ddp) == 6 and p2[:2] == ddp[:2] and last[:4] == p2[:4]  # the histories resumed
-    assert p2 == pytest.approx(ddp, rel=TRAIN_BOUND, abs=0)
-    assert last == pytest.approx(ddp, rel=TRAIN_BOUND, abs=0)
-    for got, want in (("p2-4", "ddp-4"), (names[-1], "ddp")):
+    ddp = losses["ddp"]
+    assert len(ddp) == 6
+    for name, _, copies in runs[:-1]:  # the histories resumed
+        for later in (n for n in copies.get(4, ()) if n in losses):
+            assert losses[later][:4] == losses[name][:4], (name, later)
+    for name in names[1:]:
+        assert losses[name][:2] == ddp[:2], name
+        assert losses[name] == pytest.approx(ddp, rel=TRAIN_BOUND, abs=0), name
+    checked = [("p2-4", "ddp-4"), (names[2], "ddp")]
+    if world_size == 2:
+        checked += [("fsdp-p2-4", "ddp-4"), ("fsdp-p2", "ddp"), ("fsdp", "ddp")]
+    for got, want in checked:
         for part in ("weights", "state"):
             a, b = (_checkpoint_tensors(tmp_path / n, part) for n in (got, want))
             assert a.keys() == b.keys() and a, (got, part)
@@ -403,6 +444,17 @@ def test_train_expert_parallel_matches_ddp_and_resumes_across_p(
                 errors[key] = relative_error(a[key], b[key])
             worst = max(errors, key=errors.get)
             assert errors[worst] <= TRAIN_BOUND, f"{got} {worst}: {errors[worst]:.2e}"
+    biases = [v for k, v in checkpoint.load_weights(tmp_path / "ddp").items() if "bias" in k]
+    assert len(biases) == 2 and all(b.abs().sum() > 0 for b in biases)  # it moved
+    if world_size == 2:
+        next_step = {}
+        for name in ("fsdp-p2-4", "ddp-4"):
+            argv = ["--data", corpus, *MOE_TOY, "--steps", "5", "--out", tmp_path / name]
+            status, _, err = test_train.run_main([*argv, "--resume"], capsys)
+            assert status == 0, err
+            next_step[name] = checkpoint.load_state(tmp_path / name)["train_losses"]
+        assert len(next_step["ddp-4"]) == 5
+        assert next_step["fsdp-p2-4"] == pytest.approx(next_step["ddp-4"], rel=TRAIN_BOUND)
 
 
 def _checkpoint_tensors(folder: Path, part: str) -> dict[str, torch.Tensor]:

@@ -387,7 +387,6 @@ def check_expert_parallel_args(args: argparse.Namespace) -> None:
         )
     for refused, reason in (
         (args.model != "fastlm", "runs fastlm's model (--model fastlm)"),
-        (args.fsdp, "runs under DDP, not --fsdp yet"),
         (args.tensor_parallel > 1, "does not combine with --tensor-parallel yet"),
     ):
         if refused:
@@ -416,6 +415,12 @@ def check_tensor_parallel(args: argparse.Namespace) -> None:
         )
     if args.model != "fastlm":
         raise ConfigError("--tensor-parallel runs fastlm's model (--model fastlm)")
+    if args.num_experts:  # the plan has no rule for experts
+        raise ConfigError(
+            f"--tensor-parallel does not run mixture-of-experts models yet (--num-experts "
+            f"{args.num_experts}): train them with DDP or --fsdp, with or without "
+            "--expert-parallel"
+        )
 
 
 def check_context_parallel(args: argparse.Namespace) -> None:
@@ -458,12 +463,6 @@ def model_config(args: argparse.Namespace, tokenizer, run: Run) -> ModelConfig:
         check_plan(config.as_dict(), args.tensor_parallel, name=flag)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    if config.num_experts and (args.fsdp or args.tensor_parallel > 1):
-        what = "--fsdp" if args.fsdp else "--tensor-parallel"
-        raise ConfigError(
-            f"{what} does not run mixture-of-experts models yet (--num-experts "
-            f"{config.num_experts}): train them with DDP or on one device"
-        )
     return config
 
 

@@ -246,9 +246,15 @@ def distribute(loss_module: NextTokenLoss, run: Run, fsdp: bool) -> nn.Module:
     if fsdp:
         from torch.distributed.fsdp import fully_shard
 
+        # Expert parallelism's experts stay out of FSDP2, as out of DDP: each rank holds its own
+        # E / P of them, whole (FSDP would shard and average them over all ranks as if every
+        # rank held the same ones), and `reduce_expert_gradients` averages them over their
+        # replicas. Sharding them over the replicas too would take a second mesh dimension, a
+        # divide factor and a norm over two meshes, to save memory EP already divides by P.
+        ignored = set(expert_parallel.expert_parameters(loss_module))
         for block in loss_module.model.blocks:
-            fully_shard(block, mesh=run.data_mesh)
-        return fully_shard(loss_module, mesh=run.data_mesh)
+            fully_shard(block, mesh=run.data_mesh, ignored_params=ignored)
+        return fully_shard(loss_module, mesh=run.data_mesh, ignored_params=ignored)
     device_ids = [run.device.index] if run.device.type == "cuda" else None
     # The buffers (RoPE tables, causal masks) are constants: no broadcast before each forward.
     # torch 2.13 renamed the option (the old name warns on every rank).
@@ -282,10 +288,15 @@ def make_optimizer(
     parameters, args: argparse.Namespace, device: torch.device
 ) -> torch.optim.Optimizer:
     """PyTorch's AdamW on every device, so that a checkpoint resumes on any: fused on CUDA
-    (foreach under FSDP). reference.AdamW is the same math (tests/test_reference.py)."""
+    (foreach under FSDP; a loop over the parameters under FSDP with expert parallelism, whose
+    experts are plain tensors beside FSDP2's DTensors: a foreach or fused kernel takes one kind
+    per list). reference.AdamW is the same math (tests/test_reference.py)."""
     hyper = dict(lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay)
-    fused = device.type == "cuda" and not args.fsdp
-    return torch.optim.AdamW(parameters, **hyper, **({"fused": True} if fused else {}))
+    if args.fsdp and args.expert_parallel > 1:
+        hyper["foreach"] = False
+    elif device.type == "cuda" and not args.fsdp:
+        hyper["fused"] = True
+    return torch.optim.AdamW(parameters, **hyper)
 
 
 def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
