@@ -581,7 +581,7 @@ class Trainer:
             if args.grad_clip:
                 data = self.run.data_mesh.get_group() if args.fsdp else None
                 norm = tensor_parallel.clip_grad_norm_(self.model, args.grad_clip, data)
-        elif self.run.expert > 1:  # DDP left the experts' gradients alone
+        elif self.run.expert > 1:  # DDP or FSDP2 left the experts' gradients alone
             expert_parallel.reduce_expert_gradients(
                 self.model, self.run.expert_replicas, self.run.world_size
             )
