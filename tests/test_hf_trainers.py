@@ -497,6 +497,10 @@ def test_moe_trains_padding_free_under_sft(family, tmp_path, monkeypatch):
         ),
         "unpatched": lambda: _sft(unpatched, data, tokenizer, max_length=None, padding_free=False),
     }
+    # _Ops swaps PyTorch's SDPA for its counter, and _train's _Calls wraps that: monkeypatch
+    # (last in, first out) puts the original back after both.
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
     with _Ops() as calls:  # the unpatched model calls no fastlm op: these are the patched run's
         run = _train(builds, monkeypatch)
     _assert_experts_on_the_op(model, calls.calls)
