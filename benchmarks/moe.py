@@ -10,16 +10,19 @@ T 16384, bf16). Implementations: fastlm's op, transformers' `grouped_mm` (its de
 `eager` experts (the Qwen3-MoE module, transformers 5).
 
 Speed (CUDA only; exits cleanly without): forward and forward+backward of fastlm's op against
-transformers' `grouped_mm` and `eager` experts at the same sizes, each checked against fp32
-math first; milliseconds, TFLOP/s and peak memory; a table, and CSV/JSON with --csv/--json.
+transformers' `grouped_mm` and `eager` experts, Liger-Kernel's fused MoE and SonicMoE ("not
+installed" where they are not) at the same sizes, each checked against fp32 math first (an
+output off by more than fastlm.testing.TOLERANCE is "wrong" and not timed); milliseconds,
+TFLOP/s and peak memory; a table, CSV/JSON with --csv/--json, and the benchmarks' files with
+--out (moe_headline.* with --headline: the GPU check's step).
 
     python benchmarks/moe.py --saved [--json saved.json]
     python benchmarks/moe.py [--tokens 16384] [--csv moe.csv] [--json moe.json]
+    python benchmarks/moe.py --headline --out DIR [--time-limit S]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -138,14 +141,74 @@ def _time_ms(fn, warmup: int = 3, repeat: int = 10) -> float:
     return _common.time_steps_ms(fn, repeat)
 
 
-def speed_rows(T: int, D: int, F: int, E: int, k: int, dtype=torch.bfloat16) -> list[dict]:
-    """Forward and forward+backward of each implementation on one routing (softmax top-k of
-    random logits), each checked against fp32 math first (relative error in the rows)."""
-    import fastlm
-    from fastlm.kernels.moe.experts import moe_experts_ref
+#: The speed rows' implementations: IMPLEMENTATIONS and, where installed, Liger-Kernel's fused
+#: MoE (`liger_kernel.ops.LigerFusedMoEFunction`) and SonicMoE (`sonicmoe.functional`).
+SPEED_IMPLEMENTATIONS = ("fastlm", "grouped_mm", "liger", "sonicmoe", "eager")
+NOT_INSTALLED = "not installed"
+#: The cells `_measured` fills.
+MEASURED = ("rel_error", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops", "peak_gib")
+
+
+def _liger_forward(x, ids, weights, gate_up, down):
+    """Liger-Kernel's fused MoE on transformers' layouts (gate_up (E, 2F, D) gate rows first,
+    down (E, D, F)) with int32 expert ids, or None where it is not installed (or predates it)."""
+    function = getattr(_common.optional_module("liger_kernel.ops"), "LigerFusedMoEFunction", None)
+    if function is None:
+        return None
+    ids = ids.to(torch.int32)
+    return lambda: function.apply(x, gate_up, down, ids, weights)
+
+
+def _sonicmoe_forward(x, ids, weights, gate_up, down):
+    """SonicMoE's `moe_general_routing_inputs` on one flat list of (token, expert, score)
+    assignments sorted by token, or None where it is not installed. Its layouts: w1 (2F, D, E)
+    with each expert's gate and up rows interleaved and w2 (D, F, E), both E-outermost in memory
+    (stride order (2, 0, 1)): the weights are copied into them once here, outside the timing
+    (the copies count in its peak memory), and the gradients go to the copies."""
+    functional = _common.optional_module("sonicmoe.functional")
+    enums = _common.optional_module("sonicmoe.enums")
+    route = getattr(functional, "moe_general_routing_inputs", None)
+    if route is None or not hasattr(enums, "ActivationType"):
+        return None
+    (T, k), (E, F2, D) = ids.shape, gate_up.shape
+    interleaved = gate_up.detach().view(E, 2, F2 // 2, D).transpose(1, 2).reshape(E, F2, D)
+    w1 = interleaved.requires_grad_().permute(1, 2, 0)
+    w2 = down.detach().clone().requires_grad_().permute(1, 2, 0)
+    tokens = torch.arange(T, device=x.device, dtype=torch.int32).repeat_interleave(k)
+    experts, scores = ids.reshape(-1).to(torch.int32), weights.reshape(-1)
+    swiglu, stream = enums.ActivationType.SWIGLU, torch.cuda.current_stream().cuda_stream
+    return lambda: route(x, scores, tokens, experts, w1, None, w2, None, E, stream, swiglu)[0]
+
+
+def _measured(forward, expected, grad, flops: int, tolerance: float) -> dict:
+    """One implementation's cells: its forward's relative error against fp32 math first ("wrong"
+    in every cell, and no timing, over `tolerance`), then forward and forward+backward times,
+    TFLOP/s and peak memory."""
     from fastlm.testing import relative_error
 
-    device = "cuda"
+    error = relative_error(forward(), expected)
+    if error > tolerance:
+        return dict.fromkeys(MEASURED, f"wrong (rel error {error:.3g})")
+    torch.cuda.reset_peak_memory_stats()
+    fwd = _time_ms(lambda: forward().detach())
+    both = _time_ms(lambda: forward().backward(grad))
+    return dict(rel_error=error, fwd_ms=fwd, fwd_bwd_ms=both, fwd_tflops=flops / fwd / 1e9,
+                fwd_bwd_tflops=3 * flops / both / 1e9,
+                peak_gib=torch.cuda.max_memory_allocated() / 2**30)  # fmt: skip
+
+
+def speed_rows(T: int, D: int, F: int, E: int, k: int, dtype=torch.bfloat16,
+               out_of_time=lambda: False):  # fmt: skip
+    """Forward and forward+backward of each of SPEED_IMPLEMENTATIONS on one routing (softmax
+    top-k of random logits), each checked first against fp32 math within
+    `fastlm.testing.TOLERANCE[dtype]` (`_measured`); yields a row each as it is measured. One
+    not installed, failing, or not started once `out_of_time()` has a status word in every
+    cell."""
+    import fastlm
+    from fastlm.kernels.moe.experts import moe_experts_ref
+    from fastlm.testing import TOLERANCE
+
+    device = _common.DEVICE  # CUDA (the CPU only where tests stand in for torch.cuda)
     torch.manual_seed(0)
     module = _experts_module("grouped_mm", D, F, E, dtype).to(device)
     x = torch.randn(T, D, device=device, dtype=dtype, requires_grad=True)
@@ -154,53 +217,73 @@ def speed_rows(T: int, D: int, F: int, E: int, k: int, dtype=torch.bfloat16) -> 
     gate_up, down = module.gate_up_proj, module.down_proj
     expected = moe_experts_ref(x.float(), ids, weights.float(), gate_up.float(), down.float())
     flops = 2 * T * k * (2 * F * D + D * F)  # two GEMMs forward; the backward does 2x more
-    runs = {
-        "fastlm": lambda: fastlm.moe_experts(x, ids, weights, gate_up, down),
-        "grouped_mm": lambda: module(x, ids, weights),
-    }
     eager = _experts_module("eager", D, F, E, dtype).to(device)
     eager.load_state_dict(module.state_dict())
-    runs["eager"] = lambda: eager(x, ids, weights)
-    rows = []
+    forwards = {  # each builds its forward, or gives None where its package is not installed
+        "fastlm": lambda: lambda: fastlm.moe_experts(x, ids, weights, gate_up, down),
+        "grouped_mm": lambda: lambda: module(x, ids, weights),
+        "liger": lambda: _liger_forward(x, ids, weights, gate_up, down),
+        "sonicmoe": lambda: _sonicmoe_forward(x, ids, weights, gate_up, down),
+        "eager": lambda: lambda: eager(x, ids, weights),
+    }
     grad = torch.randn(T, D, device=device, dtype=dtype)
-    for name, forward in runs.items():
-        error = relative_error(forward(), expected)
-        torch.cuda.reset_peak_memory_stats()
-        fwd = _time_ms(lambda f=forward: f().detach())
-        both = _time_ms(lambda f=forward: f().backward(grad))
-        rows.append(dict(implementation=name, T=T, D=D, F=F, E=E, k=k, rel_error=error,
-                         fwd_ms=fwd, fwd_bwd_ms=both, fwd_tflops=flops / fwd / 1e9,
-                         fwd_bwd_tflops=3 * flops / both / 1e9,
-                         peak_gib=torch.cuda.max_memory_allocated() / 2**30))  # fmt: skip
-    return rows
+    for name in SPEED_IMPLEMENTATIONS:
+        if out_of_time():
+            cells = dict.fromkeys(MEASURED, _common.SKIPPED)
+        else:
+            try:
+                forward = forwards[name]()
+                if forward is None:
+                    cells = dict.fromkeys(MEASURED, NOT_INSTALLED)
+                else:
+                    cells = _measured(forward, expected, grad, flops, TOLERANCE[dtype])
+            except Exception as exc:  # noqa: BLE001 - a failing implementation is a row
+                status, message = _common.failure(exc)
+                print(f"benchmarks/moe.py: {name}: {message}")
+                cells = dict.fromkeys(MEASURED, status)
+            _common.free_memory()
+        yield dict(implementation=name, T=T, D=D, F=F, E=E, k=k, **cells)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--saved", action="store_true", help="the saved-for-backward bytes table")
-    parser.add_argument("--tokens", type=int, default=QWEN3_30B["T"], help="T (speed)")
-    parser.add_argument("--csv", type=Path, help="write the rows as CSV here")
-    parser.add_argument("--json", type=Path, help="write the rows as JSON here")
-    args = parser.parse_args(argv)
-    if args.saved:
-        rows = saved_table()
-        _print_saved(rows)
-    else:
-        if not torch.cuda.is_available():
-            print("benchmarks/moe.py: no CUDA device; the speed rows need one (--saved runs here)")
-            return 0
-        rows = speed_rows(**{**QWEN3_30B, "T": args.tokens})
-        keys = list(rows[0])
-        print("  ".join(f"{key:>14}" for key in keys))
-        for row in rows:
-            cells = (f"{v:>14.4g}" if isinstance(v, float) else f"{v!s:>14}" for v in row.values())
-            print("  ".join(cells))
+def _speed(args) -> int:
+    """The speed rows as a `_common.Run` (NAME moe, or moe_headline with --headline: the GPU
+    check's step), stopping at its time budget; also --csv and --json."""
+    if not _common.HAS_CUDA:
+        print("benchmarks/moe.py: no CUDA device; the speed rows need one (--saved runs here)")
+        return 0
+    columns = ["implementation", "T", "D", "F", "E", "k", *MEASURED]
+    run = _common.Run("moe", args, columns, budget_s=60)
+    sizes = {**QWEN3_30B, "T": args.tokens}
+    with run.measuring():
+        for row in speed_rows(**sizes, out_of_time=run.out_of_time):
+            run.add(row)
+    title = f"One experts layer, {sizes}, bf16 (fwd+bwd TFLOP/s: 3 times the forward's FLOPs):"
+    status = run.finish(_common.table_lines(title, run.rows, columns))
+    _write(run.rows, args)
+    return status
+
+
+def _write(rows: list[dict], args) -> None:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     if args.csv:
         keys = list(rows[0])
         lines = [",".join(keys)] + [",".join(str(row[key]) for key in keys) for row in rows]
         args.csv.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _common.parser(__doc__.split("\n\n")[0], quick="the same rows (one size only)")
+    parser.add_argument("--saved", action="store_true", help="the saved-for-backward bytes table")
+    parser.add_argument("--tokens", type=int, default=QWEN3_30B["T"], help="T (speed)")
+    parser.add_argument("--csv", type=Path, help="write the rows as CSV here")
+    parser.add_argument("--json", type=Path, help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    if not args.saved:
+        return _speed(args)
+    rows = saved_table()
+    _print_saved(rows)
+    _write(rows, args)
     return 0
 
 

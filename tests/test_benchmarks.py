@@ -26,6 +26,7 @@ sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
 common = importlib.import_module("_common")
 attention = importlib.import_module("attention")  # benchmarks/attention.py
 kernels = importlib.import_module("kernels")
+moe = importlib.import_module("moe")
 train = importlib.import_module("train")
 pytestmark = pytest.mark.usefixtures("one_thread")  # two threads on two busy cores: far slower
 
@@ -316,6 +317,25 @@ def test_attention_cuda_path_runs(cuda_stand_ins, monkeypatch):
     rows = _rows(cuda_stand_ins, "attention_varlen")
     assert {r["case"] for r in rows} == {"varlen causal", "causal window 8"}
     assert all(float(r["rel err"]) < 0.02 for r in rows)
+
+
+def test_moe_cuda_path_runs(cuda_stand_ins, monkeypatch):
+    """The GPU check's MoE step (--headline): a row per implementation in moe_headline.csv and
+    its summary; one whose output is not the fp32 math's is "wrong" and not timed (here a
+    stand-in for Liger's), one not installed says so."""
+    monkeypatch.setattr(moe, "QWEN3_30B", dict(T=24, D=48, F=40, E=6, k=2))
+    monkeypatch.setattr(moe, "_liger_forward", lambda x, *rest: lambda: x * 2)
+    out = str(cuda_stand_ins)
+    assert moe.main(["--headline", "--out", out, "--tokens", "24"]) == 0
+    with (cuda_stand_ins / "moe_headline.csv").open() as f:
+        rows = {r["implementation"]: r for r in csv.DictReader(f)}
+    assert list(rows) == list(moe.SPEED_IMPLEMENTATIONS)
+    for name in ("fastlm", "grouped_mm", "eager"):
+        assert float(rows[name]["rel_error"]) < 0.02 and _is_number(rows[name]["fwd_bwd_ms"])
+    assert rows["liger"]["fwd_ms"].startswith("wrong (rel error")
+    if common.optional_module("sonicmoe.functional") is None:
+        assert rows["sonicmoe"]["fwd_ms"] == moe.NOT_INSTALLED
+    assert "| fastlm |" in (cuda_stand_ins / "moe_headline_summary.md").read_text()
 
 
 def _agree(losses: list[float]) -> None:

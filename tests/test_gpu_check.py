@@ -248,6 +248,7 @@ def test_flow_returns_two_files_and_reports_the_limit(tmp_path):
     for name in (
         "train_headline",
         "attention_headline",
+        "moe_headline",
         "attention_sweep",
         "attention_varlen",
         "kernels_sweep",
@@ -259,6 +260,7 @@ def test_flow_returns_two_files_and_reports_the_limit(tmp_path):
     summary = (out / "summary.md").read_text()
     assert "Fake GPU 9000" in summary and "f00d" in summary
     assert "| fake train_headline table |" in summary
+    assert "| fake moe_headline table |" in summary.split("## Test suite")[0]  # in the headline
     assert "Steps that hit their limits: kernels_headline." in summary
     # SIGINT ends the sleeping stand-in, unless this test runs with SIGINT ignored: then SIGKILL.
     assert re.search(

@@ -20,9 +20,11 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 from test_hf import _model as hf_model  # noqa: E402
+from test_hf import _Ops  # noqa: E402
 
 import fastlm.hf  # noqa: E402
 from fastlm.hf import attention as hf_attention  # noqa: E402
+from fastlm.hf import experts as hf_experts  # noqa: E402
 from fastlm.testing import assert_close  # noqa: E402
 
 VOCAB = 61
@@ -215,31 +217,92 @@ def test_trainer_gradient_accumulation_takes_the_same_step(tmp_path):
     assert moved > 1e-3  # the step did move the weights
 
 
-def test_peft_lora_on_a_patched_model():
-    """LoRA adapters (attention and MLP projections) on a patched model: gradients reach only
-    the adapters, equal to the unpatched model's with the same adapters."""
+#: LoRA targets: the MLP and attention projections of the dense model; on a tiny Qwen3-MoE (one
+#: MoE layer) and gpt-oss (two), the attention projections, and the experts' stacked weights
+#: (PEFT's `target_parameters`: its ParamWrapper adds B A to the weight while the experts run),
+#: adapted after patching or before it. Each with its count of LoRA tensors (A and B each).
+MLP_AND_ATTENTION = dict(target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
+ATTENTION = dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+EXPERTS = dict(target_modules=[], target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+PEFT_CASES = {
+    "qwen2-mlp-attention": ("qwen2", MLP_AND_ATTENTION, 2 * 2 * 4),
+    "qwen3_moe-attention": ("qwen3_moe", ATTENTION, 2 * 2 * 4),
+    "qwen3_moe-experts": ("qwen3_moe", EXPERTS, 1 * 2 * 2),
+    "gpt_oss-experts-adapted-first": ("gpt_oss", EXPERTS, 2 * 2 * 2),
+}  # fmt: skip
+
+
+def _experts_on_the_kernels(monkeypatch) -> None:
+    """transformers' experts modules that patch gave fastlm's implementation run
+    `fastlm.moe_experts` on the kernels (Triton's interpreter here), every other op on this
+    module's PyTorch backend: the experts' op shows in `_Ops`, forward and backward, at a CPU
+    test's speed."""
+    op = hf_experts.moe_experts
+
+    def on_the_kernels(*args, **kwargs):
+        with monkeypatch.context() as scoped:
+            scoped.setenv("FASTLM_BACKEND", "auto")
+            return op(*args, **kwargs)
+
+    monkeypatch.setattr(hf_experts, "moe_experts", on_the_kernels)
+
+
+def _assert_experts_on_the_op(model, calls) -> None:
+    """The patched model's experts ran fastlm's op forward and backward, and patch left
+    nothing."""
+    assert "moe_experts" in model.fastlm_patched and not model.fastlm_patched.left, (
+        model.fastlm_patched
+    )
+    assert calls["moe_experts"] > 0 and calls["moe_experts_backward"] > 0, calls
+
+
+@pytest.mark.parametrize("case", list(PEFT_CASES))
+def test_peft_lora_on_a_patched_model(case, monkeypatch):
+    """LoRA adapters on a patched model (or, "adapted-first", a PEFT model patched): gradients
+    reach only the adapters, equal to the unpatched model's with the same adapters. On the MoE
+    models the experts ran fastlm.moe_experts forward and backward, LoRA on their weights too:
+    transformers' experts read `gate_up_proj` and `down_proj` while PEFT's wrapper has them
+    parametrized (W + B A), and so does fastlm's experts forward."""
     peft = pytest.importorskip("peft")
-    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
-    base = _model()
-    models = {}
+    family, targets, adapters = PEFT_CASES[case]
+    lora = peft.LoraConfig(r=4, **targets)
+    if family == "qwen2":
+        base = _model()
+    else:
+        from test_hf_families import tiny_model
+
+        base = tiny_model(family, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+        _experts_on_the_kernels(monkeypatch)
+    adapted_first, models = case.endswith("adapted-first"), {}
     for name in ("patched", "unpatched"):
         model = copy.deepcopy(base)
-        if name == "patched":
+        if name == "patched" and not adapted_first:
             fastlm.hf.patch(model)
-        models[name] = peft.get_peft_model(model, lora)
+        model = peft.get_peft_model(model, lora)
+        if name == "patched" and adapted_first:
+            fastlm.hf.patch(model)
+        models[name] = model
     torch.manual_seed(3)
     with torch.no_grad():  # nonzero adapters (B starts at zero), the same in both
         for p in models["unpatched"].parameters():
             if p.requires_grad:
                 p.normal_(0, 0.1)
     models["patched"].load_state_dict(models["unpatched"].state_dict())
-    assert models["patched"].get_base_model().fastlm_patched[-1] == "cross_entropy"
+    patched = models["patched"].get_base_model()
+    assert patched.fastlm_patched[-1] == "cross_entropy"
     ids = torch.randint(0, VOCAB, (2, 11))
     mask = torch.ones_like(ids)
     mask[1, -3:] = 0
     labels = ids.masked_fill(mask == 0, -100)
-    for model in models.values():
-        model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
+    with _Ops() as calls:
+        models["patched"](
+            input_ids=ids, attention_mask=mask, labels=labels, use_cache=False
+        ).loss.backward()
+    models["unpatched"](
+        input_ids=ids, attention_mask=mask, labels=labels, use_cache=False
+    ).loss.backward()
+    if family != "qwen2":
+        _assert_experts_on_the_op(patched, calls.calls)
     theirs = dict(models["unpatched"].named_parameters())
     trained = 0
     for name, p in models["patched"].named_parameters():
@@ -247,7 +310,7 @@ def test_peft_lora_on_a_patched_model():
         if p.grad is not None:
             trained += 1
             assert_close(p.grad, theirs[name].grad, torch.float32, f"grad of {name}")
-    assert trained == 2 * 2 * 4  # A and B of 4 modules in 2 layers
+    assert trained == adapters
 
 
 def test_the_readme_example_runs(tmp_path, monkeypatch):
@@ -410,18 +473,23 @@ def test_kto_trainer_logs_what_it_logs_unpatched(tmp_path, monkeypatch):
     _assert_same_logs(run, {"loss", "grad_norm", "kl"})
 
 
-def test_gpt_oss_trains_padding_free_under_sft(tmp_path, monkeypatch):
-    """A tiny gpt-oss (attention sinks, a sliding window on alternate layers, YaRN's half-width
-    RoPE tables, MoE experts) patched, under SFTTrainer with padding_free (TRL's one packed row
-    with cu_seq_lens): its attention on fastlm's varlen path, no SDPA, and the metrics of the
-    unpatched model trained on the same rows padded (gpt-oss's eager attention would attend
-    across the packed documents: padding is its padding-free truth)."""
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_moe_trains_padding_free_under_sft(family, tmp_path, monkeypatch):
+    """A tiny MoE model patched, under SFTTrainer with padding_free (TRL's one packed row with
+    cu_seq_lens): its attention on fastlm's varlen path, no SDPA, its experts on
+    fastlm.moe_experts forward and backward (the op on the kernels, `_experts_on_the_kernels`),
+    and the metrics of the unpatched model trained on the same rows padded. gpt-oss: attention
+    sinks, a sliding window on alternate layers, YaRN's half-width RoPE tables, clamped,
+    interleaved, biased experts (its eager attention would attend across the packed documents:
+    padding is its padding-free truth); Qwen3-MoE: a dense layer and an MoE one, SwiGLU
+    experts."""
     from test_hf_families import tiny_model
 
     monkeypatch.chdir(tmp_path)
+    _experts_on_the_kernels(monkeypatch)
     tokenizer = _tokenizer()
     data = datasets.Dataset.from_dict({"text": _texts()})
-    model = tiny_model("gpt_oss", pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    model = tiny_model(family, pad_token_id=0, eos_token_id=1, bos_token_id=None)
     unpatched = copy.deepcopy(model)
     builds = {
         "patched": lambda: _sft(
@@ -429,5 +497,11 @@ def test_gpt_oss_trains_padding_free_under_sft(tmp_path, monkeypatch):
         ),
         "unpatched": lambda: _sft(unpatched, data, tokenizer, max_length=None, padding_free=False),
     }
-    run = _train(builds, monkeypatch)
+    # _Ops swaps PyTorch's SDPA for its counter, and _train's _Calls wraps that: monkeypatch
+    # (last in, first out) puts the original back after both.
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    with _Ops() as calls:  # the unpatched model calls no fastlm op: these are the patched run's
+        run = _train(builds, monkeypatch)
+    _assert_experts_on_the_op(model, calls.calls)
     _assert_same_logs(run, {"loss", "grad_norm", "entropy", "mean_token_accuracy"})

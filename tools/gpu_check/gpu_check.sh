@@ -27,13 +27,14 @@ setup               20     fixed    wheels into a temporary folder, env.json, nv
 train_headline      140    fixed    GPT-2-small step: fastlm compiled vs reference+SDPA compiled
 attention_headline  75     fixed    causal bf16 D128 N 4k,16k fwd, fwd+bwd: fastlm (both bwd schedules), SDPA flash/cuDNN
 kernels_headline    100    fixed    norms, RoPE, SwiGLU 16k x 4096, CE 16k x 32000; + CUDA graphs
+moe_headline        40     fixed    MoE experts layer, Qwen3-30B-A3B sizes, fwd, fwd+bwd: fastlm vs grouped_mm, Liger, SonicMoE, eager
 tests               75     fixed    pytest tests/ on CUDA (FASTLM_AUTOTUNE=0)
 compile_report      20     fixed    compile_report.py --quick --arch sm_90a: the CI test rows
-attention_sweep     25     elastic  attention.py --quick --skip-headline: N 1k, 64k, bwd, others
-attention_varlen    20     elastic  attention.py --varlen --quick: packed docs 16k/32k, window 4k
-kernels_sweep       20     elastic  kernels.py --quick --skip-headline: fused linear cross-entropy
-train_hf            20     elastic  train.py --hf --quick: HF Llama, Llama-3-8B layers, padded/padding-free
-train_sweep         15     elastic  train.py --skip-headline --seqs 1024: eager, reference compiled
+attention_sweep     15     elastic  attention.py --quick --skip-headline: N 1k, 64k, bwd, others
+attention_varlen    12     elastic  attention.py --varlen --quick: packed docs 16k/32k, window 4k
+kernels_sweep       12     elastic  kernels.py --quick --skip-headline: fused linear cross-entropy
+train_hf            12     elastic  train.py --hf --quick: HF Llama, Llama-3-8B layers, padded/padding-free
+train_sweep         9      elastic  train.py --skip-headline --seqs 1024: eager, reference compiled
 pack                10     fixed    summary.md + results.tar.gz after every step; this is the last
 '
 BUDGET=${BUDGET:-540}
@@ -104,6 +105,7 @@ step_command() {  # NAME SECONDS: SECONDS is the benchmark's own time limit
     train_headline) exec "$PY" benchmarks/train.py --headline "${bench[@]}" ;;
     attention_headline) exec "$PY" benchmarks/attention.py --headline "${bench[@]}" ;;
     kernels_headline) exec "$PY" benchmarks/kernels.py --headline "${bench[@]}" ;;
+    moe_headline) exec "$PY" benchmarks/moe.py --headline "${bench[@]}" ;;
     tests)
         # No new test after SECONDS (gpu_report.py says why SIGINT cannot stop the suite); -v
         # prints each test's result as it ends, so a log cut at the hard limit shows what ran.

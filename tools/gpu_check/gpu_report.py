@@ -40,6 +40,7 @@ HEADLINE = {  # step (and file) name -> section title
     "train_headline": "Training step: fastlm compiled vs the reference compiled with SDPA",
     "attention_headline": "Attention, forward and forward+backward: fastlm vs SDPA flash, cuDNN",
     "kernels_headline": "Memory-bound kernels at 16k x 4096 (cross-entropy 16k x 32000)",
+    "moe_headline": "MoE experts at Qwen3-30B-A3B's sizes: fastlm vs grouped_mm, Liger, SonicMoE",
 }
 SWEEPS = ("attention_sweep", "attention_varlen", "kernels_sweep", "train_hf", "train_sweep")
 ENV_FIELDS = "gpu driver torch triton cuda cudnn python commit source liger_kernel flash_attn"
