@@ -466,26 +466,98 @@ def _loss_rules():
 
 
 def _moe_rules():
-    why = (
-        "the mixture-of-experts ops run on whole (replicated) tensors: tokens sharded by rows, "
-        "experts sharded over E (expert parallelism) or F (tensor parallelism) are not "
-        "supported yet; replicate it"
+    """The experts' weights sharded over E (expert parallelism) or F (tensor parallelism of each
+    expert's MLP); tokens, the routing and the experts' D replicated. Either way every rank adds
+    its share of each token's output: out, dx and d expert_weights are `Partial` sums.
+
+    - E: gate_up, down and the biases `Shard(0)`, with `expert_index` (arange(E), `Shard(0)`
+      alike: the public function passes it for a DTensor gate_up sharded over E) telling each
+      rank's op the global ids of the experts it holds; the routing is the whole one, each rank
+      runs its experts' rows and leaves the other assignments' rows zero. Weight and bias
+      gradients `Shard(0)`.
+    - F, only with `interleaved=True` (gate and up in alternate rows of gate_up): a `Shard` of
+      gate_up's 2F dim then holds whole (gate, up) pairs, those of hidden columns the rank's
+      `Shard` of down's F dim holds, when F splits evenly over the ranks. gate_up_bias shards
+      with F; down_bias is `Partial` (a replicated one is divided among the ranks), so that the
+      sum over ranks adds it once and d expert_weights' <dout, down_bias> term is counted
+      once; its gradient, the same on every rank, `Replicate`. The halves layout (gate the first
+      F rows) has no F strategy: a `Shard` of its 2F rows gives a rank gate rows only, so DTensor
+      gathers the weights and runs replicated (right, and as costly as it sounds).
+    """
+    Partial, Replicate, Shard = _placements()
+    R = Replicate()
+    rows_why = (
+        "the experts op runs every token's k choices on replicated tokens (and reduces over D): "
+        "replicate it, and shard the experts' weights over E (expert parallelism) or F (tensor "
+        "parallelism, interleaved gate/up)"
     )
+    routing_why = "the routing metadata is the whole batch's: replicate it"
 
-    def replicated(op, n_out, names):
-        def rule(*args):
-            for name, spec in zip(names, args):
-                _refuse(op, name, spec, range(spec.ndim) if spec is not None else [], why)
-            return [_replicated(n_out, [a if hasattr(a, "placements") else None for a in args])]
+    def on(spec, placement):
+        return None if spec is None else placement
 
-        return rule
+    def dims(transposed):
+        """(gate_up's 2F dim, its D dim, down's F dim, its D dim)."""
+        return (2, 1, 1, 2) if transposed else (1, 2, 2, 1)
 
-    tensors = ("x", "expert_weights", "gate_up", "down", "gate_up_bias", "down_bias",
-               "sorted_assignments", "expert_offsets")  # fmt: skip
+    def refusals(op, x, expert_weights, gate_up, down, down_bias, sorted_, offsets, transposed):
+        for name, spec in (("x", x), ("expert_weights", expert_weights)):
+            _refuse(op, name, spec, range(spec.ndim), rows_why)
+        _, gu_d, _, down_d = dims(transposed)
+        _refuse(op, "gate_up", gate_up, [gu_d], "its D dim is reduced over: " + rows_why)
+        _refuse(op, "down", down, [down_d], "its D dim is the output's: " + rows_why)
+        _refuse(op, "down_bias", down_bias, [1], "its D dim is the output's: " + rows_why)
+        for name, spec in (("sorted_assignments", sorted_), ("expert_offsets", offsets)):
+            _refuse(op, name, spec, [0], routing_why)
+
+    def layouts(gate_up, gate_up_bias, down_bias, transposed, interleaved, expert_index):
+        """(placement of gate_up, down, gate_up_bias, down_bias, expert_index; of the weight
+        gradients d gate_up, d down, d b1, d b2) per strategy, replicated first."""
+        gu_f, _, down_f, _ = dims(transposed)
+        F = gate_up.shape[gu_f] // 2
+        out = [(R, R, R, R, R, R, R, R, R)]
+        if interleaved and _splits_evenly(gate_up, F):
+            out.append((Shard(gu_f), Shard(down_f), Shard(1), Partial(), R,
+                        Shard(gu_f), Shard(down_f), Shard(1), R))  # fmt: skip
+        if expert_index is not None:
+            out.append((Shard(0),) * 9)
+        return [
+            (gu, dn, on(gate_up_bias, b1), on(down_bias, b2), on(expert_index, ix), dgu, ddn,
+             db1 if gate_up_bias is not None else R, db2 if down_bias is not None else R)
+            for gu, dn, b1, b2, ix, dgu, ddn, db1, db2 in out
+        ]  # fmt: skip
+
+    def moe_route(expert_ids, num_experts):
+        _refuse("moe_route", "expert_ids", expert_ids, range(expert_ids.ndim), rows_why)
+        return [([R, R], [R, None])]
+
+    def strategies(op, backward, args, kwargs):
+        """Both ops' strategies from their arguments (the backward's: dout first)."""
+        args = args[1:] if backward else args  # dout: replicated, as x
+        x, expert_weights, gate_up, down, gate_up_bias, down_bias, sorted_, offsets = args[:8]
+        transposed, interleaved = args[8:10]
+        expert_index = kwargs.get("expert_index", args[14] if len(args) > 14 else None)
+        refusals(op, x, expert_weights, gate_up, down, down_bias, sorted_, offsets, transposed)
+        rules = []
+        for i, (gu, dn, b1, b2, ix, dgu, ddn, db1, db2) in enumerate(
+            layouts(gate_up, gate_up_bias, down_bias, transposed, interleaved, expert_index)
+        ):
+            # Sharded: each rank adds its experts' or hidden columns' share to out, dx and
+            # d expert_weights.
+            share = R if i == 0 else Partial()
+            inputs = [R, R, gu, dn, b1, b2, R, R] + [None] * 6 + [ix]
+            if backward:
+                rules.append(([share, share, dgu, ddn, db1, db2], [R] + inputs))
+            else:
+                rules.append(([share], inputs))
+        return rules
+
     return dict(
-        moe_route=replicated("moe_route", 2, ("expert_ids", "gate_up")),
-        moe_experts=replicated("moe_experts", 1, tensors),
-        moe_experts_backward=replicated("moe_experts_backward", 6, ("dout", *tensors)),
+        moe_route=moe_route,
+        moe_experts=lambda *args, **kwargs: strategies("moe_experts", False, args, kwargs),
+        moe_experts_backward=lambda *args, **kwargs: strategies(
+            "moe_experts_backward", True, args, kwargs
+        ),
     )
 
 
