@@ -12,6 +12,8 @@ mesh) as `(output placements, input placements)`, None for non-tensor arguments:
 - heads: attention and RoPE shard q by query heads and k, v by KV heads (GQA: every query head
   finds its KV head on its own rank when both counts divide the ranks of the mesh dims they are
   split over: on a (data x tensor) mesh, the tensor dim's), rejected otherwise;
+- experts: the mixture-of-experts ops' weights over E or F (each rank's experts or hidden
+  columns add a `Partial` share of the output; `_moe_rules`), tokens replicated;
 - weights: a `Replicate` weight (RMSNorm's gain, the LM head in fused linear cross-entropy) whose
   inputs are sharded by rows gets a `Partial` gradient: the sum of the ranks' partial sums, which
   DTensor reduces when it is read (`full_tensor`, `redistribute`, the optimizer), never dropped;
@@ -22,7 +24,8 @@ mesh) as `(output placements, input placements)`, None for non-tensor arguments:
   keep sharded, or be wrong: the dim an op reduces over (a norm's features, a head's dims, a
   vocabulary, packed [gate | up] halves), keys sharded by sequence, causal queries sharded by
   sequence, heads that do not divide the mesh dims they are split over. Those raise ValueError
-  naming the op, the argument and the placement, and what to use instead.
+  naming the op, the argument and the placement, and what to use instead. (One exception:
+  the experts' F dim in the halves layout is gathered, `_moe_rules` says why.)
 
 Mean losses (`fastlm::cross_entropy`, `fastlm::cross_entropy_`, `fastlm::linear_cross_entropy`)
 run replicated only: a rank's mean over its rows is not a share of the global mean. Their

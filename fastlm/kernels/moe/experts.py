@@ -842,7 +842,9 @@ def moe_experts(
     Each expert is a gated MLP, down_e(act(gate, up)) with (gate, up) = gate_up_e x (+ biases);
     the math, the kernels and what the backward saves are in this module's docstring. Gradients
     flow to x, expert_weights (the router learns), gate_up, down and the biases; expert_ids has
-    none. Deterministic: no atomics, forward or backward.
+    none. Deterministic: no atomics, forward or backward. On DTensors: tokens replicated, the
+    experts' weights replicated or sharded over E or (interleaved layout) F, the output then a
+    `Partial` sum (`fastlm.sharding`, docs/moe.md).
 
     Args:
         x: (T, D) float32, float16 or bfloat16, the tokens (any strides).
