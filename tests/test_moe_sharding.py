@@ -3,10 +3,13 @@ holds E / P experts and runs their rows of the whole routing, `expert_index` tel
 and over F (tensor parallelism of each expert's MLP, interleaved gate/up only). On a gloo mesh
 of 2 processes, `fastlm.moe_experts` on DTensors against the whole tensors: the output and every
 gradient (read back whole with `full_tensor`, which reduces the `Partial` ones), the placements
-the rules give, and the layout they must not shard (halves). In this process: the op on slices
+the rules give, and the layout they must not shard (halves); and the PyTorch backend, which
+runs DTensors whole. In this process: the op on slices
 of the experts with `expert_index`, and its validation."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from test_distributed import spawn
 from test_tensor_parallel_ops import FP32_BOUND, Case, _check_case
 
 import fastlm
+from fastlm.backend import use_triton
 from fastlm.kernels.moe.experts import _experts_op, _route_op, moe_experts_ref
 from fastlm.testing import relative_error
 
@@ -34,12 +38,16 @@ def _inputs(transposed=False):
 
 
 def _moe(placement, **layout):
-    """fastlm.moe_experts, asserting on DTensors the output's placement (the strategy used)."""
+    """fastlm.moe_experts, asserting on DTensors the output's placement (the strategy used; the
+    PyTorch backend runs DTensors whole, replicated)."""
 
     def fn(x, ids, weights, gate_up, down, b1=None, b2=None):
+        from torch.distributed.tensor import Replicate
+
         out = fastlm.moe_experts(x, ids, weights, gate_up, down, b1, b2, **layout)
-        placements = getattr(out, "placements", (placement,))
-        assert placements == (placement,), (layout, placements)
+        want = placement if use_triton(x) else Replicate()
+        placements = getattr(out, "placements", (want,))
+        assert placements == (want,), (layout, placements)
         return out
 
     return fn
@@ -104,6 +112,11 @@ def _worker(rank: int, world_size: int, seed: int) -> None:
     torch.manual_seed(seed)  # every rank draws the same whole inputs
     for case in _cases():
         _check_case(case, mesh)
+    # The PyTorch backend gathers DTensors whole and runs the reference on them, whatever
+    # their placements: one case shows it.
+    os.environ["FASTLM_BACKEND"] = "torch"
+    _check_case(_cases()[0], mesh)
+    del os.environ["FASTLM_BACKEND"]
     # The F case's check can tell a down_bias added on each rank (twice) from one added once.
     x, ids, weights, gate_up, down, b1, b2 = _inputs(transposed=True)
     once = moe_experts_ref(x, ids, weights, gate_up, down, b1, b2, **GPT_OSS)

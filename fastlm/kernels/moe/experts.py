@@ -892,16 +892,26 @@ def moe_experts(
         )
     layout = dict(transposed=transposed, interleaved=interleaved, activation=activation)
     if not use_triton(x):
-        return moe_experts_ref(
-            x, expert_ids, expert_weights, gate_up, down, gate_up_bias, down_bias, **layout,
-            **options
-        )
+        inputs = [x, expert_ids, expert_weights, gate_up, down, gate_up_bias, down_bias]
+        if hasattr(x, "placements"):  # DTensors: whole (the reference has no sharding rules)
+            return _on_whole(moe_experts_ref, inputs, dict(layout, **options))
+        return moe_experts_ref(*inputs, **layout, **options)
     sorted_assignments, expert_offsets = _route_op(expert_ids, gate_up.shape[0])
     return _experts_op(
         x, expert_weights, gate_up, down, gate_up_bias, down_bias, sorted_assignments,
         expert_offsets, transposed, interleaved, activation, **options,
         expert_index=_expert_index(gate_up)
     )
+
+
+def _on_whole(fn, inputs: list, kwargs: dict) -> torch.Tensor:
+    """fn on DTensor inputs gathered whole on every rank (`full_tensor`, through which the
+    gradients flow back to each input's placement), its output `Replicate` on x's mesh."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    out = fn(*[None if t is None else t.full_tensor() for t in inputs], **kwargs)
+    mesh = inputs[0].device_mesh
+    return DTensor.from_local(out, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 def _expert_index(gate_up: torch.Tensor) -> torch.Tensor | None:
