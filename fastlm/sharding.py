@@ -596,12 +596,39 @@ def register() -> bool:
         return True
     if not dist.is_available():
         return False
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.experimental import register_sharding
 
     import fastlm.kernels.attention.qkv  # noqa: F401  (registers flash_attention_backward_)
     import fastlm.kernels.cross_entropy_options  # noqa: F401  (registers the options ops)
 
+    propagator = DTensor._op_dispatcher.sharding_propagator
     for name, rule in rules().items():
-        register_sharding(getattr(torch.ops.fastlm, name).default)(rule)
+        op = getattr(torch.ops.fastlm, name).default
+        register_sharding(op)(rule)
+        propagator.op_to_schema_info[op] = _cache_key_info(op)
     _registered = True
     return True
+
+
+def _cache_key_info(op):
+    """Which arguments key DTensor's cache of chosen strategies: every non-tensor one.
+    `register_sharding` keys only those from the first int argument on, so a strategy chosen
+    for one call would be reused for a call that differs in a bool, a float or a string before
+    it: the experts' F shard of `interleaved=True` for the halves layout (wrong results),
+    attention's for another `causal`."""
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+
+    def is_tensor(argument) -> bool:
+        kind = argument.type
+        if isinstance(kind, torch.OptionalType):
+            kind = kind.getElementType()
+        if isinstance(kind, torch.ListType):
+            kind = kind.getElementType()
+        return isinstance(kind, torch.TensorType)
+
+    arguments = op._schema.arguments
+    positional = [i for i, a in enumerate(arguments) if not a.kwarg_only and not is_tensor(a)]
+    keywords = [a.name for a in arguments if a.kwarg_only and not is_tensor(a)]
+    first = positional[0] if positional else len(arguments)
+    return RuntimeSchemaInfo(first, keywords or None, needs_pytree=True)

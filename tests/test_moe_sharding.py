@@ -105,6 +105,33 @@ def _check_refusals(mesh) -> None:
         assert isinstance(info.value.__cause__, ValueError), info.value
 
 
+def _check_strategy_cache(mesh) -> None:
+    """DTensor caches the strategy chosen for a call, keyed on the arguments `fastlm.sharding`
+    names (every non-tensor one): a call that differs from a cached one in a bool alone gets its
+    own strategy. interleaved=True then False on the same F-sharded weights: the second is the
+    halves layout (gathered, Replicate), not the first's F shard (which gave wrong numbers);
+    likewise attention's non-causal queries sharded by sequence, then causal ones (refused)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    x, ids, weights, gate_up, down, _, _ = _inputs()
+    R = [Replicate()]
+    args = [distribute_tensor(t, mesh, R) for t in (x, ids, weights)]
+    args += [
+        distribute_tensor(gate_up, mesh, [Shard(1)]),
+        distribute_tensor(down, mesh, [Shard(2)]),
+    ]
+    for interleaved, placement in ((True, "Partial"), (False, "Replicate")):
+        out = fastlm.moe_experts(*args, interleaved=interleaved)
+        assert type(out.placements[0]).__name__ == placement, (interleaved, out.placements)
+        ref = moe_experts_ref(x, ids, weights, gate_up, down, interleaved=interleaved)
+        assert relative_error(out.full_tensor(), ref) <= FP32_BOUND, interleaved
+    q = distribute_tensor(torch.randn(1, 1, 6, 16), mesh, [Shard(2)])
+    kv = distribute_tensor(torch.randn(1, 1, 6, 16), mesh, R)
+    fastlm.flash_attention(q, kv, kv, False)
+    with pytest.raises(RuntimeError, match="causal or windowed queries"):
+        fastlm.flash_attention(q, kv, kv, True)
+
+
 def _worker(rank: int, world_size: int, seed: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -123,6 +150,7 @@ def _worker(rank: int, world_size: int, seed: int) -> None:
     twice = moe_experts_ref(x, ids, weights, gate_up, down, b1, 2 * b2, **GPT_OSS)
     assert relative_error(twice, once) > 1e4 * FP32_BOUND
     _check_refusals(mesh)
+    _check_strategy_cache(mesh)
 
 
 def test_moe_experts_on_dtensors(tmp_path):

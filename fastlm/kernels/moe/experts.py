@@ -844,7 +844,8 @@ def moe_experts(
     flow to x, expert_weights (the router learns), gate_up, down and the biases; expert_ids has
     none. Deterministic: no atomics, forward or backward. On DTensors: tokens replicated, the
     experts' weights replicated or sharded over E or (interleaved layout) F, the output then a
-    `Partial` sum (`fastlm.sharding`, docs/moe.md).
+    `Partial` sum (`fastlm.sharding`, docs/moe.md); the PyTorch backend gathers DTensors whole
+    and returns a `Replicate` output.
 
     Args:
         x: (T, D) float32, float16 or bfloat16, the tokens (any strides).
