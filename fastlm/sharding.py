@@ -12,6 +12,8 @@ mesh) as `(output placements, input placements)`, None for non-tensor arguments:
 - heads: attention and RoPE shard q by query heads and k, v by KV heads (GQA: every query head
   finds its KV head on its own rank when both counts divide the ranks of the mesh dims they are
   split over: on a (data x tensor) mesh, the tensor dim's), rejected otherwise;
+- experts: the mixture-of-experts ops' weights over E or F (each rank's experts or hidden
+  columns add a `Partial` share of the output; `_moe_rules`), tokens replicated;
 - weights: a `Replicate` weight (RMSNorm's gain, the LM head in fused linear cross-entropy) whose
   inputs are sharded by rows gets a `Partial` gradient: the sum of the ranks' partial sums, which
   DTensor reduces when it is read (`full_tensor`, `redistribute`, the optimizer), never dropped;
@@ -22,7 +24,8 @@ mesh) as `(output placements, input placements)`, None for non-tensor arguments:
   keep sharded, or be wrong: the dim an op reduces over (a norm's features, a head's dims, a
   vocabulary, packed [gate | up] halves), keys sharded by sequence, causal queries sharded by
   sequence, heads that do not divide the mesh dims they are split over. Those raise ValueError
-  naming the op, the argument and the placement, and what to use instead.
+  naming the op, the argument and the placement, and what to use instead. (One exception:
+  the experts' F dim in the halves layout is gathered, `_moe_rules` says why.)
 
 Mean losses (`fastlm::cross_entropy`, `fastlm::cross_entropy_`, `fastlm::linear_cross_entropy`)
 run replicated only: a rank's mean over its rows is not a share of the global mean. Their
@@ -466,26 +469,98 @@ def _loss_rules():
 
 
 def _moe_rules():
-    why = (
-        "the mixture-of-experts ops run on whole (replicated) tensors: tokens sharded by rows, "
-        "experts sharded over E (expert parallelism) or F (tensor parallelism) are not "
-        "supported yet; replicate it"
+    """The experts' weights sharded over E (expert parallelism) or F (tensor parallelism of each
+    expert's MLP); tokens, the routing and the experts' D replicated. Either way every rank adds
+    its share of each token's output: out, dx and d expert_weights are `Partial` sums.
+
+    - E: gate_up, down and the biases `Shard(0)`, with `expert_index` (arange(E), `Shard(0)`
+      alike: the public function passes it for a DTensor gate_up sharded over E) telling each
+      rank's op the global ids of the experts it holds; the routing is the whole one, each rank
+      runs its experts' rows and leaves the other assignments' rows zero. Weight and bias
+      gradients `Shard(0)`.
+    - F, only with `interleaved=True` (gate and up in alternate rows of gate_up): a `Shard` of
+      gate_up's 2F dim then holds whole (gate, up) pairs, those of hidden columns the rank's
+      `Shard` of down's F dim holds, when F splits evenly over the ranks. gate_up_bias shards
+      with F; down_bias is `Partial` (a replicated one is divided among the ranks), so that the
+      sum over ranks adds it once and d expert_weights' <dout, down_bias> term is counted
+      once; its gradient, the same on every rank, `Replicate`. The halves layout (gate the first
+      F rows) has no F strategy: a `Shard` of its 2F rows gives a rank gate rows only, so DTensor
+      gathers the weights and runs replicated (right, and as costly as it sounds).
+    """
+    Partial, Replicate, Shard = _placements()
+    R = Replicate()
+    rows_why = (
+        "the experts op runs every token's k choices on replicated tokens (and reduces over D): "
+        "replicate it, and shard the experts' weights over E (expert parallelism) or F (tensor "
+        "parallelism, interleaved gate/up)"
     )
+    routing_why = "the routing metadata is the whole batch's: replicate it"
 
-    def replicated(op, n_out, names):
-        def rule(*args):
-            for name, spec in zip(names, args):
-                _refuse(op, name, spec, range(spec.ndim) if spec is not None else [], why)
-            return [_replicated(n_out, [a if hasattr(a, "placements") else None for a in args])]
+    def on(spec, placement):
+        return None if spec is None else placement
 
-        return rule
+    def dims(transposed):
+        """(gate_up's 2F dim, its D dim, down's F dim, its D dim)."""
+        return (2, 1, 1, 2) if transposed else (1, 2, 2, 1)
 
-    tensors = ("x", "expert_weights", "gate_up", "down", "gate_up_bias", "down_bias",
-               "sorted_assignments", "expert_offsets")  # fmt: skip
+    def refusals(op, x, expert_weights, gate_up, down, down_bias, sorted_, offsets, transposed):
+        for name, spec in (("x", x), ("expert_weights", expert_weights)):
+            _refuse(op, name, spec, range(spec.ndim), rows_why)
+        _, gu_d, _, down_d = dims(transposed)
+        _refuse(op, "gate_up", gate_up, [gu_d], "its D dim is reduced over: " + rows_why)
+        _refuse(op, "down", down, [down_d], "its D dim is the output's: " + rows_why)
+        _refuse(op, "down_bias", down_bias, [1], "its D dim is the output's: " + rows_why)
+        for name, spec in (("sorted_assignments", sorted_), ("expert_offsets", offsets)):
+            _refuse(op, name, spec, [0], routing_why)
+
+    def layouts(gate_up, gate_up_bias, down_bias, transposed, interleaved, expert_index):
+        """(placement of gate_up, down, gate_up_bias, down_bias, expert_index; of the weight
+        gradients d gate_up, d down, d b1, d b2) per strategy, replicated first."""
+        gu_f, _, down_f, _ = dims(transposed)
+        F = gate_up.shape[gu_f] // 2
+        out = [(R, R, R, R, R, R, R, R, R)]
+        if interleaved and _splits_evenly(gate_up, F):
+            out.append((Shard(gu_f), Shard(down_f), Shard(1), Partial(), R,
+                        Shard(gu_f), Shard(down_f), Shard(1), R))  # fmt: skip
+        if expert_index is not None:
+            out.append((Shard(0),) * 9)
+        return [
+            (gu, dn, on(gate_up_bias, b1), on(down_bias, b2), on(expert_index, ix), dgu, ddn,
+             db1 if gate_up_bias is not None else R, db2 if down_bias is not None else R)
+            for gu, dn, b1, b2, ix, dgu, ddn, db1, db2 in out
+        ]  # fmt: skip
+
+    def moe_route(expert_ids, num_experts):
+        _refuse("moe_route", "expert_ids", expert_ids, range(expert_ids.ndim), rows_why)
+        return [([R, R], [R, None])]
+
+    def strategies(op, backward, args, kwargs):
+        """Both ops' strategies from their arguments (the backward's: dout first)."""
+        args = args[1:] if backward else args  # dout: replicated, as x
+        x, expert_weights, gate_up, down, gate_up_bias, down_bias, sorted_, offsets = args[:8]
+        transposed, interleaved = args[8:10]
+        expert_index = kwargs.get("expert_index", args[14] if len(args) > 14 else None)
+        refusals(op, x, expert_weights, gate_up, down, down_bias, sorted_, offsets, transposed)
+        rules = []
+        for i, (gu, dn, b1, b2, ix, dgu, ddn, db1, db2) in enumerate(
+            layouts(gate_up, gate_up_bias, down_bias, transposed, interleaved, expert_index)
+        ):
+            # Sharded: each rank adds its experts' or hidden columns' share to out, dx and
+            # d expert_weights.
+            share = R if i == 0 else Partial()
+            inputs = [R, R, gu, dn, b1, b2, R, R] + [None] * 6 + [ix]
+            if backward:
+                rules.append(([share, share, dgu, ddn, db1, db2], [R] + inputs))
+            else:
+                rules.append(([share], inputs))
+        return rules
+
     return dict(
-        moe_route=replicated("moe_route", 2, ("expert_ids", "gate_up")),
-        moe_experts=replicated("moe_experts", 1, tensors),
-        moe_experts_backward=replicated("moe_experts_backward", 6, ("dout", *tensors)),
+        moe_route=moe_route,
+        moe_experts=lambda *args, **kwargs: strategies("moe_experts", False, args, kwargs),
+        moe_experts_backward=lambda *args, **kwargs: strategies(
+            "moe_experts_backward", True, args, kwargs
+        ),
     )
 
 
@@ -521,12 +596,39 @@ def register() -> bool:
         return True
     if not dist.is_available():
         return False
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.experimental import register_sharding
 
     import fastlm.kernels.attention.qkv  # noqa: F401  (registers flash_attention_backward_)
     import fastlm.kernels.cross_entropy_options  # noqa: F401  (registers the options ops)
 
+    propagator = DTensor._op_dispatcher.sharding_propagator
     for name, rule in rules().items():
-        register_sharding(getattr(torch.ops.fastlm, name).default)(rule)
+        op = getattr(torch.ops.fastlm, name).default
+        register_sharding(op)(rule)
+        propagator.op_to_schema_info[op] = _cache_key_info(op)
     _registered = True
     return True
+
+
+def _cache_key_info(op):
+    """Which arguments key DTensor's cache of chosen strategies: every non-tensor one.
+    `register_sharding` keys only those from the first int argument on, so a strategy chosen
+    for one call would be reused for a call that differs in a bool, a float or a string before
+    it: the experts' F shard of `interleaved=True` for the halves layout (wrong results),
+    attention's for another `causal`."""
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+
+    def is_tensor(argument) -> bool:
+        kind = argument.type
+        if isinstance(kind, torch.OptionalType):
+            kind = kind.getElementType()
+        if isinstance(kind, torch.ListType):
+            kind = kind.getElementType()
+        return isinstance(kind, torch.TensorType)
+
+    arguments = op._schema.arguments
+    positional = [i for i, a in enumerate(arguments) if not a.kwarg_only and not is_tensor(a)]
+    keywords = [a.name for a in arguments if a.kwarg_only and not is_tensor(a)]
+    first = positional[0] if positional else len(arguments)
+    return RuntimeSchemaInfo(first, keywords or None, needs_pytree=True)

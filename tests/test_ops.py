@@ -66,9 +66,11 @@ def _op_cases(device):
     moe_ids = torch.tensor([[0, 2], [2, 0], [0, 2], [2, 0], [0, 2], [2, 0], [0, 2]], device=device)
     moe_weights = torch.rand(7, 2, device=device, requires_grad=True)
     gate_up, down = _randn(3, 2 * 8, 16, **g), _randn(3, 8, 16, **g)  # gpt-oss: transposed down
-    gate_up_t = _randn(3, 16, 2 * 8, **g)
-    moe_bias = _randn(3, 2 * 8, **g), _randn(3, 16, **g)
-    moe_route = ops.moe_route(moe_ids, gate_up.detach())
+    moe_route = ops.moe_route(moe_ids, 3)
+    # gpt-oss's layout (transposed weights, biases), experts sharded over E: a rank's 2
+    # experts, global ids 1 and 2 (expert 0's rows are another rank's).
+    moe_held = _randn(2, 16, 2 * 8, **g), _randn(2, 8, 16, **g), _randn(2, 2 * 8, **g)
+    moe_index = torch.arange(1, 3, device=device)
     return {
         "rms_norm": (ops.rms_norm, (x, weight, 1e-5, torch.bfloat16)),
         "add_rms_norm": (
@@ -246,15 +248,14 @@ def _op_cases(device):
                 0.01,
             ),
         ),
-        "moe_route": (ops.moe_route, (moe_ids, gate_up.detach())),
+        "moe_route": (ops.moe_route, (moe_ids, 3)),
         "moe_experts": (
             ops.moe_experts,
             (
                 _randn(7, 16, **g),
                 moe_weights,
-                gate_up_t,
-                down,
-                *moe_bias,
+                *moe_held,
+                _randn(2, 16, **g),  # down_bias
                 *moe_route,
                 True,
                 True,
@@ -262,6 +263,7 @@ def _op_cases(device):
                 1.702,
                 1.0,
                 1.0,
+                moe_index,
             ),
         ),
         "moe_experts_backward": (

@@ -166,7 +166,7 @@ def _moe_args(backward: bool) -> dict:
     """The moe_experts ops' arguments: 5 tokens, k = 2 of 3 experts, gpt-oss's options."""
     ids = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2], [1, 0]])
     gate_up = torch.randn(3, 2 * 4, C)
-    sorted_assignments, offsets = OPS.moe_route(ids, gate_up)
+    sorted_assignments, offsets = OPS.moe_route(ids, 3)
     args = dict(x=torch.randn(N, C), expert_weights=torch.rand(N, 2), gate_up=gate_up,
                 down=torch.randn(3, C, 4), gate_up_bias=None, down_bias=None,
                 sorted_assignments=sorted_assignments, expert_offsets=offsets, transposed=False,

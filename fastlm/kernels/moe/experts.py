@@ -91,14 +91,18 @@ def moe_experts_ref(
     x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, gate_up: torch.Tensor,
     down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None, *, transposed: bool = False, interleaved: bool = False,
-    activation: str = "silu", alpha: float = 1.0, limit: float | None = None, up_offset: float = 0.0
+    activation: str = "silu", alpha: float = 1.0, limit: float | None = None,
+    up_offset: float = 0.0, expert_index: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`moe_experts` as a loop over experts in PyTorch: fp32 inside (fp64 for fp64), h rounded
-    to x's dtype as the kernels round it, the result in x's dtype."""
+    to x's dtype as the kernels round it, the result in x's dtype. `expert_index` (E,): the
+    global id of each weight slot (the ops' argument for experts sharded over E); the ids of
+    expert_ids no slot holds contribute nothing."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     out = torch.zeros(x.shape, device=x.device, dtype=compute)
     for e in range(gate_up.shape[0]):
-        tokens, slots = (expert_ids == e).nonzero(as_tuple=True)
+        held = e if expert_index is None else int(expert_index[e])
+        tokens, slots = (expert_ids == held).nonzero(as_tuple=True)
         if tokens.numel() == 0:
             continue
         w1 = gate_up[e].T if transposed else gate_up[e]  # (2F, D)
@@ -483,9 +487,11 @@ def _combine(y: torch.Tensor, out: torch.Tensor, top_k: int, config: dict) -> No
 
 def experts_forward(
     x, expert_weights, gate_up, down, gate_up_bias, down_bias, sorted_assignments, expert_offsets,
-    transposed, interleaved, activation, options
+    transposed, interleaved, activation, options, some_held_elsewhere=False
 ) -> torch.Tensor:
-    """out (T, D): grouped GEMM 1 (gather, activation), grouped GEMM 2 (scale, scatter), combine."""
+    """out (T, D): grouped GEMM 1 (gather, activation), grouped GEMM 2 (scale, scatter), combine.
+    `some_held_elsewhere`: the offsets cover only some assignments (experts sharded over E), whose
+    rows the GEMMs do not write: they start at zero."""
     T, D = x.shape
     top_k = expert_weights.shape[1]
     layout = _Layout(gate_up, down, transposed, interleaved)
@@ -503,7 +509,7 @@ def experts_forward(
         gather_a=True, gated=(layout, ACTIVATIONS[activation], options), bias=gate_up_bias,
         config=config["gated"]
     )
-    y = empty((n, D), device=x.device, dtype=x.dtype)
+    y = (torch.zeros if some_held_elsewhere else empty)((n, D), device=x.device, dtype=x.dtype)
     _grouped_gemm(
         h, down, layout.w2, D, sorted_assignments, expert_offsets, y, top_k, scatter_out=True,
         bias=down_bias, scale=scale, config=config["plain"]
@@ -531,10 +537,12 @@ def _expert_grad(
 
 def experts_backward(
     dout, x, expert_weights, gate_up, down, gate_up_bias, down_bias, sorted_assignments,
-    expert_offsets, transposed, interleaved, activation, options
+    expert_offsets, transposed, interleaved, activation, options, some_held_elsewhere=False
 ):
     """(dx, d expert_weights, d gate_up, d down, d gate_up_bias, d down_bias) in the inputs'
-    layouts and dtypes; a bias gradient is an empty tensor for a missing bias."""
+    layouts and dtypes; a bias gradient is an empty tensor for a missing bias.
+    `some_held_elsewhere`: as in `experts_forward` (their dx rows and d w start at zero)."""
+    zeros_or_empty = torch.zeros if some_held_elsewhere else empty
     T, D = x.shape
     top_k = expert_weights.shape[1]
     layout = _Layout(gate_up, down, transposed, interleaved)
@@ -552,7 +560,7 @@ def experts_backward(
     scale = expert_weights.reshape(-1).contiguous()
     hidden = config["hidden"]
     n_col_blocks = triton.cdiv(F, hidden["BLOCK_N"])
-    dw_blocks = empty((n_col_blocks, n), device=device, dtype=torch.float32)
+    dw_blocks = zeros_or_empty((n_col_blocks, n), device=device, dtype=torch.float32)
     h = empty((n, F), device=device, dtype=dtype)
     dgu = empty((n, 2 * F), device=device, dtype=dtype)  # columns in gate_up's row order
     if n > 0:
@@ -580,7 +588,7 @@ def experts_backward(
     )
     if n > 0:
         # dx: each assignment's gate_up_e^T dgu in token-major rows, then summed per token
-        dx_rows = empty((n, D), device=device, dtype=dtype)
+        dx_rows = zeros_or_empty((n, D), device=device, dtype=dtype)
         w1 = layout.w1
         _grouped_gemm(
             dgu, gate_up, (w1[0], w1[2], w1[1]), D, sorted_assignments, expert_offsets, dx_rows,
@@ -620,16 +628,47 @@ def _checked_options(activation: str, alpha: float, limit: float | None, up_offs
 
 
 @torch.library.custom_op("fastlm::moe_route", mutates_args=())
-def _route_op(expert_ids: torch.Tensor, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`route` for gate_up's E experts (the weights give E, so that the op has no size
-    argument that could disagree with them; only gate_up's shape is read)."""
-    return route(expert_ids, gate_up.shape[0])
+def _route_op(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` of the router's ids over all `num_experts` experts (the weights' E: with experts
+    sharded over E, a rank's weights hold fewer, and the routing stays the whole one)."""
+    return route(expert_ids, num_experts)
 
 
 @_route_op.register_fake
-def _(expert_ids, gate_up):
+def _(expert_ids, num_experts):
     sorted_assignments = expert_ids.new_empty(expert_ids.numel(), dtype=torch.int32)
-    return sorted_assignments, expert_ids.new_empty(gate_up.shape[0] + 1, dtype=torch.int32)
+    return sorted_assignments, expert_ids.new_empty(num_experts + 1, dtype=torch.int32)
+
+
+def _held_offsets(
+    expert_offsets: torch.Tensor, expert_index: torch.Tensor | None, gate_up: torch.Tensor
+) -> torch.Tensor:
+    """The row offsets of the experts whose weights are here: all of `expert_offsets` without
+    `expert_index`; with it (experts sharded over E: the global ids e0, e0 + 1, .., of gate_up's
+    E_local slots), entries e0 .. e0 + E_local, gathered on the device (no host sync): the
+    kernels then run those experts' rows only, and the assignments to other experts stay zero.
+    ValueError for an expert_index that is not such a range (its values checked as
+    `check_values` checks: on the host for CPU tensors, else by a device-side assert)."""
+    if expert_index is None:
+        return expert_offsets
+    held = gate_up.shape[0]
+    if (
+        expert_index.dtype not in (torch.int32, torch.int64) or expert_index.dim() != 1
+        or expert_index.shape[0] != held or expert_index.device != expert_offsets.device
+    ):
+        raise ValueError(
+            f"expert_index must be a 1-D int32 or int64 tensor of gate_up's {held} experts on "
+            f"{expert_offsets.device}, got {expert_index.dtype} {tuple(expert_index.shape)} on "
+            f"{expert_index.device}"
+        )
+    num_experts = expert_offsets.numel() - 1
+    ids = expert_index[:1].to(torch.int64) + torch.arange(held + 1, device=expert_index.device)
+    valid = (ids[:-1] == expert_index) & (ids[:-1] >= 0) & (ids[:-1] < num_experts)
+    check_values(
+        expert_index, valid,
+        f"expert_index must be consecutive ids e0, e0 + 1, .. within [0, {num_experts})"
+    )
+    return expert_offsets.index_select(0, ids)
 
 
 @torch.library.custom_op("fastlm::moe_experts", mutates_args=())
@@ -637,19 +676,24 @@ def _experts_op(
     x: torch.Tensor, expert_weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
     sorted_assignments: torch.Tensor, expert_offsets: torch.Tensor, transposed: bool,
-    interleaved: bool, activation: str, alpha: float, limit: float | None, up_offset: float
+    interleaved: bool, activation: str, alpha: float, limit: float | None, up_offset: float,
+    expert_index: torch.Tensor | None = None
 ) -> torch.Tensor:
     options = _checked_options(activation, alpha, limit, up_offset)
+    offsets = _held_offsets(expert_offsets, expert_index, gate_up)
+    if gate_up.shape[0] == 0:  # a rank holding none of the experts
+        return x.new_zeros(x.shape)
+    sharded = expert_index is not None
     return experts_forward(
-        x, expert_weights, gate_up, down, gate_up_bias, down_bias, sorted_assignments,
-        expert_offsets, transposed, interleaved, activation, options
+        x, expert_weights, gate_up, down, gate_up_bias, down_bias, sorted_assignments, offsets,
+        transposed, interleaved, activation, options, some_held_elsewhere=sharded
     )
 
 
 @_experts_op.register_fake
 def _(
     x, expert_weights, gate_up, down, gate_up_bias, down_bias, sorted_assignments, expert_offsets,
-    transposed, interleaved, activation, alpha, limit, up_offset
+    transposed, interleaved, activation, alpha, limit, up_offset, expert_index=None
 ):
     return x.new_empty(x.shape)
 
@@ -659,17 +703,25 @@ def _experts_backward_op(
     dout: torch.Tensor, x: torch.Tensor, expert_weights: torch.Tensor, gate_up: torch.Tensor,
     down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
     sorted_assignments: torch.Tensor, expert_offsets: torch.Tensor, transposed: bool,
-    interleaved: bool, activation: str, alpha: float, limit: float | None, up_offset: float
+    interleaved: bool, activation: str, alpha: float, limit: float | None, up_offset: float,
+    expert_index: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     options = _checked_options(activation, alpha, limit, up_offset)
+    offsets = _held_offsets(expert_offsets, expert_index, gate_up)
+    if gate_up.shape[0] == 0:  # a rank holding none of the experts
+        return tuple(
+            t.new_zeros(t.shape)
+            for t in _backward_fake(x, expert_weights, gate_up, down, gate_up_bias, down_bias)
+        )
+    sharded = expert_index is not None
     return experts_backward(
         dout, x, expert_weights, gate_up, down, gate_up_bias, down_bias, sorted_assignments,
-        expert_offsets, transposed, interleaved, activation, options
+        offsets, transposed, interleaved, activation, options, some_held_elsewhere=sharded
     )
 
 
-@_experts_backward_op.register_fake
-def _(dout, x, expert_weights, gate_up, down, gate_up_bias, down_bias, *rest):
+def _backward_fake(x, expert_weights, gate_up, down, gate_up_bias, down_bias):
+    """The backward's outputs, empty: an empty (0,) tensor for a missing bias's gradient."""
 
     def bias_grad(bias):
         return x.new_empty(0) if bias is None else bias.new_empty(bias.shape)
@@ -681,24 +733,31 @@ def _(dout, x, expert_weights, gate_up, down, gate_up_bias, down_bias, *rest):
     )
 
 
+@_experts_backward_op.register_fake
+def _(dout, x, expert_weights, gate_up, down, gate_up_bias, down_bias, *rest):
+    return _backward_fake(x, expert_weights, gate_up, down, gate_up_bias, down_bias)
+
+
 def _experts_setup(ctx, inputs, output):
-    """Saved: the inputs as they are and the routing metadata (module docstring); the layout
-    and the options kept as Python values."""
-    ctx.save_for_backward(*inputs[:8])
-    ctx.rest = inputs[8:]
+    """Saved: the inputs as they are, the routing metadata (module docstring) and expert_index;
+    the layout and the options kept as Python values."""
+    ctx.save_for_backward(*inputs[:8], inputs[14] if len(inputs) > 14 else None)
+    ctx.rest = inputs[8:14]
 
 
 def _experts_grad(ctx, dout):
-    x, expert_weights, gate_up, down, gate_up_bias, down_bias, sorted_assignments, offsets = (
-        ctx.saved_tensors
-    )
+    saved = ctx.saved_tensors
+    x, expert_weights, gate_up, down, gate_up_bias, down_bias, sorted_assignments, offsets = saved[:
+                                                                                                   8
+                                                                                                   ]
+    index = saved[8]
     dx, d_weights, d_gate_up, d_down, d_b1, d_b2 = _experts_backward_op(
         dout, x, expert_weights, gate_up, down, gate_up_bias, down_bias, sorted_assignments,
-        offsets, *ctx.rest
+        offsets, *ctx.rest, expert_index=index
     )
     return (
         dx, d_weights, d_gate_up, d_down, None if gate_up_bias is None else d_b1,
-        None if down_bias is None else d_b2, *(None, ) * 8
+        None if down_bias is None else d_b2, *(None, ) * 9
     )
 
 
@@ -783,7 +842,10 @@ def moe_experts(
     Each expert is a gated MLP, down_e(act(gate, up)) with (gate, up) = gate_up_e x (+ biases);
     the math, the kernels and what the backward saves are in this module's docstring. Gradients
     flow to x, expert_weights (the router learns), gate_up, down and the biases; expert_ids has
-    none. Deterministic: no atomics, forward or backward.
+    none. Deterministic: no atomics, forward or backward. On DTensors: tokens replicated, the
+    experts' weights replicated or sharded over E or (interleaved layout) F, the output then a
+    `Partial` sum (`fastlm.sharding`, docs/moe.md); the PyTorch backend gathers DTensors whole
+    and returns a `Replicate` output.
 
     Args:
         x: (T, D) float32, float16 or bfloat16, the tokens (any strides).
@@ -831,15 +893,41 @@ def moe_experts(
         )
     layout = dict(transposed=transposed, interleaved=interleaved, activation=activation)
     if not use_triton(x):
-        return moe_experts_ref(
-            x, expert_ids, expert_weights, gate_up, down, gate_up_bias, down_bias, **layout,
-            **options
-        )
-    sorted_assignments, expert_offsets = _route_op(expert_ids, gate_up)
+        inputs = [x, expert_ids, expert_weights, gate_up, down, gate_up_bias, down_bias]
+        if hasattr(x, "placements"):  # DTensors: whole (the reference has no sharding rules)
+            return _on_whole(moe_experts_ref, inputs, dict(layout, **options))
+        return moe_experts_ref(*inputs, **layout, **options)
+    sorted_assignments, expert_offsets = _route_op(expert_ids, gate_up.shape[0])
     return _experts_op(
         x, expert_weights, gate_up, down, gate_up_bias, down_bias, sorted_assignments,
-        expert_offsets, transposed, interleaved, activation, **options
+        expert_offsets, transposed, interleaved, activation, **options,
+        expert_index=_expert_index(gate_up)
     )
+
+
+def _on_whole(fn, inputs: list, kwargs: dict) -> torch.Tensor:
+    """fn on DTensor inputs gathered whole on every rank (`full_tensor`, through which the
+    gradients flow back to each input's placement), its output `Replicate` on x's mesh."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    out = fn(*[None if t is None else t.full_tensor() for t in inputs], **kwargs)
+    mesh = inputs[0].device_mesh
+    return DTensor.from_local(out, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def _expert_index(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """For a DTensor gate_up sharded over E (a Shard(0) on some mesh dim): arange(E) placed as
+    gate_up's E dim is (Shard(0) there, Replicate elsewhere), so that each rank's local op learns
+    the global ids of the experts it holds (`fastlm.sharding`); else None. Each rank builds its
+    own share of it: no communication."""
+    placements = getattr(gate_up, "placements", None)
+    if placements is None or not any(p.is_shard(0) for p in placements):
+        return None
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    index = torch.arange(gate_up.shape[0], device=gate_up.device)
+    on_e = [Shard(0) if p.is_shard(0) else Replicate() for p in placements]
+    return distribute_tensor(index, gate_up.device_mesh, on_e, src_data_rank=None)
 
 
 __all__ = ["moe_experts", "moe_experts_ref", "route_ref"]
