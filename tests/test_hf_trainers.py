@@ -256,15 +256,12 @@ def _assert_experts_on_the_op(model, calls) -> None:
     assert calls["moe_experts"] > 0 and calls["moe_experts_backward"] > 0, calls
 
 
-@pytest.mark.parametrize("case", list(PEFT_CASES))
-def test_peft_lora_on_a_patched_model(case, monkeypatch):
-    """LoRA adapters on a patched model (or, "adapted-first", a PEFT model patched): gradients
-    reach only the adapters, equal to the unpatched model's with the same adapters. On the MoE
-    models the experts ran fastlm.moe_experts forward and backward, LoRA on their weights too:
-    transformers' experts read `gate_up_proj` and `down_proj` while PEFT's wrapper has them
-    parametrized (W + B A), and so does fastlm's experts forward."""
+def _lora_gradients(family: str, targets: dict, adapted_first: bool, monkeypatch):
+    """(the patched PEFT model's base model, the fastlm ops its backward step ran): one loss
+    and backward on a patched PEFT model (patched before get_peft_model, or after with
+    `adapted_first`) and on the unpatched one with the same nonzero adapters, whose gradients
+    must be equal and reach only the adapters."""
     peft = pytest.importorskip("peft")
-    family, targets, adapters = PEFT_CASES[case]
     lora = peft.LoraConfig(r=4, **targets)
     if family == "qwen2":
         base = _model()
@@ -273,7 +270,7 @@ def test_peft_lora_on_a_patched_model(case, monkeypatch):
 
         base = tiny_model(family, pad_token_id=0, eos_token_id=1, bos_token_id=None)
         _experts_on_the_kernels(monkeypatch)
-    adapted_first, models = case.endswith("adapted-first"), {}
+    models = {}
     for name in ("patched", "unpatched"):
         model = copy.deepcopy(base)
         if name == "patched" and not adapted_first:
@@ -301,8 +298,6 @@ def test_peft_lora_on_a_patched_model(case, monkeypatch):
     models["unpatched"](
         input_ids=ids, attention_mask=mask, labels=labels, use_cache=False
     ).loss.backward()
-    if family != "qwen2":
-        _assert_experts_on_the_op(patched, calls.calls)
     theirs = dict(models["unpatched"].named_parameters())
     trained = 0
     for name, p in models["patched"].named_parameters():
@@ -310,7 +305,36 @@ def test_peft_lora_on_a_patched_model(case, monkeypatch):
         if p.grad is not None:
             trained += 1
             assert_close(p.grad, theirs[name].grad, torch.float32, f"grad of {name}")
+    return patched, calls.calls, trained
+
+
+@pytest.mark.parametrize("case", list(PEFT_CASES))
+def test_peft_lora_on_a_patched_model(case, monkeypatch):
+    """LoRA adapters on a patched model (or, "adapted-first", a PEFT model patched): gradients
+    reach only the adapters, equal to the unpatched model's with the same adapters. On the MoE
+    models the experts ran fastlm.moe_experts forward and backward, LoRA on their weights too:
+    transformers' experts read `gate_up_proj` and `down_proj` while PEFT's wrapper has them
+    parametrized (W + B A), and so does fastlm's experts forward."""
+    family, targets, adapters = PEFT_CASES[case]
+    patched, calls, trained = _lora_gradients(
+        family, targets, case.endswith("adapted-first"), monkeypatch
+    )
+    if family != "qwen2":
+        _assert_experts_on_the_op(patched, calls)
     assert trained == adapters
+
+
+@pytest.mark.parametrize("adapted_first", [False, True], ids=["patched-first", "adapted-first"])
+def test_peft_lora_on_llama4_experts_runs_the_blocks_own_forward(adapted_first, monkeypatch):
+    """Llama 4's MoE block reads its experts' stacked weights itself (fastlm's block forward
+    too), so PEFT's LoRA on them (`target_parameters`), which exists only inside the experts
+    wrapper's forward, would be skipped or crash there: patched first, the block runs its own
+    forward once PEFT has wrapped its experts; adapted first, patch leaves the block, named.
+    Either way the adapters' gradients are the unpatched PEFT model's."""
+    patched, calls, trained = _lora_gradients("llama4_text", EXPERTS, adapted_first, monkeypatch)
+    assert trained > 0 and calls["moe_experts"] == 0, calls
+    if adapted_first:
+        assert "Llama4TextMoe" in patched.fastlm_patched.left, patched.fastlm_patched.left
 
 
 def test_the_readme_example_runs(tmp_path, monkeypatch):

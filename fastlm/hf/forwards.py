@@ -129,6 +129,10 @@ def input_scaled_experts_forward(self, hidden_states: torch.Tensor, transposed: 
     zero row); here only the chosen ones run, on `fastlm.moe_experts` with weight 1 (the score
     scales the input, not the output). Returns (out (T, D), router logits (T, E)), as it does.
     `experts_op`: the experts' math (the probe passes the float64 reference)."""
+    if not isinstance(getattr(self.experts, "gate_up_proj", None), torch.Tensor):
+        # PEFT wrapped the experts after patch (LoRA by target_parameters): the adapted weights
+        # exist only while the wrapper's forward runs, so the block's own forward runs them.
+        return type(self).forward(self, hidden_states)
     experts_op = experts_op or moe_experts
     x = hidden_states.reshape(-1, hidden_states.shape[-1])  # (T, D)
     scores, logits = self.router(x)  # (T, E) each

@@ -131,6 +131,13 @@ def _patch_mlps(model, report) -> None:
                     "experts_implementation 'eager' computes the gate inline; "
                     "set_experts_implementation('grouped_mm') runs it on the kernel",
                 )
+        elif probe.peft_wrapped_experts(module):
+            report.leave(
+                name,
+                "PEFT adapts its experts' stacked weights only inside their wrapper's forward, "
+                "which only the block's own forward calls",
+            )
+            continue
         elif probe.input_scaled_experts_candidate(module):
             found = probe.input_scaled_experts_options(module)
             if isinstance(found, str):

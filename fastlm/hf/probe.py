@@ -446,6 +446,18 @@ def experts_gate_options(module: nn.Module) -> dict | str:
     return "their gate is neither act(gate) * up nor gpt-oss's clamped SwiGLU of the projection"
 
 
+def peft_wrapped_experts(module: nn.Module) -> bool:
+    """An MoE block (a `router` and a `top_k`) whose `experts` PEFT wrapped to adapt their
+    stacked weights (`target_parameters`): the adapted weights exist only inside the wrapper's
+    forward, which only the block's own forward calls."""
+    experts = getattr(module, "experts", None)
+    return (
+        hasattr(experts, "base_layer")
+        and hasattr(module, "router")
+        and isinstance(getattr(module, "top_k", None), int)
+    )
+
+
 def input_scaled_experts_candidate(module: nn.Module) -> bool:
     """A `router` child, an `experts` child with stacked 3-D `gate_up_proj` and `down_proj` that
     does not dispatch through transformers' experts interface (which gives its classes an
