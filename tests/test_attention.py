@@ -34,7 +34,14 @@ from fastlm import flash_attention
 from fastlm.kernels._common import tl, triton
 from fastlm.kernels.attention import flash_attention_ref, forward
 from fastlm.kernels.attention.backward import attention_backward
-from fastlm.kernels.attention.blocks import capped, exp2_fma, exp2_split, tanh
+from fastlm.kernels.attention.blocks import (
+    capped,
+    capped_scores,
+    exp2_fma,
+    exp2_split,
+    slope_unit,
+    tanh,
+)
 from fastlm.kernels.attention.configs import (
     DKDV_CUDA_CONFIGS,
     DQ_CUDA_CONFIGS,
@@ -486,6 +493,64 @@ def test_capped_scores_are_exact_to_fp32_rounding(device, softcap):
     error = (dcap.double() - slope).abs() / (slope * eps * (1 + 2 * x.abs()))
     worst_dcap = error[normal].max().item()
     assert worst_dcap <= 3.0, f"1 - tanh^2: {worst_dcap:.1f} eps (1 + 2|x|) off at c = {softcap:g}"
+
+
+@triton.jit
+def _capped_scores_kernel(
+    QK, Y, D, n, qk_scale, softcap, SIGNED: tl.constexpr, BLOCK: tl.constexpr
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    y, y_scale, slope = capped_scores(
+        tl.load(QK + offs, mask=offs < n), qk_scale, softcap, 1, SIGNED
+    )
+    tl.store(Y + offs, y * y_scale, mask=offs < n)
+    tl.store(D + offs, slope * slope_unit(1), mask=offs < n)
+
+
+@pytest.mark.parametrize(
+    "signed,qk_scale,softcap",
+    [(True, 0.125 * math.log2(math.e), 50 * math.log2(math.e)), (False, -0.3, 1e-2)],
+    ids=["forward", "backward-negative-scale"],
+)
+def test_kernel_capped_scores_are_exact_to_fp32_rounding(device, signed, qk_scale, softcap):
+    """What the kernels run on raw scores qk: the scale folded into the tanh's constants
+    (`capped_scores`), the sign of qk on y (the forward's) or on y's scale (the backward's), a
+    positive or negative scale. y * y_scale (exact in float64: the kernels' exponent takes it in
+    one FMA) within 3 ulp of c * tanh(qk * s / c) in float64, with its sign, and the slope
+    within 3 eps (1 + 2 |x|) of 1 / cosh^2(x) (as in test_capped_scores_are_exact_to_fp32_rounding,
+    whose scores come scaled)."""
+    ratios = torch.cat(
+        [
+            torch.logspace(-30, 1.5, 3000, dtype=torch.float64),
+            torch.linspace(0.0, 2.0, 20001, dtype=torch.float64),
+            torch.linspace(2.0, 44.0, 4001, dtype=torch.float64),
+        ]
+    )
+    qk = (torch.cat([ratios, -ratios]) * softcap / abs(qk_scale)).to(torch.float32).to(device)
+    y, dcap = torch.full_like(qk, math.nan), torch.full_like(qk, math.nan)
+    grid = (triton.cdiv(qk.numel(), 1024),)
+    _capped_scores_kernel[grid](qk, y, dcap, qk.numel(), qk_scale, softcap, signed, BLOCK=1024)
+    f32 = lambda value: torch.tensor(value, dtype=torch.float32).double()  # noqa: E731
+    x = qk.double() * f32(qk_scale) / f32(softcap)  # the kernel's scalars: fp32
+    ref = f32(softcap) * torch.tanh(x)
+    eps = torch.finfo(torch.float32).eps
+    ulp = eps * ref.abs().clamp_min(torch.finfo(torch.float32).tiny)
+    worst = ((y.double() - ref).abs() / ulp).max().item()
+    assert worst <= 3.0, f"c * tanh(x) is {worst:.1f} ulp off (s = {qk_scale:g}, c = {softcap:g})"
+    assert torch.equal(torch.sign(y), torch.sign(ref)), "the cap keeps the sign of s qk"
+    slope = 1.0 / torch.cosh(x) ** 2
+    normal = slope >= torch.finfo(torch.float32).tiny
+    error = (dcap.double() - slope).abs() / (slope * eps * (1 + 2 * x.abs()))
+    worst_dcap = error[normal].max().item()
+    assert worst_dcap <= 3.0, f"1 - tanh^2: {worst_dcap:.1f} eps (1 + 2|x|) off"
+
+
+def test_negative_scale_with_a_cap(device):
+    """A negative softmax scale under the cap (allowed, never hot): the forward takes the sign of
+    the scale into its tanh, the backward into the exponent's scale (`capped_scores`); o, lse
+    and the gradients against the float64 reference on both passes' paths."""
+    q, k, v = make_heads(1, 2, 1, 45, 70, 16, torch.float32, device, std=2.0)
+    run_dense(q, k, v, True, NO_WINDOW, 3.0, scale=-0.3)
 
 
 @triton.jit

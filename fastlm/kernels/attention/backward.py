@@ -19,6 +19,7 @@ from fastlm.kernels.attention.blocks import (
     query_range,
     rows_descriptor,
     sequence_rows,
+    slope_unit,
     stats_offset,
     store_tile,
 )
@@ -112,7 +113,7 @@ def _dkdv_query_blocks(
             delta = tl.load(DELTA_head + offs_m)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         if SOFTCAP:
-            scores, cap_scale, dcap = capped_scores(qk_t, qk_scale, softcap, SOFTCAP)
+            scores, cap_scale, dcap = capped_scores(qk_t, qk_scale, softcap, SOFTCAP, False)
             exponent = scores * cap_scale - lse[None, :]
         else:
             exponent = qk_t * qk_scale - lse[None, :]
@@ -128,13 +129,13 @@ def _dkdv_query_blocks(
         if WITH_DK:
             dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
             ds_t = p_t * (dp_t - delta[None, :])
-            if SOFTCAP:  # through the cap: d(cap tanh(s / cap)) / ds = 1 - tanh^2 (`capped_scores`)
-                ds_t = ds_t * dcap
+            if SOFTCAP:  # through the cap: d(cap tanh(s / cap)) / ds = 1 - tanh^2, in its unit
+                ds_t = ds_t * dcap  # (`capped_scores`; the store's scale takes the unit)
             dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
         if ATOMIC_DQ:  # the fifth matmul: other key blocks add to the same rows, in any order
             dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION)
             tl.atomic_add(
-                dq_ptrs, dq * softmax_scale, sem="relaxed",
+                dq_ptrs, dq * (softmax_scale * slope_unit(SOFTCAP)), sem="relaxed",
                 mask=(offs_m[:, None] < n_q) & (offs_d[None, :] < HEAD_DIM)
             )
             dq_ptrs += BLOCK_M * stride_dqm
@@ -233,8 +234,10 @@ def _attention_bwd_dkdv_kernel(
         DV + batch * stride_dvb + kv_head * stride_dvh + k_start * stride_dvn + rows * stride_dvn +
         offs_dv[None, :] * stride_dvd
     )
-    if WITH_DK:
-        store_tile(dk_ptrs, dk * softmax_scale, offs_n, n_k, offs_d, HEAD_DIM)
+    if WITH_DK:  # dS carried the cap's slope in its unit (`capped_scores`)
+        store_tile(
+            dk_ptrs, dk * (softmax_scale * slope_unit(SOFTCAP)), offs_n, n_k, offs_d, HEAD_DIM
+        )
     if WITH_DV:
         store_tile(dv_ptrs, dv, offs_n, n_k, offs_dv, HEAD_DIM_V)
 
@@ -273,7 +276,7 @@ def _dq_key_blocks(
             v = load_tile(v_ptrs, offs_n, n_k, offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED, TO_FP32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         if SOFTCAP:
-            scores, cap_scale, dcap = capped_scores(qk, qk_scale, softcap, SOFTCAP)
+            scores, cap_scale, dcap = capped_scores(qk, qk_scale, softcap, SOFTCAP, False)
             exponent = scores * cap_scale - lse[:, None]
         else:
             exponent = qk * qk_scale - lse[:, None]
@@ -285,7 +288,7 @@ def _dq_key_blocks(
             exponent = tl.where(visible, exponent, float("-inf"))
         p = tl.math.exp2(exponent)
         if SOFTCAP:  # P times the cap's slope at once: one tile, not three, lives across the dot
-            p = p * dcap
+            p = p * dcap  # in the slope's unit (`capped_scores`), which the store's scale takes
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -365,7 +368,8 @@ def _attention_bwd_dq_kernel(
         DQ + batch * stride_dqb + head * stride_dqh + q_start * stride_dqm + rows * stride_dqm +
         offs_d[None, :] * stride_dqd
     )
-    store_tile(dq_ptrs, dq * softmax_scale, offs_m, n_q, offs_d, HEAD_DIM)
+    # dS carried the cap's slope in its unit (`capped_scores`)
+    store_tile(dq_ptrs, dq * (softmax_scale * slope_unit(SOFTCAP)), offs_m, n_q, offs_d, HEAD_DIM)
 
 
 _attention_bwd_dq_tma_autotuned = triton.autotune(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 
+from fastlm.backend import interpreting
 from fastlm.kernels._common import tl, triton
 
 
@@ -107,53 +108,77 @@ _reciprocal = _reciprocal_approx if _fdiv_takes_approx() else _reciprocal_full_r
 
 
 @triton.jit
-def _scaled_tanh_parts(t, c):
-    """(c * tanh(t / c), r) for a scalar c > 0, the first to fp32 rounding at every t (the
-    interpreter has no tanh, and the GPU's tanh.approx is 2^-11 off); r = 1 / (1 + 2^v) below,
-    from which `capped` takes the slope.
-
-    With x = t / c and v = 2 log2(e) |x|, two forms, both computed and one selected:
-
-    - |x| >= 0.6: c (1 - 2 r) with the sign of t, r = 1 / (1 + 2^v) <= 0.23, so 1 - 2 r >= 0.53
-      cancels nothing and r's rounding weighs a quarter of an ulp at most; 2^v = inf past
-      |x| = 44 gives r = 0, the cap. One ex2 and one reciprocal (MUFU), an FFMA.
-    - |x| < 0.6, where 1 + 2^v rounds away the digits of tanh: t + t x^2 q(x^2), q the degree-3
-      minimax polynomial of (tanh(x) - x) / x^3 on [0, 0.6] (relative error 8.3e-8 of tanh),
-      evaluated in v^2 = x^2 (2 log2(e))^2 (its coefficients scaled to match): no multiply for
-      x itself. The leading term is t: a cap far above the scores leaves them as they are.
-
-    Worst error, ulp of |c tanh(t / c)|: 1.7 in the interpreter (correctly rounded exp2 and
-    division; tests/test_attention.py), 2.9 in an fp32 model of the GPU's, with ex2.approx 2 ulp
-    and the reciprocal 1 ulp off in the worst direction (3.3 at 2 ulp). c = inf (a natural cap
-    above 2.4e38) returns t; from c = 2^127 (a cap of 1.2e38) 2 c overflows, and scores above
-    1e38 come out wrong.
-    """
-    v = tl.abs(t) * (2.8853900817779268 / c)  # 2 log2(e) |x|
-    # 1 / (1 + 2^v) is MUFU.RCP alone; 2 / (1 + 2^v) would take div.approx's range check
-    r = _reciprocal(1.0 + tl.math.exp2(v))
-    far = c - (2.0 * c) * r  # >= 0
-    far = far.to(tl.uint32, bitcast=True) | (t.to(tl.uint32, bitcast=True) & 0x80000000)
-    # x^2 q(x^2) = v^2 q'(v^2), q' with q's k-th coefficient times (ln(2) / 2)^(2 k + 2)
-    v2 = v * v
-    q = v2 * 3.2496573112439364e-06 - 9.04776097740978e-05
-    q = v2 * q + 0.0019207090372219682
-    q = v2 * q - 0.040036868304014206
-    near = t + (t * v2) * q
-    capped_t = tl.where(v < 1.731234073638916, near, far.to(tl.float32, bitcast=True))  # |x| < 0.6
-    return capped_t, r
+def _xor_sign_bits(a, x):
+    """a with its sign flipped where x's sign bit is set."""
+    a = a.to(tl.uint32, bitcast=True) ^ (x.to(tl.uint32, bitcast=True) & 0x80000000)
+    return a.to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def scaled_tanh(t, c):
-    """c * tanh(t / c) to fp32 rounding at every t, for a scalar c > 0 (`_scaled_tanh_parts`)."""
-    capped_t, _ = _scaled_tanh_parts(t, c)
-    return capped_t
+def _xor_sign_lop3(a, x):
+    """`_xor_sign_bits` as one lop3.b32, which ptxas keeps whole: from and.b32 and xor.b32, LLVM
+    hoists the and to where x comes out of the MMA, and ptxas issues both (a LOP3 more a score:
+    32 in the descriptor dQ pass's M128 N64 loop, Triton 3.9 for sm_90a). Not for the
+    interpreter, which runs no PTX."""
+    return tl.inline_asm_elementwise(
+        "lop3.b32 $0, $1, $2, 0x80000000, 0x78;", "=r,r,r",
+        [a.to(tl.uint32, bitcast=True),
+         x.to(tl.uint32, bitcast=True)], dtype=tl.uint32, is_pure=True, pack=1
+    ).to(tl.float32, bitcast=True)
+
+
+_xor_sign = _xor_sign_bits if interpreting() else _xor_sign_lop3
+
+
+@triton.jit
+def _tanh_parts(qk, x_scale, SIGNED: tl.constexpr):
+    """(y, r) for x = qk * x_scale, a scalar x_scale: y = tanh(x) with SIGNED, otherwise |tanh(x)|
+    with x_scale's sign (qk's sign is then the caller's: `capped_scores`), to fp32 rounding at
+    every x (the interpreter has no tanh, and the GPU's tanh.approx is 2^-11 off), and r = 1 /
+    (1 + 2^v), 1 - |tanh(x)| = 2 r, from which `capped_scores` takes the slope.
+
+    With v = 2 log2(e) |x| (one multiply: the scales folded into one scalar), two forms, both
+    computed and one selected:
+
+    - |x| >= 0.6: 1 - 2 r, r <= 0.23, so 1 - 2 r >= 0.53 cancels nothing and r's rounding weighs
+      a quarter of an ulp at most; 2^v = inf past |x| = 44 gives r = 0, |tanh| = 1. One ex2 and
+      one reciprocal (MUFU: 1 / (1 + 2^v) is MUFU.RCP alone, where ptxas cannot rule out a
+      denormal divisor in 2 / (1 + 2^v) or 1 / (1/2 + 2^v / 2) and adds div.approx's range
+      check), an FADD and an FFMA; with SIGNED qk's sign by one LOP3 (`_xor_sign`).
+    - |x| < 0.6, where 1 + 2^v rounds away the digits of tanh: |x| + |x|^3 q(x^2), q the degree-3
+      minimax polynomial of (tanh(x) - x) / x^3 on [0, 0.6] (relative error 8.3e-8 of tanh),
+      evaluated in v^2 = x^2 (2 log2(e))^2 (its coefficients scaled to match) as |qk| (x_scale
+      + v^2 x_scale q'(v^2)): the coefficients times x_scale are scalars, so x itself is never
+      formed (four FFMAs and a multiply). v = |qk * s|, not |qk| * s: LLVM would share the one
+      |qk| between v and this form, and ptxas computes a shared |qk| by a LOP3.
+
+    Worst error, ulp of |tanh(x)|: 2.6 measured in the interpreter (correctly rounded exp2 and
+    division; tests/test_attention.py holds it at 3), x_scale's own rounding included (the form
+    with the scaled score t = qk * s as its leading term measured 1.7, from t, but took a multiply
+    a score more).
+    """
+    v = tl.abs(qk * (x_scale * 2.8853900817779268))  # 2 log2(e) |x|
+    # x^3 q(x^2) = x v^2 q'(v^2), q' with q's k-th coefficient times (ln(2) / 2)^(2 k + 2)
+    v2 = v * v
+    q = v2 * (x_scale * 3.2496573112439364e-06) + x_scale * -9.04776097740978e-05
+    q = v2 * q + x_scale * 0.0019207090372219682
+    q = v2 * q + x_scale * -0.040036868304014206
+    r = _reciprocal(1.0 + tl.math.exp2(v))
+    one = tl.where(x_scale < 0, -1.0, 1.0)
+    far = one - (2.0 * one) * r
+    if SIGNED:
+        near = qk * (v2 * q + x_scale)
+        far = _xor_sign(far, qk)
+    else:
+        near = tl.abs(qk) * (v2 * q + x_scale)
+    return tl.where(v < 1.731234073638916, near, far), r  # |x| < 0.6
 
 
 @triton.jit
 def tanh(x):
-    """tanh to fp32 rounding at every x (`scaled_tanh`)."""
-    return scaled_tanh(x, 1.0)
+    """tanh to fp32 rounding at every x (`_tanh_parts`)."""
+    th, _ = _tanh_parts(x, 1.0, True)
+    return th
 
 
 @triton.jit
@@ -223,22 +248,21 @@ def exp2_split(x, FMA_SHIFT: tl.constexpr):
 
 
 @triton.jit
-def capped(t, softcap):
-    """softcap * tanh(t / softcap) of base-2 scores t (softcap in base-2 units too: the cap of the
-    natural scores times log2(e)), the cap folded into the tanh (`scaled_tanh`), and the
-    derivative 1 - tanh^2, which the backward needs.
+def _half_slope(th, r):
+    """(1 - tanh^2) / 2 = (1 + |th|)(1 - |th|) / 2 with (1 - |th|) / 2 = r from `_tanh_parts`
+    (1 / (1 + 2^v)), not from th: a product of relatively accurate factors, so it keeps fp32's
+    relative accuracy where it is tiny, in one FFMA (the half: `slope_unit`). 1 - th * th is off
+    by an ulp of th, about 6e-8, once |x| passes 6 (a slope below 2.5e-5): with a cap far below
+    the scores every slope is there, and dq and dk came out wrong in their first digit."""
+    return tl.abs(th) * r + r
 
-    The derivative is (1 - |tanh|)(1 + |tanh|) with 1 - |tanh| taken as 2 r, r = 1 / (1 + 2^v)
-    (`_scaled_tanh_parts`), not from tanh: a product of relatively accurate factors, so it keeps
-    fp32's relative accuracy where it is tiny. 1 - th * th is off by an ulp of th, about 6e-8,
-    once |t / c| passes 6 (a slope below 2.5e-5): with a cap far below the scores every slope is
-    there, and dq and dk came out wrong in their first digit. Two instructions either way (an FMA
-    and a multiply); the form reads tanh too, which keeps Triton 3.9's sm_90a code as short as
-    1 - th * th's (4 r (1 - r), from r alone, added 68 integer instructions to the descriptor dQ
-    pass's M128 N64 loop: LLVM packed the two forms' select predicates into integers).
-    """
-    capped_t, r = _scaled_tanh_parts(t, softcap)
-    return capped_t, (tl.abs(capped_t) * (2.0 / softcap) + 2.0) * r
+
+@triton.jit
+def capped(t, softcap):
+    """softcap * tanh(t / softcap) of base-2 scores t and the derivative 1 - tanh^2: what
+    `capped_scores` computes, for scores already scaled (the kernels fold the scale in)."""
+    th, r = _tanh_parts(t, 1.0 / softcap, True)
+    return th * softcap, 2.0 * _half_slope(th, r)
 
 
 #: The SOFTCAP constexpr of the kernels: no cap, the exact one (`capped`), or the approximate one
@@ -266,22 +290,40 @@ def _tanh_approx(x, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def capped_scores(qk, qk_scale, softcap, SOFTCAP: tl.constexpr):
-    """(y, y_scale, slope) of raw scores qk = q k^T: the capped base-2 scores are y * y_scale
-    (y_scale > 0, so a row max of y times y_scale is theirs), and slope is the cap's derivative.
+def capped_scores(qk, qk_scale, softcap, SOFTCAP: tl.constexpr, SIGNED: tl.constexpr = True):
+    """(y, y_scale, slope) of raw scores qk = q k^T: the capped base-2 scores are y * y_scale,
+    and the cap's derivative is slope * slope_unit(SOFTCAP).
 
-    SOFTCAP_EXACT: y the capped scores themselves (`capped`), y_scale 1. The approximate cap
-    (SOFTCAP_APPROX, _MODEL): y = tanh(x) by `_tanh_approx`, x = qk * (qk_scale / softcap) in one
-    multiply, y_scale = softcap, which the caller's exponent takes in its FMA (y * c - m), and the
-    slope 1 - y^2 from it: a multiply, a MUFU and an FMA a score beyond the plain loop's."""
+    y = tanh(x), x = qk * qk_scale / softcap, y_scale = softcap, which the caller's exponent
+    takes in its FMA (y * c - m). SOFTCAP_EXACT: tanh to fp32 rounding (`_tanh_parts`, its
+    scales folded into scalars) and half the slope in one FFMA (`_half_slope`); without SIGNED,
+    y = |tanh(x)| with the scale's sign and y_scale = softcap with qk's, one LOP3 either way (the
+    backward's choice, which takes no row max: the same loop as SIGNED in the descriptor dQ
+    pass's M128 N64, 2 registers fewer, 252). The approximate cap
+    (SOFTCAP_APPROX, _MODEL): tanh by `_tanh_approx`, x in one multiply, the slope 1 - y^2: a
+    multiply, a MUFU and an FFMA a score beyond the plain loop's. SIGNED with a positive scale
+    makes y_scale > 0, so that a row max of y times y_scale is theirs."""
+    x_scale = qk_scale / softcap
+    y_scale = softcap
     if SOFTCAP == 1:
-        y, slope = capped(qk * qk_scale, softcap)
-        y_scale = 1.0
+        y, r = _tanh_parts(qk, x_scale, SIGNED)
+        slope = _half_slope(y, r)
+        if not SIGNED:
+            y_scale = _xor_sign(softcap + tl.zeros_like(qk), qk)
     else:
-        y = _tanh_approx(qk * (qk_scale / softcap), SOFTCAP)
-        y_scale = softcap
+        y = _tanh_approx(qk * x_scale, SOFTCAP)
         slope = 1.0 - y * y
     return y, y_scale, slope
+
+
+@triton.jit
+def slope_unit(SOFTCAP: tl.constexpr):
+    """What `capped_scores`' slope counts in: 2 for the exact cap (half the slope saves its
+    doubling in the hot loop; the kernels take the 2 in their final scale), 1 otherwise."""
+    unit = 1.0
+    if SOFTCAP == 1:
+        unit = 2.0
+    return unit
 
 
 @triton.jit
