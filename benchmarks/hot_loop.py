@@ -274,13 +274,18 @@ def tcgen05_shape(inst: Instruction, body: list[Instruction], before: list[Instr
     return None
 
 
-def tcgen05_flops(body: list[Instruction], before: list[Instruction]) -> tuple[list[int], Counter]:
-    """FLOPs of each instruction of the body (0 but for tcgen05 MMAs: 2 M N K, issued once per
-    CTA), and the MMA shapes it holds (`UTCHMMA.128x64x16.BF16`; `UTCHMMA.?` when unread)."""
+def tcgen05_flops(
+    body: list[Instruction], before: list[Instruction], num_warps: int
+) -> tuple[list[int], Counter]:
+    """FLOPs of each instruction of the body (0 but for MMAs: a tcgen05 MMA's 2 M N K, issued
+    once per CTA; a warp-level HMMA beside them, as `mma_flops` counts it), and the MMA shapes it
+    holds (`UTCHMMA.128x64x16.BF16`; `UTCHMMA.?` when unread)."""
     flops, shapes = [], Counter()
     for inst in body:
         if not is_tcgen05(inst):
-            flops.append(0)
+            warp_level, shape = mma_flops([inst], num_warps)
+            flops.append(warp_level)
+            shapes.update(shape)
             continue
         shape = tcgen05_shape(inst, body, before)
         if shape is None:
@@ -318,7 +323,7 @@ def tcgen05_in_flight(body: list[Instruction], flops: list[int]) -> tuple[dict, 
                 del pending[barrier]
                 if walk:
                     waits.add(sum(map(bool, pending.values())))
-            elif walk and (issued or any(pending.values())):
+            elif walk and (issued or any(pending.values())) and classify(inst.opcode) != "mma":
                 counts["instructions"] += 1
                 counts["mufu"] += inst.base == "MUFU"
                 if classify(inst.opcode) in ("mufu", "fma", "fp_other"):  # the softmax's work
@@ -326,7 +331,9 @@ def tcgen05_in_flight(body: list[Instruction], flops: list[int]) -> tuple[dict, 
     return dict(counts, mma_flops=sum(flops[i] for i in beside)), sorted(waits)
 
 
-def tcgen05_figures(instructions: list[Instruction], span: tuple[int, int]) -> dict | None:
+def tcgen05_figures(
+    instructions: list[Instruction], span: tuple[int, int], num_warps: int
+) -> dict | None:
     """The tcgen05 reading of a hot loop (module docstring), None without tcgen05 MMA in it:
     FLOPs and shapes, `in_flight`, `loop_waits`, the MMAs fed A (P) from tensor memory and the
     loop's TMEM loads and stores."""
@@ -334,7 +341,7 @@ def tcgen05_figures(instructions: list[Instruction], span: tuple[int, int]) -> d
     mmas = [inst for inst in body if is_tcgen05(inst)]
     if not mmas:
         return None
-    flops, shapes = tcgen05_flops(body, before)
+    flops, shapes = tcgen05_flops(body, before, num_warps)
     overlap, waits = tcgen05_in_flight(body, flops)
     return dict(
         issued=sum(flops),
@@ -380,7 +387,7 @@ def analyse(sass: str, ptx: str, kernel: str, constexprs: dict, num_warps: int, 
     mix = Counter(classify(inst.opcode) for inst in body)
     mix["total"] = len(body)
     mufu = Counter(inst.opcode for inst in body if inst.base == "MUFU")
-    tcgen05 = tcgen05_figures(instructions, span)
+    tcgen05 = tcgen05_figures(instructions, span, num_warps)
     if tcgen05:
         issued, shapes = tcgen05.pop("issued"), tcgen05.pop("shapes")
         loop_waits, overlap = tcgen05.pop("loop_waits"), tcgen05.pop("in_flight")
