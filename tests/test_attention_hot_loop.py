@@ -355,7 +355,14 @@ def test_capped_hot_loops_stay_near_the_plain_ones(option):
     one's instructions (Gemma 2 trains on it; the tanh it had first, 3.6x), and takes at most its
     clock ratio times the plain one's modelled clocks."""
     pairs = capped_against_plain(json.loads(KEPT_REPORT.read_text())["rows"])
-    pairs = {key[1:]: loops for key, loops in pairs.items() if key[0] == option}
+    # Hopper's and Ampere's bounds: on sm_100a the plain loops are shorter and the cap's share
+    # larger (the kept report's sm_100a rows: exact 1.4x-2.5x instructions, 1.4x-3.0x clocks;
+    # approximate 1.0x-1.3x and 1.0x-2.0x), not bounded here yet
+    pairs = {
+        key[1:]: loops
+        for key, loops in pairs.items()
+        if key[0] == option and key[1] in ("sm_90a", "sm_80")
+    }
     kernels = {(arch, kernel) for arch, op, kernel, *_ in pairs}
     every = {(arch, kernel) for arch in ("sm_90a", "sm_80") for kernel in hot_loop.KERNEL_DOTS}
     assert kernels == every - {("sm_80", "_attention_fwd_tma_kernel")}  # descriptors: sm_90+

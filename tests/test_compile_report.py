@@ -351,13 +351,16 @@ BLACKWELL = "sm_100a"
 def test_blackwell_rows_fit_and_multiply_on_tcgen05():
     """Every kept sm_100a row (B200, B300: every shipped config, Blackwell's attention configs
     among them) compiled without spills, within 227 KB of shared memory and the 512 columns of
-    tensor memory; every kernel that multiplies matrices (wgmma or mma.sync on sm_90a) does so
+    tensor memory; every kernel that multiplies matrices (wgmma or mma.sync on sm_90a or sm_80,
+    at that dtype) does so
     on sm_100a with tcgen05.mma only, its accumulators in tensor memory, and its hot loop (an
     attention kernel's) issues exactly its tile's MMA: all but the configs Blackwell keeps on
     mma.sync where no tcgen05 config fits (`CudaConfig.mma_sync`, noted in the row), which are
     at most a third of the attention rows and never FASTLM_AUTOTUNE=0's at head dim 128."""
     rows = _kept()["rows"]
-    multiplying = {row["kernel"] for row in rows if row.get("wgmma") or row.get("mma")}
+    multiplying = {  # (kernel, dtype): fp32 MoE GEMMs multiply on the FMA units everywhere
+        (row["kernel"], row["dtype"]) for row in rows if row.get("wgmma") or row.get("mma")
+    }
     blackwell = [row for row in rows if row["arch"] == BLACKWELL]
     assert {row["kernel"] for row in blackwell} >= set(TENSOR_CORE_KERNELS)
     kept_on_mma_sync = []
@@ -369,7 +372,7 @@ def test_blackwell_rows_fit_and_multiply_on_tcgen05():
         if any("kept: no tcgen05 config fits" in note for note in row["notes"]):
             assert row["mma"] > 0, _describe(row)
             kept_on_mma_sync.append(row)
-        elif row["kernel"] in multiplying:
+        elif (row["kernel"], row["dtype"]) in multiplying:
             assert row["tcgen05"] > 0 and row["mma"] == 0, _describe(row)
             assert row["tmem_columns"] > 0, _describe(row)
             if row["kernel"] in TENSOR_CORE_KERNELS:
