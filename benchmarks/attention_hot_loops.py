@@ -2,7 +2,7 @@
 second table (`hot_loop.py` reads the SASS) for causal attention, and configs that are not shipped
 (`--config`) compiled to try one before shipping it:
 
-    python benchmarks/attention_hot_loops.py [--op TEXT] [--arch sm_90a sm_80]
+    python benchmarks/attention_hot_loops.py [--op TEXT] [--arch sm_90a sm_80 sm_100a]
         [--dtype bf16 fp16 fp32] [--head-dim 64 128] [--config M,N,WARPS,STAGES ...] [--json PATH]
 
 Like the compile report it compiles for CUDA targets and refuses to run with TRITON_INTERPRET=1.

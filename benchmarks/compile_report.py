@@ -4,9 +4,11 @@ Triton compiles for a GPU target on any machine, and its wheel ships `ptxas`. Fo
 launch of fastlm at the shapes that matter (bf16, fp16, fp32; head dims 64, 128 and the largest
 attention takes; hidden 4096; causal and not; attention's window, score cap and packed
 sequences) and each config the launcher or autotuner may use, this compiles for sm_90a (H100,
-H200) and sm_80 (A100) and reads off: registers per thread, spill stores/loads and the stack
+H200), sm_80 (A100) and sm_100a (B200, B300; its own attention configs, `configs.CudaConfigs`)
+and reads off: registers per thread, spill stores/loads and the stack
 frame (ptxas -v with Triton's flags); shared memory (Triton's metadata) against the arch's
-per-block limit; tensor cores (`wgmma.mma_async` on sm_90, `mma.sync` on sm_80) and TMA
+per-block limit; tensor cores (`wgmma.mma_async` on sm_90, `mma.sync` on sm_80, `tcgen05.mma`
+on sm_100 with the tensor memory columns it allocates, Triton's `tmem_size`) and TMA
 (`cp.async.bulk.tensor`); software pipelining (the `cp.async.ca/cg` copies Triton emits for
 loads it prefetches across loop iterations); the widest and narrowest global access on the main
 path (the loads, stores and async copies whose address the PTX data flow computes from a pointer
@@ -18,7 +20,9 @@ clock model), printed as a second table.
 
 A row is flagged when it spills, needs more shared memory than its arch has or issues more MMA
 than its tile needs (work repeated across warps; a fallback config, kept only for head blocks no
-better one fits, is noted instead), and the exit
+better one fits, is noted instead), and on sm_100a when a `tl.dot` did not become `tcgen05.mma`
+(`mma.sync` in its PTX: a product of fewer than 64 rows) or it allocates more than the 512
+tensor memory columns an SM has, and the exit
 status is 1 when any row is flagged (or fails to compile). Only shipped configs are compiled:
 every config a launcher picks, and every config an attention autotuner tries at the row's head
 block and dtype (the configs its pruning keeps; the last is FASTLM_AUTOTUNE=0's, "default").
@@ -35,9 +39,10 @@ Each row carries `ptx_sha256`, a digest of its PTX without the debug line info: 
 to leave the generated code alone proves it with `--same-code-as` an earlier run's JSON, which
 lists every row whose code differs and exits 1 if any does.
 
-    python benchmarks/compile_report.py [--arch sm_90a sm_80] [--json rows.json] [--quick]
+    python benchmarks/compile_report.py [--arch sm_90a sm_80 sm_100a] [--json rows.json] [--quick]
     python benchmarks/compile_report.py --op attention --same-code-as before.json
     python benchmarks/compile_report.py --baseline        # the whole report, kept in the repo
+    python benchmarks/compile_report.py --baseline --arch sm_100a  # one arch's rows again
     python benchmarks/compile_report.py --check-baseline  # is the kept one this code's, clean?
 
 The whole report takes tens of minutes on two cores, too long for every test run; so it is kept
@@ -123,6 +128,7 @@ def _attention_internals() -> SimpleNamespace:
         max_head_dim_fp32=configs.MAX_HEAD_DIM_FP32,
         tma_max_block_d=configs.TMA_MAX_BLOCK_D,
         fitting_configs=configs.fitting_configs,
+        for_capability=configs.for_capability,
         has_options=configs.has_options,
         configs={
             forward._attention_fwd_kernel: configs.FWD_CUDA_CONFIGS,
@@ -140,8 +146,9 @@ def _attention_internals() -> SimpleNamespace:
 
 ATTENTION = _attention_internals()
 
-#: Targets: compute capability and the largest shared memory one block may use (opt-in limit).
-ARCHS = {"sm_90a": (90, 232448), "sm_80": (80, 166912)}
+#: Targets: compute capability and the largest shared memory one block may use (opt-in limit:
+#: 227 KB on compute capability 9.0 and 10.0, 163 KB on 8.0, the CUDA programming guide's table).
+ARCHS = {"sm_90a": (90, 232448), "sm_80": (80, 166912), "sm_100a": (100, 232448)}
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TOKENS = 16384  # rows of the row-wise kernels: 4 sequences of 4096 tokens
@@ -557,6 +564,7 @@ class Task:
     attrs: dict
     options: dict
     fallback: bool = False  # a config kept only for the head blocks no better one fits
+    mma_sync: bool = False  # on sm_100: kept on mma.sync where no tcgen05 config fits
 
 
 def _blocks(args: dict) -> dict:
@@ -565,11 +573,11 @@ def _blocks(args: dict) -> dict:
     }
 
 
-def shipped_configs(launch: Launch) -> list:
-    """The configs an attention autotuner tries for this launch (its head block and dtype); the
-    last is the one FASTLM_AUTOTUNE=0 keeps."""
+def shipped_configs(launch: Launch, arch: str) -> list:
+    """The configs an attention autotuner tries for this launch (its head block and dtype) on a
+    GPU of this arch (Blackwell has its own); the last is the one FASTLM_AUTOTUNE=0 keeps."""
     return ATTENTION.fitting_configs(
-        ATTENTION.configs[launch.kernel],
+        ATTENTION.for_capability(ATTENTION.configs[launch.kernel], ARCHS[arch][0] // 10),
         launch.args["BLOCK_D"],
         launch.args["Q"].element_size(),
         ATTENTION.has_options(launch.args),
@@ -586,19 +594,6 @@ def tasks(all_cases: list[Case], archs: list[str]) -> list[Task]:
             fn = launch.kernel.fn if isinstance(launch.kernel, Autotuner) else launch.kernel
             if case.only and fn.fn.__name__ != case.only:
                 continue
-            if isinstance(launch.kernel, Autotuner):
-                configs = shipped_configs(launch)
-                variants = [
-                    (
-                        {**launch.args, **c.blocks},
-                        dict(num_warps=c.num_warps, num_stages=c.num_stages),
-                        i == len(configs) - 1,
-                        c.min_block_d > 0,
-                    )
-                    for i, c in enumerate(configs)
-                ]
-            else:
-                variants = [(launch.args, launch.options, False, False)]
             minimum = ATTENTION.min_capability.get(fn.fn.__name__, 0)
             if "TMA" in case.op:  # a pointer kernel's descriptor variant: where TMA is
                 minimum = max(minimum, ATTENTION.min_capability["_attention_fwd_tma_kernel"])
@@ -607,14 +602,32 @@ def tasks(all_cases: list[Case], archs: list[str]) -> list[Task]:
                 label += " (dV)"
             elif launch.args.get("WITH_DV") is False:
                 label += " (dK)"
-            for args, options, default, fallback in variants:
-                signature, constexprs, attrs = specialise(fn, args)
-                where = (case.op, label, case.fields, fn.fn.__module__, fn.fn.__name__)
-                compiled = (signature, constexprs, attrs, options)
-                for arch in (a for a in archs if ARCHS[a][0] >= minimum):
-                    task = Task(*where, _blocks(args), default, arch, *compiled, fallback)
+            where = (case.op, label, case.fields, fn.fn.__module__, fn.fn.__name__)
+            for arch in (a for a in archs if ARCHS[a][0] >= minimum):
+                for args, options, default, fallback, mma_sync in _variants(launch, arch):
+                    compiled = (*specialise(fn, args), options)
+                    task = Task(*where, _blocks(args), default, arch, *compiled, fallback, mma_sync)
                     out.append(task)
     return out
+
+
+def _variants(launch: Launch, arch: str) -> list[tuple[dict, dict, bool, bool, bool]]:
+    """(arguments, launch options, FASTLM_AUTOTUNE=0's config, fallback config, kept on
+    mma.sync) of each config a launch compiles on this arch: an autotuned kernel's shipped
+    configs, else the launch's."""
+    if not isinstance(launch.kernel, Autotuner):
+        return [(launch.args, launch.options, False, False, False)]
+    configs = shipped_configs(launch, arch)
+    return [
+        (
+            {**launch.args, **c.blocks},
+            dict(num_warps=c.num_warps, num_stages=c.num_stages),
+            i == len(configs) - 1,
+            c.min_block_d > 0,
+            c.mma_sync,
+        )
+        for i, c in enumerate(configs)
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -752,6 +765,36 @@ def ptx_digest(ptx: str) -> str:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
+#: Tensor memory (sm_100): 512 columns of 128 lanes x 32 bits per SM, allocated per CTA in
+#: powers of two from 32 columns.
+TMEM_COLUMNS = 512
+
+
+def tcgen05_resources(ptx: str, meta_data) -> dict:
+    """Blackwell's tensor cores in a compiled kernel: the `tcgen05.mma` instructions of its PTX,
+    and the tensor memory columns it allocates (Triton's `tmem_size`, else the largest
+    `tcgen05.alloc` of the PTX; 0 on older archs)."""
+    allocs = [int(n) for n in re.findall(r"tcgen05\.alloc\.[\w:.]+\s+\[[^\]]*\],\s*(\d+)", ptx)]
+    return dict(
+        tcgen05=len(re.findall(r"\btcgen05\.mma\b", ptx)),
+        tmem_columns=getattr(meta_data, "tmem_size", 0) or max(allocs, default=0),
+    )
+
+
+def tcgen05_problems(row: dict, mma_sync: bool) -> list[str]:
+    """What an sm_100 row must not do: multiply on the warp-level `mma.sync` (a `tl.dot` that
+    did not become `tcgen05.mma`: Hopper's wgmma does not exist there), unless its config is
+    kept for that (`mma_sync`: noted instead), or allocate more tensor memory than an SM has."""
+    problems = []
+    if row["mma"] and mma_sync:
+        row["notes"].append("tl.dot on mma.sync (kept: no tcgen05 config fits)")
+    elif row["mma"]:
+        problems.append("tl.dot off tcgen05 (mma.sync)")
+    if row["tmem_columns"] > TMEM_COLUMNS:
+        problems.append("tensor memory")
+    return problems
+
+
 def compile_task(task: Task) -> dict:
     """Compile one task and read its resources; a compile error is a flagged row."""
     capability, shared_limit = ARCHS[task.arch]
@@ -799,6 +842,7 @@ def compile_task(task: Task) -> dict:
         shared=meta_data.shared,
         wgmma=ptx.count("wgmma.mma_async"),
         mma=ptx.count("mma.sync"),
+        **tcgen05_resources(ptx, meta_data),
         tma=ptx.count("cp.async.bulk.tensor"),
         async_copies=len(re.findall(r"\bcp\.async\.c[ag]\.shared", ptx)),
         barriers=len(re.findall(r"\b(?:bar|barrier)\.sync\b", ptx)),
@@ -811,6 +855,8 @@ def compile_task(task: Task) -> dict:
         row["problems"].append("spills")
     if row["shared"] > shared_limit:
         row["problems"].append("shared memory")
+    if capability >= 100:
+        row["problems"] += tcgen05_problems(row, task.mma_sync)
     if task.kernel in hot_loop.KERNEL_DOTS:
         sass = hot_loop.disassemble(compiled.asm["cubin"])
         figures = hot_loop.analyse(
@@ -837,6 +883,15 @@ def _widths(sizes: dict) -> str:
     return str(high) if low == high else f"{low}-{high}"
 
 
+def _tensor_cores(row: dict) -> str:
+    """The tensor-core instructions of a row: wgmma, mma (mma.sync), tcgen05 with its tensor
+    memory columns."""
+    kinds = [kind for kind in ("wgmma", "mma") if row[kind]]
+    if row.get("tcgen05"):
+        kinds.append(f"tcgen05 ({row['tmem_columns']} TMEM cols)")
+    return " + ".join(kinds)
+
+
 def table(rows: list[dict]) -> str:
     columns = ["op", "kernel", "case", "config", "arch", "regs", "spill st/ld B"]
     columns += ["smem KB / limit", "tensor cores", "TMA", "cp.async", "main ld B", "main st B"]
@@ -849,7 +904,7 @@ def table(rows: list[dict]) -> str:
             cells += ["-"] * 9 + ["; ".join(row["problems"])]
         else:
             accesses = row["accesses"]
-            tensor_cores = ("wgmma" if row["wgmma"] else "") + ("mma" if row["mma"] else "")
+            tensor_cores = _tensor_cores(row)
             cells = [
                 row["op"],
                 f"`{row['kernel']}`",
@@ -927,15 +982,15 @@ def report_code_changes(before: list[dict], after: list[dict]) -> bool:
 
 
 def merged(kept: list[dict], fresh: list[dict]) -> list[dict]:
-    """The kept rows with each (op, case) that `fresh` has replaced by fresh's rows of it, in
-    the kept order (so that the file's diff shows what changed); fresh (op, case)s the kept
-    report lacks at the end."""
+    """The kept rows with each (op, case, arch) that `fresh` has replaced by fresh's rows of it,
+    in the kept order (so that the file's diff shows what changed); fresh (op, case, arch)s the
+    kept report lacks at the end."""
     groups: dict[tuple, list[dict]] = {}
     for row in fresh:
-        groups.setdefault((row["op"], row["case"]), []).append(row)
+        groups.setdefault((row["op"], row["case"], row["arch"]), []).append(row)
     out = []
     for row in kept:
-        group = (row["op"], row["case"])
+        group = (row["op"], row["case"], row["arch"])
         if group not in groups:
             out.append(row)
         elif groups[group] is not None:
@@ -1016,10 +1071,10 @@ def main(argv: list[str] | None = None) -> int:
     jobs = "compiler processes (default: one per CPU)"
     add("--jobs", type=int, default=os.cpu_count() or 1, help=jobs)
     baseline = (
-        f"the whole report, kept at {BASELINE}; with --op or --case, only the chosen rows "
-        "compiled again and the kept report's other rows kept as they are: for a change that "
-        "leaves the other rows' code alone (the fingerprint covers every kernel, so it cannot "
-        "tell; --same-code-as shows it for a sample)"
+        f"the whole report, kept at {BASELINE}; with --op, --case or --arch, only the chosen "
+        "rows compiled again and the kept report's other rows kept as they are: for a change "
+        "that leaves the other rows' code alone (the fingerprint covers every kernel, so it "
+        "cannot tell; --same-code-as shows it for a sample)"
     )
     add("--baseline", action="store_true", help=baseline)
     check = "exit 0 when the kept report is this code's and has no flagged row"
@@ -1029,8 +1084,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--jobs must be at least 1")
     if args.check_baseline:
         return check_baseline()
-    if args.baseline and (args.quick or sorted(args.arch) != sorted(ARCHS)):
-        parser.error("--baseline keeps the whole report: no --quick or --arch")
+    if args.baseline and args.quick:
+        parser.error("--baseline keeps the whole report: no --quick")
 
     start = time.perf_counter()
     selected = [
@@ -1057,8 +1112,11 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     if args.baseline:
-        if args.op or args.case:  # the other rows as kept (`--baseline`'s help)
-            rows = merged(json.loads(BASELINE.read_text())["rows"], rows)
+        if args.op or args.case or sorted(args.arch) != sorted(ARCHS):
+            kept_rows = json.loads(BASELINE.read_text())["rows"]
+            if not (args.op or args.case):  # every row of the chosen archs is compiled again
+                kept_rows = [row for row in kept_rows if row["arch"] not in args.arch]
+            rows = merged(kept_rows, rows)  # the other rows as kept (`--baseline`'s help)
         kept = dict(
             fingerprint=kernel_code_fingerprint(),
             triton=triton.__version__,

@@ -1,8 +1,10 @@
-"""The hot loop of each attention kernel, read from the SASS of a compile for sm_90a or sm_80.
+"""The hot loop of each attention kernel, read from the SASS of a compile for sm_90a, sm_80 or
+sm_100a.
 
 `compile_report.py` calls `analyse` on every attention kernel that multiplies matrices: it
 disassembles the cubin with the wheel's `nvdisasm` and reads the hot loop, the innermost loop (a
-backward branch) that holds tensor-core instructions (HGMMA on sm_90a, HMMA on sm_80), the
+backward branch) that holds tensor-core instructions (HGMMA on sm_90a, HMMA on sm_80, UTCHMMA on
+sm_100a), the
 cheapest of them when there are several (a kernel's unmasked phase). From it:
 
 - the instruction mix per warp and iteration: MMA, MUFU (ex2 and the rest), FFMA/FMUL/FADD,
@@ -27,6 +29,23 @@ cheapest of them when there are several (a kernel's unmasked phase). From it:
   share of the bound resource's work (MUFU or issue) issued beside an MMA hidden behind it, up
   to that MMA's clocks: MMA / (MMA + softmax - hidden).
 
+On sm_100a (B200, B300) `tl.dot` becomes `tcgen05.mma` (SASS `UTCHMMA`; `UTCQMMA` for 8-bit
+inputs): an asynchronous MMA that one thread issues for the whole CTA, accumulating in tensor
+memory (TMEM), whose completion `tcgen05.commit` (`UTCBAR [barrier]`) signals on an mbarrier that
+the consumers wait for (`SYNCS.PHASECHK.TRANS64.TRYWAIT P, [barrier]`). Its shape is not in the
+opcode but in the instruction descriptor (`idesc[URn]`, set by a `UMOV URn, imm`: M at bits
+24-28 as M >> 4, N at 17-22 as N >> 3, the input type at 7-9; K is 32 bytes of input: 16 for
+16-bit, 8 for TF32), so `tcgen05_flops` decodes it there, once per CTA (not per warp); a shape it
+cannot read is a problem of the row. `tcgen05_in_flight` follows each group of MMAs from its
+issue through its commit to the first wait on that barrier (the try-wait itself: ptxas may place
+independent work between a try-wait and the branch that retries it, but the try-wait may already
+suspend the warp; the barriers matched by their operand text), which gives `in_flight` and
+`loop_waits` (groups still pending after each wait) as for warpgroup MMA; `tmem_a` counts the
+MMAs whose A operand is read from TMEM (the P of P V, stored there with `STTM`, instead of
+through shared memory), `tmem_moves` the loop's TMEM loads and stores (`LDTM`, `STTM`). The clock
+model is the same with B200's dense rate (8192 16-bit FLOP per clock per SM, twice H100's; MUFU
+and issue rates as Hopper's); like the rest, a ranking, which a GPU must confirm.
+
 The compile report keeps these figures in its rows (`hot_loop`) and prints them as a second
 table (`table`). `attention_hot_loops.py` prints that table alone for causal attention, also for
 configs not shipped yet. This module imports neither of them: they build on it.
@@ -41,8 +60,9 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-#: Dense tensor-core FLOP per clock per SM for 16-bit inputs (H100 SXM; A100), and for TF32.
-MMA_RATE = {"sm_90a": 4096, "sm_80": 2048}
+#: Dense tensor-core FLOP per clock per SM for 16-bit inputs (H100 SXM; A100; B200: 2.25 dense
+#: PFLOP/s over 148 SMs at about 1.86 GHz), and for TF32.
+MMA_RATE = {"sm_90a": 4096, "sm_80": 2048, "sm_100a": 8192}
 TF32_FACTOR = 0.5
 #: MUFU results per clock per SM (16 per SM on both), warp-instructions issued per clock per SM.
 MUFU_RATE = 16
@@ -67,12 +87,19 @@ _HMMA = re.compile(r"HMMA\.(\d{2})(\d)(\d+)\.")
 _WAIT_GROUP = re.compile(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)")
 _DEPBAR = re.compile(r"gsb0\s*,\s*(0x[0-9a-f]+|\d+)")
 
+#: tcgen05.mma's SASS opcodes (sm_100a): 16-bit and TF32 inputs, 8-bit floats, integers, fp4.
+TCGEN05_MMA = ("UTCHMMA", "UTCQMMA", "UTCIMMA", "UTCOMMA")
+
 #: Instruction classes of the mix, the first matching prefix wins (opcode without modifiers).
 CLASSES = (
-    ("mma", ("HGMMA", "HMMA", "IMMA")),
+    ("mma", ("HGMMA", "HMMA", "IMMA", *TCGEN05_MMA)),
     ("mufu", ("MUFU",)),
-    # before the floating point's "F": FENCE.VIEW.ASYNC orders memory, it computes nothing
-    ("sync", ("BAR", "SYNCS", "WARPGROUP", "DEPBAR", "MEMBAR", "WARPSYNC", "ARRIVES", "FENCE")),
+    # before the floating point's "F": FENCE.VIEW.ASYNC orders memory, it computes nothing;
+    # UTCBAR (tcgen05.commit) before the uniform "U": it arrives on an MMA's barrier
+    (
+        "sync",
+        ("BAR", "SYNCS", "WARPGROUP", "DEPBAR", "MEMBAR", "WARPSYNC", "ARRIVES", "FENCE", "UTCBAR"),
+    ),
     ("fma", ("FFMA", "FMUL", "FADD")),
     ("fp_other", ("F", "H")),
     ("load", ("LD", "UTMALDG", "UBLKCP")),
@@ -208,6 +235,127 @@ def in_flight(body: list[Instruction], num_warps: int) -> dict | None:
     return dict(counts, mma_flops=flops)
 
 
+# --------------------------------------------------------------------------------------------
+# tcgen05 (sm_100a): shapes from the instruction descriptors, groups from commit to wait
+# --------------------------------------------------------------------------------------------
+
+_IDESC = re.compile(r"idesc\[(UR\d+)\]")
+_UMOV_IMMEDIATE = re.compile(r"^(UR\d+)\s*,\s*(0x[0-9a-f]+|\d+)$")
+_BRACKETS = re.compile(r"\[([^\]]+)\]")
+#: The input types of kind::f16 / kind::tf32 instruction descriptors (bits 7-9).
+_TCGEN05_TYPES = {0: "F16", 1: "BF16", 2: "TF32"}
+
+
+def is_tcgen05(inst: Instruction) -> bool:
+    return inst.base in TCGEN05_MMA
+
+
+def tcgen05_shape(inst: Instruction, body: list[Instruction], before: list[Instruction]):
+    """(M, N, K, input type) of a tcgen05 MMA of the loop body, from the `UMOV URn, imm` that
+    last set its instruction descriptor register (earlier in the body, else later in it: set in
+    the previous iteration, else before the loop); None where that is not a constant or the
+    opcode's kind is not 16-bit or TF32 (UTCHMMA)."""
+    idesc = _IDESC.search(inst.operands)
+    if not idesc or inst.base != "UTCHMMA":
+        return None
+    register, at = idesc.group(1), body.index(inst)
+    for candidate in [*body[:at][::-1], *body[at + 1 :][::-1], *before[::-1]]:
+        if not candidate.operands.startswith(register + ","):  # not a write of the register
+            continue
+        value = _UMOV_IMMEDIATE.match(candidate.operands) if candidate.base == "UMOV" else None
+        if value is None:
+            return None
+        bits = int(value.group(2), 0)
+        kind = _TCGEN05_TYPES.get((bits >> 7) & 7)
+        if kind is None:
+            return None
+        m, n = ((bits >> 24) & 0x1F) << 4, ((bits >> 17) & 0x3F) << 3
+        return m, n, 8 if kind == "TF32" else 16, kind
+    return None
+
+
+def tcgen05_flops(
+    body: list[Instruction], before: list[Instruction], num_warps: int
+) -> tuple[list[int], Counter]:
+    """FLOPs of each instruction of the body (0 but for MMAs: a tcgen05 MMA's 2 M N K, issued
+    once per CTA; a warp-level HMMA beside them, as `mma_flops` counts it), and the MMA shapes it
+    holds (`UTCHMMA.128x64x16.BF16`; `UTCHMMA.?` when unread)."""
+    flops, shapes = [], Counter()
+    for inst in body:
+        if not is_tcgen05(inst):
+            warp_level, shape = mma_flops([inst], num_warps)
+            flops.append(warp_level)
+            shapes.update(shape)
+            continue
+        shape = tcgen05_shape(inst, body, before)
+        if shape is None:
+            flops.append(0)
+            shapes[f"{inst.base}.?"] += 1
+        else:
+            m, n, k, kind = shape
+            flops.append(2 * m * n * k)
+            shapes[f"{inst.base}.{m}x{n}x{k}.{kind}"] += 1
+    return flops, shapes
+
+
+def _barrier(inst: Instruction) -> str | None:
+    found = _BRACKETS.search(inst.operands)
+    return found.group(1) if found else None
+
+
+def tcgen05_in_flight(body: list[Instruction], flops: list[int]) -> tuple[dict, list[int]]:
+    """What one iteration does while a tcgen05 MMA is in flight, as `in_flight` for warpgroup
+    MMA (steady state: the body walked twice, the second walk counted), and the MMA groups still
+    pending after each wait on an MMA barrier (`loop_waits`). An MMA is in flight from its issue
+    to the first wait (`SYNCS.PHASECHK`) on the barrier its group is committed to (`UTCBAR`)."""
+    issued: list[int] = []  # MMAs not committed yet
+    pending: dict[str, list[int]] = {}  # committed groups by barrier
+    counts, beside, waits = Counter(instructions=0, mufu=0), set(), set()
+    for walk in range(2):
+        for i, inst in enumerate(body):
+            barrier = _barrier(inst)
+            if is_tcgen05(inst):
+                issued.append(i)
+            elif inst.base == "UTCBAR" and barrier:
+                pending.setdefault(barrier, []).extend(issued)
+                issued = []
+            elif inst.opcode.startswith("SYNCS.PHASECHK") and pending.get(barrier):
+                del pending[barrier]
+                if walk:
+                    waits.add(sum(map(bool, pending.values())))
+            elif walk and (issued or any(pending.values())) and classify(inst.opcode) != "mma":
+                counts["instructions"] += 1
+                counts["mufu"] += inst.base == "MUFU"
+                if classify(inst.opcode) in ("mufu", "fma", "fp_other"):  # the softmax's work
+                    beside.update(issued, *pending.values())
+    return dict(counts, mma_flops=sum(flops[i] for i in beside)), sorted(waits)
+
+
+def tcgen05_figures(
+    instructions: list[Instruction], span: tuple[int, int], num_warps: int
+) -> dict | None:
+    """The tcgen05 reading of a hot loop (module docstring), None without tcgen05 MMA in it:
+    FLOPs and shapes, `in_flight`, `loop_waits`, the MMAs fed A (P) from tensor memory and the
+    loop's TMEM loads and stores."""
+    body, before = instructions[span[0] : span[1] + 1], instructions[: span[0]]
+    mmas = [inst for inst in body if is_tcgen05(inst)]
+    if not mmas:
+        return None
+    flops, shapes = tcgen05_flops(body, before, num_warps)
+    overlap, waits = tcgen05_in_flight(body, flops)
+    return dict(
+        issued=sum(flops),
+        shapes=shapes,
+        in_flight=overlap,
+        loop_waits=waits,
+        tmem_a=sum(inst.operands.startswith("tmem[") for inst in mmas),
+        tmem_moves=dict(
+            ld=sum(inst.base == "LDTM" for inst in body),
+            st=sum(inst.base == "STTM" for inst in body),
+        ),
+    )
+
+
 def tile_flops(kernel: str, constexprs: dict) -> tuple[int, str]:
     """The FLOPs of one iteration's dots and the tile (rows x cols of its score block)."""
     qk_dots, v_dots, rows, cols = KERNEL_DOTS[kernel]
@@ -239,20 +387,26 @@ def analyse(sass: str, ptx: str, kernel: str, constexprs: dict, num_warps: int, 
     mix = Counter(classify(inst.opcode) for inst in body)
     mix["total"] = len(body)
     mufu = Counter(inst.opcode for inst in body if inst.base == "MUFU")
-    issued, shapes = mma_flops(body, num_warps)
-    loop_waits = sorted(
-        {
-            int(m.group(1), 0)
-            for inst in body
-            if inst.opcode.startswith("WARPGROUP.DEPBAR") and (m := _DEPBAR.search(inst.operands))
-        }
-    )
+    tcgen05 = tcgen05_figures(instructions, span, num_warps)
+    if tcgen05:
+        issued, shapes = tcgen05.pop("issued"), tcgen05.pop("shapes")
+        loop_waits, overlap = tcgen05.pop("loop_waits"), tcgen05.pop("in_flight")
+    else:
+        issued, shapes = mma_flops(body, num_warps)
+        loop_waits = sorted(
+            {
+                int(m.group(1), 0)
+                for inst in body
+                if inst.opcode.startswith("WARPGROUP.DEPBAR")
+                and (m := _DEPBAR.search(inst.operands))
+            }
+        )
+        overlap = in_flight(body, num_warps)
     rate = MMA_RATE[arch] * (TF32_FACTOR if any(".TF32" in s for s in shapes) else 1)
     mma_clocks = issued / rate
     mufu_clocks = mix["mufu"] * num_warps * 32 / MUFU_RATE
     issue_clocks = (mix["total"] - mix["mma"]) * num_warps / ISSUE_RATE
     softmax = max(mufu_clocks, issue_clocks)
-    overlap = in_flight(body, num_warps)
     hidden = 0.0
     if overlap:  # the share of the bound resource's work issued beside an MMA, up to that MMA
         if mufu_clocks >= issue_clocks:
@@ -276,7 +430,9 @@ def analyse(sass: str, ptx: str, kernel: str, constexprs: dict, num_warps: int, 
         mma_busy_overlapped=mma_clocks / (mma_clocks + softmax - hidden)
         if mma_clocks + softmax
         else 0.0,
-        problems=["duplicated MMA"] if issued > flops else [],
+        problems=(["duplicated MMA"] if issued > flops else [])
+        + (["MMA shape unread"] if any(s.endswith(".?") for s in shapes) else []),
+        **({"tcgen05": tcgen05} if tcgen05 else {}),
     )
 
 
@@ -334,6 +490,9 @@ FIGURES = {
         f"{','.join(map(str, row['loop_waits'])) or '-'} ({row['deepest_wait_group']})"
     ),
     "instr (MUFU) beside MMA": _beside,
+    "MMA fed A from TMEM": lambda row: (
+        f"{row['tcgen05']['tmem_a']} of {row['mix']['mma']}" if "tcgen05" in row else "-"
+    ),
 }
 
 

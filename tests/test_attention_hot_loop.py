@@ -357,7 +357,14 @@ def test_capped_hot_loops_stay_near_the_plain_ones(option):
     one's instructions (Gemma 2 trains on it; the tanh it had first, 3.6x), and takes at most its
     clock ratio times the plain one's modelled clocks."""
     pairs = capped_against_plain(json.loads(KEPT_REPORT.read_text())["rows"])
-    pairs = {key[1:]: loops for key, loops in pairs.items() if key[0] == option}
+    # Hopper's and Ampere's bounds: on sm_100a the plain loops are shorter and the cap's share
+    # larger (the kept report's sm_100a rows: exact 1.4x-2.5x instructions, 1.4x-3.0x clocks;
+    # approximate 1.0x-1.3x and 1.0x-2.0x), not bounded here yet
+    pairs = {
+        key[1:]: loops
+        for key, loops in pairs.items()
+        if key[0] == option and key[1] in ("sm_90a", "sm_80")
+    }
     kernels = {(arch, kernel) for arch, op, kernel, *_ in pairs}
     every = {(arch, kernel) for arch in ("sm_90a", "sm_80") for kernel in hot_loop.KERNEL_DOTS}
     assert kernels == every - {("sm_80", "_attention_fwd_tma_kernel")}  # descriptors: sm_90+
@@ -401,3 +408,72 @@ def test_head_block_512_has_hot_loops_without_spills():
     assert all(row["spill_stores"] == 0 and not row["problems"] for row in rows)
     whole = [row for row in rows if not row["notes"]]  # no repeated MMA: the dK/dV M64 N16
     assert whole and all(row["hot_loop"]["mma_ratio"] == 1.0 for row in whole)
+
+
+def _tcgen05_listing() -> str:
+    """A Blackwell forward's hot loop in nvdisasm -c's format, as Triton 3.9 compiles a 128 x 64
+    tile at head block 128 for sm_100a (cut down): wait for S (committed to UR19), load it from
+    tensor memory, try-wait for the previous P V (UR11) with exponentials between the try-wait
+    and its retry branch, store P to tensor memory, issue P V (A from tensor memory) and commit
+    it to UR11, then the next S = Q K^T (A and B from shared memory) committed to UR19."""
+    lines = [
+        "UMOV UR35, 0x8210490",  # before the loop: M 128, N 128, bf16 (P V)
+        ".L_x_1:",
+        "SYNCS.PHASECHK.TRANS64.TRYWAIT P2, [UR19], R4",
+        "@!P2 BRA `(.L_x_9)",
+        "LDTM.16dp32bit_t0_t15.x32 R4, tmem[UR12+0x80]",
+        "FMNMX R6, R4, R5, !PT",
+        "SYNCS.PHASECHK.TRANS64.TRYWAIT P2, [UR11], R36",
+        "MUFU.EX2 R8, R4",
+        "MUFU.EX2 R9, R5",
+        "@!P2 BRA `(.L_x_9)",
+        "STTM.16dp32bit_t0_t15.x16 tmem[UR12+0xc0], R8",
+        "FMUL R20, R20, R6",
+        "UTCHMMA tmem[UR39], gdesc[UR24], tmem[UR9], tmem[UR34], idesc[UR35], UPT",
+        "UTCHMMA tmem[UR6], gdesc[UR28], tmem[UR9], tmem[UR34], idesc[UR35], UPT",
+        "UTCBAR [UR11], URZ",
+        "UMOV UR43, 0x8100490",  # M 128, N 64, bf16 (S = Q K^T)
+        "UTCHMMA gdesc[UR16], gdesc[UR20], tmem[UR10], tmem[UR42], idesc[UR43], !UPT",
+        "UTCBAR [UR19], URZ",
+        "FADD R11, R8, R11",
+        "LDGSTS.E.BYPASS.128 [R15+0xc000], desc[UR26][R4.64], !P2",
+        "ISETP.GE.AND P0, PT, R2, R3, PT",
+        "@!P0 BRA `(.L_x_1)",
+        "EXIT",
+        ".L_x_9:",
+        "BRA `(.L_x_1)",
+    ]
+    out, address = [], 0
+    for text in lines:
+        if text.startswith("."):
+            out.append(text)
+        else:
+            out.append(_line(address, text))
+            address += 0x10
+    return "\n".join(out)
+
+
+def test_tcgen05_loop_shapes_groups_and_tensor_memory():
+    """sm_100a's reading: each UTCHMMA's shape from the UMOV that set its instruction descriptor
+    (before the loop, or in it), issued once per CTA; what runs between a group's issue and the
+    try-wait on the barrier it is committed to; the MMAs fed A (P) from tensor memory."""
+    constexprs = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=128)
+    listing = _tcgen05_listing()
+    row = hot_loop.analyse(listing, "", "_attention_fwd_kernel", constexprs, 8, "sm_100a")
+    assert row["mma_shapes"] == {"UTCHMMA.128x128x16.BF16": 2, "UTCHMMA.128x64x16.BF16": 1}
+    issued = 2 * (2 * 128 * 128 * 16) + 2 * 128 * 64 * 16  # not times the 8 warps
+    assert row["mma_issued_flops"] == issued
+    assert row["mma_ratio"] == issued / (4 * 128 * 64 * 128)
+    assert row["mix"]["mma"] == 3 and row["mix"]["sync"] == 4  # two try-waits, two commits
+    assert row["tcgen05"] == dict(tmem_a=2, tmem_moves=dict(ld=1, st=1))
+    # P V is in flight from its issue to the try-wait on UR11 (the next iteration), S from its
+    # issue to the try-wait on UR19: the UMOV beside P V, FADD, LDGSTS, ISETP and the back branch
+    # beside both, then the retry branch, LDTM and FMNMX beside P V alone (8); the exponentials
+    # follow P V's try-wait, and the FADD and FMNMX put both MMAs beside floating-point work
+    assert row["in_flight"] == dict(instructions=8, mufu=0, mma_flops=issued)
+    assert row["loop_waits"] == [0, 1] and row["deepest_wait_group"] is None
+    assert row["clocks"]["mma"] == issued / 8192
+    assert row["problems"] == []
+    unread = listing.replace("UMOV UR35, 0x8210490", "MOV R1, R2")
+    row = hot_loop.analyse(unread, "", "_attention_fwd_kernel", constexprs, 8, "sm_100a")
+    assert row["mma_shapes"]["UTCHMMA.?"] == 2 and "MMA shape unread" in row["problems"]

@@ -1,18 +1,26 @@
-"""The kernels as Triton compiles them for an H100/H200 (sm_90a), checked without a GPU.
+"""The kernels as Triton compiles them for an H100/H200 (sm_90a) and a B200/B300 (sm_100a),
+checked without a GPU.
 
-Runs `benchmarks/compile_report.py --quick --arch sm_90a` once (bf16 row-wise kernels at hidden
-4096, RoPE at head dims 64 and 128, every attention config at head dim 128, causal, plain and
-with a window, the cap and packed sequences compiled in) and checks its
-rows: no shipped config spills registers or needs more shared memory than Hopper has, the
-memory-bound kernels move 16-byte vectors on their main path, and attention uses Hopper's tensor
-cores (wgmma).
+The whole compile report (every op and shipped config on sm_90a, sm_80 and sm_100a) takes tens of
+minutes, so it is kept in the repository (`benchmarks/baselines/compile_report.json`) with a
+fingerprint of the kernels' code, and `compile_report.py --check-baseline` proves it is this
+code's and flags nothing. Most tests here read that kept report: on sm_90a, the CI's selection
+(bf16 row-wise kernels, RoPE at head dims 64 and 128, every attention config at head dim 128,
+causal, plain and with a window, the cap and packed sequences): no shipped config spills or needs
+more shared memory than Hopper has, the memory-bound kernels move 16-byte vectors on their main
+path, attention uses Hopper's tensor cores (wgmma) and TMA where it should; on sm_100a, every
+row: no spill, shared memory and tensor memory (512 columns) within Blackwell's, and every
+kernel with a `tl.dot` on tcgen05.
 
-The report must compile for CUDA, so it runs in a subprocess without TRITON_INTERPRET (which
-conftest.py sets here). Triton's on-disk cache makes a rerun with unchanged kernels take seconds;
-without it (a fresh machine) every row is compiled.
+One small sample is compiled now (`report`: the RMSNorm forwards for sm_90a, seconds, in a
+subprocess without TRITON_INTERPRET, which conftest.py sets here): the script runs and prints its
+tables, `--same-code-as` finds changed code, and the sample's PTX is the kept rows' PTX, digest
+for digest: the kept report is what this Triton makes of this code, not only of code with the
+same fingerprint.
 """
 
 import importlib
+import itertools
 import json
 import os
 import subprocess
@@ -60,16 +68,49 @@ def _ptxas_missing() -> str | None:
     return None
 
 
+#: The kept whole report (`compile_report.py --baseline`), and the op the sample compiles now.
+KEPT_REPORT = REPO / "benchmarks" / "baselines" / "compile_report.json"
+SAMPLE_OP = "RMSNorm fwd"
+#: The attention rows of the CI's selection (`compile_report.cases(quick=True)`): head dim 128,
+#: (causal, option).
+QUICK_ATTENTION = {(True, None), (True, "window"), (False, "window"), (True, "softcap")}
+QUICK_ATTENTION |= {(True, "varlen")}
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    """(completed process, rows) of one quick sm_90a report."""
+    """(completed process, rows) of the sample: the RMSNorm forwards, bf16, sm_90a."""
     reason = _ptxas_missing()
     if reason:
         pytest.skip(reason)
     rows_path = tmp_path_factory.mktemp("compile_report") / "rows.json"
-    result = _run_report("--quick", "--arch", "sm_90a", "--json", str(rows_path))
+    same = ["--same-code-as", str(KEPT_REPORT)] if _kept_by_this_triton() else []
+    result = _run_report(
+        "--quick", "--arch", "sm_90a", "--op", SAMPLE_OP, "--json", str(rows_path), *same
+    )
     assert rows_path.exists(), f"no rows written:\n{result.stdout}\n{result.stderr}"
     return result, json.loads(rows_path.read_text())
+
+
+def _kept_by_this_triton() -> bool:
+    return _kept()["triton"] == importlib.import_module("triton").__version__
+
+
+def _kept() -> dict:
+    return json.loads(KEPT_REPORT.read_text())
+
+
+@pytest.fixture(scope="module")
+def kept_quick() -> list[dict]:
+    """The kept report's sm_90a rows of the CI's selection (`QUICK_ATTENTION`, bf16)."""
+    rows = [row for row in _kept()["rows"] if row["arch"] == "sm_90a" and row["dtype"] == "bf16"]
+    return [
+        row
+        for row in rows
+        if not row["op"].startswith(("attention", "MoE"))
+        or (row.get("head_dim") == 128 and "head_dim_v" not in row
+            and (row["causal"], row["option"]) in QUICK_ATTENTION)
+    ]  # fmt: skip
 
 
 def _run_report(*args: str) -> subprocess.CompletedProcess:
@@ -100,14 +141,35 @@ def test_report_runs_and_prints_its_table(report):
     )
     assert result.stdout.startswith("| op | kernel |")
     assert len(result.stdout.splitlines()) >= len(rows) + 2  # header, rule, one line per row
-    ops = {row["op"] for row in rows}
+    assert {row["op"] for row in rows} == {"RMSNorm fwd", "add+RMSNorm fwd"}
+
+
+def test_sample_compiles_to_the_kept_code(report):
+    """The rows compiled now have the PTX (debug info aside) of the same rows kept, as
+    `--same-code-as` the kept report says: the kept report is what this Triton makes of this
+    code."""
+    result, rows = report
+    if not _kept_by_this_triton():
+        pytest.skip(f"the kept report was compiled by Triton {_kept()['triton']}")
+    digests = {_row_key(row): row["ptx_sha256"] for row in _kept()["rows"]}
+    assert rows and all(digests[_row_key(row)] == row["ptx_sha256"] for row in rows)
+    assert f"same code as before: {len(rows)} of {len(rows)} rows" in result.stdout
+
+
+def _row_key(row: dict) -> tuple:
+    config = json.dumps(row["blocks"], sort_keys=True), row.get("num_warps"), row.get("num_stages")
+    return row["op"], row["kernel"], row["case"], *config, row["arch"]
+
+
+def test_the_ci_selection_is_in_the_kept_report(kept_quick):
+    ops = {row["op"] for row in kept_quick}
     assert set(MEMORY_BOUND) | {"attention fwd", "attention bwd"} <= ops
-    kernels = {row["kernel"] for row in rows}
+    kernels = {row["kernel"] for row in kept_quick}
     assert set(TENSOR_CORE_KERNELS) | {"_attention_bwd_delta_kernel"} <= kernels
 
 
-def test_no_shipped_config_spills_or_overflows_shared_memory(report):
-    _, rows = report
+def test_no_shipped_config_spills_or_overflows_shared_memory(kept_quick):
+    rows = kept_quick
     assert all(row["arch"] == "sm_90a" for row in rows)
     flagged = [f"{_describe(row)}: {', '.join(row['problems'])}" for row in rows if row["problems"]]
     assert not flagged, "\n".join(flagged)
@@ -118,15 +180,15 @@ def test_no_shipped_config_spills_or_overflows_shared_memory(report):
 
 
 def test_the_kept_whole_report_is_this_codes_and_flags_nothing():
-    """The whole report (every op and shipped config, sm_90a and sm_80) takes tens of minutes, so
-    it is kept in the repository with a fingerprint of the kernels' code: it must be this code's
-    (a kernel change is reported again before it lands) and flag no row."""
+    """The whole report (every op and shipped config, sm_90a, sm_80 and sm_100a) takes tens of
+    minutes, so it is kept in the repository with a fingerprint of the kernels' code: it must be
+    this code's (a kernel change is reported again before it lands) and flag no row."""
     result = _run_report("--check-baseline")
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_memory_bound_kernels_move_16_byte_vectors(report):
-    _, rows = report
+def test_memory_bound_kernels_move_16_byte_vectors(kept_quick):
+    rows = kept_quick
     checked = set()
     for row in rows:
         if row["op"] not in MEMORY_BOUND:
@@ -142,21 +204,21 @@ def test_memory_bound_kernels_move_16_byte_vectors(report):
     assert checked == set(MEMORY_BOUND)
 
 
-def test_rms_norm_backward_keeps_loads_in_flight(report):
+def test_rms_norm_backward_keeps_loads_in_flight(kept_quick):
     """The RMSNorm backward loops over rows (one program per SM, partial weight gradients in
     registers); its loop is software-pipelined: the next rows' loads are async copies (cp.async)
     issued while this row is reduced."""
-    _, rows = report
+    rows = kept_quick
     backward = [row for row in rows if row["kernel"] == "_rms_norm_bwd"]
     assert backward
     serial = [_describe(row) for row in backward if not row["async_copies"]]
     assert not serial, "no cp.async in:\n" + "\n".join(serial)
 
 
-def test_attention_uses_hopper_tensor_cores(report):
+def test_attention_uses_hopper_tensor_cores(kept_quick):
     """Every config the autotuners try at head dim 128 bf16 uses wgmma, except the smallest one
     that FASTLM_AUTOTUNE=0 keeps for test runs (32-row blocks: below a warpgroup's 64 rows)."""
-    _, rows = report
+    rows = kept_quick
     tuned = [row for row in rows if row["kernel"] in TENSOR_CORE_KERNELS and not row["default"]]
     assert {row["kernel"] for row in tuned} == set(TENSOR_CORE_KERNELS)
     without = [_describe(row) for row in tuned if not row["wgmma"]]
@@ -168,12 +230,11 @@ def test_attention_uses_hopper_tensor_cores(report):
             assert row["mma"] == 0, _describe(row)
 
 
-def test_tensor_core_loops_issue_their_tiles_mma_once(report):
-    """Every attention kernel that multiplies matrices carries its hot loop's figures, printed as
-    the report's second table, and no config repeats MMA work across warps (a fallback config,
+def test_tensor_core_loops_issue_their_tiles_mma_once(kept_quick):
+    """Every attention kernel that multiplies matrices carries its hot loop's figures (the
+    report's second table), and no config repeats MMA work across warps (a fallback config,
     kept only for head blocks no better one fits, may: it is noted, not flagged)."""
-    result, rows = report
-    assert "Hot loops of the attention kernels" in result.stdout
+    rows = kept_quick
     analysed = [row for row in rows if row["kernel"] in TENSOR_CORE_KERNELS]
     assert analysed and all("mix" in row["hot_loop"] for row in analysed)
     for row in analysed:
@@ -183,11 +244,11 @@ def test_tensor_core_loops_issue_their_tiles_mma_once(report):
             assert figures["mma_ratio"] <= 1, f"{_describe(row)}: {figures['mma_ratio']}"
 
 
-def test_descriptor_paths_move_tiles_by_tma(report):
+def test_descriptor_paths_move_tiles_by_tma(kept_quick):
     """The sm_90 forward path loads Q, K, V and stores O through tensor descriptors, the dQ pass
     loads K and V so: every config of them (plain and with each option) compiles to bulk tensor
     copies (cp.async.bulk.tensor); the pointer dQ pass to none."""
-    _, rows = report
+    rows = kept_quick
     for is_descriptor_path in (
         lambda row: row["kernel"] == "_attention_fwd_tma_kernel",
         lambda row: row["op"] == "attention bwd dQ (TMA)",
@@ -229,13 +290,18 @@ def _attention_internals() -> SimpleNamespace:
 
 
 def test_autotuners_try_the_configs_the_report_compiles(monkeypatch):
-    """The report compiles `fitting_configs`; on CUDA the autotuners prune to the same configs
-    (to the last of them under FASTLM_AUTOTUNE=0), for every head block and element size, plain
-    and with each option variant compiled in (which some configs do not take)."""
+    """The report compiles `fitting_configs` of each arch's list (`for_capability`); on CUDA the
+    autotuners prune to the same configs (to the last of them under FASTLM_AUTOTUNE=0) on a
+    Hopper and on a Blackwell GPU, for every head block and element size, plain and with each
+    option variant compiled in (which some configs do not take)."""
     attention = _attention_internals()
-    monkeypatch.setattr(attention.prune_module, "interpreting", lambda: False)  # as on CUDA
-    for kernel, cuda, served in attention.autotuned:
-        every = attention.prune_module.cuda_triton_configs(cuda)
+    configs = attention.prune_module
+    monkeypatch.setattr(configs, "interpreting", lambda: False)  # as on CUDA
+    for (kernel, cuda, served), major in itertools.product(attention.autotuned, (9, 10)):
+        # a GPU of this compute capability: Blackwell (10) has its own configs
+        monkeypatch.setattr(configs, "capability", lambda tensor, major=major: major)
+        every = configs.cuda_triton_configs([*cuda, *getattr(cuda, "sm100", [])])
+        cuda = configs.for_capability(cuda, major)
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             q = torch.empty(0, dtype=dtype)
             largest = served[1] if dtype == torch.float32 else served[0]
@@ -260,18 +326,13 @@ def test_autotuners_try_the_configs_the_report_compiles(monkeypatch):
 
 
 def test_same_code_as_finds_changed_code(report, tmp_path):
-    """`--same-code-as`: rows with the digest of an earlier run pass; a row whose code differs
-    (here: its earlier digest altered) or that the earlier run lacks is listed, exit status 1."""
+    """`--same-code-as`: rows with the digest of an earlier run pass (the sample against the
+    kept report, above); a row whose code differs (here: its earlier digest altered) or that the
+    earlier run lacks is listed, exit status 1."""
     _, rows = report
     assert all(len(row["ptx_sha256"]) == 64 for row in rows)
-    norms = [row for row in rows if "RMSNorm fwd" in row["op"]]  # what --op "RMSNorm fwd" runs
+    norms = [dict(row) for row in rows if "RMSNorm fwd" in row["op"]]  # what --op runs
     before = tmp_path / "before.json"
-    before.write_text(json.dumps(norms))
-    same = _run_report(
-        "--quick", "--arch", "sm_90a", "--op", "RMSNorm fwd", "--same-code-as", str(before)
-    )
-    assert same.returncode == 0, same.stdout + same.stderr
-    assert f"same code as before: {len(norms)} of {len(norms)} rows" in same.stdout
     norms[0]["ptx_sha256"] = "0" * 64  # a row whose code differs, and one the earlier run lacks
     before.write_text(json.dumps([norms[0], *norms[2:]]))
     changed = _run_report(
@@ -281,3 +342,49 @@ def test_same_code_as_finds_changed_code(report, tmp_path):
     assert f"same code as before: {len(norms) - 2} of {len(norms)} rows" in changed.stdout
     assert changed.stdout.count("  changed: ") == 1
     assert changed.stdout.count("  not in the earlier run: ") == 1
+
+
+#: The sm_100a row's arch: what Blackwell's rows must show.
+BLACKWELL = "sm_100a"
+
+
+def test_blackwell_rows_fit_and_multiply_on_tcgen05():
+    """Every kept sm_100a row (B200, B300: every shipped config, Blackwell's attention configs
+    among them) compiled without spills, within 227 KB of shared memory and the 512 columns of
+    tensor memory; every kernel that multiplies matrices (wgmma or mma.sync on sm_90a or sm_80,
+    at that dtype) does so
+    on sm_100a with tcgen05.mma only, its accumulators in tensor memory, and its hot loop (an
+    attention kernel's) issues exactly its tile's MMA: all but the configs Blackwell keeps on
+    mma.sync where no tcgen05 config fits (`CudaConfig.mma_sync`, noted in the row), which are
+    at most a third of the attention rows and never FASTLM_AUTOTUNE=0's at 16-bit head dim 128
+    but in the atomic-dQ pass."""
+    rows = _kept()["rows"]
+    multiplying = {  # (kernel, dtype): fp32 MoE GEMMs multiply on the FMA units everywhere
+        (row["kernel"], row["dtype"]) for row in rows if row.get("wgmma") or row.get("mma")
+    }
+    blackwell = [row for row in rows if row["arch"] == BLACKWELL]
+    assert {row["kernel"] for row in blackwell} >= set(TENSOR_CORE_KERNELS)
+    kept_on_mma_sync = []
+    for row in blackwell:
+        assert not row["problems"] and row["spill_stores"] == row["spill_loads"] == 0, row
+        assert row["shared"] <= row["shared_limit"] == 232448, _describe(row)
+        assert row["tmem_columns"] <= 512, _describe(row)
+        assert row["wgmma"] == 0, _describe(row)
+        if any("kept: no tcgen05 config fits" in note for note in row["notes"]):
+            assert row["mma"] > 0, _describe(row)
+            kept_on_mma_sync.append(row)
+        elif (row["kernel"], row["dtype"]) in multiplying:
+            assert row["tcgen05"] > 0 and row["mma"] == 0, _describe(row)
+            assert row["tmem_columns"] > 0, _describe(row)
+            if row["kernel"] in TENSOR_CORE_KERNELS:
+                loop = row["hot_loop"]
+                assert loop["mma_ratio"] == 1.0 and "tcgen05" in loop, _describe(row)
+                assert all(shape.startswith("UTCHMMA.") for shape in loop["mma_shapes"]), loop
+        else:
+            assert row["tcgen05"] == row["tmem_columns"] == 0, _describe(row)
+    attention = [row for row in blackwell if row["kernel"] in TENSOR_CORE_KERNELS]
+    assert 3 * len([row for row in kept_on_mma_sync if row in attention]) <= len(attention)
+    defaults = [row for row in attention if row["default"] and row.get("head_dim") == 128]
+    # the atomic pass: all kept on mma.sync; fp32 dK/dV at 128 too
+    defaults = [row for row in defaults if "atomic" not in row["op"] and row["dtype"] != "fp32"]
+    assert defaults and not any(row in kept_on_mma_sync for row in defaults)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
+import torch
+
 from fastlm.backend import interpreting
 from fastlm.kernels._common import triton
 
@@ -32,6 +34,10 @@ class CudaConfig(NamedTuple):
     wider of the two); False where that spilled.
     split_blocks: (BLOCK_D, BLOCK_DV) pairs of 16-bit inputs it is kept for beside those limits:
     MLA's 192 / 128 is (256, 128), where a 256-wide v would not fit.
+    mma_sync: in a Blackwell list (`CudaConfigs.sm100`), a config whose `tl.dot`s do not all
+    become `tcgen05.mma` (a product of fewer than 64 rows runs on `mma.sync`), kept only for the
+    head blocks where no tcgen05 config compiled without spilling; the compile report notes it
+    instead of flagging it.
     """
 
     blocks: dict
@@ -43,6 +49,29 @@ class CudaConfig(NamedTuple):
     min_block_d: int = 0
     split_v: bool = True
     split_blocks: tuple = ()
+    mma_sync: bool = False
+
+
+class CudaConfigs(list):
+    """A kernel's CUDA configs (the list itself: sm_80, sm_90 and every arch without its own) and
+    Blackwell's (`sm100`: compute capability 10.x, B200 and B300), chosen per launch from the
+    GPU's compute capability (`for_capability`). Blackwell multiplies with `tcgen05.mma`, whose
+    accumulators live in tensor memory instead of registers, on tiles of 64 or 128 rows per
+    CTA: a product of fewer rows falls back to the warp-level `mma.sync`, so its configs differ."""
+
+    def __init__(self, configs: list[CudaConfig], sm100: list[CudaConfig]):
+        super().__init__(configs)
+        self.sm100 = list(sm100)
+
+
+def for_capability(cuda: list[CudaConfig], major: int) -> list[CudaConfig]:
+    """The configs of a kernel's CUDA list for a GPU of this compute capability (major)."""
+    return cuda.sm100 if major == 10 and isinstance(cuda, CudaConfigs) else list(cuda)
+
+
+def capability(tensor: torch.Tensor) -> int:
+    """The compute capability (major) of a tensor's CUDA device; 0 off CUDA."""
+    return torch.cuda.get_device_capability(tensor.device)[0] if tensor.is_cuda else 0
 
 
 #: The constexprs of the option variants: each adds registers to the plain kernels.
@@ -84,16 +113,19 @@ def triton_configs(
     otherwise, which `prune_to_fitting` cuts down per launch. `covers`: the largest head blocks
     (16-bit, fp32) some config must take: every head dim unless the caller routes the rest
     elsewhere."""
-    for block_d, element_size in ((covers[0], 2), (covers[1], 4)):
-        assert fitting_configs(cuda, block_d, element_size), "a head dim no config takes"
+    lists = [list(cuda)] + ([cuda.sm100] if isinstance(cuda, CudaConfigs) else [])
+    for configs in lists:
+        for block_d, element_size in ((covers[0], 2), (covers[1], 4)):
+            assert fitting_configs(configs, block_d, element_size), "a head dim no config takes"
     if interpreting():
         return [triton.Config(interpreter_blocks, num_warps=4, num_stages=1)]
-    return cuda_triton_configs(cuda)
+    return cuda_triton_configs([config for configs in lists for config in configs])
 
 
 def cuda_triton_configs(cuda: list[CudaConfig]) -> list[triton.Config]:
     """The CUDA list as Triton configs, each shape once: a shape may be listed twice, kept for
-    different head blocks, and pruning (`prune_to_fitting`) matches configs by shape."""
+    different head blocks (or archs), and pruning (`prune_to_fitting`) matches configs by
+    shape."""
     shapes = dict.fromkeys((tuple(c.blocks.items()), c.num_warps, c.num_stages) for c in cuda)
     return [
         triton.Config(dict(blocks), num_warps=warps, num_stages=stages)
@@ -102,7 +134,8 @@ def cuda_triton_configs(cuda: list[CudaConfig]) -> list[triton.Config]:
 
 
 def prune_to_fitting(cuda: list[CudaConfig]):
-    """An autotuner's early_config_prune: the configs that fit the launch's head block and dtype.
+    """An autotuner's early_config_prune: the configs of the GPU's arch (`for_capability`) that
+    fit the launch's head block and dtype.
 
     FASTLM_AUTOTUNE=0 keeps only the last of them, the smallest: for test runs, where tuning each
     new shape would compile every config.
@@ -111,9 +144,10 @@ def prune_to_fitting(cuda: list[CudaConfig]):
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
         if interpreting():
             return configs
+        q = named_args["Q"]
         fitting = fitting_configs(
-            cuda, kwargs["BLOCK_D"], named_args["Q"].element_size(), has_options(kwargs),
-            kwargs.get("BLOCK_DV")
+            for_capability(cuda, capability(q)), kwargs["BLOCK_D"], q.element_size(),
+            has_options(kwargs), kwargs.get("BLOCK_DV")
         )
         if os.environ.get("FASTLM_AUTOTUNE", "1") == "0":
             fitting = fitting[-1:]
@@ -127,11 +161,12 @@ def prune_to_fitting(cuda: list[CudaConfig]):
 
 def cuda_config(
     block_m: int, block_n: int, warps: int, stages: int, max_block_d: int, max_block_d_fp32: int,
-    options: bool = True, min_block_d: int = 0, split_v: bool = True, split_blocks: tuple = ()
+    options: bool = True, min_block_d: int = 0, split_v: bool = True, split_blocks: tuple = (),
+    mma_sync: bool = False
 ) -> CudaConfig:
     return CudaConfig(
         {"BLOCK_M": block_m, "BLOCK_N": block_n}, warps, stages, max_block_d, max_block_d_fp32,
-        options, min_block_d, split_v, split_blocks
+        options, min_block_d, split_v, split_blocks, mma_sync
     )
 
 
@@ -200,6 +235,53 @@ DQ_CUDA_CONFIGS = [
     # Head block 512, 16-bit: as the forward's (1.67 times its MMA); M16 N32 on 4 warps spilled.
     cuda_config(32, 32, 8, 1, 512, 0, min_block_d=512),
 ]
+
+# Blackwell (compute capability 10.x: B200, B300), read off compiles for sm_100a (Triton 3.9,
+# benchmarks/compile_report.py). tcgen05.mma takes 64 or 128 rows per CTA and accumulates in
+# tensor memory (TMEM, 512 columns per SM): the forward's and dQ's BLOCK_M and the dK/dV pass's
+# BLOCK_N must be 64 or more, or a tl.dot falls back to mma.sync (the 32-row configs above
+# do). The accumulators are read into registers for each rescale, so registers still bound the
+# head block: the forward's M64 N64 on 4 warps spilled with the window at head dim 128 (255
+# registers, 92 B), its M128 N64 on 4 warps at 64 (236 B), M64 N32 at 512 (4 warps 1460 B, 8
+# warps 212 B) and fp32 256 (492 B); dQ's M64 N32 at 512 (8 warps: 1188 B); dK/dV's M16 N64
+# at fp32 128 (28 B), its M32 N64 at 256 (12 B); the atomic pass's M64 N64 at 128 (248 B).
+# At 256, 8 warps on 64-row blocks fit (forward 153 registers, dQ 219). Where no tcgen05 config
+# fits (16-bit head block 512, fp32 above 128 in the backward and at 256 in the forward, the
+# atomic-dQ pass), the Hopper list's small configs stay, on mma.sync (`mma_sync`). What a GPU
+# must confirm: docs/attention.md.
+FWD_CUDA_CONFIGS = CudaConfigs(
+    FWD_CUDA_CONFIGS, [
+        cuda_config(128, 64, 8, 3, 128, 0),
+        cuda_config(128, 64, 8, 4, 128, 0),
+        cuda_config(64, 64, 4, 3, 128, 0, options=False),  # with the window: 92 B spilled
+        cuda_config(128, 64, 8, 2, 0, 0, split_blocks=(MLA_BLOCKS, )),
+        cuda_config(64, 32, 4, 2, 0, 0, split_blocks=(MLA_BLOCKS, )),
+        cuda_config(64, 32, 4, 1, 0, 128),
+        cuda_config(32, 32, 8, 1, 0, 256, min_block_d=256, mma_sync=True),
+        cuda_config(64, 32, 8, 1, 256, 0, min_block_d=256, split_v=False),  # 153 registers
+        cuda_config(32, 32, 8, 1, 512, 0, min_block_d=512, mma_sync=True),
+    ]
+)
+DKDV_CUDA_CONFIGS = CudaConfigs(
+    DKDV_CUDA_CONFIGS, [
+        cuda_config(32, 128, 8, 2, 64, 64),
+        cuda_config(32, 64, 4, 3, 128, 0),  # with every option at 128, unlike on sm_80
+        cuda_config(16, 64, 4, 2, 256, 64),
+        cuda_config(64, 32, 8, 1, 0, 128, min_block_d=128, mma_sync=True),
+        cuda_config(64, 16, 8, 1, 512, 0, options=False, min_block_d=512, mma_sync=True),
+        cuda_config(32, 32, 8, 1, 0, 256, min_block_d=256, mma_sync=True),
+        cuda_config(32, 32, 8, 1, 512, 0, min_block_d=512, mma_sync=True),
+    ]
+)
+DQ_CUDA_CONFIGS = CudaConfigs(
+    DQ_CUDA_CONFIGS, [
+        cuda_config(128, 64, 8, 3, 128, 0, split_v=False),
+        cuda_config(64, 32, 4, 2, 128, 128),
+        cuda_config(64, 32, 8, 1, 256, 0, min_block_d=256),  # 219 registers (4 warps: 56 B)
+        cuda_config(16, 64, 8, 1, 0, 256, min_block_d=256, mma_sync=True),
+        cuda_config(32, 32, 8, 1, 512, 0, min_block_d=512, mma_sync=True),
+    ]
+)
 FWD_CONFIGS = triton_configs({"BLOCK_M": 64, "BLOCK_N": 32}, FWD_CUDA_CONFIGS)
 DKDV_CONFIGS = triton_configs({"BLOCK_M": 32, "BLOCK_N": 64}, DKDV_CUDA_CONFIGS)
 DQ_CONFIGS = triton_configs({"BLOCK_M": 64, "BLOCK_N": 32}, DQ_CUDA_CONFIGS)
@@ -246,6 +328,8 @@ DQ_TMA_CUDA_CONFIGS = [
     cuda_config(128, 64, 8, 3, 128, 0),
     cuda_config(64, 32, 4, 2, 128, 0),
 ]
+# Blackwell: M128 N64 spilled 8 B at head dim 128 (plain; not with an option) on sm_100a.
+DQ_TMA_CUDA_CONFIGS = CudaConfigs(DQ_TMA_CUDA_CONFIGS, DQ_TMA_CUDA_CONFIGS[1:])
 DQ_TMA_CONFIGS = triton_configs(
     {"BLOCK_M": 64, "BLOCK_N": 32}, DQ_TMA_CUDA_CONFIGS, covers=(TMA_MAX_BLOCK_D, 0)
 )
@@ -262,6 +346,12 @@ DKDV_DQ_CUDA_CONFIGS = [
     cuda_config(64, 32, 8, 2, 128, 64, options=False),  # packed: 16 B spilled on sm_90a at 128
     cuda_config(64, 16, 8, 1, ATOMIC_MAX_BLOCK_D, ATOMIC_MAX_BLOCK_D)
 ]
+# On Blackwell every config of the atomic pass keeps a product of fewer than 64 rows (its dq or
+# its dk and dv) on mma.sync: 64 x 64 blocks, the smallest all on tcgen05, spilled 248 B at head
+# dim 128 on sm_100a. The Hopper list stays, noted.
+DKDV_DQ_CUDA_CONFIGS = CudaConfigs(
+    DKDV_DQ_CUDA_CONFIGS, [config._replace(mma_sync=True) for config in DKDV_DQ_CUDA_CONFIGS]
+)
 DKDV_DQ_CONFIGS = triton_configs(
     {"BLOCK_M": 32, "BLOCK_N": 64}, DKDV_DQ_CUDA_CONFIGS,
     covers=(ATOMIC_MAX_BLOCK_D, ATOMIC_MAX_BLOCK_D)
