@@ -301,7 +301,8 @@ MOE = dict(D=2048, F=768, E=128, k=8)
 def moe_cases(dtypes) -> Iterator[Case]:
     """The mixture-of-experts kernels at Qwen3-30B-A3B's sizes (TOKENS tokens): the routing
     metadata once (it reads only ids), the forward's and the backward's launches per dtype, and
-    gpt-oss's form (transposed weights, interleaved gate/up, biases, the clamp) in bf16."""
+    in bf16 gpt-oss's form (transposed weights, interleaved gate/up, biases, the clamp) and
+    Nemotron-H's (non-gated ReLU² experts: up (E, F, D) alone)."""
     D, F, E, k = MOE["D"], MOE["F"], MOE["E"], MOE["k"]
     ids = meta((TOKENS, k), torch.int64)
     routing = f"T={TOKENS} E={E} k={k}"
@@ -318,11 +319,13 @@ def moe_cases(dtypes) -> Iterator[Case]:
             meta((TOKENS, k), dtype),
             meta((TOKENS, D), dtype),
         )
-        forms = [("SwiGLU", False, plain)] + (
-            [("gpt-oss", True, gpt_oss)] if name == "bf16" else []
-        )
-        for form, transposed, options in forms:
-            if transposed:
+        forms = [("SwiGLU", False, plain, "silu")]
+        if name == "bf16":
+            forms += [("gpt-oss", True, gpt_oss, "silu"), ("ReLU2", False, plain, "relu2")]
+        for form, transposed, options, activation in forms:
+            if activation == "relu2":
+                gate_up, down, biases = meta((E, F, D), dtype), meta((E, D, F), dtype), (None, None)
+            elif transposed:
                 gate_up, down = meta((E, D, 2 * F), dtype), meta((E, F, D), dtype)
                 biases = meta((E, 2 * F), dtype), meta((E, D), dtype)
             else:
@@ -332,7 +335,7 @@ def moe_cases(dtypes) -> Iterator[Case]:
                     (None, None),
                 )
             args = (x, weights, gate_up, down, *biases, sorted_assignments, offsets, transposed,
-                    transposed, "silu", options)  # fmt: skip
+                    transposed, activation, options)  # fmt: skip
             fields = dict(dtype=name, form=form, **MOE)
             label = f"{name} {form} D={D} F={F} E={E} k={k}"
             yield Case("MoE fwd", label, partial(moe_experts.experts_forward, *args), fields)

@@ -115,6 +115,13 @@ def _patch_mlps(model, report) -> None:
                 continue
             kind, options = found
             bind([module], kind, **options)
+        elif probe.ungated_experts_candidate(module):  # act(up), no gate: Nemotron-H's experts
+            found = probe.ungated_experts_options(module)
+            if isinstance(found, str) or not experts.use_op(module, found):
+                report.leave(name, found if isinstance(found, str) else "not transformers' form")
+            else:
+                report.ran("moe_experts")
+            continue
         elif hasattr(type(module), "_apply_gate"):
             options = probe.experts_gate_options(module)
             if isinstance(options, str):
