@@ -12,9 +12,9 @@ loads it prefetches across loop iterations); the widest and narrowest global acc
 path (the loads, stores and async copies whose address the PTX data flow computes from a pointer
 argument of the dtype under test, so that an index or an fp32 table does not count in a bf16
 kernel); barriers (`bar.sync` / `barrier.sync`). For the attention kernels that multiply
-matrices, the hot loop read from the SASS (`hot_loop.py`: its instruction mix, the MMA it issues
-against its tile's FLOPs, the deepest `wgmma.wait_group`, what runs beside a pending MMA and a
-clock model), printed as a second table.
+matrices and the MoE grouped GEMMs (16-bit), the hot loop read from the SASS (`hot_loop.py`: its
+instruction mix, the MMA it issues against its tile's FLOPs, the deepest `wgmma.wait_group`,
+what runs beside a pending MMA and a clock model), printed as a second table.
 
 A row is flagged when it spills, needs more shared memory than its arch has or issues more MMA
 than its tile needs (work repeated across warps; a fallback config, kept only for head blocks no
@@ -814,7 +814,7 @@ def compile_task(task: Task) -> dict:
         row["problems"].append("spills")
     if row["shared"] > shared_limit:
         row["problems"].append("shared memory")
-    if task.kernel in hot_loop.KERNEL_DOTS:
+    if hot_loop.reads(task.kernel, task.fields.get("dtype")):
         sass = hot_loop.disassemble(compiled.asm["cubin"])
         figures = hot_loop.analyse(
             sass, ptx, task.kernel, task.constexprs, row["num_warps"], task.arch
@@ -986,7 +986,9 @@ def check_baseline() -> int:
         print(f"the kept report was not compiled with FMA contraction (fp_fusion): {rerun}")
         return 1
     unread = [
-        r for r in kept["rows"] if r["kernel"] in hot_loop.KERNEL_DOTS and "hot_loop" not in r
+        r
+        for r in kept["rows"]
+        if hot_loop.reads(r["kernel"], r.get("dtype")) and "hot_loop" not in r
     ]
     if unread:
         print(
@@ -1048,7 +1050,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     analysed = [row for row in rows if "hot_loop" in row]
     if analysed:
-        print("\nHot loops of the attention kernels (hot_loop.py):\n")
+        print("\nHot loops of the attention kernels and MoE GEMMs (hot_loop.py):\n")
         print(hot_loop.table(analysed))
     flagged = [row for row in rows if row["problems"]]
     cached = sum(bool(row.get("cached")) for row in rows)

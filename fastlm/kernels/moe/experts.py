@@ -198,8 +198,9 @@ def _grouped_gemm_kernel(
         return
     rows = first + tl.arange(0, BLOCK_M)
     valid = rows < end
-    assignment = tl.load(SORTED + rows, mask=valid, other=0).to(tl.int64)
-    a_rows = assignment // TOP_K if GATHER_A else rows.to(tl.int64)
+    assignment = tl.load(SORTED + rows, mask=valid, other=0)  # int32: an int64 // is a call
+    a_rows = (assignment // TOP_K).to(tl.int64) if GATHER_A else rows.to(tl.int64)
+    assignment = assignment.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = cols.to(tl.int64) * gate_step
     W_e = W + expert.to(tl.int64) * stride_we
@@ -261,8 +262,9 @@ def _hidden_backward_kernel(
         return
     rows = first + tl.arange(0, BLOCK_M)
     valid = rows < end
-    assignment = tl.load(SORTED + rows, mask=valid, other=0).to(tl.int64)
-    tokens = assignment // TOP_K
+    assignment = tl.load(SORTED + rows, mask=valid, other=0)  # int32: an int64 // is a call
+    tokens = (assignment // TOP_K).to(tl.int64)
+    assignment = assignment.to(tl.int64)
     pid_n = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = cols.to(tl.int64) * gate_step
@@ -335,7 +337,7 @@ def _expert_grad_kernel(
     A, B, SCALE, SORTED, EXPERT_OFFSETS, OUT, BIAS_OUT,  #
     stride_am, stride_ai, stride_bm, stride_bj,  #
     stride_oe, stride_oi, stride_oj, stride_ge, stride_gi,  #
-    I, J, TOP_K,  #
+    I, J, TOP_K: tl.constexpr,  #
     BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,  #
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, HAS_SCALE: tl.constexpr,  #
     HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr, BF16_BY_HAND: tl.constexpr
@@ -354,9 +356,12 @@ def _expert_grad_kernel(
     for r0 in range(start, end, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         valid = rows < end
-        assignment = tl.load(SORTED + rows, mask=valid, other=0).to(tl.int64)
-        a_rows = assignment // TOP_K if GATHER_A else rows.to(tl.int64)
-        b_rows = assignment // TOP_K if GATHER_B else rows.to(tl.int64)
+        # the token: a division by the constant k (a shift or a multiply), in int32 (T k < 2^31)
+        assignment = tl.load(SORTED + rows, mask=valid, other=0)
+        token = (assignment // TOP_K).to(tl.int64)
+        a_rows = token if GATHER_A else rows.to(tl.int64)
+        b_rows = token if GATHER_B else rows.to(tl.int64)
+        assignment = assignment.to(tl.int64)
         a = tl.load(
             A + a_rows[:, None] * stride_am + ii[None, :] * stride_ai,
             mask=valid[:, None] & (ii < I)[None, :], other=0.0
@@ -459,10 +464,10 @@ def _configs(dtype: torch.dtype) -> dict:
     the compile report's rows show no spills with these."""
     if interpreting():
         small = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=1)
+        grad = dict(BLOCK_I=64, BLOCK_J=64, BLOCK_R=16, num_warps=1)
         return dict(
-            gated=small, plain=small, hidden=small,
-            grad=dict(BLOCK_I=64, BLOCK_J=64, BLOCK_R=16,
-                      num_warps=1), combine=dict(BLOCK_T=16, BLOCK_D=64, num_warps=1)
+            gated=small, plain=small, hidden=small, hidden_transposed=small, grad=grad,
+            grad_scaled=grad, combine=dict(BLOCK_T=16, BLOCK_D=64, num_warps=1)
         )  # fmt: skip
     combine = dict(BLOCK_T=4, BLOCK_D=512, num_warps=4)
     if dtype == torch.float32:
@@ -470,7 +475,9 @@ def _configs(dtype: torch.dtype) -> dict:
             gated=dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
             plain=dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, num_warps=4, num_stages=2),
             hidden=dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=8, num_stages=2),
+            hidden_transposed=dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=8, num_stages=2),
             grad=dict(BLOCK_I=32, BLOCK_J=64, BLOCK_R=16, num_warps=4, num_stages=2),
+            grad_scaled=dict(BLOCK_I=32, BLOCK_J=64, BLOCK_R=16, num_warps=4, num_stages=2),
             combine=combine,
         )
     return dict(
@@ -478,8 +485,16 @@ def _configs(dtype: torch.dtype) -> dict:
         # forward GEMMs' loop on sm_90a against 58-68% at 64 rows
         gated=dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3),
         plain=dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
-        hidden=dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=3),
-        grad=dict(BLOCK_I=128, BLOCK_J=128, BLOCK_R=32, num_warps=8, num_stages=3),
+        # The backward's hot loops by the same model (bf16, sm_90a, D 2048, F 768): the recompute
+        # kernel 46% -> 64% at 128 x 64 (its three accumulators at 96 registers a thread; K 64
+        # gives 70% but spills on sm_80); with gpt-oss's transposed layout, whose strided loads
+        # and clamp need more registers, 26% -> 30% at 128 x 32. The ragged-K weight gradients
+        # 51% -> 58% at R 64; the one whose rows are scaled by the routing weight (in registers
+        # before they go to shared memory) stays at R 32, which alone keeps sm_80 from spilling.
+        hidden=dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
+        hidden_transposed=dict(BLOCK_M=128, BLOCK_N=32, BLOCK_K=32, num_warps=8, num_stages=3),
+        grad=dict(BLOCK_I=128, BLOCK_J=128, BLOCK_R=64, num_warps=8, num_stages=3),
+        grad_scaled=dict(BLOCK_I=128, BLOCK_J=128, BLOCK_R=32, num_warps=8, num_stages=3),
         combine=combine,
     )
 
@@ -612,7 +627,7 @@ def experts_backward(
     d_b1 = empty((E, w1_rows), device=device, dtype=dtype) if gate_up_bias is not None else None
     d_b2 = empty((E, D), device=device, dtype=dtype) if down_bias is not None else None
     scale = expert_weights.reshape(-1).contiguous()
-    hidden = config["hidden"]
+    hidden = config["hidden_transposed" if transposed else "hidden"]
     n_col_blocks = triton.cdiv(F, hidden["BLOCK_N"])
     dw_blocks = empty((n_col_blocks, n), device=device, dtype=torch.float32)
     h = empty((n, F), device=device, dtype=dtype)
@@ -633,7 +648,7 @@ def experts_backward(
     # d down[e, d, f] = sum (w g[token])[d] h[f];  d gate_up[e, n, d] = sum dgu[n] x[token][d]
     _expert_grad(
         dout, h, sorted_assignments, expert_offsets, d_down, _indexed(d_down, transposed), top_k,
-        gather_a=True, scale=scale, bias_out=d_b2, config=config["grad"]
+        gather_a=True, scale=scale, bias_out=d_b2, config=config["grad_scaled"]
     )
     _expert_grad(
         dgu, x, sorted_assignments, expert_offsets, d_gate_up, _indexed(d_gate_up, transposed),
