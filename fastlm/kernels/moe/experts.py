@@ -34,8 +34,9 @@ Backward, with g = dout (T, D):
     dx[t]      = sum_j gate_up_e^T (d gate | d up)[a]
 
 1. one kernel per (tile, F block) recomputes gate and up (x gathered, both projections) and
-   down_e^T g[t] in one loop over D, then writes h and (d gate | d up) in sorted order and each
-   F block's share of d w (summed over blocks afterwards: no atomics);
+   down_e^T g[t] in one loop over D, then writes w_a h (h with a down bias, whose gradient
+   needs the scale on g instead) and (d gate | d up) in sorted order and each F block's share
+   of d w (summed over blocks afterwards: no atomics);
 2. the weight gradients: per expert a GEMM whose reduction runs over that expert's rows (ragged
    in K), one program per (expert, output tile) summing every row, so no atomics;
 3. dx: grouped GEMM 1's kernel on (d gate | d up) against gate_up^T, then the combine.
@@ -251,12 +252,13 @@ def _hidden_backward_kernel(
     F, D, E, TOP_K, up_row, gate_step, alpha, limit, up_offset,  #
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr,  #
     ACTIVATION: tl.constexpr, CLAMP: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr,  #
-    GATED: tl.constexpr, FP32_DOT: tl.constexpr, BF16_BY_HAND: tl.constexpr
+    GATED: tl.constexpr, SCALE_H: tl.constexpr, FP32_DOT: tl.constexpr, BF16_BY_HAND: tl.constexpr
 ):
     """For BLOCK_M sorted rows of expert e and BLOCK_N hidden columns: gate and up recomputed,
     dh = down_e^T dout[token] in the same loop over D; writes h, (d gate | d up) in gate_up's row
     order (DGU) and this column block's share of d w (DW[block, assignment]). Without GATED
-    (non-gated experts, ReLU²) W1's rows are up's alone: acc_gate holds up, and DGU d up."""
+    (non-gated experts, ReLU²) W1's rows are up's alone: acc_gate holds up, and DGU d up.
+    SCALE_H: H holds w h, rounded (d down's rows, scaled here rather than in its loop)."""
     expert, first, end = _expert_tile(EXPERT_OFFSETS, E, BLOCK_M, E_PAD)
     if expert >= E:
         return
@@ -314,10 +316,13 @@ def _hidden_backward_kernel(
         h, slope = _relu2(acc_gate)
     h = round_to(h, H.dtype.element_ty, BF16_BY_HAND)  # h as the forward's second GEMM read it
     mask = valid[:, None] & (cols < F)[None, :]
-    tl.store(H + rows.to(tl.int64)[:, None] * stride_hm + cols[None, :], h, mask=mask)
+    scale = tl.load(SCALE + assignment, mask=valid, other=0.0).to(tl.float32)
+    h_out = h
+    if SCALE_H:  # w h for d down (so that its GEMM's operands go to shared memory untouched)
+        h_out = round_to(h.to(tl.float32) * scale[:, None], H.dtype.element_ty, BF16_BY_HAND)
+    tl.store(H + rows.to(tl.int64)[:, None] * stride_hm + cols[None, :], h_out, mask=mask)
     dw = tl.sum(acc_dh * h.to(tl.float32), axis=1) + tl.where(pid_n == 0, acc_db, 0.0)
     tl.store(DW + pid_n * stride_dwb + assignment, dw, mask=valid)
-    scale = tl.load(SCALE + assignment, mask=valid, other=0.0).to(tl.float32)
     dgu = DGU + rows.to(tl.int64)[:, None] * stride_gm
     if GATED:
         d_gate, d_up = gated_unit_grad(
@@ -489,8 +494,8 @@ def _configs(dtype: torch.dtype) -> dict:
         # kernel 46% -> 64% at 128 x 64 (its three accumulators at 96 registers a thread; K 64
         # gives 70% but spills on sm_80); with gpt-oss's transposed layout, whose strided loads
         # and clamp need more registers, 26% -> 30% at 128 x 32. The ragged-K weight gradients
-        # 51% -> 58% at R 64; the one whose rows are scaled by the routing weight (in registers
-        # before they go to shared memory) stays at R 32, which alone keeps sm_80 from spilling.
+        # 38% and 51% -> 58% at R 64 (docs/moe.md); d down with a down bias, whose rows are
+        # scaled by the routing weight in registers in its loop, at R 32 (no spill on sm_80).
         hidden=dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
         hidden_transposed=dict(BLOCK_M=128, BLOCK_N=32, BLOCK_K=32, num_warps=8, num_stages=3),
         grad=dict(BLOCK_I=128, BLOCK_J=128, BLOCK_R=64, num_warps=8, num_stages=3),
@@ -642,13 +647,16 @@ def experts_backward(
             dw_blocks.stride(0), F, D, E, top_k, layout.up_row, layout.gate_step,
             *_option_args(options), E_PAD=_e_pad(E), ACTIVATION=layout.activation,
             CLAMP=options["limit"] is not None, HAS_B1=gate_up_bias is not None, HAS_B2=down_bias
-            is not None, GATED=layout.gated, FP32_DOT=_fp32_dot(dtype),
+            is not None, GATED=layout.gated, SCALE_H=down_bias is None, FP32_DOT=_fp32_dot(dtype),
             BF16_BY_HAND=interpreter_bf16(dtype), **hidden
         )
-    # d down[e, d, f] = sum (w g[token])[d] h[f];  d gate_up[e, n, d] = sum dgu[n] x[token][d]
+    # d down[e, d, f] = sum g[token][d] (w h)[f], w h written by the kernel above; with a down
+    # bias, whose gradient sums w g[token], w scales g's rows instead (in registers).
+    # d gate_up[e, n, d] = sum dgu[n] x[token][d]
     _expert_grad(
         dout, h, sorted_assignments, expert_offsets, d_down, _indexed(d_down, transposed), top_k,
-        gather_a=True, scale=scale, bias_out=d_b2, config=config["grad_scaled"]
+        gather_a=True, scale=scale if down_bias is not None else None, bias_out=d_b2,
+        config=config["grad" if down_bias is None else "grad_scaled"]
     )
     _expert_grad(
         dgu, x, sorted_assignments, expert_offsets, d_gate_up, _indexed(d_gate_up, transposed),
