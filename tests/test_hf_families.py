@@ -529,6 +529,15 @@ class _ClampedExperts(torch.nn.Module):
         return self.act_fn(gate.clamp(max=self.bound)) * up.clamp(-self.bound, self.bound)
 
 
+def test_non_gated_experts_of_another_activation_are_left():
+    """Nemotron-H's non-gated experts run on the op only with ReLU² (the probe runs their act_fn
+    against it): with SiLU (a config's `mlp_hidden_act`) they are left, with the reason."""
+    model = tiny_model("nemotron_h", mlp_hidden_act="silu")
+    patched_copy(model)
+    assert "moe_experts" not in model.fastlm_patched
+    assert "without a gate (ReLU²)" in model.fastlm_patched.left["NemotronHExperts"]
+
+
 def test_an_experts_block_runs_on_the_op_only_if_it_scales_the_input():
     """Llama 4's block (the token scaled by its router score before its experts) is found by
     what it computes; the same block weighting its experts' outputs instead, a formula the

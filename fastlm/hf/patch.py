@@ -118,7 +118,8 @@ def _patch_mlps(model, report) -> None:
         elif probe.ungated_experts_candidate(module):  # act(up), no gate: Nemotron-H's experts
             found = probe.ungated_experts_options(module)
             if isinstance(found, str) or not experts.use_op(module, found):
-                report.leave(name, found if isinstance(found, str) else "not transformers' form")
+                why = "a post-expert norm or expert parallelism"  # use_op's other refusals
+                report.leave(name, found if isinstance(found, str) else why)
             else:
                 report.ran("moe_experts")
             continue
