@@ -310,12 +310,12 @@ def test_benchmark_exits_cleanly_without_cuda(capsys):
 #: counted) of the MoE kernels at Qwen3-30B-A3B's sizes (D 2048, F 768), bf16 SwiGLU, sm_90a, in
 #: the kept compile report: {(op, kernel): floors of its launches' figures, lowest first}. Measured
 #: 71% and 76% (the forward's two grouped GEMMs; goal 70%), 64% (the backward's recompute kernel),
-#: 58% and 58% (the weight gradients d down and d gate_up), 72% (dx): the recompute kernel and the
+#: 66% and 65% (the weight gradients d down and d gate_up), 72% (dx): the recompute kernel and the
 #: weight gradients stay below the 70% goal.
 MMA_BUSY_FLOORS = {
     ("MoE fwd", "_grouped_gemm_kernel"): (0.70, 0.75),
     ("MoE bwd", "_hidden_backward_kernel"): (0.63,),
-    ("MoE bwd", "_expert_grad_kernel"): (0.57, 0.57),
+    ("MoE bwd", "_expert_grad_kernel"): (0.65, 0.66),
     ("MoE bwd", "_grouped_gemm_kernel"): (0.72,),
 }
 

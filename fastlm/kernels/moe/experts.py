@@ -495,11 +495,11 @@ def _configs(dtype: torch.dtype) -> dict:
         # kernel 46% -> 64% at 128 x 64 (its three accumulators at 96 registers a thread; K 64
         # gives 70% but spills on sm_80); with gpt-oss's transposed layout, whose strided loads
         # and clamp need more registers, 26% -> 30% at 128 x 32. The ragged-K weight gradients
-        # 38% and 51% -> 58% at R 64 (docs/moe.md); d down with a down bias, whose rows are
-        # scaled by the routing weight in registers in its loop, at R 32 (no spill on sm_80).
+        # 38% and 51% -> 65% at 128 x 256, R 64 (docs/moe.md); d down with a down bias, whose
+        # rows are scaled by the routing weight in registers in its loop, at 128 x 128, R 32.
         hidden=dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
         hidden_transposed=dict(BLOCK_M=128, BLOCK_N=32, BLOCK_K=32, num_warps=8, num_stages=3),
-        grad=dict(BLOCK_I=128, BLOCK_J=128, BLOCK_R=64, num_warps=8, num_stages=3),
+        grad=dict(BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, num_warps=8, num_stages=3),
         grad_scaled=dict(BLOCK_I=128, BLOCK_J=128, BLOCK_R=32, num_warps=8, num_stages=3),
         combine=combine,
     )
