@@ -14,9 +14,9 @@ loads it prefetches across loop iterations); the widest and narrowest global acc
 path (the loads, stores and async copies whose address the PTX data flow computes from a pointer
 argument of the dtype under test, so that an index or an fp32 table does not count in a bf16
 kernel); barriers (`bar.sync` / `barrier.sync`). For the attention kernels that multiply
-matrices, the hot loop read from the SASS (`hot_loop.py`: its instruction mix, the MMA it issues
-against its tile's FLOPs, the deepest `wgmma.wait_group`, what runs beside a pending MMA and a
-clock model), printed as a second table.
+matrices and the MoE grouped GEMMs (16-bit), the hot loop read from the SASS (`hot_loop.py`: its
+instruction mix, the MMA it issues against its tile's FLOPs, the deepest `wgmma.wait_group`,
+what runs beside a pending MMA and a clock model), printed as a second table.
 
 A row is flagged when it spills, needs more shared memory than its arch has or issues more MMA
 than its tile needs (work repeated across warps; a fallback config, kept only for head blocks no
@@ -308,7 +308,8 @@ MOE = dict(D=2048, F=768, E=128, k=8)
 def moe_cases(dtypes) -> Iterator[Case]:
     """The mixture-of-experts kernels at Qwen3-30B-A3B's sizes (TOKENS tokens): the routing
     metadata once (it reads only ids), the forward's and the backward's launches per dtype, and
-    gpt-oss's form (transposed weights, interleaved gate/up, biases, the clamp) in bf16."""
+    in bf16 gpt-oss's form (transposed weights, interleaved gate/up, biases, the clamp) and
+    Nemotron-H's (non-gated ReLU² experts: up (E, F, D) alone)."""
     D, F, E, k = MOE["D"], MOE["F"], MOE["E"], MOE["k"]
     ids = meta((TOKENS, k), torch.int64)
     routing = f"T={TOKENS} E={E} k={k}"
@@ -325,11 +326,13 @@ def moe_cases(dtypes) -> Iterator[Case]:
             meta((TOKENS, k), dtype),
             meta((TOKENS, D), dtype),
         )
-        forms = [("SwiGLU", False, plain)] + (
-            [("gpt-oss", True, gpt_oss)] if name == "bf16" else []
-        )
-        for form, transposed, options in forms:
-            if transposed:
+        forms = [("SwiGLU", False, plain, "silu")]
+        if name == "bf16":
+            forms += [("gpt-oss", True, gpt_oss, "silu"), ("ReLU2", False, plain, "relu2")]
+        for form, transposed, options, activation in forms:
+            if activation == "relu2":
+                gate_up, down, biases = meta((E, F, D), dtype), meta((E, D, F), dtype), (None, None)
+            elif transposed:
                 gate_up, down = meta((E, D, 2 * F), dtype), meta((E, F, D), dtype)
                 biases = meta((E, 2 * F), dtype), meta((E, D), dtype)
             else:
@@ -339,7 +342,7 @@ def moe_cases(dtypes) -> Iterator[Case]:
                     (None, None),
                 )
             args = (x, weights, gate_up, down, *biases, sorted_assignments, offsets, transposed,
-                    transposed, "silu", options)  # fmt: skip
+                    transposed, activation, options)  # fmt: skip
             fields = dict(dtype=name, form=form, **MOE)
             label = f"{name} {form} D={D} F={F} E={E} k={k}"
             yield Case("MoE fwd", label, partial(moe_experts.experts_forward, *args), fields)
@@ -857,7 +860,7 @@ def compile_task(task: Task) -> dict:
         row["problems"].append("shared memory")
     if capability >= 100:
         row["problems"] += tcgen05_problems(row, task.mma_sync)
-    if task.kernel in hot_loop.KERNEL_DOTS:
+    if hot_loop.reads(task.kernel, task.fields.get("dtype")):
         sass = hot_loop.disassemble(compiled.asm["cubin"])
         figures = hot_loop.analyse(
             sass, ptx, task.kernel, task.constexprs, row["num_warps"], task.arch
@@ -1038,7 +1041,9 @@ def check_baseline() -> int:
         print(f"the kept report was not compiled with FMA contraction (fp_fusion): {rerun}")
         return 1
     unread = [
-        r for r in kept["rows"] if r["kernel"] in hot_loop.KERNEL_DOTS and "hot_loop" not in r
+        r
+        for r in kept["rows"]
+        if hot_loop.reads(r["kernel"], r.get("dtype")) and "hot_loop" not in r
     ]
     if unread:
         print(
@@ -1100,7 +1105,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     analysed = [row for row in rows if "hot_loop" in row]
     if analysed:
-        print("\nHot loops of the attention kernels (hot_loop.py):\n")
+        print("\nHot loops of the attention kernels and MoE GEMMs (hot_loop.py):\n")
         print(hot_loop.table(analysed))
     flagged = [row for row in rows if row["problems"]]
     cached = sum(bool(row.get("cached")) for row in rows)

@@ -1,7 +1,9 @@
-"""The hot loop of each attention kernel, read from the SASS of a compile for sm_90a, sm_80 or
-sm_100a.
+"""The hot loop of each attention kernel and MoE grouped GEMM, read from the SASS of a compile for
+sm_90a, sm_80 or sm_100a.
 
-`compile_report.py` calls `analyse` on every attention kernel that multiplies matrices: it
+`compile_report.py` calls `analyse` on every attention kernel that multiplies matrices and on
+the 16-bit launches of the mixture-of-experts GEMMs (`reads`; their fp32 launches multiply in
+IEEE fp32 on the FMA units, with no tensor-core loop to read): it
 disassembles the cubin with the wheel's `nvdisasm` and reads the hot loop, the innermost loop (a
 backward branch) that holds tensor-core instructions (HGMMA on sm_90a, HMMA on sm_80, UTCHMMA on
 sm_100a), the
@@ -13,7 +15,8 @@ cheapest of them when there are several (a kernel's unmasked phase). From it:
   product, run once per warpgroup (num_warps / 4), each HMMA one warp's, run once per warp; the
   tile's FLOPs are 2 * rows * cols * BLOCK_D per dot of the loop over q's head dim and
   2 * rows * cols * BLOCK_DV per dot over v's (the forward 1 + 1 dots, dQ 2 + 1, dK/dV 2 + 2,
-  3 + 2 with the atomic dQ). A ratio above 1 is work duplicated across warps;
+  3 + 2 with the atomic dQ); a MoE GEMM's 2 * rows * cols * BLOCK_K per dot of its loop over K
+  (GEMM_DOTS). A ratio above 1 is work duplicated across warps;
 - the deepest `wgmma.wait_group N` in the PTX, and the `WARPGROUP.DEPBAR.LE gsb0, N` waits inside
   the loop: a wait of N >= 1 leaves N warpgroup MMA groups in flight across the code after it, 0
   waits for every one;
@@ -75,6 +78,20 @@ KERNEL_DOTS = {  # (dots over q's head dim, dots over v's, the score block's row
     "_attention_bwd_dq_kernel": (2, 1, "BLOCK_M", "BLOCK_N"),
     "_attention_bwd_dkdv_kernel": (2, 2, "BLOCK_N", "BLOCK_M"),  # + 1 over q's with ATOMIC_DQ
 }
+#: The grouped GEMMs of `fastlm.kernels.moe.experts`: (dots per iteration of the loop over the
+#: reduction, and with GATED one more; the output tile's rows and cols, the reduction block).
+GEMM_DOTS = {
+    "_grouped_gemm_kernel": (1, "BLOCK_M", "BLOCK_N", "BLOCK_K"),  # gate (and up with GATED)
+    "_hidden_backward_kernel": (2, "BLOCK_M", "BLOCK_N", "BLOCK_K"),  # gate, dh (and up)
+    "_expert_grad_kernel": (1, "BLOCK_I", "BLOCK_J", "BLOCK_R"),  # a ragged-K weight gradient
+}
+
+
+def reads(kernel: str, dtype: str | None) -> bool:
+    """Whether the compile report reads this kernel's hot loop: every attention kernel, and
+    the MoE GEMMs in 16-bit dtypes (fp32 ones take IEEE fp32 dots, with no MMA to count)."""
+    return kernel in KERNEL_DOTS or (kernel in GEMM_DOTS and dtype != "fp32")
+
 
 _LINE = re.compile(
     r"^\s*/\*([0-9a-f]+)\*/\s+(?:\{\s*)?(@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_]+)*)"
@@ -357,7 +374,13 @@ def tcgen05_figures(
 
 
 def tile_flops(kernel: str, constexprs: dict) -> tuple[int, str]:
-    """The FLOPs of one iteration's dots and the tile (rows x cols of its score block)."""
+    """The FLOPs of one iteration's dots and the tile (rows x cols of its score block; a GEMM's
+    rows x cols x reduction block)."""
+    if kernel in GEMM_DOTS:
+        dots, rows, cols, depth = GEMM_DOTS[kernel]
+        dots += bool(constexprs.get("GATED"))
+        r, c, k = constexprs[rows], constexprs[cols], constexprs[depth]
+        return 2 * r * c * k * dots, f"{r}x{c}x{k}"
     qk_dots, v_dots, rows, cols = KERNEL_DOTS[kernel]
     qk_dots += bool(constexprs.get("ATOMIC_DQ"))
     if not constexprs.get("WITH_DK", True):  # the split dK/dV pass's dV launch: no dP, no dK

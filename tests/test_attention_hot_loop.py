@@ -339,7 +339,11 @@ def capped_against_plain(rows: list[dict]) -> dict[tuple, tuple[dict, dict]]:
         blocks = " ".join(f"{k}={v}" for k, v in sorted(row["blocks"].items()))
         return (*where, blocks, row["num_warps"], row["num_stages"])
 
-    with_loop = [row for row in rows if (row.get("hot_loop") or {}).get("mix")]
+    with_loop = [
+        row
+        for row in rows
+        if row["kernel"] in hot_loop.KERNEL_DOTS and (row.get("hot_loop") or {}).get("mix")
+    ]  # the attention kernels' (the MoE GEMMs have hot loops too, and no head dim)
     plain = {key(row): row for row in with_loop if row.get("option") is None}
     pairs = {}
     for row in with_loop:

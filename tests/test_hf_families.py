@@ -141,6 +141,19 @@ FAMILY_CONFIGS = {
         mamba_dt_rank=4,
     ),  # fmt: skip
     "lfm2": dict(layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False),
+    # Nemotron-H: a Mamba-2 layer, a MoE layer of non-gated ReLU² experts (has_gate=False) beside
+    # a shared ReLU² MLP, an attention layer.
+    "nemotron_h": dict(
+        layers_block_type=["linear_attention", "moe", "full_attention"],
+        mamba_num_heads=4,
+        mamba_head_dim=8,
+        ssm_state_size=8,
+        n_groups=1,
+        chunk_size=4,
+        head_dim=16,
+        intermediate_size=48,
+        moe_shared_expert_intermediate_size=24,
+    ),  # fmt: skip
     # Gemma 4: sliding and global layers with their own head dims (16 and 32; the real global
     # layers' 512, which the kernels take, is tested in test_attention.py), key/value heads
     # (1 and 2) and RoPE
@@ -217,6 +230,12 @@ LEFT = {
         "Qwen3NextGatedDeltaNet": "does not call transformers' attention",
     },
     "jamba": {"JambaMambaMixer": "does not call transformers' attention"},
+    "nemotron_h": {
+        "NemotronHRMSNormGated": "a gated norm",
+        "NemotronHMLP": "ReLUSquaredActivation",
+        "NemotronHMamba2Mixer": "does not call transformers' attention",
+        "cross_entropy": "not lm_head(hidden) times a number",
+    },
 }
 
 #: Batches a family's own (unpatched) code cannot run on the CPU, and why.
@@ -255,12 +274,12 @@ def _batches():
 #: fastlm's attention ops: one call per attention layer forward, one backward.
 ATTENTION_OPS = ("flash_attention", "flash_attention_varlen")
 #: Families whose experts run on fastlm.moe_experts, forward and backward: those of transformers'
-#: experts interface (gpt-oss's with its clamped, interleaved, biased gate) and Llama 4's block,
-#: which scales each token's input by its router score.
+#: experts interface (gpt-oss's with its clamped, interleaved, biased gate; Nemotron-H's
+#: non-gated ReLU²) and Llama 4's block, which scales each token's input by its router score.
 EXPERTS_ON_THE_OP = {
     "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "granitemoe",
     "llama4_text", "ernie4_5_moe", "hunyuan_v1_moe", "minimax", "dots1", "olmoe", "qwen3_next",
-    "jamba", "gemma4_text",
+    "jamba", "gemma4_text", "nemotron_h",
 }  # fmt: skip
 
 
@@ -508,6 +527,15 @@ class _ClampedExperts(torch.nn.Module):
     def _apply_gate(self, gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
         return self.act_fn(gate.clamp(max=self.bound)) * up.clamp(-self.bound, self.bound)
+
+
+def test_non_gated_experts_of_another_activation_are_left():
+    """Nemotron-H's non-gated experts run on the op only with ReLU² (the probe runs their act_fn
+    against it): with SiLU (a config's `mlp_hidden_act`) they are left, with the reason."""
+    model = tiny_model("nemotron_h", mlp_hidden_act="silu")
+    patched_copy(model)
+    assert "moe_experts" not in model.fastlm_patched
+    assert "without a gate (ReLU²)" in model.fastlm_patched.left["NemotronHExperts"]
 
 
 def test_an_experts_block_runs_on_the_op_only_if_it_scales_the_input():

@@ -115,6 +115,14 @@ def _patch_mlps(model, report) -> None:
                 continue
             kind, options = found
             bind([module], kind, **options)
+        elif probe.ungated_experts_candidate(module):  # act(up), no gate: Nemotron-H's experts
+            found = probe.ungated_experts_options(module)
+            if isinstance(found, str) or not experts.use_op(module, found):
+                why = "a post-expert norm or expert parallelism"  # use_op's other refusals
+                report.leave(name, found if isinstance(found, str) else why)
+            else:
+                report.ran("moe_experts")
+            continue
         elif hasattr(type(module), "_apply_gate"):
             options = probe.experts_gate_options(module)
             if isinstance(options, str):

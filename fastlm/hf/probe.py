@@ -32,7 +32,7 @@ from fastlm.hf.experts import EXPERTS_ACTIVATIONS
 from fastlm.hf.families import config_value
 from fastlm.hf.forwards import activation_of, input_scaled_experts_forward, number_holder
 from fastlm.kernels.geglu import geglu_ref
-from fastlm.kernels.moe.experts import moe_experts_ref
+from fastlm.kernels.moe.experts import moe_experts_ref, relu2_ref
 from fastlm.kernels.rmsnorm import rms_norm_ref
 from fastlm.kernels.swiglu import swiglu_packed_ref, swiglu_ref
 
@@ -456,6 +456,37 @@ def peft_wrapped_experts(module: nn.Module) -> bool:
         and hasattr(module, "router")
         and isinstance(getattr(module, "top_k", None), int)
     )
+
+
+#: The op's non-gated activations by formula (`fastlm.moe_experts`'s UNGATED).
+UNGATED_REFERENCES = {"relu2": relu2_ref}
+
+
+def ungated_experts_candidate(module: nn.Module) -> bool:
+    """transformers' non-gated experts: its experts interface's `has_gate` False (act(up)
+    between the two GEMMs: Nemotron-H's)."""
+    return getattr(module, "has_gate", None) is False and hasattr(type(module), "_apply_gate")
+
+
+def ungated_experts_options(module: nn.Module) -> dict | str:
+    """{"activation": name} if non-gated experts' `act_fn` (what transformers' experts
+    implementations call between the GEMMs when there is no gate) is one of
+    UNGATED_REFERENCES, else why not: run in float64 in training and eval mode at PROBE_SCALES
+    on values of both signs, against each formula."""
+    act = getattr(module, "act_fn", None)
+    if not callable(act):
+        return "they have no act_fn"
+    up = torch.randn(7, 10, generator=_generator(), dtype=torch.float64)
+    inputs = [s * up for s in PROBE_SCALES]
+    try:
+        with torch.no_grad():
+            modes = in_both_modes(module, torch.device("cpu"), lambda: [act(t) for t in inputs])
+    except Exception as error:  # noqa: BLE001
+        return f"their activation failed on one tensor ({type(error).__name__})"
+    for name, formula in UNGATED_REFERENCES.items():
+        if all(_agree([formula(t) for t in inputs], expected) for expected in modes):
+            return dict(activation=name)
+    return f"their activation ({type(act).__name__}) is none fastlm has without a gate (ReLU²)"
 
 
 def input_scaled_experts_candidate(module: nn.Module) -> bool:

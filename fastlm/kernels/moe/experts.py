@@ -11,6 +11,11 @@ with `split` the halves of the 2F rows (gate first) or, `interleaved`, their eve
 (gpt-oss), and act SwiGLU (with gpt-oss's alpha, limit, up_offset) or GeGLU
 (`fastlm.kernels.swiglu.gated_unit`). Each assignment (t, j) is one row a = t k + j.
 
+Non-gated experts (transformers' `has_gate=False`: Nemotron-H) have no gate: gate_up holds the
+up projection alone, (E, F, D) (transposed (E, D, F)), and h[t, j] = act(up_e @ x[t] + b1_e)
+with act ReLU² (`relu(u)^2`, act'(u) = 2 relu(u)); the kernels below are the same with one
+projection instead of two (GATED off).
+
 Forward (four launches after the routing metadata of `fastlm.kernels.moe.routing`):
 
 1. grouped GEMM 1 over the expert-major order: each program takes BLOCK_M rows of one expert,
@@ -23,13 +28,15 @@ Backward, with g = dout (T, D):
 
     dh[a]      = w_a * (down_e^T g[t])            d w_a = <g[t], down_e h_a + b2_e>
     (d gate, d up) = act'(dh)                      d b1_e = sum over e's rows of (d gate | d up)
+    (non-gated: d up = dh act'(up) alone)
     d down_e   = sum over e's rows of (w_a g[t]) h_a^T,   d b2_e = sum of w_a g[t]
     d gate_up_e = sum over e's rows of (d gate | d up) x[t]^T
     dx[t]      = sum_j gate_up_e^T (d gate | d up)[a]
 
 1. one kernel per (tile, F block) recomputes gate and up (x gathered, both projections) and
-   down_e^T g[t] in one loop over D, then writes h and (d gate | d up) in sorted order and each
-   F block's share of d w (summed over blocks afterwards: no atomics);
+   down_e^T g[t] in one loop over D, then writes w_a h (h with a down bias, whose gradient
+   needs the scale on g instead) and (d gate | d up) in sorted order and each F block's share
+   of d w (summed over blocks afterwards: no atomics);
 2. the weight gradients: per expert a GEMM whose reduction runs over that expert's rows (ragged
    in K), one program per (expert, output tile) summing every row, so no atomics;
 3. dx: grouped GEMM 1's kernel on (d gate | d up) against gate_up^T, then the combine.
@@ -72,13 +79,23 @@ from fastlm.kernels.swiglu import (
 )
 from fastlm.options import check
 
+#: The kernels' constant of the non-gated ReLU² (after swiglu's gated units' constants) and of
+#: no activation (the plain GEMMs).
+RELU2, NO_ACTIVATION = 4, -1
 #: The activations and their constant in the kernels (SwiGLU always through SILU_OPTIONS: with
 #: the default options its math is SiLU's).
-ACTIVATIONS = {"silu": SILU_OPTIONS, "gelu_tanh": GELU_TANH, "gelu": GELU}
+ACTIVATIONS = {"silu": SILU_OPTIONS, "gelu_tanh": GELU_TANH, "gelu": GELU, "relu2": RELU2}
+#: The activations of non-gated experts, act(up) with no gate (gate_up then holds up alone).
+UNGATED = ("relu2", )
 
 # --------------------------------------------------------------------------------------------
 # Reference math (the PyTorch backend, and what the tests compare with in float64)
 # --------------------------------------------------------------------------------------------
+
+
+def relu2_ref(up: torch.Tensor) -> torch.Tensor:
+    """ReLU², relu(up)^2 (Nemotron-H's experts), in up's dtype."""
+    return torch.relu(up).square()
 
 
 def _gated_ref(gate, up, activation: str, alpha: float, limit: float | None, up_offset: float):
@@ -95,9 +112,10 @@ def moe_experts_ref(
     up_offset: float = 0.0, expert_index: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`moe_experts` as a loop over experts in PyTorch: fp32 inside (fp64 for fp64), h rounded
-    to x's dtype as the kernels round it, the result in x's dtype. `expert_index` (E,): the
-    global id of each weight slot (the ops' argument for experts sharded over E); the ids of
-    expert_ids no slot holds contribute nothing."""
+    to x's dtype as the kernels round it, the result in x's dtype. A non-gated activation
+    (UNGATED) takes gate_up as the up projection alone: h = act(gate_up_e x + b1_e).
+    `expert_index` (E,): the global id of each weight slot (the ops' argument for experts
+    sharded over E); the ids of expert_ids no slot holds contribute nothing."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     out = torch.zeros(x.shape, device=x.device, dtype=compute)
     for e in range(gate_up.shape[0]):
@@ -105,13 +123,16 @@ def moe_experts_ref(
         tokens, slots = (expert_ids == held).nonzero(as_tuple=True)
         if tokens.numel() == 0:
             continue
-        w1 = gate_up[e].T if transposed else gate_up[e]  # (2F, D)
+        w1 = gate_up[e].T if transposed else gate_up[e]  # (2F, D), or (F, D) non-gated
         w2 = down[e].T if transposed else down[e]  # (D, F)
         gu = x[tokens].to(compute) @ w1.to(compute).T
         if gate_up_bias is not None:
             gu = gu + gate_up_bias[e].to(compute)
-        gate, up = split_gate_up(gu, interleaved)
-        h = _gated_ref(gate, up, activation, alpha, limit, up_offset).to(x.dtype)
+        if activation in UNGATED:
+            h = relu2_ref(gu).to(x.dtype)
+        else:
+            gate, up = split_gate_up(gu, interleaved)
+            h = _gated_ref(gate, up, activation, alpha, limit, up_offset).to(x.dtype)
         y = h.to(compute) @ w2.to(compute).T
         if down_bias is not None:
             y = y + down_bias[e].to(compute)
@@ -131,6 +152,13 @@ def _dot(a, b, acc, FP32_DOT: tl.constexpr):
     if FP32_DOT:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _relu2(u):
+    """(relu(u)^2, its slope 2 relu(u)) in fp32 (RELU2: non-gated experts)."""
+    r = tl.maximum(u, 0.0)
+    return r * r, 2.0 * r
 
 
 @triton.jit
@@ -167,15 +195,17 @@ def _grouped_gemm_kernel(
     A row is the sorted position p, or with GATHER_A the token SORTED[p] // TOP_K; OUT's row is p,
     or with SCATTER_OUT the assignment SORTED[p]. W_e[n, k] = W[e, n, k] through its strides.
     GATED: output column n takes W's rows gate_step n (gate) and up_row + gate_step n (up) and
-    is act(gate, up). HAS_SCALE: the result times SCALE[assignment] (the routing weight).
+    is act(gate, up); else ACTIVATION RELU2 (4) is relu(.)^2 of the column (non-gated experts),
+    NO_ACTIVATION none. HAS_SCALE: the result times SCALE[assignment] (the routing weight).
     """
     expert, first, end = _expert_tile(EXPERT_OFFSETS, E, BLOCK_M, E_PAD)
     if expert >= E:
         return
     rows = first + tl.arange(0, BLOCK_M)
     valid = rows < end
-    assignment = tl.load(SORTED + rows, mask=valid, other=0).to(tl.int64)
-    a_rows = assignment // TOP_K if GATHER_A else rows.to(tl.int64)
+    assignment = tl.load(SORTED + rows, mask=valid, other=0)  # int32: an int64 // is a call
+    a_rows = (assignment // TOP_K).to(tl.int64) if GATHER_A else rows.to(tl.int64)
+    assignment = assignment.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = cols.to(tl.int64) * gate_step
     W_e = W + expert.to(tl.int64) * stride_we
@@ -206,6 +236,8 @@ def _grouped_gemm_kernel(
             acc_up += b_up.to(tl.float32)[None, :]
     if GATED:
         acc = gated_unit(acc, acc_up, alpha, limit, up_offset, ACTIVATION, CLAMP)
+    elif ACTIVATION == 4:  # RELU2
+        acc = _relu2(acc)[0]
     if HAS_SCALE:
         acc *= tl.load(SCALE + assignment, mask=valid, other=0.0).to(tl.float32)[:, None]
     out_rows = assignment if SCATTER_OUT else rows.to(tl.int64)
@@ -224,18 +256,21 @@ def _hidden_backward_kernel(
     F, D, E, TOP_K, up_row, gate_step, alpha, limit, up_offset,  #
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr,  #
     ACTIVATION: tl.constexpr, CLAMP: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr,  #
-    FP32_DOT: tl.constexpr, BF16_BY_HAND: tl.constexpr
+    GATED: tl.constexpr, SCALE_H: tl.constexpr, FP32_DOT: tl.constexpr, BF16_BY_HAND: tl.constexpr
 ):
     """For BLOCK_M sorted rows of expert e and BLOCK_N hidden columns: gate and up recomputed,
     dh = down_e^T dout[token] in the same loop over D; writes h, (d gate | d up) in gate_up's row
-    order (DGU) and this column block's share of d w (DW[block, assignment])."""
+    order (DGU) and this column block's share of d w (DW[block, assignment]). Without GATED
+    (non-gated experts, ReLU²) W1's rows are up's alone: acc_gate holds up, and DGU d up.
+    SCALE_H: H holds w h, rounded (d down's rows, scaled here rather than in its loop)."""
     expert, first, end = _expert_tile(EXPERT_OFFSETS, E, BLOCK_M, E_PAD)
     if expert >= E:
         return
     rows = first + tl.arange(0, BLOCK_M)
     valid = rows < end
-    assignment = tl.load(SORTED + rows, mask=valid, other=0).to(tl.int64)
-    tokens = assignment // TOP_K
+    assignment = tl.load(SORTED + rows, mask=valid, other=0)  # int32: an int64 // is a call
+    tokens = (assignment // TOP_K).to(tl.int64)
+    assignment = assignment.to(tl.int64)
     pid_n = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = cols.to(tl.int64) * gate_step
@@ -258,15 +293,16 @@ def _hidden_backward_kernel(
         w_gate = tl.load(
             W1_e + w_rows[None, :] * stride_w1n + ks[:, None] * stride_w1k, mask=w_mask, other=0.0
         )
-        w_up = tl.load(
-            W1_e + (up_row + w_rows)[None, :] * stride_w1n + ks[:, None] * stride_w1k, mask=w_mask,
-            other=0.0
-        )
         w_down = tl.load(
             W2_e + ks[:, None] * stride_w2k + cols[None, :] * stride_w2n, mask=w_mask, other=0.0
         )
         acc_gate = _dot(x, w_gate, acc_gate, FP32_DOT)
-        acc_up = _dot(x, w_up, acc_up, FP32_DOT)
+        if GATED:
+            w_up = tl.load(
+                W1_e + (up_row + w_rows)[None, :] * stride_w1n + ks[:, None] * stride_w1k,
+                mask=w_mask, other=0.0
+            )
+            acc_up = _dot(x, w_up, acc_up, FP32_DOT)
         acc_dh = _dot(dout, w_down, acc_dh, FP32_DOT)
         if HAS_B2:
             b2 = tl.load(B2 + e64 * stride_b2e + ks * stride_b2k, mask=ks < D, other=0.0)
@@ -275,24 +311,34 @@ def _hidden_backward_kernel(
         b1 = B1 + e64 * stride_b1e
         acc_gate += tl.load(b1 + w_rows * stride_b1n, mask=cols < F,
                             other=0.0).to(tl.float32)[None, :]
-        b_up = tl.load(b1 + (up_row + w_rows) * stride_b1n, mask=cols < F, other=0.0)
-        acc_up += b_up.to(tl.float32)[None, :]
-    h = gated_unit(acc_gate, acc_up, alpha, limit, up_offset, ACTIVATION, CLAMP)
+        if GATED:
+            b_up = tl.load(b1 + (up_row + w_rows) * stride_b1n, mask=cols < F, other=0.0)
+            acc_up += b_up.to(tl.float32)[None, :]
+    if GATED:
+        h = gated_unit(acc_gate, acc_up, alpha, limit, up_offset, ACTIVATION, CLAMP)
+    else:
+        h, slope = _relu2(acc_gate)
     h = round_to(h, H.dtype.element_ty, BF16_BY_HAND)  # h as the forward's second GEMM read it
     mask = valid[:, None] & (cols < F)[None, :]
-    tl.store(H + rows.to(tl.int64)[:, None] * stride_hm + cols[None, :], h, mask=mask)
+    scale = tl.load(SCALE + assignment, mask=valid, other=0.0).to(tl.float32)
+    h_out = h
+    if SCALE_H:  # w h for d down (so that its GEMM's operands go to shared memory untouched)
+        h_out = round_to(h.to(tl.float32) * scale[:, None], H.dtype.element_ty, BF16_BY_HAND)
+    tl.store(H + rows.to(tl.int64)[:, None] * stride_hm + cols[None, :], h_out, mask=mask)
     dw = tl.sum(acc_dh * h.to(tl.float32), axis=1) + tl.where(pid_n == 0, acc_db, 0.0)
     tl.store(DW + pid_n * stride_dwb + assignment, dw, mask=valid)
-    scale = tl.load(SCALE + assignment, mask=valid, other=0.0).to(tl.float32)
-    d_gate, d_up = gated_unit_grad(
-        acc_dh * scale[:, None], acc_gate, acc_up, alpha, limit, up_offset, ACTIVATION, CLAMP
-    )
     dgu = DGU + rows.to(tl.int64)[:, None] * stride_gm
+    if GATED:
+        d_gate, d_up = gated_unit_grad(
+            acc_dh * scale[:, None], acc_gate, acc_up, alpha, limit, up_offset, ACTIVATION, CLAMP
+        )
+        tl.store(
+            dgu + (up_row + w_rows)[None, :], round_to(d_up, DGU.dtype.element_ty, BF16_BY_HAND),
+            mask=mask
+        )
+    else:  # d up of h = relu(up)^2, written where d gate goes in the gated form
+        d_gate = acc_dh * scale[:, None] * slope
     tl.store(dgu + w_rows[None, :], round_to(d_gate, DGU.dtype.element_ty, BF16_BY_HAND), mask=mask)
-    tl.store(
-        dgu + (up_row + w_rows)[None, :], round_to(d_up, DGU.dtype.element_ty, BF16_BY_HAND),
-        mask=mask
-    )
 
 
 @triton.jit
@@ -300,7 +346,7 @@ def _expert_grad_kernel(
     A, B, SCALE, SORTED, EXPERT_OFFSETS, OUT, BIAS_OUT,  #
     stride_am, stride_ai, stride_bm, stride_bj,  #
     stride_oe, stride_oi, stride_oj, stride_ge, stride_gi,  #
-    I, J, TOP_K,  #
+    I, J, TOP_K: tl.constexpr,  #
     BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,  #
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, HAS_SCALE: tl.constexpr,  #
     HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr, BF16_BY_HAND: tl.constexpr
@@ -319,9 +365,12 @@ def _expert_grad_kernel(
     for r0 in range(start, end, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         valid = rows < end
-        assignment = tl.load(SORTED + rows, mask=valid, other=0).to(tl.int64)
-        a_rows = assignment // TOP_K if GATHER_A else rows.to(tl.int64)
-        b_rows = assignment // TOP_K if GATHER_B else rows.to(tl.int64)
+        # the token: a division by the constant k (a shift or a multiply), in int32 (T k < 2^31)
+        assignment = tl.load(SORTED + rows, mask=valid, other=0)
+        token = (assignment // TOP_K).to(tl.int64)
+        a_rows = token if GATHER_A else rows.to(tl.int64)
+        b_rows = token if GATHER_B else rows.to(tl.int64)
+        assignment = assignment.to(tl.int64)
         a = tl.load(
             A + a_rows[:, None] * stride_am + ii[None, :] * stride_ai,
             mask=valid[:, None] & (ii < I)[None, :], other=0.0
@@ -383,19 +432,34 @@ def _indexed(t: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
     return (s[0], s[2], s[1]) if transposed else s
 
 
+def _gated(activation: str, interleaved: bool) -> bool:
+    """Whether the activation has a gate; `interleaved` (gate and up rows paired) needs one."""
+    gated = activation not in UNGATED
+    if interleaved and not gated:
+        raise ValueError(
+            f"interleaved pairs gate and up rows; activation={activation!r} has no gate"
+        )
+    return gated
+
+
 class _Layout:
     """The experts' weights as the kernels index them: W1[e, n, k] (n over gate_up's 2F rows,
     k over D) and W2[e, d, f] through strides, whatever `transposed` says; where gate and up of
-    hidden column c are (rows gate_step c and up_row + gate_step c)."""
+    hidden column c are (rows gate_step c and up_row + gate_step c). Non-gated (`activation` in
+    UNGATED): W1's F rows are up's, hidden column c row c."""
 
     def __init__(
-        self, gate_up: torch.Tensor, down: torch.Tensor, transposed: bool, interleaved: bool
+        self, gate_up: torch.Tensor, down: torch.Tensor, transposed: bool, interleaved: bool,
+        activation: str
     ):
-        self.w1 = _indexed(gate_up, transposed)  # strides over e, the 2F rows, D
+        self.w1 = _indexed(gate_up, transposed)  # strides over e, the 2F (or F) rows, D
         self.w2 = _indexed(down, transposed)  # strides over e, D, F
         self.num_experts = gate_up.shape[0]
-        self.d_ff = (gate_up.shape[2] if transposed else gate_up.shape[1]) // 2
+        self.gated = _gated(activation, interleaved)
+        rows = gate_up.shape[2] if transposed else gate_up.shape[1]
+        self.d_ff = rows // 2 if self.gated else rows
         self.gate_step, self.up_row = (2, 1) if interleaved else (1, self.d_ff)
+        self.activation = ACTIVATIONS[activation]
 
 
 def _bias_strides(bias: torch.Tensor | None) -> tuple[int, int]:
@@ -409,10 +473,10 @@ def _configs(dtype: torch.dtype) -> dict:
     the compile report's rows show no spills with these."""
     if interpreting():
         small = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=1)
+        grad = dict(BLOCK_I=64, BLOCK_J=64, BLOCK_R=16, num_warps=1)
         return dict(
-            gated=small, plain=small, hidden=small,
-            grad=dict(BLOCK_I=64, BLOCK_J=64, BLOCK_R=16,
-                      num_warps=1), combine=dict(BLOCK_T=16, BLOCK_D=64, num_warps=1)
+            gated=small, plain=small, hidden=small, hidden_transposed=small, grad=grad,
+            grad_scaled=grad, combine=dict(BLOCK_T=16, BLOCK_D=64, num_warps=1)
         )  # fmt: skip
     combine = dict(BLOCK_T=4, BLOCK_D=512, num_warps=4)
     if dtype == torch.float32:
@@ -420,16 +484,27 @@ def _configs(dtype: torch.dtype) -> dict:
             gated=dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
             plain=dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, num_warps=4, num_stages=2),
             hidden=dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=8, num_stages=2),
+            hidden_transposed=dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=8, num_stages=2),
             grad=dict(BLOCK_I=32, BLOCK_J=64, BLOCK_R=16, num_warps=4, num_stages=2),
+            grad_scaled=dict(BLOCK_I=32, BLOCK_J=64, BLOCK_R=16, num_warps=4, num_stages=2),
             combine=combine,
         )
     return dict(
         # 128-row tiles: the hot-loop model (docs/moe.md) gives the tensor cores 70-72% of the
         # forward GEMMs' loop on sm_90a against 58-68% at 64 rows
         gated=dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3),
-        plain=dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
-        hidden=dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=3),
-        grad=dict(BLOCK_I=128, BLOCK_J=128, BLOCK_R=32, num_warps=8, num_stages=3),
+        # 72% -> 76% (dx 68% -> 72%) at K 128 with two stages (128 KB of shared memory)
+        plain=dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=2),
+        # The backward's hot loops by the same model (bf16, sm_90a, D 2048, F 768): the recompute
+        # kernel 46% -> 64% at 128 x 64 (its three accumulators at 96 registers a thread; K 64
+        # gives 70% but spills on sm_80); with gpt-oss's transposed layout, whose strided loads
+        # and clamp need more registers, 26% -> 30% at 128 x 32. The ragged-K weight gradients
+        # 38% and 51% -> 65% at 128 x 256, R 64 (docs/moe.md); d down with a down bias, whose
+        # rows are scaled by the routing weight in registers in its loop, at 128 x 128, R 32.
+        hidden=dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
+        hidden_transposed=dict(BLOCK_M=128, BLOCK_N=32, BLOCK_K=32, num_warps=8, num_stages=3),
+        grad=dict(BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, num_warps=8, num_stages=3),
+        grad_scaled=dict(BLOCK_I=128, BLOCK_J=128, BLOCK_R=32, num_warps=8, num_stages=3),
         combine=combine,
     )
 
@@ -444,33 +519,40 @@ def _fp32_dot(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or interpreter_bf16(dtype)
 
 
+def _option_args(options: dict) -> tuple[float, float, float]:
+    """The kernels' (alpha, limit, up_offset) arguments: a limit of None is 0 (CLAMP off)."""
+    alpha, limit, up_offset = options["alpha"], options["limit"], options["up_offset"]
+    return float(alpha), 0.0 if limit is None else float(limit), float(up_offset)
+
+
 def _e_pad(num_experts: int) -> int:
     return max(16, triton.next_power_of_2(num_experts))
 
 
 def _grouped_gemm(
     a, weight, w_strides, n_cols, sorted_assignments, expert_offsets, out, top_k, *, gather_a=False,
-    scatter_out=False, gated=None, bias=None, scale=None, config
+    scatter_out=False, act=None, bias=None, scale=None, config
 ):
     """`_grouped_gemm_kernel` over every tile: out's rows (sorted, or scattered to assignments)
     = a's rows (sorted, or gathered by token) times W_e[n, k] (`w_strides`: e, n, k) for n <
-    n_cols. `gated`: (layout, activation, options) for the first GEMM's gate/up pairs."""
+    n_cols. `act`: (layout, options) for the first GEMM's activation (of gate/up pairs when
+    `layout.gated`, else of each column)."""
     n_rows, K = sorted_assignments.numel(), a.shape[1]
     num_experts = expert_offsets.numel() - 1
     grid = _tile_grid(n_rows, num_experts, config["BLOCK_M"], n_cols, config["BLOCK_N"])
-    if gated is None:
-        up_row, gate_step, activation, options = 0, 1, 0, dict(alpha=1.0, limit=None, up_offset=0.0)
+    gated = act is not None and act[0].gated
+    if act is None:
+        activation, options = NO_ACTIVATION, dict(alpha=1.0, limit=None, up_offset=0.0)
+        up_row, gate_step = 0, 1
     else:
-        layout, activation, options = gated
-        up_row, gate_step = layout.up_row, layout.gate_step
-    limit = options["limit"]
+        layout, options = act
+        activation, up_row, gate_step = layout.activation, layout.up_row, layout.gate_step
     _grouped_gemm_kernel[grid](
         a, weight, bias if bias is not None else a,
         scale if scale is not None else a, sorted_assignments, expert_offsets, out, a.stride(0),
         a.stride(1), *w_strides, *_bias_strides(bias), out.stride(0), n_cols, K, num_experts, top_k,
-        up_row, gate_step, float(options["alpha"]), 0.0 if limit is None else float(limit),
-        float(options["up_offset"]), E_PAD=_e_pad(num_experts), GATHER_A=gather_a,
-        SCATTER_OUT=scatter_out, GATED=gated is not None, ACTIVATION=activation, CLAMP=limit
+        up_row, gate_step, *_option_args(options), E_PAD=_e_pad(num_experts), GATHER_A=gather_a,
+        SCATTER_OUT=scatter_out, GATED=gated, ACTIVATION=activation, CLAMP=options["limit"]
         is not None, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
         FP32_DOT=_fp32_dot(a.dtype), BF16_BY_HAND=interpreter_bf16(out.dtype), **config
     )
@@ -494,7 +576,7 @@ def experts_forward(
     rows the GEMMs do not write: they start at zero."""
     T, D = x.shape
     top_k = expert_weights.shape[1]
-    layout = _Layout(gate_up, down, transposed, interleaved)
+    layout = _Layout(gate_up, down, transposed, interleaved, activation)
     config = _configs(x.dtype)
     sorted_assignments, expert_offsets = sorted_assignments.contiguous(), expert_offsets.contiguous(
     )
@@ -506,8 +588,8 @@ def experts_forward(
     h = empty((n, layout.d_ff), device=x.device, dtype=x.dtype)
     _grouped_gemm(
         x, gate_up, layout.w1, layout.d_ff, sorted_assignments, expert_offsets, h, top_k,
-        gather_a=True, gated=(layout, ACTIVATIONS[activation], options), bias=gate_up_bias,
-        config=config["gated"]
+        gather_a=True, act=(layout, options), bias=gate_up_bias,
+        config=config["gated" if layout.gated else "plain"]  # non-gated: one accumulator
     )
     y = (torch.zeros if some_held_elsewhere else empty)((n, D), device=x.device, dtype=x.dtype)
     _grouped_gemm(
@@ -545,8 +627,9 @@ def experts_backward(
     zeros_or_empty = torch.zeros if some_held_elsewhere else empty
     T, D = x.shape
     top_k = expert_weights.shape[1]
-    layout = _Layout(gate_up, down, transposed, interleaved)
+    layout = _Layout(gate_up, down, transposed, interleaved, activation)
     F, E = layout.d_ff, layout.num_experts
+    w1_rows = 2 * F if layout.gated else F
     config = _configs(x.dtype)
     sorted_assignments, expert_offsets = sorted_assignments.contiguous(), expert_offsets.contiguous(
     )
@@ -555,16 +638,15 @@ def experts_backward(
     dx = empty((T, D), device=device, dtype=dtype)
     d_gate_up = empty(gate_up.shape, device=device, dtype=dtype)
     d_down = empty(down.shape, device=device, dtype=dtype)
-    d_b1 = empty((E, 2 * F), device=device, dtype=dtype) if gate_up_bias is not None else None
+    d_b1 = empty((E, w1_rows), device=device, dtype=dtype) if gate_up_bias is not None else None
     d_b2 = empty((E, D), device=device, dtype=dtype) if down_bias is not None else None
     scale = expert_weights.reshape(-1).contiguous()
-    hidden = config["hidden"]
+    hidden = config["hidden_transposed" if transposed else "hidden"]
     n_col_blocks = triton.cdiv(F, hidden["BLOCK_N"])
     dw_blocks = zeros_or_empty((n_col_blocks, n), device=device, dtype=torch.float32)
     h = empty((n, F), device=device, dtype=dtype)
-    dgu = empty((n, 2 * F), device=device, dtype=dtype)  # columns in gate_up's row order
+    dgu = empty((n, w1_rows), device=device, dtype=dtype)  # columns in gate_up's row order
     if n > 0:
-        limit = options["limit"]
         _hidden_backward_kernel[_tile_grid(n, E, hidden["BLOCK_M"], F, hidden["BLOCK_N"])](
             x, dout, gate_up, down, gate_up_bias if gate_up_bias is not None else x,
             down_bias if down_bias is not None else x, scale, sorted_assignments,
@@ -572,15 +654,18 @@ def experts_backward(
             dout.stride(1), *layout.w1, *layout.w2,
             *_bias_strides(gate_up_bias), *_bias_strides(down_bias), dgu.stride(0), h.stride(0),
             dw_blocks.stride(0), F, D, E, top_k, layout.up_row, layout.gate_step,
-            float(options["alpha"]), 0.0 if limit is None else float(limit),
-            float(options["up_offset"]), E_PAD=_e_pad(E), ACTIVATION=ACTIVATIONS[activation],
-            CLAMP=limit is not None, HAS_B1=gate_up_bias is not None, HAS_B2=down_bias is not None,
-            FP32_DOT=_fp32_dot(dtype), BF16_BY_HAND=interpreter_bf16(dtype), **hidden
+            *_option_args(options), E_PAD=_e_pad(E), ACTIVATION=layout.activation,
+            CLAMP=options["limit"] is not None, HAS_B1=gate_up_bias is not None, HAS_B2=down_bias
+            is not None, GATED=layout.gated, SCALE_H=down_bias is None, FP32_DOT=_fp32_dot(dtype),
+            BF16_BY_HAND=interpreter_bf16(dtype), **hidden
         )
-    # d down[e, d, f] = sum (w g[token])[d] h[f];  d gate_up[e, n, d] = sum dgu[n] x[token][d]
+    # d down[e, d, f] = sum g[token][d] (w h)[f], w h written by the kernel above; with a down
+    # bias, whose gradient sums w g[token], w scales g's rows instead (in registers).
+    # d gate_up[e, n, d] = sum dgu[n] x[token][d]
     _expert_grad(
         dout, h, sorted_assignments, expert_offsets, d_down, _indexed(d_down, transposed), top_k,
-        gather_a=True, scale=scale, bias_out=d_b2, config=config["grad"]
+        gather_a=True, scale=scale if down_bias is not None else None, bias_out=d_b2,
+        config=config["grad" if down_bias is None else "grad_scaled"]
     )
     _expert_grad(
         dgu, x, sorted_assignments, expert_offsets, d_gate_up, _indexed(d_gate_up, transposed),
@@ -612,7 +697,7 @@ def experts_backward(
 
 def _checked_options(activation: str, alpha: float, limit: float | None, up_offset: float) -> dict:
     """The activation's options by `fastlm.options.check` (the public function and the ops);
-    alpha, limit and up_offset are SwiGLU's, so GeGLU takes only their defaults."""
+    alpha, limit and up_offset are SwiGLU's, so GeGLU and ReLU² take only their defaults."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
     options = dict(
@@ -796,8 +881,9 @@ def _check_ids(expert_ids: object, x: torch.Tensor, num_experts: int) -> None:
     check_values(expert_ids, valid, f"expert_ids must lie in [0, {num_experts})")
 
 
-def _check_weights(x, gate_up, down, gate_up_bias, down_bias, transposed) -> None:
-    """The experts' weights against x: shapes (the module docstring's layouts), E, F and D."""
+def _check_weights(x, gate_up, down, gate_up_bias, down_bias, transposed, gated=True) -> None:
+    """The experts' weights against x: shapes (the module docstring's layouts), E, F and D;
+    not `gated`: gate_up is up alone, (E, F, D)."""
     for name, t in (("gate_up", gate_up), ("down", down)):
         check_float(name, t)
         check_match(name, t, "x", x)
@@ -807,13 +893,15 @@ def _check_weights(x, gate_up, down, gate_up_bias, down_bias, transposed) -> Non
     E = gate_up.shape[0]
     two_f = gate_up.shape[2] if transposed else gate_up.shape[1]
     gate_up_d = gate_up.shape[1] if transposed else gate_up.shape[2]
-    want = "(E, D, 2F)" if transposed else "(E, 2F, D)"
-    if E == 0 or two_f == 0 or two_f % 2 or gate_up_d != D:
+    rows = "2F" if gated else "F"
+    want = f"(E, D, {rows})" if transposed else f"(E, {rows}, D)"
+    if E == 0 or two_f == 0 or (gated and two_f % 2) or gate_up_d != D:
+        even = "an even, non-zero 2F" if gated else "F >= 1 (the up projection alone: non-gated)"
         raise ValueError(
-            f"gate_up must be {want} with D = {D} (x's last dim), E >= 1 and an even, non-zero "
-            f"2F, got {tuple(gate_up.shape)} (transposed={transposed})"
+            f"gate_up must be {want} with D = {D} (x's last dim), E >= 1 and {even}, "
+            f"got {tuple(gate_up.shape)} (transposed={transposed})"
         )
-    F = two_f // 2
+    F = two_f // 2 if gated else two_f
     want_down = (E, F, D) if transposed else (E, D, F)
     if tuple(down.shape) != want_down:
         raise ValueError(
@@ -821,7 +909,7 @@ def _check_weights(x, gate_up, down, gate_up_bias, down_bias, transposed) -> Non
             f"transposed={transposed}), got {tuple(down.shape)}"
         )
     for name, bias, shape in (
-        ("gate_up_bias", gate_up_bias, (E, 2 * F)), ("down_bias", down_bias, (E, D))
+        ("gate_up_bias", gate_up_bias, (E, two_f)), ("down_bias", down_bias, (E, D))
     ):  # fmt: skip
         if bias is None:
             continue
@@ -839,13 +927,14 @@ def moe_experts(
 ) -> torch.Tensor:
     """The routed experts' output: out[t] = sum_j w[t, j] expert_{ids[t, j]}(x[t]).
 
-    Each expert is a gated MLP, down_e(act(gate, up)) with (gate, up) = gate_up_e x (+ biases);
-    the math, the kernels and what the backward saves are in this module's docstring. Gradients
-    flow to x, expert_weights (the router learns), gate_up, down and the biases; expert_ids has
-    none. Deterministic: no atomics, forward or backward. On DTensors: tokens replicated, the
-    experts' weights replicated or sharded over E or (interleaved layout) F, the output then a
-    `Partial` sum (`fastlm.sharding`, docs/moe.md); the PyTorch backend gathers DTensors whole
-    and returns a `Replicate` output.
+    Each expert is a gated MLP, down_e(act(gate, up)) with (gate, up) = gate_up_e x (+ biases), or
+    with a non-gated activation ("relu2") an MLP down_e(act(up_e x)); the math, the kernels and what
+    the backward saves are in this module's docstring. Gradients flow to x, expert_weights (the
+    router learns), gate_up, down and the biases; expert_ids has none. Deterministic: no atomics,
+    forward or backward. On DTensors: tokens replicated, the experts' weights replicated or
+    sharded over E or (interleaved layout) F, the output then a `Partial` sum
+    (`fastlm.sharding`, docs/moe.md); the PyTorch backend gathers DTensors whole and returns a
+    `Replicate` output.
 
     Args:
         x: (T, D) float32, float16 or bfloat16, the tokens (any strides).
@@ -854,12 +943,15 @@ def moe_experts(
             gradient in its dtype).
         gate_up: (E, 2F, D), or (E, D, 2F) with `transposed`, x's dtype and device: each
             expert's gate and up projections (gate the first F rows, up the last; `interleaved`:
-            gate the even rows, up the odd ones).
+            gate the even rows, up the odd ones). Non-gated ("relu2"): up alone, (E, F, D) or
+            (E, D, F).
         down: (E, D, F), or (E, F, D) with `transposed`, x's dtype and device.
-        gate_up_bias: None or (E, 2F) in gate_up's row order; down_bias: None or (E, D).
+        gate_up_bias: None or (E, 2F) in gate_up's row order ((E, F) non-gated); down_bias:
+            None or (E, D).
         transposed: the weights stored (E, in, out) (gpt-oss) rather than (E, out, in).
-        interleaved: gate and up in alternate rows of gate_up (gpt-oss).
-        activation: "silu" (SwiGLU, the default), "gelu_tanh" or "gelu" (GeGLU).
+        interleaved: gate and up in alternate rows of gate_up (gpt-oss); gated activations only.
+        activation: "silu" (SwiGLU, the default), "gelu_tanh" or "gelu" (GeGLU), or the
+            non-gated "relu2" (relu(up)^2: Nemotron-H's experts).
         alpha, limit, up_offset: SwiGLU's options, as in `fastlm.swiglu` (gpt-oss: 1.702, 7,
             1); other activations take the defaults.
 
@@ -872,16 +964,18 @@ def moe_experts(
             integer tensor; an option that is not a real number.
         ValueError: shapes that do not fit (each message names the argument), k > E, an id
             outside [0, E) (CPU tensors; a device-side assert on a GPU), tensors on two devices,
-            an unknown activation or an option outside its range.
+            an unknown activation or an option outside its range, `interleaved` with a
+            non-gated activation.
     """
     options = _checked_options(activation, alpha, limit, up_offset)
     for name, flag in (("transposed", transposed), ("interleaved", interleaved)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    gated = _gated(activation, interleaved)
     check_float("x", x)
     if x.dim() != 2 or x.shape[1] == 0:
         raise ValueError(f"x must be (T, D) with D >= 1, got {tuple(x.shape)}")
-    _check_weights(x, gate_up, down, gate_up_bias, down_bias, transposed)
+    _check_weights(x, gate_up, down, gate_up_bias, down_bias, transposed, gated)
     _check_ids(expert_ids, x, gate_up.shape[0])
     check_float("expert_weights", expert_weights)
     if expert_weights.device != x.device:
@@ -930,4 +1024,4 @@ def _expert_index(gate_up: torch.Tensor) -> torch.Tensor | None:
     return distribute_tensor(index, gate_up.device_mesh, on_e, src_data_rank=None)
 
 
-__all__ = ["moe_experts", "moe_experts_ref", "route_ref"]
+__all__ = ["moe_experts", "moe_experts_ref", "relu2_ref", "route_ref"]
