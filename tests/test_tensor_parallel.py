@@ -234,16 +234,12 @@ def _model(case: ModelCase, seed: int):
     return Transformer(**MODEL, num_kv_heads=case.num_kv_heads, tie_embeddings=case.tie_embeddings)
 
 
-def _check_model_case(case: ModelCase, rank: int, world: int, seed: int) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from fastlm.distributed import shard_sequence
-    from fastlm.tensor_parallel import parallelize, reduce_gradients, shard_tensor
-
+def _model_problem(case: ModelCase, world: int, seed: int):
+    """A case's whole batch and its one-process truth, the same for every rank: (tokens,
+    targets, packed, the loss, the reference's parameters with their gradients). Computed once
+    in the test's process, before the ranks are forked (each rank computing it again cost as
+    much as its own parallel step)."""
     data = world // (case.tensor * case.context)
-    mesh = init_device_mesh(
-        "cpu", (data, case.context, case.tensor), mesh_dim_names=("data", "context", "tensor")
-    )
     torch.manual_seed(seed + 1)
     B, T = 2 * data, 16
     tokens = torch.randint(0, MODEL["vocab_size"], (B, T))
@@ -255,10 +251,29 @@ def _check_model_case(case: ModelCase, rank: int, world: int, seed: int) -> None
     if case.packed:  # documents crossing the rows, cut anywhere (not at shard bounds)
         packed = dict(cu_seqlens=torch.tensor([0, 5, 21, 27, B * T], dtype=torch.int32))
     reference = _model(case, seed)
-    reference.loss(tokens, targets, **packed).backward()
-    expected = reference.loss(tokens, targets, **packed).detach()
-    truth = dict(reference.named_parameters(remove_duplicate=False))
+    loss = reference.loss(tokens, targets, **packed)
+    loss.backward()
+    return (
+        tokens,
+        targets,
+        packed,
+        loss.detach(),
+        dict(reference.named_parameters(remove_duplicate=False)),
+    )
 
+
+def _check_model_case(case: ModelCase, rank: int, world: int, seed: int, problem) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fastlm.distributed import shard_sequence
+    from fastlm.tensor_parallel import parallelize, reduce_gradients, shard_tensor
+
+    data = world // (case.tensor * case.context)
+    mesh = init_device_mesh(
+        "cpu", (data, case.context, case.tensor), mesh_dim_names=("data", "context", "tensor")
+    )
+    tokens, targets, packed, expected, truth = problem
+    B = tokens.shape[0]
     model = parallelize(_model(case, seed), mesh["tensor"])
     heads = model.tensor_heads
     d_rank, c_rank = mesh["data"].get_local_rank(), mesh["context"].get_local_rank()
@@ -307,18 +322,24 @@ def _check_model_case(case: ModelCase, rank: int, world: int, seed: int) -> None
         assert_close(grad, want, torch.float32, f"{case} grad {name}")
 
 
-def _model_worker(rank: int, world: int, seed: int) -> None:
-    for case in MODEL_CASES[world]:
-        _check_model_case(case, rank, world, seed)
+def _model_worker(rank: int, world: int, seed: int, problems: list) -> None:
+    for case, problem in zip(MODEL_CASES[world], problems, strict=True):
+        _check_model_case(case, rank, world, seed, problem)
+
+
+def _spawn_model_cases(world: int, tmp_path) -> None:
+    seed = int(torch.randint(2**31, ()))
+    problems = [_model_problem(case, world, seed) for case in MODEL_CASES[world]]
+    spawn(world, tmp_path, _model_worker, seed, problems)
 
 
 def test_model_tensor_parallel(tmp_path):
-    spawn(2, tmp_path, _model_worker, int(torch.randint(2**31, ())))
+    _spawn_model_cases(2, tmp_path)
 
 
 @pytest.mark.slow
 def test_model_tensor_parallel_4(tmp_path):
-    spawn(4, tmp_path, _model_worker, int(torch.randint(2**31, ())))
+    _spawn_model_cases(4, tmp_path)
 
 
 # --------------------------------------------------------------------------------------------
