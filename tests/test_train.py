@@ -6,7 +6,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -730,24 +729,78 @@ def torchrun(tmp_path, data, name, *extra) -> tuple[subprocess.CompletedProcess,
     return result, records
 
 
+#: RANK_SCRIPT's training runs one after another in one torchrun launch (a launch, torch and
+#: fastlm imported in each rank, costs more than a toy run): argv[1] a JSON list of [records,
+#: [what rank 0 copies before the run, where] or null, the run's argv]. gloo cannot join a new
+#: group through torchrun's store after one is destroyed (its stale keys), so the first run's
+#: init_process_group makes the group the later runs keep (theirs and every destroy are
+#: skipped); it is destroyed once, at the end.
+RUNS_SCRIPT = textwrap.dedent("""
+    import json, os, runpy, shutil, sys
+    import torch.distributed as dist
+    import fastlm.cli.trainer as training
+
+    originals = training.full_state, training.Trainer.save  # which rank.py wraps, once a run
+    init, destroy = dist.init_process_group, dist.destroy_process_group
+    dist.init_process_group = lambda *a, **k: None if dist.is_initialized() else init(*a, **k)
+    dist.destroy_process_group = lambda *a, **k: None
+    for records, copy, argv in json.loads(open(sys.argv[1]).read()):
+        if copy and os.environ["RANK"] == "0":
+            shutil.copytree(*copy)
+        if copy:
+            dist.barrier()  # the copy is there before any rank resumes from it
+        sys.argv = [sys.argv[0], records, *argv]
+        training.full_state, training.Trainer.save = originals
+        try:
+            runpy.run_path(os.path.join(os.path.dirname(__file__), "rank.py"))
+        except SystemExit as status:
+            if status.code:
+                raise
+    destroy()
+""")
+
+
+def torchrun_runs(tmp_path, data, runs: dict) -> tuple[subprocess.CompletedProcess, dict]:
+    """`torchrun`'s runs, {name: (extra, (copy from, to) or None)}, in one launch: the finished
+    launch and each run's records folder."""
+    (tmp_path / "rank.py").write_text(RANK_SCRIPT)
+    (tmp_path / "runs.py").write_text(RUNS_SCRIPT)
+    folders, plan = {}, []
+    for name, (extra, copy) in runs.items():
+        folders[name] = tmp_path / f"records-{name}"
+        folders[name].mkdir()
+        argv = ["--data", data, *TOY, "--steps", "4", "--out", tmp_path / name, *extra]
+        plan.append([str(folders[name]), copy and [str(c) for c in copy], [str(a) for a in argv]])
+    (tmp_path / "runs.json").write_text(json.dumps(plan))
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+         str(tmp_path / "runs.py"), str(tmp_path / "runs.json")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**SUBPROCESS_ENV, "FASTLM_BACKEND": "torch"},
+    )  # fmt: skip
+    return result, folders
+
+
 def test_torchrun_ddp_and_fsdp_on_gloo(tmp_path, corpus):
     """Both models under DDP and FSDP2 (which shards the same computation): the same losses up
-    to summation order. fastlm's FSDP run resumes the step-2 checkpoint of its DDP run."""
+    to summation order. fastlm's FSDP run resumes the step-2 checkpoint of its DDP run. (One
+    launch runs the four: `torchrun_runs`.)"""
+    copy = (tmp_path / "records-fastlm-ddp" / "checkpoint-2", tmp_path / "fastlm-fsdp")
     runs = {
-        "reference-ddp": ["--model", "reference"],
-        "fastlm-ddp": ["--model", "fastlm", "--save-every", "2"],
-        "fastlm-fsdp": ["--model", "fastlm", "--fsdp", "--resume"],
-        "reference-fsdp": ["--model", "reference", "--fsdp"],
+        "reference-ddp": (["--model", "reference"], None),
+        "fastlm-ddp": (["--model", "fastlm", "--save-every", "2"], None),
+        "fastlm-fsdp": (["--model", "fastlm", "--fsdp", "--resume"], copy),
+        "reference-fsdp": (["--model", "reference", "--fsdp"], None),
     }
-    summaries, hashes = {}, {}
-    for name, extra in runs.items():
-        if name == "fastlm-fsdp":
-            shutil.copytree(tmp_path / "records-fastlm-ddp" / "checkpoint-2", tmp_path / name)
-        result, records = torchrun(tmp_path, corpus, name, *extra)
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert "deprecated" not in result.stderr, result.stderr[-3000:]  # DDP's broadcast_buffers
-        summaries[name] = json.loads(result.stdout.strip().splitlines()[-1])
-        hashes[name] = [p.read_text() for p in records.glob("hash-*")]
+    result, folders = torchrun_runs(tmp_path, corpus, runs)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "deprecated" not in result.stderr, result.stderr[-3000:]  # DDP's broadcast_buffers
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == len(runs), result.stdout[-3000:]
+    summaries = {name: json.loads(line) for name, line in zip(runs, lines)}
+    hashes = {name: [p.read_text() for p in folders[name].glob("hash-*")] for name in runs}
     expected = summaries["reference-ddp"]
     assert expected["world_size"] == 2 and expected["final_loss"] < expected["initial_loss"]
     expected_weights = checkpoint.load_weights(tmp_path / "reference-ddp")
