@@ -8,7 +8,6 @@ logits or the whole weight is ever made. Argument errors run in this process."""
 from __future__ import annotations
 
 import json
-import shutil
 import textwrap
 from collections import Counter
 from dataclasses import dataclass
@@ -22,10 +21,11 @@ from test_distributed import (
     _backend,
     _train,
     assert_refused_in_one_line,
+    assert_resumes_back,
     keep_every_checkpoint,
     spawn,
 )
-from test_train import TOY, run_main, torchrun
+from test_train import TOY, run_main, torchrun_runs
 
 from fastlm import checkpoint
 from fastlm.cli.trainer import NextTokenLoss
@@ -350,61 +350,23 @@ corpus = test_train.corpus  # the fixture
 TP_ARGS = ["--num-kv-heads", "2"]  # every head count divisible by 2 (the byte vocabulary: 256)
 
 
-def test_train_resumes_into_and_out_of_tensor_parallelism(tmp_path, corpus, capsys, monkeypatch):
-    """The step-2 checkpoint of a one-process run resumes under torchrun with --tensor-parallel
-    2 (each layer over both ranks), and that run's step-4 checkpoint (whole tensors: weights and
-    AdamW's moments gathered) back in one process: every loss is the uninterrupted
-    single-process run's, to rounding, and the final weights match."""
+def test_train_under_tensor_parallelism(tmp_path, corpus, capsys, monkeypatch):
+    """fastlm-train --tensor-parallel 2 under torchrun against one process, three runs in one
+    launch (`torchrun_runs`: a launch costs more than these runs):
+
+    - resume: the step-2 checkpoint of a one-process run resumes under --tensor-parallel 2
+      (each layer over both ranks), and that run's step-4 checkpoint (whole tensors: weights
+      and AdamW's moments gathered) back in one process: every loss is the uninterrupted
+      single-process run's, to rounding, and the final weights match;
+    - packed: --pack-documents, both tensor ranks reading the same rows and their documents'
+      bounds (cu_seqlens over the whole B x T tokens, which attention sees gathered): every loss
+      the single-process run's, to rounding (a document ends at each ". ", so that many windows
+      hold several);
+    - compiled: --compile (torch.compile of the DDP-wrapped model and loss, the plan's
+      collectives traced inside its autograd Functions; aot_eager here, inductor's C++ build
+      being minutes on this CPU): every loss the single-process eager run's."""
     monkeypatch.setenv("FASTLM_BACKEND", "torch")  # as torchrun's ranks run
     keep_every_checkpoint(monkeypatch, tmp_path)
-    uninterrupted = _train(tmp_path, corpus, capsys, "single", *TP_ARGS, "--save-every", "2")
-    shutil.copytree(tmp_path / "single-2", tmp_path / "tp")
-    extra = ["--steps", "6", "--save-every", "2", "--tensor-parallel", "2", "--resume"]
-    result, records = torchrun(tmp_path, corpus, "tp", *FASTLM_TOY[len(TOY) :], *TP_ARGS, *extra)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "tensor parallel 2" in result.stderr and "note:" not in result.stderr
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
-    assert summary["steps"] == 6 and summary["world_size"] == 2
-    parallel = checkpoint.load_state(tmp_path / "tp")["train_losses"]
-    shutil.copytree(records / "checkpoint-4", tmp_path / "back")
-    back = _train(tmp_path, corpus, capsys, "back", *TP_ARGS, "--resume")
-    assert parallel[:2] == back[:2] == uninterrupted[:2]
-    assert parallel == pytest.approx(uninterrupted, rel=1e-5)
-    assert back == pytest.approx(uninterrupted, rel=1e-5)
-    weights = checkpoint.load_weights(tmp_path / "back")
-    for key, value in checkpoint.load_weights(tmp_path / "single").items():
-        assert torch.allclose(weights[key], value, rtol=1e-4, atol=1e-6), key
-
-
-def test_train_packs_documents_under_tensor_parallelism(tmp_path, corpus, capsys, monkeypatch):
-    """--pack-documents under --tensor-parallel 2: both tensor ranks read the same rows and
-    their documents' bounds (cu_seqlens over the whole B x T tokens, which attention sees
-    gathered), so every loss equals the single-process run's, to rounding. A document ends at
-    each ". " so that many windows hold several."""
-    monkeypatch.setenv("FASTLM_BACKEND", "torch")  # as torchrun's ranks run
-    packed = ["--pack-documents", "--document-separator", ". ", *TP_ARGS]
-    argv = [*FASTLM_TOY, "--data", corpus, "--steps", 4, "--out", tmp_path / "single", *packed]
-    status, single, err = run_main(argv, capsys)
-    assert status == 0, err
-    assert 0 < single["targets_ignored"] < single["targets"]  # documents start inside windows
-    extra = [*packed, "--tensor-parallel", "2"]
-    result, _ = torchrun(tmp_path, corpus, "tp", *FASTLM_TOY[len(TOY) :], *extra)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "tensor parallel 2" in result.stderr
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
-    assert summary["world_size"] == 2 and summary["targets_ignored"] == single["targets_ignored"]
-    parallel = checkpoint.load_state(tmp_path / "tp")["train_losses"]
-    expected = checkpoint.load_state(tmp_path / "single")["train_losses"]
-    assert len(parallel) == len(expected) == 4
-    assert parallel == pytest.approx(expected, rel=1e-5)
-    assert summary["val_loss"] == pytest.approx(single["val_loss"], rel=1e-5)
-
-
-def test_train_compiles_under_tensor_parallelism(tmp_path, corpus, capsys, monkeypatch):
-    """--compile under --tensor-parallel 2 (torch.compile of the DDP-wrapped model and loss,
-    the plan's collectives traced inside its autograd Functions; aot_eager here, inductor's C++
-    build being minutes on this CPU): every loss equals the single-process eager run's."""
-    monkeypatch.setenv("FASTLM_BACKEND", "torch")  # as torchrun's ranks run
     aot_eager = textwrap.dedent("""
         import sys, torch
         compile_ = torch.compile
@@ -414,20 +376,48 @@ def test_train_compiles_under_tensor_parallelism(tmp_path, corpus, capsys, monke
         torch.compile = aot_eager
     """)
     monkeypatch.setattr(test_train, "RANK_SCRIPT", aot_eager + test_train.RANK_SCRIPT)
-    argv = [*FASTLM_TOY, "--data", corpus, "--steps", 4, "--out", tmp_path / "single", *TP_ARGS]
-    status, single, err = run_main(argv, capsys)
-    assert status == 0, err
-    extra = [*TP_ARGS, "--tensor-parallel", "2", "--compile"]
-    result, _ = torchrun(tmp_path, corpus, "tp", *FASTLM_TOY[len(TOY) :], *extra)
+    fastlm_args = [*FASTLM_TOY[len(TOY) :], *TP_ARGS, "--tensor-parallel", "2"]
+    packed = ["--pack-documents", "--document-separator", ". "]
+
+    uninterrupted = _train(tmp_path, corpus, capsys, "single", *TP_ARGS, "--save-every", "2")
+    singles = {}
+    for name, extra in (("packed", packed), ("compiled", [])):
+        argv = [*FASTLM_TOY, "--data", corpus, "--steps", 4, "--out", tmp_path / name, *TP_ARGS]
+        status, singles[name], err = run_main([*argv, *extra], capsys)
+        assert status == 0, err
+    assert 0 < singles["packed"]["targets_ignored"] < singles["packed"]["targets"]  # mid-window
+    resume = ["--steps", "6", "--save-every", "2", "--resume"]
+    runs = {
+        "tp-packed": ([*fastlm_args, *packed], None),
+        "tp-resume": ([*fastlm_args, *resume], (tmp_path / "single-2", tmp_path / "tp-resume")),
+        "tp-compiled": ([*fastlm_args, "--compile"], None),
+    }
+    result, outputs = torchrun_runs(tmp_path, corpus, runs)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "tensor parallel 2" in result.stderr
-    assert result.stderr.count("compiling with aot_eager") == 2  # each rank's trainer
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
-    parallel = checkpoint.load_state(tmp_path / "tp")["train_losses"]
-    expected = checkpoint.load_state(tmp_path / "single")["train_losses"]
-    assert len(parallel) == len(expected) == 4
-    assert parallel == pytest.approx(expected, rel=1e-5)
-    assert summary["val_loss"] == pytest.approx(single["val_loss"], rel=1e-5)
+    summaries = {}
+    for name, output in outputs.items():
+        assert "tensor parallel 2" in output["stderr"], (name, output["stderr"][-3000:])
+        summaries[name] = json.loads(output["stdout"].strip().splitlines()[-1])
+        assert summaries[name]["world_size"] == 2, name
+    assert "note:" not in outputs["tp-resume"]["stderr"]
+    assert outputs["tp-compiled"]["stderr"].count("compiling with aot_eager") == 2  # each rank's
+
+    # resume
+    assert summaries["tp-resume"]["steps"] == 6
+    parallel = checkpoint.load_state(tmp_path / "tp-resume")["train_losses"]
+    saved = outputs["tp-resume"]["records"] / "checkpoint-4"
+    assert_resumes_back(tmp_path, corpus, capsys, saved, parallel, uninterrupted, *TP_ARGS)
+
+    # packed, compiled
+    summary = summaries["tp-packed"]
+    assert summary["targets_ignored"] == singles["packed"]["targets_ignored"]
+    for name in ("packed", "compiled"):
+        parallel = checkpoint.load_state(tmp_path / f"tp-{name}")["train_losses"]
+        expected = checkpoint.load_state(tmp_path / name)["train_losses"]
+        assert len(parallel) == len(expected) == 4, name
+        assert parallel == pytest.approx(expected, rel=1e-5), name
+        val_loss = summaries[f"tp-{name}"]["val_loss"]
+        assert val_loss == pytest.approx(singles[name]["val_loss"], rel=1e-5), name
 
 
 @pytest.mark.parametrize(
