@@ -82,8 +82,39 @@ def _patch_the_language_once_per_launch() -> None:
     interpreter._patch_lang = patch_lang
 
 
+def _numpy_dtypes_by_name() -> None:
+    """Triton's interpreter (3.9) maps a Triton dtype to its NumPy storage dtype through
+    `_get_np_dtype`, which builds its table of 18 entries (each key hashed in Python) on every
+    call: several times per op of every program of every launch. Here the table is built once,
+    keyed by the dtype's name (what Triton's dtypes compare by); a name not in it goes to the
+    original function, which raises as before. Test time only: the mapping is unchanged."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:  # tests/without_triton.py hides triton
+        return
+
+    original = interpreter._get_np_dtype
+    names = ("int1", "float16", "float32", "float64", "int8", "uint8", "int16", "uint16",
+             "int32", "uint32", "int64", "uint64", "bfloat16", "float8e5", "float8e5b16",
+             "float8e4nv", "float8e4b8", "float8e4b15")  # fmt: skip
+    by_name = {getattr(tl, n).name: original(getattr(tl, n)) for n in names}
+    address = original(tl.pointer_type(tl.int8))
+
+    def get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.block_type):
+            tt_dtype = tt_dtype.element_ty
+        if isinstance(tt_dtype, tl.pointer_type):
+            return address
+        found = by_name.get(tt_dtype.name)
+        return found if found is not None else original(tt_dtype)
+
+    interpreter._get_np_dtype = get_np_dtype
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_the_language_once_per_launch()
+    _numpy_dtypes_by_name()
 
 import fastlm.kernels._common as kernel_common  # noqa: E402
 from fastlm.kernels.linear import has_mixed_gemm  # noqa: E402

@@ -389,7 +389,10 @@ def test_approximate_cap_within_its_bound(device, monkeypatch, backend, determin
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["two-pass", "atomic-dq"])
-@pytest.mark.parametrize("softcap", [1e3, 1e5, 1e6])
+# 1e3 (the cap's own effect the bound's second term) and the largest, 1e6: every score here is
+# under 0.6 c, so each cap takes `_scaled_tanh_parts`' polynomial form, whose leading term is t,
+# and a cap between them checks that form again.
+@pytest.mark.parametrize("softcap", [1e3, 1e6])
 def test_large_caps_are_exact(device, softcap, deterministic):
     """A cap far above the scores leaves them as they are: c * tanh(s / c) = s (1 - (s / c)^2 / 3)
     must be s to fp32 rounding for any cap up to the largest the option rule takes, 1e6

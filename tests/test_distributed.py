@@ -448,6 +448,20 @@ def _train(tmp_path, corpus, capsys, name: str, *extra) -> list[float]:
     return checkpoint.load_state(tmp_path / name)["train_losses"]
 
 
+def assert_resumes_back(tmp_path, corpus, capsys, saved, parallel, uninterrupted, *extra):
+    """A parallel run's step-4 checkpoint `saved` resumed in one process: its losses, the
+    parallel run's and the uninterrupted one-process run's ("single") are equal for the first
+    two steps and to rounding after, and its final weights match that run's."""
+    shutil.copytree(saved, tmp_path / "back")
+    back = _train(tmp_path, corpus, capsys, "back", *extra, "--resume")
+    assert parallel[:2] == back[:2] == uninterrupted[:2]
+    assert parallel == pytest.approx(uninterrupted, rel=1e-5)
+    assert back == pytest.approx(uninterrupted, rel=1e-5)
+    weights = checkpoint.load_weights(tmp_path / "back")
+    for key, value in checkpoint.load_weights(tmp_path / "single").items():
+        assert torch.allclose(weights[key], value, rtol=1e-4, atol=1e-6), key
+
+
 def keep_every_checkpoint(monkeypatch, folder) -> None:
     """Make each save of fastlm-train's Trainer also copy the checkpoint to
     folder/<out name>-<step>, so a test can resume from any step it saved."""
@@ -480,14 +494,7 @@ def test_train_resumes_into_and_out_of_context_parallelism(tmp_path, corpus, cap
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 6 and summary["world_size"] == 2
     parallel = checkpoint.load_state(tmp_path / "cp")["train_losses"]
-    shutil.copytree(records / "checkpoint-4", tmp_path / "back")
-    back = _train(tmp_path, corpus, capsys, "back", "--resume")
-    assert parallel[:2] == back[:2] == uninterrupted[:2]
-    assert parallel == pytest.approx(uninterrupted, rel=1e-5)
-    assert back == pytest.approx(uninterrupted, rel=1e-5)
-    weights = checkpoint.load_weights(tmp_path / "back")
-    for key, value in checkpoint.load_weights(tmp_path / "single").items():
-        assert torch.allclose(weights[key], value, rtol=1e-4, atol=1e-6), key
+    assert_resumes_back(tmp_path, corpus, capsys, records / "checkpoint-4", parallel, uninterrupted)
 
 
 def test_benchmark_without_cuda_says_so(capsys):

@@ -232,6 +232,12 @@ WALK_CONFIGS = {
         layer_types=["linear_attention", "attention"],
     ),  # fmt: skip
     "mamba2": dict(num_heads=4, head_dim=16, state_size=8),
+    # Falcon-H1's Mamba-2 mixer at its default sizes (128 heads, a state of 256, chunks of 256)
+    # took most of this test's time; here 4 heads, a state of 8, and chunks of 8 (a row of 9
+    # tokens spans two).
+    "falcon_h1": dict(
+        mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=8
+    ),  # fmt: skip
     "reformer": dict(is_decoder=True, axial_pos_embds_dim=[16, 16]),
     # DeepSeek-V3.2's sparse attention (MLA with an indexer) and the families that took it.
     **{

@@ -8,7 +8,6 @@ logits or the whole weight is ever made. Argument errors run in this process."""
 from __future__ import annotations
 
 import json
-import shutil
 import textwrap
 from collections import Counter
 from dataclasses import dataclass
@@ -22,10 +21,11 @@ from test_distributed import (
     _backend,
     _train,
     assert_refused_in_one_line,
+    assert_resumes_back,
     keep_every_checkpoint,
     spawn,
 )
-from test_train import TOY, run_main, torchrun
+from test_train import TOY, run_main, torchrun_runs
 
 from fastlm import checkpoint
 from fastlm.cli.trainer import NextTokenLoss
@@ -234,16 +234,12 @@ def _model(case: ModelCase, seed: int):
     return Transformer(**MODEL, num_kv_heads=case.num_kv_heads, tie_embeddings=case.tie_embeddings)
 
 
-def _check_model_case(case: ModelCase, rank: int, world: int, seed: int) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from fastlm.distributed import shard_sequence
-    from fastlm.tensor_parallel import parallelize, reduce_gradients, shard_tensor
-
+def _model_problem(case: ModelCase, world: int, seed: int):
+    """A case's whole batch and its one-process truth, the same for every rank: (tokens,
+    targets, packed, the loss, the reference's parameters with their gradients). Computed once
+    in the test's process, before the ranks are forked (each rank computing it again cost as
+    much as its own parallel step)."""
     data = world // (case.tensor * case.context)
-    mesh = init_device_mesh(
-        "cpu", (data, case.context, case.tensor), mesh_dim_names=("data", "context", "tensor")
-    )
     torch.manual_seed(seed + 1)
     B, T = 2 * data, 16
     tokens = torch.randint(0, MODEL["vocab_size"], (B, T))
@@ -255,10 +251,29 @@ def _check_model_case(case: ModelCase, rank: int, world: int, seed: int) -> None
     if case.packed:  # documents crossing the rows, cut anywhere (not at shard bounds)
         packed = dict(cu_seqlens=torch.tensor([0, 5, 21, 27, B * T], dtype=torch.int32))
     reference = _model(case, seed)
-    reference.loss(tokens, targets, **packed).backward()
-    expected = reference.loss(tokens, targets, **packed).detach()
-    truth = dict(reference.named_parameters(remove_duplicate=False))
+    loss = reference.loss(tokens, targets, **packed)
+    loss.backward()
+    return (
+        tokens,
+        targets,
+        packed,
+        loss.detach(),
+        dict(reference.named_parameters(remove_duplicate=False)),
+    )
 
+
+def _check_model_case(case: ModelCase, rank: int, world: int, seed: int, problem) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fastlm.distributed import shard_sequence
+    from fastlm.tensor_parallel import parallelize, reduce_gradients, shard_tensor
+
+    data = world // (case.tensor * case.context)
+    mesh = init_device_mesh(
+        "cpu", (data, case.context, case.tensor), mesh_dim_names=("data", "context", "tensor")
+    )
+    tokens, targets, packed, expected, truth = problem
+    B = tokens.shape[0]
     model = parallelize(_model(case, seed), mesh["tensor"])
     heads = model.tensor_heads
     d_rank, c_rank = mesh["data"].get_local_rank(), mesh["context"].get_local_rank()
@@ -307,18 +322,24 @@ def _check_model_case(case: ModelCase, rank: int, world: int, seed: int) -> None
         assert_close(grad, want, torch.float32, f"{case} grad {name}")
 
 
-def _model_worker(rank: int, world: int, seed: int) -> None:
-    for case in MODEL_CASES[world]:
-        _check_model_case(case, rank, world, seed)
+def _model_worker(rank: int, world: int, seed: int, problems: list) -> None:
+    for case, problem in zip(MODEL_CASES[world], problems, strict=True):
+        _check_model_case(case, rank, world, seed, problem)
+
+
+def _spawn_model_cases(world: int, tmp_path) -> None:
+    seed = int(torch.randint(2**31, ()))
+    problems = [_model_problem(case, world, seed) for case in MODEL_CASES[world]]
+    spawn(world, tmp_path, _model_worker, seed, problems)
 
 
 def test_model_tensor_parallel(tmp_path):
-    spawn(2, tmp_path, _model_worker, int(torch.randint(2**31, ())))
+    _spawn_model_cases(2, tmp_path)
 
 
 @pytest.mark.slow
 def test_model_tensor_parallel_4(tmp_path):
-    spawn(4, tmp_path, _model_worker, int(torch.randint(2**31, ())))
+    _spawn_model_cases(4, tmp_path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -329,61 +350,23 @@ corpus = test_train.corpus  # the fixture
 TP_ARGS = ["--num-kv-heads", "2"]  # every head count divisible by 2 (the byte vocabulary: 256)
 
 
-def test_train_resumes_into_and_out_of_tensor_parallelism(tmp_path, corpus, capsys, monkeypatch):
-    """The step-2 checkpoint of a one-process run resumes under torchrun with --tensor-parallel
-    2 (each layer over both ranks), and that run's step-4 checkpoint (whole tensors: weights and
-    AdamW's moments gathered) back in one process: every loss is the uninterrupted
-    single-process run's, to rounding, and the final weights match."""
+def test_train_under_tensor_parallelism(tmp_path, corpus, capsys, monkeypatch):
+    """fastlm-train --tensor-parallel 2 under torchrun against one process, three runs in one
+    launch (`torchrun_runs`: a launch costs more than these runs):
+
+    - resume: the step-2 checkpoint of a one-process run resumes under --tensor-parallel 2
+      (each layer over both ranks), and that run's step-4 checkpoint (whole tensors: weights
+      and AdamW's moments gathered) back in one process: every loss is the uninterrupted
+      single-process run's, to rounding, and the final weights match;
+    - packed: --pack-documents, both tensor ranks reading the same rows and their documents'
+      bounds (cu_seqlens over the whole B x T tokens, which attention sees gathered): every loss
+      the single-process run's, to rounding (a document ends at each ". ", so that many windows
+      hold several);
+    - compiled: --compile (torch.compile of the DDP-wrapped model and loss, the plan's
+      collectives traced inside its autograd Functions; aot_eager here, inductor's C++ build
+      being minutes on this CPU): every loss the single-process eager run's."""
     monkeypatch.setenv("FASTLM_BACKEND", "torch")  # as torchrun's ranks run
     keep_every_checkpoint(monkeypatch, tmp_path)
-    uninterrupted = _train(tmp_path, corpus, capsys, "single", *TP_ARGS, "--save-every", "2")
-    shutil.copytree(tmp_path / "single-2", tmp_path / "tp")
-    extra = ["--steps", "6", "--save-every", "2", "--tensor-parallel", "2", "--resume"]
-    result, records = torchrun(tmp_path, corpus, "tp", *FASTLM_TOY[len(TOY) :], *TP_ARGS, *extra)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "tensor parallel 2" in result.stderr and "note:" not in result.stderr
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
-    assert summary["steps"] == 6 and summary["world_size"] == 2
-    parallel = checkpoint.load_state(tmp_path / "tp")["train_losses"]
-    shutil.copytree(records / "checkpoint-4", tmp_path / "back")
-    back = _train(tmp_path, corpus, capsys, "back", *TP_ARGS, "--resume")
-    assert parallel[:2] == back[:2] == uninterrupted[:2]
-    assert parallel == pytest.approx(uninterrupted, rel=1e-5)
-    assert back == pytest.approx(uninterrupted, rel=1e-5)
-    weights = checkpoint.load_weights(tmp_path / "back")
-    for key, value in checkpoint.load_weights(tmp_path / "single").items():
-        assert torch.allclose(weights[key], value, rtol=1e-4, atol=1e-6), key
-
-
-def test_train_packs_documents_under_tensor_parallelism(tmp_path, corpus, capsys, monkeypatch):
-    """--pack-documents under --tensor-parallel 2: both tensor ranks read the same rows and
-    their documents' bounds (cu_seqlens over the whole B x T tokens, which attention sees
-    gathered), so every loss equals the single-process run's, to rounding. A document ends at
-    each ". " so that many windows hold several."""
-    monkeypatch.setenv("FASTLM_BACKEND", "torch")  # as torchrun's ranks run
-    packed = ["--pack-documents", "--document-separator", ". ", *TP_ARGS]
-    argv = [*FASTLM_TOY, "--data", corpus, "--steps", 4, "--out", tmp_path / "single", *packed]
-    status, single, err = run_main(argv, capsys)
-    assert status == 0, err
-    assert 0 < single["targets_ignored"] < single["targets"]  # documents start inside windows
-    extra = [*packed, "--tensor-parallel", "2"]
-    result, _ = torchrun(tmp_path, corpus, "tp", *FASTLM_TOY[len(TOY) :], *extra)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "tensor parallel 2" in result.stderr
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
-    assert summary["world_size"] == 2 and summary["targets_ignored"] == single["targets_ignored"]
-    parallel = checkpoint.load_state(tmp_path / "tp")["train_losses"]
-    expected = checkpoint.load_state(tmp_path / "single")["train_losses"]
-    assert len(parallel) == len(expected) == 4
-    assert parallel == pytest.approx(expected, rel=1e-5)
-    assert summary["val_loss"] == pytest.approx(single["val_loss"], rel=1e-5)
-
-
-def test_train_compiles_under_tensor_parallelism(tmp_path, corpus, capsys, monkeypatch):
-    """--compile under --tensor-parallel 2 (torch.compile of the DDP-wrapped model and loss,
-    the plan's collectives traced inside its autograd Functions; aot_eager here, inductor's C++
-    build being minutes on this CPU): every loss equals the single-process eager run's."""
-    monkeypatch.setenv("FASTLM_BACKEND", "torch")  # as torchrun's ranks run
     aot_eager = textwrap.dedent("""
         import sys, torch
         compile_ = torch.compile
@@ -393,20 +376,48 @@ def test_train_compiles_under_tensor_parallelism(tmp_path, corpus, capsys, monke
         torch.compile = aot_eager
     """)
     monkeypatch.setattr(test_train, "RANK_SCRIPT", aot_eager + test_train.RANK_SCRIPT)
-    argv = [*FASTLM_TOY, "--data", corpus, "--steps", 4, "--out", tmp_path / "single", *TP_ARGS]
-    status, single, err = run_main(argv, capsys)
-    assert status == 0, err
-    extra = [*TP_ARGS, "--tensor-parallel", "2", "--compile"]
-    result, _ = torchrun(tmp_path, corpus, "tp", *FASTLM_TOY[len(TOY) :], *extra)
+    fastlm_args = [*FASTLM_TOY[len(TOY) :], *TP_ARGS, "--tensor-parallel", "2"]
+    packed = ["--pack-documents", "--document-separator", ". "]
+
+    uninterrupted = _train(tmp_path, corpus, capsys, "single", *TP_ARGS, "--save-every", "2")
+    singles = {}
+    for name, extra in (("packed", packed), ("compiled", [])):
+        argv = [*FASTLM_TOY, "--data", corpus, "--steps", 4, "--out", tmp_path / name, *TP_ARGS]
+        status, singles[name], err = run_main([*argv, *extra], capsys)
+        assert status == 0, err
+    assert 0 < singles["packed"]["targets_ignored"] < singles["packed"]["targets"]  # mid-window
+    resume = ["--steps", "6", "--save-every", "2", "--resume"]
+    runs = {
+        "tp-packed": ([*fastlm_args, *packed], None),
+        "tp-resume": ([*fastlm_args, *resume], (tmp_path / "single-2", tmp_path / "tp-resume")),
+        "tp-compiled": ([*fastlm_args, "--compile"], None),
+    }
+    result, outputs = torchrun_runs(tmp_path, corpus, runs)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "tensor parallel 2" in result.stderr
-    assert result.stderr.count("compiling with aot_eager") == 2  # each rank's trainer
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
-    parallel = checkpoint.load_state(tmp_path / "tp")["train_losses"]
-    expected = checkpoint.load_state(tmp_path / "single")["train_losses"]
-    assert len(parallel) == len(expected) == 4
-    assert parallel == pytest.approx(expected, rel=1e-5)
-    assert summary["val_loss"] == pytest.approx(single["val_loss"], rel=1e-5)
+    summaries = {}
+    for name, output in outputs.items():
+        assert "tensor parallel 2" in output["stderr"], (name, output["stderr"][-3000:])
+        summaries[name] = json.loads(output["stdout"].strip().splitlines()[-1])
+        assert summaries[name]["world_size"] == 2, name
+    assert "note:" not in outputs["tp-resume"]["stderr"]
+    assert outputs["tp-compiled"]["stderr"].count("compiling with aot_eager") == 2  # each rank's
+
+    # resume
+    assert summaries["tp-resume"]["steps"] == 6
+    parallel = checkpoint.load_state(tmp_path / "tp-resume")["train_losses"]
+    saved = outputs["tp-resume"]["records"] / "checkpoint-4"
+    assert_resumes_back(tmp_path, corpus, capsys, saved, parallel, uninterrupted, *TP_ARGS)
+
+    # packed, compiled
+    summary = summaries["tp-packed"]
+    assert summary["targets_ignored"] == singles["packed"]["targets_ignored"]
+    for name in ("packed", "compiled"):
+        parallel = checkpoint.load_state(tmp_path / f"tp-{name}")["train_losses"]
+        expected = checkpoint.load_state(tmp_path / name)["train_losses"]
+        assert len(parallel) == len(expected) == 4, name
+        assert parallel == pytest.approx(expected, rel=1e-5), name
+        val_loss = summaries[f"tp-{name}"]["val_loss"]
+        assert val_loss == pytest.approx(singles[name]["val_loss"], rel=1e-5), name
 
 
 @pytest.mark.parametrize(

@@ -297,9 +297,19 @@ def _run(case: Case, inputs, mesh=None):
     return whole, [g.full_tensor() if mesh is not None else g for g in grads], upstreams
 
 
-def _check_case(case: Case, mesh) -> None:
-    inputs = case.make()
-    outputs, grads, upstreams = _run(case, inputs)
+def _whole_runs(cases: list[Case]) -> list:
+    """(case, its inputs, its run on whole tensors) for each case, drawn in order from the
+    seeded generator: computed once in the test's process, before the ranks fork (each rank
+    computing them again cost a third of its time)."""
+    return [(case, inputs, _run(case, inputs)) for case in cases for inputs in [case.make()]]
+
+
+def _check_case(case: Case, mesh, inputs=None, whole=None) -> None:
+    """The case on DTensors against its run on whole tensors (`whole`, for `inputs`; both made
+    here if not given)."""
+    if inputs is None:
+        inputs = case.make()
+    outputs, grads, upstreams = whole or _run(case, inputs)
     d_outputs, d_grads, _ = _run(case, inputs, mesh)
     magnitudes = {
         len(outputs) + position: terms(inputs, outputs, upstreams)
@@ -384,19 +394,21 @@ def _check_dtype_cache(mesh) -> None:
         assert out.dtype == dtype and out.to_local().dtype == dtype, (dtype, out.dtype)
 
 
-def _worker(rank: int, world_size: int, seed: int) -> None:
+def _worker(rank: int, world_size: int, seed: int, runs: list) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world_size,))
-    torch.manual_seed(seed)  # every rank draws the same whole inputs
-    for case in _cases():
-        _check_case(case, mesh)
+    for case, inputs, whole in runs:  # the same whole inputs on every rank
+        _check_case(case, mesh, inputs, whole)
+    torch.manual_seed(seed)  # every rank draws the same tensors below
     _check_refusals(mesh)
     _check_dtype_cache(mesh)
 
 
 def test_ops_on_dtensors(tmp_path):
-    spawn(2, tmp_path, _worker, int(torch.randint(2**31, ())))  # from the test's seed
+    seed = int(torch.randint(2**31, ()))  # from the test's seed
+    torch.manual_seed(seed)
+    spawn(2, tmp_path, _worker, seed, _whole_runs(_cases()))
 
 
 def _mesh_2d_cases() -> list[Case]:
@@ -453,14 +465,14 @@ def _mesh_2d_cases() -> list[Case]:
     ]
 
 
-def _worker_2d(rank: int, world_size: int, seed: int) -> None:
+def _worker_2d(rank: int, world_size: int, seed: int, runs: list) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tensor"))
+    for case, inputs, whole in runs:
+        _check_case(case, mesh, inputs, whole)
     torch.manual_seed(seed)
-    for case in _mesh_2d_cases():
-        _check_case(case, mesh)
     # 3 heads do not divide the tensor dim's 2 ranks: refused, naming that count.
     q = distribute_tensor(_randn(2, 3, 8, 16), mesh, [Shard(0), Shard(1)])
     with pytest.raises(RuntimeError, match="3 query and 3 KV heads do not both divide the 2 "):
@@ -471,7 +483,9 @@ def _worker_2d(rank: int, world_size: int, seed: int) -> None:
 
 
 def test_ops_on_a_2d_mesh(tmp_path):
-    spawn(4, tmp_path, _worker_2d, int(torch.randint(2**31, ())))
+    seed = int(torch.randint(2**31, ()))
+    torch.manual_seed(seed)
+    spawn(4, tmp_path, _worker_2d, seed, _whole_runs(_mesh_2d_cases()))
 
 
 def test_every_op_has_a_rule():

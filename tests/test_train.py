@@ -6,7 +6,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -730,24 +729,105 @@ def torchrun(tmp_path, data, name, *extra) -> tuple[subprocess.CompletedProcess,
     return result, records
 
 
+#: RANK_SCRIPT's training runs one after another in one torchrun launch (a launch, torch and
+#: fastlm imported in each rank, costs more than a toy run): argv[1] a JSON list of [records,
+#: [what rank 0 copies before the run, where] or null, the run's argv]; each run's stdout and
+#: stderr go to records/stdout-<rank>.txt and stderr-<rank>.txt. gloo cannot join a new group
+#: through torchrun's store after one is destroyed (its stale keys), so the first run's
+#: init_process_group makes the group the later runs keep (theirs and every destroy are
+#: skipped); it is destroyed once, at the end.
+RUNS_SCRIPT = textwrap.dedent("""
+    import contextlib, json, os, runpy, shutil, sys
+    import torch
+    import torch.distributed as dist
+    import fastlm.cli.trainer as training
+
+    # What rank.py (or a test's prefix to it) wraps, restored before each run wraps it again.
+    originals = training.full_state, training.Trainer.save, torch.compile
+    init, destroy = dist.init_process_group, dist.destroy_process_group
+    dist.init_process_group = lambda *a, **k: None if dist.is_initialized() else init(*a, **k)
+    dist.destroy_process_group = lambda *a, **k: None
+    rank = os.environ["RANK"]
+    for records, copy, argv in json.loads(open(sys.argv[1]).read()):
+        if copy and rank == "0":
+            shutil.copytree(*copy)
+        if copy:
+            dist.barrier()  # the copy is there before any rank resumes from it
+        sys.argv = [sys.argv[0], records, *argv]
+        training.full_state, training.Trainer.save, torch.compile = originals
+        with (
+            open(f"{records}/stdout-{rank}.txt", "w") as out,
+            open(f"{records}/stderr-{rank}.txt", "w") as err,
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+        ):
+            try:
+                runpy.run_path(os.path.join(os.path.dirname(__file__), "rank.py"))
+            except SystemExit as status:
+                if status.code:
+                    raise
+    destroy()
+""")
+
+
+def torchrun_runs(tmp_path, data, runs: dict) -> tuple[subprocess.CompletedProcess, dict]:
+    """`torchrun`'s runs, {name: (extra, (copy from, to) or None)}, in one launch: the finished
+    launch and, per run, its records folder, rank 0's stdout and both ranks' stderr. The first
+    run copies nothing: the ranks wait for a copy on the group it makes."""
+    if next(iter(runs.values()))[1]:
+        raise ValueError("the first run makes the process group: it cannot wait for a copy")
+    (tmp_path / "rank.py").write_text(RANK_SCRIPT)
+    (tmp_path / "runs.py").write_text(RUNS_SCRIPT)
+    folders, plan = {}, []
+    for name, (extra, copy) in runs.items():
+        folders[name] = tmp_path / f"records-{name}"
+        folders[name].mkdir()
+        argv = ["--data", data, *TOY, "--steps", "4", "--out", tmp_path / name, *extra]
+        plan.append([str(folders[name]), copy and [str(c) for c in copy], [str(a) for a in argv]])
+    (tmp_path / "runs.json").write_text(json.dumps(plan))
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+         str(tmp_path / "runs.py"), str(tmp_path / "runs.json")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**SUBPROCESS_ENV, "FASTLM_BACKEND": "torch"},
+    )  # fmt: skip
+
+    def read(path):
+        return path.read_text() if path.exists() else ""
+
+    outputs = {
+        name: dict(
+            records=folder,
+            stdout=read(folder / "stdout-0.txt"),
+            stderr=read(folder / "stderr-0.txt") + read(folder / "stderr-1.txt"),
+        )
+        for name, folder in folders.items()
+    }
+    if result.returncode:  # what each run said, then torchrun's own report
+        result.stderr = "".join(o["stderr"] for o in outputs.values()) + result.stderr
+    return result, outputs
+
+
 def test_torchrun_ddp_and_fsdp_on_gloo(tmp_path, corpus):
     """Both models under DDP and FSDP2 (which shards the same computation): the same losses up
-    to summation order. fastlm's FSDP run resumes the step-2 checkpoint of its DDP run."""
+    to summation order. fastlm's FSDP run resumes the step-2 checkpoint of its DDP run. (One
+    launch runs the four: `torchrun_runs`.)"""
+    copy = (tmp_path / "records-fastlm-ddp" / "checkpoint-2", tmp_path / "fastlm-fsdp")
     runs = {
-        "reference-ddp": ["--model", "reference"],
-        "fastlm-ddp": ["--model", "fastlm", "--save-every", "2"],
-        "fastlm-fsdp": ["--model", "fastlm", "--fsdp", "--resume"],
-        "reference-fsdp": ["--model", "reference", "--fsdp"],
+        "reference-ddp": (["--model", "reference"], None),
+        "fastlm-ddp": (["--model", "fastlm", "--save-every", "2"], None),
+        "fastlm-fsdp": (["--model", "fastlm", "--fsdp", "--resume"], copy),
+        "reference-fsdp": (["--model", "reference", "--fsdp"], None),
     }
+    result, outputs = torchrun_runs(tmp_path, corpus, runs)
+    assert result.returncode == 0, result.stderr[-3000:]
     summaries, hashes = {}, {}
-    for name, extra in runs.items():
-        if name == "fastlm-fsdp":
-            shutil.copytree(tmp_path / "records-fastlm-ddp" / "checkpoint-2", tmp_path / name)
-        result, records = torchrun(tmp_path, corpus, name, *extra)
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert "deprecated" not in result.stderr, result.stderr[-3000:]  # DDP's broadcast_buffers
-        summaries[name] = json.loads(result.stdout.strip().splitlines()[-1])
-        hashes[name] = [p.read_text() for p in records.glob("hash-*")]
+    for name, output in outputs.items():
+        assert "deprecated" not in output["stderr"], output["stderr"][-3000:]  # DDP's buffers
+        summaries[name] = json.loads(output["stdout"].strip().splitlines()[-1])
+        hashes[name] = [p.read_text() for p in output["records"].glob("hash-*")]
     expected = summaries["reference-ddp"]
     assert expected["world_size"] == 2 and expected["final_loss"] < expected["initial_loss"]
     expected_weights = checkpoint.load_weights(tmp_path / "reference-ddp")
