@@ -322,9 +322,10 @@ MMA_BUSY_FLOORS = {
 
 def test_kept_report_has_the_moe_hot_loops():
     """The MoE GEMMs' rows in the kept compile report (`compile_report.py --baseline`): each
-    16-bit launch on both archs has its hot loop read (tensor cores issuing exactly the tile's
-    FLOPs, no spill, wgmma on sm_90a) and is a line of the hot-loop table, and the bf16 SwiGLU
-    launches on sm_90a are at least MMA_BUSY_FLOORS."""
+    16-bit launch on the three archs has its hot loop read (tensor cores issuing exactly the
+    tile's FLOPs, no spill; tcgen05 on sm_100a, wgmma on sm_90a, mma.sync on sm_80) and is a
+    line of the hot-loop table, and the bf16 SwiGLU launches on sm_90a are at least
+    MMA_BUSY_FLOORS."""
     import json
     from pathlib import Path
 
@@ -333,13 +334,16 @@ def test_kept_report_has_the_moe_hot_loops():
     rows = [r for r in json.loads(kept.read_text())["rows"] if r["kernel"] in hot_loop.GEMM_DOTS]
     read = [r for r in rows if r["dtype"] != "fp32"]
     assert {(r["arch"], r["form"]) for r in read} == {
-        (arch, form) for arch in ("sm_90a", "sm_80") for form in ("SwiGLU", "gpt-oss", "ReLU2")
+        (arch, form)
+        for arch in ("sm_100a", "sm_90a", "sm_80")
+        for form in ("SwiGLU", "gpt-oss", "ReLU2")
     }
     lines = hot_loop.table(read).splitlines()[2:]
     for row, line in zip(read, lines, strict=True):
         loop = row["hot_loop"]
         assert loop["mma_ratio"] == 1.0 and not row["problems"] and row["spill_stores"] == 0
-        assert row["wgmma"] > 0 if row["arch"] == "sm_90a" else row["mma"] > 0
+        tensor_cores = {"sm_100a": "tcgen05", "sm_90a": "wgmma", "sm_80": "mma"}[row["arch"]]
+        assert row[tensor_cores] > 0, (row["kernel"], row["arch"])
         assert f"`{row['kernel']}`" in line and f"{loop['mma_busy']:.0%}" in line
     busy = {}
     for row in read:

@@ -558,6 +558,13 @@ def _op_entries() -> list[Entry]:
             make_args = lambda p=packed, b=backward: _swiglu_options_args(p, b)  # noqa: E731
             for option in ("alpha", "limit", "up_offset"):
                 add(op, make_args, option, none_ok=option == "limit")
+    add(
+        "moe_route",
+        lambda: dict(expert_ids=torch.tensor([[0, 2], [1, 0]]), num_experts=3),
+        "num_experts",
+        valid=[3, 4, 1000],
+        invalid=[0],
+    )
     for backward in (False, True):
         for option, valid in MOE_VALID.items():
             op = "moe_experts_backward" if backward else "moe_experts"

@@ -716,11 +716,20 @@ def _checked_options(activation: str, alpha: float, limit: float | None, up_offs
 def _route_op(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`route` of the router's ids over all `num_experts` experts (the weights' E: with experts
     sharded over E, a rank's weights hold fewer, and the routing stays the whole one)."""
-    return route(expert_ids, num_experts)
+    return route(expert_ids, _checked_num_experts(num_experts))
+
+
+def _checked_num_experts(num_experts: int) -> int:
+    """num_experts by the option rule, and at least one expert (the option's 0 means a dense
+    model, which has no routing)."""
+    if check("num_experts", num_experts) < 1:
+        raise ValueError(f"num_experts must be at least 1 to route, got {num_experts}")
+    return num_experts
 
 
 @_route_op.register_fake
 def _(expert_ids, num_experts):
+    _checked_num_experts(num_experts)
     sorted_assignments = expert_ids.new_empty(expert_ids.numel(), dtype=torch.int32)
     return sorted_assignments, expert_ids.new_empty(num_experts + 1, dtype=torch.int32)
 
