@@ -3,7 +3,9 @@ tiny configuration builds is patched and run against its unpatched copy (eager a
 plain batch, and counted where its attention ran through fastlm's attention with loss, logits
 and every gradient within fastlm's fp32 tolerance. Every type that does not is a named,
 understood limit (`LIMITS`, checked both ways: a type listed there that passes fails the test,
-so the list stays true).
+so the list stays true). Every type with experts modules (transformers' experts interface, or
+Llama 4's block) is counted where its experts ran `fastlm.moe_experts` forward and backward
+under that parity, or is a named limit of its math (`EXPERTS_LEFT`, checked both ways).
 
 It runs on the PyTorch backend (FASTLM_BACKEND=torch: fastlm.hf's routing down to
 `flash_attention`'s and `flash_attention_varlen`'s reference math, their calls counted) to fit
@@ -42,6 +44,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 OWN_ATTENTION = "no module calls transformers' attention interface"
 BIDIRECTIONAL = "{'fastlm': 0, 'sdpa'"
 READS_MASK = "its forward fails on fastlm's attention"
+SCORE_BIAS = "attention did not run on fastlm's path"
 
 #: model_type -> why it does not run attention on fastlm's kernels with parity (a phrase of
 #: the failure it gives here). Types whose tiny config does not build are in NOT_BUILT.
@@ -51,7 +54,8 @@ READS_MASK = "its forward fails on fastlm's attention"
 #: - BIDIRECTIONAL: an encoder's config (is_decoder False): bidirectional attention, which
 #:   fastlm's causal kernels do not run; it goes to SDPA with a warning;
 #: - inkling_text: a relative position bias added to the scores (position_bias), which the
-#:   kernels do not take: the family's eager attention runs it, with a warning;
+#:   kernels do not take: the family's eager attention runs it, with a warning; Inkling 2's
+#:   (SCORE_BIAS) goes to SDPA;
 #: - READS_MASK: the family's own code reads the mask tensor (Doge's dynamic mask, the sparse
 #:   attention indexers of DeepSeek-V3.2, GLM-MoE-DSA, Hunyuan-V4, AXK2, dots.3 and Qwen4-exp,
 #:   GIT's additive mask), which fastlm's mask function does not make: patch finds that on its
@@ -84,6 +88,8 @@ LIMITS = {
     "gpt_neox_japanese": OWN_ATTENTION,
     "hy_v4": READS_MASK,
     "inkling_text": "{'fastlm': 0, 'sdpa': 0}",
+    "inkling2_loop_text": SCORE_BIAS,
+    "inkling2_text": SCORE_BIAS,
     "mamba": OWN_ATTENTION,
     "mamba2": OWN_ATTENTION,
     "megatron-bert": OWN_ATTENTION,
@@ -127,9 +133,6 @@ NOT_BUILT = {
     "gemma3n": "TimmWrapperModel requires the timm library",
     "gemma4_assistant": "hidden_size_per_layer_input must be 0",
     "got_ocr2": SIZE_FIELD,
-    "inkling2_loop_text": SIZE_FIELD,
-    "inkling2_text": SIZE_FIELD,
-    "kimi_linear": SIZE_FIELD,
     "musicgen": "has no attribute 'dropout'",
     "musicgen_melody": "has no attribute 'dropout'",
     "phi4_multimodal": SIZE_FIELD,
@@ -149,7 +152,12 @@ def _causal_lm_types() -> list[str]:
 #: Every other type with experts modules (transformers' experts interface, or Llama 4's block)
 #: runs them on the op, forward and backward, with the walk's parity on loss, logits and every
 #: gradient.
-EXPERTS_LEFT = {}
+#: - Inkling 2 (text, and looped): a softcapped SwiGLU, softcap(gate) * sigmoid(gate) *
+#:   softcap(up) with tanh softcaps, which the op does not compute.
+EXPERTS_LEFT = {
+    "inkling2_loop_text": "neither act(gate) * up",
+    "inkling2_text": "neither act(gate) * up",
+}
 
 
 class _AttentionCalls:
@@ -234,6 +242,25 @@ WALK_CONFIGS = {
     ),  # fmt: skip
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
     "zaya": dict(num_experts_per_tok=1),
+    **{
+        name: dict(
+            swa_num_attention_heads=2,
+            swa_num_key_value_heads=1,
+            swa_head_dim=16,
+            sliding_window_size=8,
+            rel_extent=8,
+            unpadded_vocab_size=VOCAB,
+        )
+        for name in ("inkling2_text", "inkling2_loop_text")
+    },
+    "kimi_linear": dict(
+        MLA,
+        layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse"],
+        linear_head_dim=8,
+        linear_num_heads=2,
+        num_key_value_heads=2,
+    ),  # fmt: skip
     # MoE families whose default dense first layers would take both of the tiny model's.
     "beam": dict(mlp_layer_types=["dense", "sparse"], n_group=1, topk_group=1),
     "flint": dict(mlp_only_layers=[0]),
@@ -421,7 +448,7 @@ def _experts_left(parts, modules) -> str | None:
     names = {type(m).__name__ for m in modules}
     left = {what: why for what, why in parts.left.items() if what.split(" ")[0] in names}
     if left:
-        return "experts left: " + "; ".join(f"{what}: {why}" for what, why in left.items())
+        return "left: " + "; ".join(f"{what}: {why}" for what, why in left.items())
     if "moe_experts" not in parts:
         return f"experts not on the op, nothing said: {', '.join(sorted(names))}"
     return None
