@@ -571,3 +571,16 @@ def test_every_causal_lm_type(monkeypatch, capsys):
     problems += [f"{t} in EXPERTS_LEFT has no experts here" for t in set(EXPERTS_LEFT) - set(moe)]
     assert not problems, "\n".join(problems)
     assert set(FAMILY_CONFIGS) <= set(passing) | set(LIMITS)
+
+
+def test_the_walk_tells_experts_off_the_op(monkeypatch):
+    """The walk's experts check fails a type whose experts patch did not put on the op: Mixtral's
+    with `use_op` refusing them (they keep transformers' grouped_mm, nothing said in `left`)."""
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")
+    calls, experts = _AttentionCalls(monkeypatch), _ExpertsCalls(monkeypatch)
+    monkeypatch.setattr(hf_experts, "use_op", lambda module, options: False)
+    torch.manual_seed(0)
+    attention, status = _run("mixtral", calls, experts)
+    assert attention is None
+    assert status == "experts not on the op, nothing said: MixtralExperts", status
+    assert experts.forward == 0 and experts.missed == {"MixtralExperts"}
