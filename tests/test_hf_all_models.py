@@ -3,7 +3,9 @@ tiny configuration builds is patched and run against its unpatched copy (eager a
 plain batch, and counted where its attention ran through fastlm's attention with loss, logits
 and every gradient within fastlm's fp32 tolerance. Every type that does not is a named,
 understood limit (`LIMITS`, checked both ways: a type listed there that passes fails the test,
-so the list stays true).
+so the list stays true). Every type with experts modules (transformers' experts interface, or
+Llama 4's block) is counted where its experts ran `fastlm.moe_experts` forward and backward
+under that parity, or is a named limit of its math (`EXPERTS_LEFT`, checked both ways).
 
 It runs on the PyTorch backend (FASTLM_BACKEND=torch: fastlm.hf's routing down to
 `flash_attention`'s and `flash_attention_varlen`'s reference math, their calls counted) to fit
@@ -31,6 +33,9 @@ from test_hf_families import (  # noqa: E402
 
 from fastlm import hf  # noqa: E402
 from fastlm.hf import attention as hf_attention  # noqa: E402
+from fastlm.hf import experts as hf_experts  # noqa: E402
+from fastlm.hf import forwards as hf_forwards  # noqa: E402
+from fastlm.hf import probe  # noqa: E402
 from fastlm.testing import TOLERANCE, relative_error  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -39,6 +44,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 OWN_ATTENTION = "no module calls transformers' attention interface"
 BIDIRECTIONAL = "{'fastlm': 0, 'sdpa'"
 READS_MASK = "its forward fails on fastlm's attention"
+SCORE_BIAS = "attention did not run on fastlm's path"
 
 #: model_type -> why it does not run attention on fastlm's kernels with parity (a phrase of
 #: the failure it gives here). Types whose tiny config does not build are in NOT_BUILT.
@@ -48,7 +54,8 @@ READS_MASK = "its forward fails on fastlm's attention"
 #: - BIDIRECTIONAL: an encoder's config (is_decoder False): bidirectional attention, which
 #:   fastlm's causal kernels do not run; it goes to SDPA with a warning;
 #: - inkling_text: a relative position bias added to the scores (position_bias), which the
-#:   kernels do not take: the family's eager attention runs it, with a warning;
+#:   kernels do not take: the family's eager attention runs it, with a warning; Inkling 2's
+#:   (SCORE_BIAS) goes to SDPA;
 #: - READS_MASK: the family's own code reads the mask tensor (Doge's dynamic mask, the sparse
 #:   attention indexers of DeepSeek-V3.2, GLM-MoE-DSA, Hunyuan-V4, AXK2, dots.3 and Qwen4-exp,
 #:   GIT's additive mask), which fastlm's mask function does not make: patch finds that on its
@@ -81,6 +88,8 @@ LIMITS = {
     "gpt_neox_japanese": OWN_ATTENTION,
     "hy_v4": READS_MASK,
     "inkling_text": "{'fastlm': 0, 'sdpa': 0}",
+    "inkling2_loop_text": SCORE_BIAS,
+    "inkling2_text": SCORE_BIAS,
     "mamba": OWN_ATTENTION,
     "mamba2": OWN_ATTENTION,
     "megatron-bert": OWN_ATTENTION,
@@ -124,9 +133,6 @@ NOT_BUILT = {
     "gemma3n": "TimmWrapperModel requires the timm library",
     "gemma4_assistant": "hidden_size_per_layer_input must be 0",
     "got_ocr2": SIZE_FIELD,
-    "inkling2_loop_text": SIZE_FIELD,
-    "inkling2_text": SIZE_FIELD,
-    "kimi_linear": SIZE_FIELD,
     "musicgen": "has no attribute 'dropout'",
     "musicgen_melody": "has no attribute 'dropout'",
     "phi4_multimodal": SIZE_FIELD,
@@ -139,6 +145,19 @@ def _causal_lm_types() -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+#: model_type -> why patch leaves its experts on transformers' own code (a phrase of what
+#: `fastlm_patched.left` says): the family's math, which `fastlm.moe_experts` does not compute.
+#: Every other type with experts modules (transformers' experts interface, or Llama 4's block)
+#: runs them on the op, forward and backward, with the walk's parity on loss, logits and every
+#: gradient.
+#: - Inkling 2 (text, and looped): a softcapped SwiGLU, softcap(gate) * sigmoid(gate) *
+#:   softcap(up) with tanh softcaps, which the op does not compute.
+EXPERTS_LEFT = {
+    "inkling2_loop_text": "neither act(gate) * up",
+    "inkling2_text": "neither act(gate) * up",
+}
 
 
 class _AttentionCalls:
@@ -223,6 +242,28 @@ WALK_CONFIGS = {
     ),  # fmt: skip
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
     "zaya": dict(num_experts_per_tok=1),
+    **{
+        name: dict(
+            swa_num_attention_heads=2,
+            swa_num_key_value_heads=1,
+            swa_head_dim=16,
+            sliding_window_size=8,
+            rel_extent=8,
+            unpadded_vocab_size=VOCAB,
+        )
+        for name in ("inkling2_text", "inkling2_loop_text")
+    },
+    "kimi_linear": dict(
+        MLA,
+        layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse"],
+        linear_head_dim=8,
+        linear_num_heads=2,
+        num_key_value_heads=2,
+    ),  # fmt: skip
+    # MoE families whose default dense first layers would take both of the tiny model's.
+    "beam": dict(mlp_layer_types=["dense", "sparse"], n_group=1, topk_group=1),
+    "flint": dict(mlp_only_layers=[0]),
     # The Mamba hybrids: a Mamba layer, then an attention layer.
     "bamba": dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, attn_layer_indices=[1]),
     "granitemoehybrid": dict(
@@ -346,11 +387,93 @@ def _worst(model, unpatched) -> tuple[float, str]:
     return worst, where
 
 
-def _run(model_type: str, calls: _AttentionCalls) -> str | None:
-    """None when the type runs attention on fastlm's path with parity, else why not."""
+#: The experts status of a type whose experts run on fastlm's op with parity.
+ON_THE_OP = "on fastlm's op"
+
+
+class _ExpertsCalls:
+    """Counts the calls of fastlm.moe_experts by fastlm.hf (`fastlm.hf.experts`' implementation
+    and `fastlm.hf.forwards`' Llama 4 block: the probe's runs call the reference instead), and
+    their backward (a gradient hook on each output); `missed` names the experts modules whose
+    forward ran without calling it."""
+
+    def __init__(self, monkeypatch):
+        self.forward = self.backward = 0
+        self.missed = set()
+        for module in (hf_experts, hf_forwards):
+            monkeypatch.setattr(module, "moe_experts", self._counting(module.moe_experts))
+
+    def _counting(self, op):
+        def counted(*args, **kwargs):
+            self.forward += 1
+            out = op(*args, **kwargs)
+            if out.requires_grad:
+                out.register_hook(self._backward)
+            return out
+
+        return counted
+
+    def _backward(self, grad):
+        self.backward += 1
+
+    def watch(self, modules) -> list:
+        """Hooks on `modules` (remove them after) that add to `missed` each one whose forward
+        did not call the op."""
+
+        def before(module, args):
+            module._fastlm_calls_before = self.forward
+
+        def after(module, args, output):
+            if self.forward == module._fastlm_calls_before:
+                self.missed.add(type(module).__name__)
+
+        return [h for m in modules for h in (m.register_forward_pre_hook(before),
+                                             m.register_forward_hook(after))]  # fmt: skip
+
+
+def _experts_modules(model) -> list:
+    """transformers' experts modules (its experts interface gives their classes an
+    `_apply_gate`) and Llama 4's blocks (the probe's candidate: stacked experts that do not
+    dispatch through it)."""
+    return [
+        m
+        for m in model.modules()
+        if hasattr(type(m), "_apply_gate") or probe.input_scaled_experts_candidate(m)
+    ]
+
+
+def _experts_left(parts, modules) -> str | None:
+    """Why the experts `modules` do not run on fastlm's op by what patch reported (its `left`
+    entries naming them, or nothing said), None if it says they do."""
+    names = {type(m).__name__ for m in modules}
+    left = {what: why for what, why in parts.left.items() if what.split(" ")[0] in names}
+    if left:
+        return "left: " + "; ".join(f"{what}: {why}" for what, why in left.items())
+    if "moe_experts" not in parts:
+        return f"experts not on the op, nothing said: {', '.join(sorted(names))}"
+    return None
+
+
+def _parity(model, unpatched, outputs) -> str | None:
+    """None when loss, logits and every gradient are within fastlm's fp32 tolerance."""
+    bound = TOLERANCE[torch.float32]
+    for what, ours, theirs in outputs:
+        if relative_error(ours, theirs) > bound:
+            return f"parity: {what} off by {relative_error(ours, theirs):.1e}"
+    worst, where = _worst(model, unpatched)
+    if worst > bound:
+        return f"parity: {where} off by {worst:.1e}"
+    return None
+
+
+def _run(model_type: str, calls: _AttentionCalls, experts: _ExpertsCalls):
+    """(attention, experts): attention None when the type runs attention on fastlm's path with
+    parity, else why not; experts None when it has no experts modules, ON_THE_OP when every
+    one ran fastlm.moe_experts forward and backward with that parity, else why not. A type
+    whose attention patch left runs the step only for its experts."""
     model = _build(model_type)
     if isinstance(model, str):
-        return f"build: {model}"
+        return f"build: {model}", None
     model.eval()  # no dropout: the two models draw no random masks
     unpatched = copy.deepcopy(model)
     ids = torch.randint(3, VOCAB, (2, 9))
@@ -360,11 +483,18 @@ def _run(model_type: str, calls: _AttentionCalls) -> str | None:
             warnings.simplefilter("ignore")
             hf.patch(model)
     except Exception as error:  # noqa: BLE001
-        return f"patch: {type(error).__name__}: {error}"
+        return f"patch: {type(error).__name__}: {error}", None
     parts = model.fastlm_patched
+    modules = _experts_modules(model)
+    attention = None
     if "attention" not in parts:
-        return f"attention left: {parts.left.get('attention', parts.left)}"
+        attention = f"attention left: {parts.left.get('attention', parts.left)}"
+        if not modules:
+            return attention, None
     before = dict(calls.counts)
+    experts.forward = experts.backward = 0
+    experts.missed.clear()
+    hooks = experts.watch(modules)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -376,41 +506,52 @@ def _run(model_type: str, calls: _AttentionCalls) -> str | None:
                 logits = model(input_ids=ids, use_cache=False).logits
                 their_logits = unpatched(input_ids=ids, use_cache=False).logits
     except Exception as error:  # noqa: BLE001
-        return f"run: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
+        failure = f"run: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
+        return attention or failure, failure if modules else None
+    finally:
+        for hook in hooks:
+            hook.remove()
     ran = {key: calls.counts[key] - before[key] for key in before}
-    if ran["fastlm"] == 0 or ran["sdpa"]:
-        return f"attention did not run on fastlm's path: {ran}"
-    bound = TOLERANCE[torch.float32]
-    for what, ours, theirs in (("loss", loss, expected), ("logits", logits, their_logits)):
-        if relative_error(ours, theirs) > bound:
-            return f"parity: {what} off by {relative_error(ours, theirs):.1e}"
-    worst, where = _worst(model, unpatched)
-    if worst > bound:
-        return f"parity: {where} off by {worst:.1e}"
-    return None
+    if attention is None and (ran["fastlm"] == 0 or ran["sdpa"]):
+        attention = f"attention did not run on fastlm's path: {ran}"
+    outputs = (("loss", loss, expected), ("logits", logits, their_logits))
+    parity = _parity(model, unpatched, outputs) if attention is None or modules else None
+    if not modules:
+        return attention or parity, None
+    status = _experts_left(parts, modules)
+    if status is None and experts.missed:
+        status = f"experts ran without the op: {', '.join(sorted(experts.missed))}"
+    if status is None and not experts.backward:
+        status = "the op's backward did not run"
+    return attention or parity, status or parity or ON_THE_OP
 
 
 def test_every_causal_lm_type(monkeypatch, capsys):
-    """Every causal-LM model type: on fastlm's attention with parity, or a named limit."""
+    """Every causal-LM model type: on fastlm's attention with parity, or a named limit; every
+    one with experts modules: its experts on fastlm.moe_experts, or a named limit."""
     monkeypatch.setenv("FASTLM_BACKEND", "torch")
-    calls = _AttentionCalls(monkeypatch)
-    results = {}
+    calls, experts = _AttentionCalls(monkeypatch), _ExpertsCalls(monkeypatch)
+    results, moe = {}, {}
     for model_type in _causal_lm_types():
         # A composite type whose causal LM takes its text config alone is its text type.
         text = _text_type(model_type)
         for name in (text, model_type) if text else (model_type,):
             if name not in results:
                 torch.manual_seed(0)
-                results[name] = _run(name, calls)
-        results[model_type] = results[text or model_type]
+                results[name], moe[name] = _run(name, calls, experts)
+        results[model_type], moe[model_type] = results[text or model_type], moe[text or model_type]
+    moe = {t: status for t, status in moe.items() if status is not None}
     built = {t: r for t, r in results.items() if not (r or "").startswith("build: ")}
     passing = sorted(t for t, r in built.items() if r is None)
+    on_the_op = sorted(t for t, status in moe.items() if status == ON_THE_OP)
     with capsys.disabled():
         print(f"\n{len(passing)} of {len(built)} causal-LM types whose tiny config builds "
               f"({len(results)} in transformers {transformers.__version__}) run attention on "
-              "fastlm's kernels with parity")  # fmt: skip
+              f"fastlm's kernels with parity; {len(on_the_op)} of {len(moe)} MoE types run "
+              "their experts on fastlm's op")  # fmt: skip
         for model_type, reason in sorted(results.items()):
-            print(f"  {model_type}: {reason or 'ok'}")
+            experts_status = f"; experts {moe[model_type]}" if model_type in moe else ""
+            print(f"  {model_type}: {reason or 'ok'}{experts_status}")
     problems = []
     for model_type, reason in results.items():
         if reason is None:
@@ -421,5 +562,25 @@ def test_every_causal_lm_type(monkeypatch, capsys):
                 problems.append(f"{model_type} does not build, not in NOT_BUILT: {reason}")
         elif model_type not in LIMITS or LIMITS[model_type] not in reason:
             problems.append(f"{model_type} is no understood limit: {reason}")
+    for model_type, status in moe.items():
+        if status == ON_THE_OP:
+            if model_type in EXPERTS_LEFT:
+                problems.append(f"{model_type}'s experts run on the op: not EXPERTS_LEFT")
+        elif model_type not in EXPERTS_LEFT or EXPERTS_LEFT[model_type] not in status:
+            problems.append(f"{model_type}'s experts are no understood limit: {status}")
+    problems += [f"{t} in EXPERTS_LEFT has no experts here" for t in set(EXPERTS_LEFT) - set(moe)]
     assert not problems, "\n".join(problems)
     assert set(FAMILY_CONFIGS) <= set(passing) | set(LIMITS)
+
+
+def test_the_walk_tells_experts_off_the_op(monkeypatch):
+    """The walk's experts check fails a type whose experts patch did not put on the op: Mixtral's
+    with `use_op` refusing them (they keep transformers' grouped_mm, nothing said in `left`)."""
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")
+    calls, experts = _AttentionCalls(monkeypatch), _ExpertsCalls(monkeypatch)
+    monkeypatch.setattr(hf_experts, "use_op", lambda module, options: False)
+    torch.manual_seed(0)
+    attention, status = _run("mixtral", calls, experts)
+    assert attention is None
+    assert status == "experts not on the op, nothing said: MixtralExperts", status
+    assert experts.forward == 0 and experts.missed == {"MixtralExperts"}

@@ -38,8 +38,9 @@ from fastlm.kernels.swiglu import swiglu_packed_ref, swiglu_ref
 
 #: The attribute names an RMSNorm keeps its epsilon under.
 EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
-#: The relative error a probe tolerates: float64 against float64 (norms: the module's own fp32
-#: cast inside, 1e-7, against the next-closest formula's, above 1e-3).
+#: The relative error a probe tolerates: float64 against float64 (norms and experts' gates: the
+#: module's own fp32 cast inside, 1e-7 (Beam's gate upcasts its halves), against the
+#: next-closest formula's, above 1e-4: GELU's tanh form against the exact one).
 EXACT, FP32_EXACT = 1e-10, 1e-5
 
 
@@ -377,14 +378,21 @@ def _agree(ours: list, theirs: list, bound: float = EXACT) -> bool:
     )
 
 
+#: The gated activations fastlm has, as `fastlm.hf.forwards.activation_of` names them.
+GATE_ACTIVATIONS = ("silu", "tanh", "none")
+
+
 def _gate_candidates(module: nn.Module) -> list[tuple[dict, dict]]:
     """The gates an experts' `_apply_gate` may compute, as (`forwards.experts_gate` options, the
     reference's clamp values: `_clamp_options`): act(first half) * second half for the module's
-    activation, then (for experts that hold a limit) gpt-oss's clamped SwiGLU in both layouts,
-    with and without the offset of up."""
-    activation, _ = _activation(module)
-    plain = dict(activation=activation, interleaved=False)
-    candidates = [] if activation is None else [(plain, {})]
+    activation (each of GATE_ACTIVATIONS for a callable whose type names none), then (for
+    experts that hold a limit) gpt-oss's clamped SwiGLU in both layouts, with and without the
+    offset of up."""
+    activation, name = _activation(module)
+    # An activation whose type names none of them (LFM2-MoE's `act_fn` is the function F.silu):
+    # each one fastlm has, the module's own gate telling which.
+    kinds = [activation] if activation is not None else list(GATE_ACTIVATIONS) if name else []
+    candidates = [(dict(activation=kind, interleaved=False), {}) for kind in kinds]
     for (names, values), interleaved in itertools.product(
         _clamp_options(module)[1:], (True, False)
     ):
@@ -415,7 +423,8 @@ def experts_gate_options(module: nn.Module) -> dict | str:
     call it on the (S, 2 I) gate/up projections, between their two GEMMs) is one of
     `_gate_candidates`, else why not. Each runs in float64 against the module's own, in training
     and eval mode, on values up to twice its limit (so that the clamp's side of each projection
-    is told apart) and at PROBE_SCALES beyond that. The module's own gate runs with its
+    is told apart) and at PROBE_SCALES beyond that, within FP32_EXACT (a gate computed in fp32
+    inside is the op's math, which computes it in fp32). The module's own gate runs with its
     parameters and buffers on the meta device: one it reads (which fastlm's gate would not)
     fails it, and it is left."""
     candidates = _gate_candidates(module)
@@ -441,7 +450,7 @@ def experts_gate_options(module: nn.Module) -> dict | str:
     for options, values in candidates:
         gate_options = {k: options[k] for k in ("activation", "interleaved")}
         ours = [_reference_gate(t, **gate_options, **values) for t in inputs]
-        if all(_agree(ours, expected) for expected in modes):
+        if all(_agree(ours, expected, FP32_EXACT) for expected in modes):
             return options
     return "their gate is neither act(gate) * up nor gpt-oss's clamped SwiGLU of the projection"
 
