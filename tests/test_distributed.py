@@ -550,8 +550,8 @@ def test_train_bad_context_parallel_is_one_line(tmp_path, corpus, capsys, extra,
             "--expert-parallel 2 must divide the number of processes (1)",
         ),
         (
-            ["--num-experts", "4", "--tensor-parallel", "2"],
-            "--tensor-parallel does not run mixture-of-experts models yet (--num-experts 4)",
+            ["--expert-parallel", "2", "--num-experts", "4", "--tensor-parallel", "2"],
+            "--expert-parallel does not combine with --tensor-parallel yet",
         ),
     ],
 )

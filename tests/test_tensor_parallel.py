@@ -7,6 +7,7 @@ logits or the whole weight is ever made. Argument errors run in this process."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import textwrap
 from collections import Counter
@@ -204,6 +205,19 @@ MODEL = dict(
 )
 
 
+# The second layer a mixture of experts, whose balance and z-losses count in the gradients.
+MOE = dict(
+    num_experts=4,
+    experts_per_token=2,
+    moe_d_ff=24,
+    num_shared_experts=1,
+    first_dense_layers=1,
+    router="sigmoid",
+    aux_loss_coef=0.5,
+    z_loss_coef=0.1,
+)
+
+
 @dataclass(frozen=True)
 class ModelCase:
     tensor: int = 2
@@ -213,12 +227,17 @@ class ModelCase:
     tie_embeddings: bool = False
     count: bool = False  # check the collectives of one step
     packed: bool = False  # documents packed in the rows (cu_seqlens over the B x T tokens)
+    # A dense layer, then a mixture of experts (sigmoid router, shared expert), on fastlm's
+    # PyTorch backend: the plan is what is tested here, the interpreted experts op (12 s more)
+    # is test_moe_model's.
+    moe: bool = False
 
 
 MODEL_CASES = {
     2: [
         ModelCase(count=True),  # MHA
         ModelCase(num_kv_heads=2, tie_embeddings=True, packed=True),  # GQA, tied, packed
+        ModelCase(moe=True),  # experts replicated on each rank's tokens, auxiliary losses
     ],
     4: [
         ModelCase(context=2, num_kv_heads=2),  # TP=2 x CP=2
@@ -231,7 +250,10 @@ def _model(case: ModelCase, seed: int):
     from fastlm import Transformer
 
     torch.manual_seed(seed)
-    return Transformer(**MODEL, num_kv_heads=case.num_kv_heads, tie_embeddings=case.tie_embeddings)
+    moe = MOE if case.moe else {}
+    return Transformer(
+        **MODEL, num_kv_heads=case.num_kv_heads, tie_embeddings=case.tie_embeddings, **moe
+    )
 
 
 def _model_problem(case: ModelCase, world: int, seed: int):
@@ -251,7 +273,7 @@ def _model_problem(case: ModelCase, world: int, seed: int):
     if case.packed:  # documents crossing the rows, cut anywhere (not at shard bounds)
         packed = dict(cu_seqlens=torch.tensor([0, 5, 21, 27, B * T], dtype=torch.int32))
     reference = _model(case, seed)
-    loss = reference.loss(tokens, targets, **packed)
+    loss = NextTokenLoss(reference)(tokens, targets, **packed)  # with an MoE's auxiliary loss
     loss.backward()
     return (
         tokens,
@@ -322,14 +344,29 @@ def _check_model_case(case: ModelCase, rank: int, world: int, seed: int, problem
         assert_close(grad, want, torch.float32, f"{case} grad {name}")
 
 
+@contextlib.contextmanager
+def _case_backend(case: ModelCase):
+    """FASTLM_BACKEND=torch for an MoE case (`ModelCase.moe`), else the kernels as set."""
+    if not case.moe:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FASTLM_BACKEND", "torch")
+        yield
+
+
 def _model_worker(rank: int, world: int, seed: int, problems: list) -> None:
     for case, problem in zip(MODEL_CASES[world], problems, strict=True):
-        _check_model_case(case, rank, world, seed, problem)
+        with _case_backend(case):
+            _check_model_case(case, rank, world, seed, problem)
 
 
 def _spawn_model_cases(world: int, tmp_path) -> None:
     seed = int(torch.randint(2**31, ()))
-    problems = [_model_problem(case, world, seed) for case in MODEL_CASES[world]]
+    problems = []
+    for case in MODEL_CASES[world]:
+        with _case_backend(case):
+            problems.append(_model_problem(case, world, seed))
     spawn(world, tmp_path, _model_worker, seed, problems)
 
 
@@ -364,7 +401,12 @@ def test_train_under_tensor_parallelism(tmp_path, corpus, capsys, monkeypatch):
       hold several);
     - compiled: --compile (torch.compile of the DDP-wrapped model and loss, the plan's
       collectives traced inside its autograd Functions; aot_eager here, inductor's C++ build
-      being minutes on this CPU): every loss the single-process eager run's."""
+      being minutes on this CPU): every loss the single-process eager run's;
+    - moe: a mixture of experts (sigmoid router, so its selection bias moves each step; a shared
+      expert) at the step-2 checkpoint of a one-process run resumes under --tensor-parallel 2
+      (the experts replicated on each rank's tokens) for two steps: its losses, held-out loss
+      and final checkpoint (whole tensors, biases included) are the one-process run's, to
+      rounding."""
     monkeypatch.setenv("FASTLM_BACKEND", "torch")  # as torchrun's ranks run
     keep_every_checkpoint(monkeypatch, tmp_path)
     aot_eager = textwrap.dedent("""
@@ -386,11 +428,17 @@ def test_train_under_tensor_parallelism(tmp_path, corpus, capsys, monkeypatch):
         status, singles[name], err = run_main([*argv, *extra], capsys)
         assert status == 0, err
     assert 0 < singles["packed"]["targets_ignored"] < singles["packed"]["targets"]  # mid-window
+    moe = ["--preset", "tiny-moe", "--num-experts", "4", "--moe-d-ff", "24", "--router",
+           "sigmoid", "--router-bias-rate", "0.01", "--num-shared-experts", "1"]  # fmt: skip
+    argv = [*FASTLM_TOY, "--data", corpus, "--steps", 4, "--out", tmp_path / "moe", *TP_ARGS]
+    status, singles["moe"], err = run_main([*argv, *moe, "--save-every", "2"], capsys)
+    assert status == 0, err
     resume = ["--steps", "6", "--save-every", "2", "--resume"]
     runs = {
         "tp-packed": ([*fastlm_args, *packed], None),
         "tp-resume": ([*fastlm_args, *resume], (tmp_path / "single-2", tmp_path / "tp-resume")),
         "tp-compiled": ([*fastlm_args, "--compile"], None),
+        "tp-moe": ([*fastlm_args, *moe, "--resume"], (tmp_path / "moe-2", tmp_path / "tp-moe")),
     }
     result, outputs = torchrun_runs(tmp_path, corpus, runs)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -408,16 +456,22 @@ def test_train_under_tensor_parallelism(tmp_path, corpus, capsys, monkeypatch):
     saved = outputs["tp-resume"]["records"] / "checkpoint-4"
     assert_resumes_back(tmp_path, corpus, capsys, saved, parallel, uninterrupted, *TP_ARGS)
 
-    # packed, compiled
+    # packed, compiled, moe
     summary = summaries["tp-packed"]
     assert summary["targets_ignored"] == singles["packed"]["targets_ignored"]
-    for name in ("packed", "compiled"):
+    for name in ("packed", "compiled", "moe"):
         parallel = checkpoint.load_state(tmp_path / f"tp-{name}")["train_losses"]
         expected = checkpoint.load_state(tmp_path / name)["train_losses"]
         assert len(parallel) == len(expected) == 4, name
         assert parallel == pytest.approx(expected, rel=1e-5), name
         val_loss = summaries[f"tp-{name}"]["val_loss"]
         assert val_loss == pytest.approx(singles[name]["val_loss"], rel=1e-5), name
+    weights, expected = (checkpoint.load_weights(tmp_path / name) for name in ("tp-moe", "moe"))
+    assert weights.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.allclose(weights[key], value, rtol=1e-4, atol=1e-6), key
+    biases = [key for key in expected if key.endswith("router.selection_bias")]
+    assert len(biases) == 2 and all(expected[key].abs().sum() > 0 for key in biases)
 
 
 @pytest.mark.parametrize(
@@ -454,6 +508,11 @@ def test_plan_refuses_what_does_not_divide(config, message):
     check_plan(fits, 4)
     with pytest.raises(ValueError, match=message):
         check_plan({**fits, **config}, 4)
+    if "d_ff" in config:  # no dense layer: no d_ff to split (the experts are replicated)
+        moe = {**fits, **config, "num_experts": 4}
+        check_plan(moe, 4)
+        with pytest.raises(ValueError, match=message):
+            check_plan({**moe, "first_dense_layers": 1}, 4)
 
 
 def _benchmark():

@@ -415,12 +415,6 @@ def check_tensor_parallel(args: argparse.Namespace) -> None:
         )
     if args.model != "fastlm":
         raise ConfigError("--tensor-parallel runs fastlm's model (--model fastlm)")
-    if args.num_experts:  # the plan has no rule for experts
-        raise ConfigError(
-            f"--tensor-parallel does not run mixture-of-experts models yet (--num-experts "
-            f"{args.num_experts}): train them with DDP or --fsdp, with or without "
-            "--expert-parallel"
-        )
 
 
 def check_context_parallel(args: argparse.Namespace) -> None:

@@ -6,6 +6,8 @@ saved activations under `parallelize` (and FSDP2 over the data ranks); `collecti
 the collectives of one training step and their output buffers' bytes. Both are arithmetic on the
 model's config, no tensors and no process group: benchmarks/tensor_parallel.py measures against
 them (tests/test_tensor_parallel.py runs its --simulate, which exits 0 only if they match).
+They count dense models: a mixture of experts' layers, replicated over the tensor group
+(`plan._SequenceParallelMoe`), are not in them.
 """
 
 from fastlm.tensor_parallel.tokens import ALL_GATHER, REDUCE_SCATTER

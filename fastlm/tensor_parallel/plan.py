@@ -35,8 +35,10 @@ __all__ = [
 
 # How each parameter of a block is sharded (a suffix of its state_dict key): "rows" and "cols"
 # split dim 0 and 1 in P equal parts; "qkv" takes each rank's query heads, then its KV heads'
-# keys, then values; None: replicated (the norms' gains, whose gradients `reduce_gradients`
-# sums over the group).
+# keys, then values; None: replicated (the norms' gains, and a mixture of experts' router,
+# experts and shared experts, which each rank runs on its own tokens: `reduce_gradients` sums
+# their gradients over the group; the router's selection bias, a buffer, moves alike on every
+# rank).
 LAYOUT = {
     "embedding.w": "rows",
     "out_linear.w": "rows",
@@ -48,6 +50,13 @@ LAYOUT = {
     "rms_norm1.g": None,
     "rms_norm2.g": None,
     "final_norm.g": None,
+    "ffe.router.weight": None,
+    "ffe.router.selection_bias": None,
+    "ffe.experts.gate_up": None,
+    "ffe.experts.down": None,
+    "ffe.shared.w1.w": None,
+    "ffe.shared.w3.w": None,
+    "ffe.shared.w2.w": None,
 }
 
 
@@ -104,7 +113,8 @@ def check_plan(config: dict, tensor_parallel: int, name=str) -> None:
     """ValueError (one line) unless `tensor_parallel` ranks can split a model of `config`.
 
     Args:
-        config: the model's vocab_size, num_heads, num_kv_heads (None: num_heads), d_ff.
+        config: the model's vocab_size, num_heads, num_kv_heads (None: num_heads), d_ff (None,
+            or a mixture of experts without dense layers: no dense feed-forward to split).
         tensor_parallel: T, the tensor-parallel group's size.
         name: spells the fields in the message (default `str`; the commands pass their flags).
 
@@ -115,13 +125,16 @@ def check_plan(config: dict, tensor_parallel: int, name=str) -> None:
     if tensor_parallel < 1:
         raise ValueError(f"the tensor-parallel size must be at least 1, got {tensor_parallel}")
     kv_heads = config.get("num_kv_heads") or config["num_heads"]
+    d_ff = config["d_ff"]
+    if config.get("num_experts") and not config.get("first_dense_layers"):
+        d_ff = None  # every feed-forward is a mixture of experts: replicated, not split
     for what, count in (
         ("num_heads", config["num_heads"]),
         ("num_kv_heads", kv_heads),
-        ("d_ff", config["d_ff"]),
+        ("d_ff", d_ff),
         ("vocab_size", config["vocab_size"]),
     ):
-        if count % tensor_parallel:
+        if count is not None and count % tensor_parallel:
             raise ValueError(
                 f"{name(what)} {count} is not divisible by the tensor-parallel size "
                 f"{tensor_parallel}: "
@@ -148,6 +161,41 @@ class _ColumnRowParallel:
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         out = super().forward(gather_tokens(x, self.tensor_group), *args, **kwargs)
         return scatter_tokens(out, self.tensor_group)
+
+
+class _SequenceParallelMoe:
+    """A mixture of experts on the rank's own tokens (sequence parallelism's T / P of each row),
+    its router, experts and shared experts replicated: no collective but one all-reduce of
+    2E + 1 floats for the auxiliary losses, which are nonlinear in the whole batch's routing.
+
+    With n the tokens of all ranks, f_e = c_e / (n k) (c_e: the assignments to e over all
+    ranks, not differentiable) and S_e, Z the sums over all ranks' tokens of p_e and
+    logsumexp(s)^2, balance = E sum_e f_e S_e / n and z = Z / n: linear in each rank's share
+    S_e^r, Z^r. Each rank's losses have the whole batch's values and the gradient of its share
+    only, so that, as for the norms' gains, `reduce_gradients`' sum over the group is the
+    whole gradient (and each token's input gradient is its own rank's, whole)."""
+
+    def auxiliary_losses(self, logits: torch.Tensor, expert_ids: torch.Tensor) -> dict:
+        from fastlm.reference import expert_counts
+
+        E = self.router.num_experts
+        probs = self.router.probabilities(logits)  # (T / P, E)
+        squares = torch.logsumexp(logits, dim=-1).pow(2)  # (T / P,)
+        mine = torch.cat([probs.sum(dim=0), squares.sum()[None]])  # S^r, Z^r: (E + 1,)
+        counts = expert_counts(expert_ids, E).to(mine.dtype)
+        total = torch.cat([counts, mine.detach()])
+        dist.all_reduce(total, group=self.tensor_group)
+        counts, whole = total.split([E, E + 1])
+        n = logits.shape[0] * dist.get_world_size(self.tensor_group)  # equal shares
+        share = counts / (n * expert_ids.shape[-1])  # f_e
+        losses = {}
+        for name, part, full in (
+            ("balance", (share * mine[:E]).sum(), (share * whole[:E]).sum()),
+            ("z", mine[E], whole[E]),
+        ):
+            scale = E / n if name == "balance" else 1 / n
+            losses[name] = part * scale + (full * scale - part * scale).detach()
+        return losses
 
 
 class _HeadParallelAttention(_ColumnRowParallel):
@@ -217,8 +265,11 @@ def parallelize(model, group=None):
     sub-layer all-gathers them, runs its heads or d_ff shard, and reduce-scatters its partial
     output back (one all-gather and one reduce-scatter of (B, T, C) per sub-layer and pass).
     `loss` is the vocabulary-parallel fused linear cross-entropy: no rank ever holds the whole
-    LM head or any logits. The norms' gains are replicated: call `reduce_gradients(model)` after
-    the backward (their gradients are each rank's tokens' share).
+    LM head or any logits. A mixture-of-experts layer (router, experts, shared experts) is
+    replicated and runs on the rank's own tokens, no gather (`_SequenceParallelMoe`: one small
+    all-reduce makes its auxiliary losses the whole batch's). The norms' gains and the MoE
+    layers' parameters are replicated: call `reduce_gradients(model)` after the backward (their
+    gradients are each rank's tokens' share).
 
     Composes with context parallelism (`set_context_parallel` with the mesh's "context"
     group: each context shard's tokens are sequence-parallel over the tensor group) and with
@@ -243,9 +294,10 @@ def parallelize(model, group=None):
     first = model.blocks[0]
     attention = first.mult_head_atten
     heads = (attention.num_heads, attention.num_kv_heads)
-    config = dict(
-        vocab_size=model.vocab_size, num_heads=heads[0], num_kv_heads=heads[1], d_ff=first.ffe.d_ff
-    )
+    moe = set(map(id, model.moe_layers()))
+    dense = [block.ffe for block in model.blocks if id(block.ffe) not in moe]
+    d_ff = dense[0].d_ff if dense else None  # the dense feed-forwards' (each model has one)
+    config = dict(vocab_size=model.vocab_size, num_heads=heads[0], num_kv_heads=heads[1], d_ff=d_ff)
     check_plan(config, world)
     shared = {}  # a tied weight is sharded once and stays one parameter
     for name, param in list(model.named_parameters(remove_duplicate=False)):
@@ -258,8 +310,10 @@ def parallelize(model, group=None):
     for block in model.blocks:
         attention = block.mult_head_atten
         attention.num_heads, attention.num_kv_heads = heads[0] // world, heads[1] // world
-        block.ffe.d_ff //= world
-        for module, mixin in ((attention, _HeadParallelAttention), (block.ffe, _ColumnRowParallel)):
+        ffe_mixin = _SequenceParallelMoe if id(block.ffe) in moe else _ColumnRowParallel
+        if ffe_mixin is _ColumnRowParallel:
+            block.ffe.d_ff //= world
+        for module, mixin in ((attention, _HeadParallelAttention), (block.ffe, ffe_mixin)):
             _swap_class(module, mixin)
             module.tensor_group = group
     model.embedding.vocab_start = rank * model.embedding.w.shape[0]
@@ -276,11 +330,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def reduce_gradients(model) -> None:
-    """Sum the replicated parameters' gradients (the norms' gains) over the tensor-parallel
-    group, after the backward (and after DDP's or FSDP2's reduction over the data ranks, which
-    shards every tensor-parallel rank's alike): one all-reduce of them all. Under sequence
-    parallelism each rank's is its tokens' share; the sharded weights' gradients are whole
-    already.
+    """Sum the replicated parameters' gradients (the norms' gains, the MoE layers') over the
+    tensor-parallel group, after the backward (and after DDP's or FSDP2's reduction over the
+    data ranks, which shards every tensor-parallel rank's alike): one all-reduce of them all.
+    Under sequence parallelism each rank's is its tokens' share; the sharded weights' gradients
+    are whole already.
 
     Args:
         model: a model `parallelize` prepared, or a module holding it (DDP, a loss wrapper).
