@@ -34,14 +34,7 @@ from fastlm import flash_attention
 from fastlm.kernels._common import tl, triton
 from fastlm.kernels.attention import flash_attention_ref, forward
 from fastlm.kernels.attention.backward import attention_backward
-from fastlm.kernels.attention.blocks import (
-    capped,
-    capped_scores,
-    exp2_fma,
-    exp2_split,
-    slope_unit,
-    tanh,
-)
+from fastlm.kernels.attention.blocks import capped_scores, exp2_fma, exp2_split, slope_unit, tanh
 from fastlm.kernels.attention.configs import (
     DKDV_CUDA_CONFIGS,
     DQ_CUDA_CONFIGS,
@@ -453,75 +446,40 @@ def test_triton_tanh_is_exact_to_fp32_rounding(device):
 
 
 @triton.jit
-def _capped_kernel(T, Y, D, n, softcap, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    y, dcap = capped(tl.load(T + offs, mask=offs < n), softcap)
-    tl.store(Y + offs, y, mask=offs < n)
-    tl.store(D + offs, dcap, mask=offs < n)
-
-
-@pytest.mark.parametrize(
-    "softcap", [1e-2, 1.0, 20 * math.log2(math.e), 50 * math.log2(math.e), 1e8, 1e30]
-)
-def test_capped_scores_are_exact_to_fp32_rounding(device, softcap):
-    """What the kernels run: c * tanh(t / c) with the cap folded into the tanh's two forms, for
-    caps far below and far above the scores, over t / c from 1e-30 to 44 (where the slope leaves
-    fp32's normal range) and densely across 0..2, where the two forms meet (0.6): within 3 ulp of
-    the float64 truth and of t's sign.
-
-    The backward's slope 1 - tanh^2 = 1 / cosh^2(x), x = t / c, to a relative error, in the tails
-    too, where it is tiny: within 3 eps (1 + 2 |x|), 2 |x| the slope's condition number in x
-    (d log(1 / cosh^2) / dx = -2 tanh x), whose fp32 rounding the kernel cannot avoid (measured
-    up to 0.85 of that in the interpreter). Taken from tanh (1 - th^2) it was off by an ulp of
-    th, about 6e-8 absolute: 2.4e-3 relative at |x| = 6, all of it past |x| = 9."""
-    ratios = torch.cat(
-        [
-            torch.logspace(-30, 1.5, 3000, dtype=torch.float64),
-            torch.linspace(0.0, 2.0, 20001, dtype=torch.float64),
-            torch.linspace(2.0, 44.0, 4001, dtype=torch.float64),
-        ]
-    )
-    t = (torch.cat([ratios, -ratios]) * softcap).to(torch.float32).to(device)
-    y, dcap = torch.full_like(t, math.nan), torch.full_like(t, math.nan)
-    _capped_kernel[(triton.cdiv(t.numel(), 1024),)](t, y, dcap, t.numel(), softcap, BLOCK=1024)
-    x = t.double() / torch.tensor(softcap, dtype=torch.float32).double()  # the kernel's c: fp32
-    ref = softcap * torch.tanh(x)
-    eps = torch.finfo(torch.float32).eps
-    ulp = eps * ref.abs().clamp_min(torch.finfo(torch.float32).tiny)
-    worst = ((y.double() - ref).abs() / ulp).max().item()
-    assert worst <= 3.0, f"c * tanh(t / c) is {worst:.1f} ulp off at c = {softcap:g}"
-    assert torch.equal(torch.sign(y), torch.sign(t)), "the cap keeps the sign"
-    slope = 1.0 / torch.cosh(x) ** 2
-    normal = slope >= torch.finfo(torch.float32).tiny
-    error = (dcap.double() - slope).abs() / (slope * eps * (1 + 2 * x.abs()))
-    worst_dcap = error[normal].max().item()
-    assert worst_dcap <= 3.0, f"1 - tanh^2: {worst_dcap:.1f} eps (1 + 2|x|) off at c = {softcap:g}"
-
-
-@triton.jit
 def _capped_scores_kernel(
-    QK, Y, D, n, qk_scale, softcap, SIGNED: tl.constexpr, BLOCK: tl.constexpr
+    QK, Y, Y_SCALE, D, n, qk_scale, softcap, SIGNED: tl.constexpr, BLOCK: tl.constexpr
 ):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     y, y_scale, slope = capped_scores(
         tl.load(QK + offs, mask=offs < n), qk_scale, softcap, 1, SIGNED
     )
-    tl.store(Y + offs, y * y_scale, mask=offs < n)
+    tl.store(Y + offs, y, mask=offs < n)
+    tl.store(Y_SCALE + offs, y_scale + tl.zeros_like(y), mask=offs < n)
     tl.store(D + offs, slope * slope_unit(1), mask=offs < n)
+
+
+LOG2E = math.log2(math.e)
 
 
 @pytest.mark.parametrize(
     "signed,qk_scale,softcap",
-    [(True, 0.125 * math.log2(math.e), 50 * math.log2(math.e)), (False, -0.3, 1e-2)],
-    ids=["forward", "backward-negative-scale"],
+    [(True, 1.0, cap) for cap in (1e-2, 1.0, 20 * LOG2E, 50 * LOG2E, 1e8, 1e30)]
+    + [(True, 0.125 * LOG2E, 50 * LOG2E), (False, -0.3, 1e-2)],
+    ids=[f"scaled-scores-cap{i}" for i in range(6)] + ["forward", "backward-negative-scale"],
 )
-def test_kernel_capped_scores_are_exact_to_fp32_rounding(device, signed, qk_scale, softcap):
-    """What the kernels run on raw scores qk: the scale folded into the tanh's constants
-    (`capped_scores`), the sign of qk on y (the forward's) or on y's scale (the backward's), a
-    positive or negative scale. y * y_scale (exact in float64: the kernels' exponent takes it in
-    one FMA) within 3 ulp of c * tanh(qk * s / c) in float64, with its sign, and the slope
-    within 3 eps (1 + 2 |x|) of 1 / cosh^2(x) (as in test_capped_scores_are_exact_to_fp32_rounding,
-    whose scores come scaled)."""
+def test_capped_scores_are_exact_to_fp32_rounding(device, signed, qk_scale, softcap):
+    """What the kernels run on raw scores qk (`capped_scores`): the scale folded into the tanh's
+    constants, the sign of qk on y (the forward's, SIGNED) or on y's scale (the backward's), a
+    positive or negative scale, caps far below and far above the scores; x = qk * s / c from
+    1e-30 to 44 (where the slope leaves fp32's normal range) and densely across 0..2, where the
+    tanh's two forms meet (0.6).
+
+    y * y_scale, formed in float64 here as the kernels' exponent forms it in one FMA (y * c - m:
+    no rounding of the product of its own), within 3 ulp of c * tanh(x) and with its sign. The
+    slope 1 - tanh^2 = 1 / cosh^2(x) to a relative error, in the tails too, where it is tiny:
+    within 3 eps (1 + 2 |x|), 2 |x| the slope's condition number in x (d log(1 / cosh^2) / dx =
+    -2 tanh x), whose fp32 rounding the kernel cannot avoid. Taken from tanh (1 - th^2) it was
+    off by an ulp of th, about 6e-8 absolute: 2.4e-3 relative at |x| = 6, all of it past 9."""
     ratios = torch.cat(
         [
             torch.logspace(-30, 1.5, 3000, dtype=torch.float64),
@@ -530,17 +488,20 @@ def test_kernel_capped_scores_are_exact_to_fp32_rounding(device, signed, qk_scal
         ]
     )
     qk = (torch.cat([ratios, -ratios]) * softcap / abs(qk_scale)).to(torch.float32).to(device)
-    y, dcap = torch.full_like(qk, math.nan), torch.full_like(qk, math.nan)
+    y, y_scale, dcap = (torch.full_like(qk, math.nan) for _ in range(3))
     grid = (triton.cdiv(qk.numel(), 1024),)
-    _capped_scores_kernel[grid](qk, y, dcap, qk.numel(), qk_scale, softcap, signed, BLOCK=1024)
+    _capped_scores_kernel[grid](
+        qk, y, y_scale, dcap, qk.numel(), qk_scale, softcap, signed, BLOCK=1024
+    )
     f32 = lambda value: torch.tensor(value, dtype=torch.float32).double()  # noqa: E731
     x = qk.double() * f32(qk_scale) / f32(softcap)  # the kernel's scalars: fp32
     ref = f32(softcap) * torch.tanh(x)
     eps = torch.finfo(torch.float32).eps
     ulp = eps * ref.abs().clamp_min(torch.finfo(torch.float32).tiny)
-    worst = ((y.double() - ref).abs() / ulp).max().item()
+    capped = y.double() * y_scale.double()
+    worst = ((capped - ref).abs() / ulp).max().item()
     assert worst <= 3.0, f"c * tanh(x) is {worst:.1f} ulp off (s = {qk_scale:g}, c = {softcap:g})"
-    assert torch.equal(torch.sign(y), torch.sign(ref)), "the cap keeps the sign of s qk"
+    assert torch.equal(torch.sign(capped), torch.sign(ref)), "the cap keeps the sign of s qk"
     slope = 1.0 / torch.cosh(x) ** 2
     normal = slope >= torch.finfo(torch.float32).tiny
     error = (dcap.double() - slope).abs() / (slope * eps * (1 + 2 * x.abs()))
