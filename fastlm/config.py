@@ -227,91 +227,49 @@ def with_defaults(stored: Mapping) -> dict:
 # take their defaults, OPTION_DEFAULTS), the longest
 # --context-length it accepts (max_context), and the training defaults that suit its size
 # (tiny: loss 5.6 -> 1.4 nats per byte in one to two minutes on two CPU cores).
+_TINY = dict(
+    d_model=128,
+    num_layers=4,
+    num_heads=4,
+    d_ff=384,
+    context_length=128,
+    max_context=512,
+    batch_size=16,
+    steps=400,
+    lr=3e-3,
+    eval_every=100,
+    save_every=200,
+)
+_GPT2_SMALL = dict(
+    d_model=768,
+    num_layers=12,
+    num_heads=12,
+    d_ff=2048,
+    context_length=1024,
+    max_context=1024,
+    batch_size=16,
+    steps=5000,
+    lr=6e-4,
+    eval_every=250,
+    save_every=1000,
+)
 PRESETS = {
-    "tiny": dict(
-        d_model=128,
-        num_layers=4,
-        num_heads=4,
-        d_ff=384,
-        context_length=128,
-        max_context=512,
-        batch_size=16,
-        steps=400,
-        lr=3e-3,
-        eval_every=100,
-        save_every=200,
-    ),
-    "gpt2-small": dict(
-        d_model=768,
-        num_layers=12,
-        num_heads=12,
-        d_ff=2048,
-        context_length=1024,
-        max_context=1024,
-        batch_size=16,
-        steps=5000,
-        lr=6e-4,
-        eval_every=250,
-        save_every=1000,
-    ),
+    "tiny": _TINY,
+    "gpt2-small": _GPT2_SMALL,
     # gpt2-small's size with the LLaMA-style options (Llama's layout, as Hugging Face's
     # checkpoints hold it): grouped-query attention, half-split RoPE, tied embeddings.
     "llama-small": dict(
-        d_model=768,
-        num_layers=12,
-        num_heads=12,
-        num_kv_heads=4,
-        d_ff=2048,
-        context_length=1024,
-        max_context=1024,
-        rope_interleaved=False,
-        tie_embeddings=True,
-        norm_eps=1e-6,
-        batch_size=16,
-        steps=5000,
-        lr=6e-4,
-        eval_every=250,
-        save_every=1000,
+        _GPT2_SMALL, num_kv_heads=4, rope_interleaved=False, tie_embeddings=True, norm_eps=1e-6
     ),
     # tiny's mixture-of-experts sibling: 8 experts of half tiny's d_ff, 2 per token, so each
     # token's feed-forward is as wide as tiny's (2 x 192 = 384): the same active parameters but
     # the routers' 4 x 128 x 8 = 4,096, and 4 x 6 x 3 x 128 x 192 = 1.77M more in all.
-    "tiny-moe": dict(
-        d_model=128,
-        num_layers=4,
-        num_heads=4,
-        d_ff=384,
-        num_experts=8,
-        experts_per_token=2,
-        moe_d_ff=192,
-        context_length=128,
-        max_context=512,
-        batch_size=16,
-        steps=400,
-        lr=3e-3,
-        eval_every=100,
-        save_every=200,
-    ),
+    "tiny-moe": dict(_TINY, num_experts=8, experts_per_token=2, moe_d_ff=192),
     # gpt2-small's sibling: 16 experts of half its d_ff, 2 per token: each token's feed-forward
     # is 2 x 3 x 768 x 1024 = 3 x 768 x 2048 = 4.72M per layer, gpt2-small's, so the active
     # parameters are gpt2-small's 85.35M plus the routers' 12 x 768 x 16 = 0.15M; in all
     # 12 x 14 x 3 x 768 x 1024 = 396M more (the experts a token does not use).
-    "gpt2-small-moe": dict(
-        d_model=768,
-        num_layers=12,
-        num_heads=12,
-        d_ff=2048,
-        num_experts=16,
-        experts_per_token=2,
-        moe_d_ff=1024,
-        context_length=1024,
-        max_context=1024,
-        batch_size=16,
-        steps=5000,
-        lr=6e-4,
-        eval_every=250,
-        save_every=1000,
-    ),
+    "gpt2-small-moe": dict(_GPT2_SMALL, num_experts=16, experts_per_token=2, moe_d_ff=1024),
     "gpt2-medium": dict(
         d_model=1024,
         num_layers=24,
