@@ -14,6 +14,7 @@ CI's time; tests/test_hf_families.py runs the families issue 28 names on the ker
 """
 
 import copy
+import importlib
 import warnings
 
 import pytest
@@ -37,6 +38,8 @@ from fastlm.hf import experts as hf_experts  # noqa: E402
 from fastlm.hf import forwards as hf_forwards  # noqa: E402
 from fastlm.hf import probe  # noqa: E402
 from fastlm.testing import TOLERANCE, relative_error  # noqa: E402
+
+hf_patch = importlib.import_module("fastlm.hf.patch")  # (fastlm.hf.patch is also the function)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -154,9 +157,35 @@ def _causal_lm_types() -> list[str]:
 #: gradient.
 #: - Inkling 2 (text, and looped): a softcapped SwiGLU, softcap(gate) * sigmoid(gate) *
 #:   softcap(up) with tanh softcaps, which the op does not compute.
+#: - Inkling (text): its routed experts run on the op; its shared experts take every token
+#:   through each of n_shared experts, scaled by the router's gammas between the gate and down
+#:   (gate, up and down three separate stacks, run by batched matmuls): a form no probe checks
+#:   (the op would take gate and up as one stack: a copy of them on every call), so left, named.
+#: - JetMoE: its MoE MLP runs on the op (`forwards.sorted_experts_forward`); its mixture of
+#:   attention heads (MoA: per expert a query projection before attention and an output
+#:   projection after it, called through the block's map and reduce, its forward raising) is
+#:   no MLP's experts, and stays the family's code, named in `left`.
 EXPERTS_LEFT = {
     "inkling2_loop_text": "neither act(gate) * up",
     "inkling2_text": "neither act(gate) * up",
+    "inkling_text": "InklingSharedExperts: stacked gate_proj, up_proj, down_proj and a forward(",
+    "jetmoe": "not as an MLP's experts, which fastlm.moe_experts computes; the others on",
+}
+#: Types whose left experts are some of theirs, the others run on the op with parity.
+SOME_ON_THE_OP = {"inkling_text", "jetmoe"}
+
+#: The model's own classes holding a stacked parameter (3 or more dims) that are no experts:
+#: per-head gates and projections of recurrent and state-space layers, a learned query.
+#: The walk checks both ways that these, and only these, are what `probe.experts_module` does
+#: not take for experts, so a new family's stacked experts cannot go unseen.
+NOT_EXPERTS = {
+    "Inkling2LoopMessageAttentionResidual": "a learned query (heads, 1, head_dim)",
+    "KimiLinearForgetGate": "A_log per head",
+    "RecurrentGemmaRglru": "block-diagonal gates per head",
+    "RwkvFeedForward": "time-mix vectors (1, 1, D)",
+    "RwkvSelfAttention": "time-mix vectors (1, 1, D)",
+    "SiglipMultiheadAttentionPoolingHead": "a learned probe (1, 1, D)",
+    "ZambaMambaMixer": "per-head projections of its Mamba mixer",
 }
 
 
@@ -283,8 +312,13 @@ WALK_CONFIGS = {
     # DeepSeek-V3.2's sparse attention (MLA with an indexer) and the families that took it.
     **{
         name: dict(MLA, index_n_heads=2, index_head_dim=16, index_topk=4)
-        for name in ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "longcat_flash")
+        for name in ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2")
     },  # fmt: skip
+    # LongCat-Flash: 2 identity "zero experts" beside its 4 experts (its default 256 would take
+    # nearly every choice), so that the router picks both kinds.
+    "longcat_flash": dict(
+        MLA, index_n_heads=2, index_head_dim=16, index_topk=4, zero_expert_num=2
+    ),  # fmt: skip
     "cpmant": dict(dim_ff=48),
     "roc_bert": dict(
         shape_vocab_size=16,
@@ -393,15 +427,18 @@ ON_THE_OP = "on fastlm's op"
 
 class _ExpertsCalls:
     """Counts the calls of fastlm.moe_experts by fastlm.hf (`fastlm.hf.experts`' implementation
-    and `fastlm.hf.forwards`' Llama 4 block: the probe's runs call the reference instead), and
+    and `fastlm.hf.forwards`' blocks, with `held_experts`, the op beside LongCat-Flash's zero
+    experts: the probe's runs call the reference instead), and
     their backward (a gradient hook on each output); `missed` names the experts modules whose
     forward ran without calling it."""
 
     def __init__(self, monkeypatch):
         self.forward = self.backward = 0
         self.missed = set()
-        for module in (hf_experts, hf_forwards):
-            monkeypatch.setattr(module, "moe_experts", self._counting(module.moe_experts))
+        self.stacked = set()  # `_stacked_classes` of every model run
+        for module, name in ((hf_experts, "moe_experts"), (hf_forwards, "moe_experts"),
+                             (hf_forwards, "held_experts")):  # fmt: skip
+            monkeypatch.setattr(module, name, self._counting(getattr(module, name)))
 
     def _counting(self, op):
         def counted(*args, **kwargs):
@@ -416,42 +453,67 @@ class _ExpertsCalls:
     def _backward(self, grad):
         self.backward += 1
 
-    def watch(self, modules) -> list:
-        """Hooks on `modules` (remove them after) that add to `missed` each one whose forward
-        did not call the op."""
+    def watch(self, modules: dict) -> list:
+        """Hooks on `modules` ({path: module}; remove them after) that add to `missed` the path
+        of each one whose forward did not call the op."""
 
         def before(module, args):
             module._fastlm_calls_before = self.forward
 
-        def after(module, args, output):
-            if self.forward == module._fastlm_calls_before:
-                self.missed.add(type(module).__name__)
+        def after(path):
+            def hook(module, args, output):
+                if self.forward == module._fastlm_calls_before:
+                    self.missed.add(path)
 
-        return [h for m in modules for h in (m.register_forward_pre_hook(before),
-                                             m.register_forward_hook(after))]  # fmt: skip
+            return hook
+
+        hooks = [(m.register_forward_pre_hook(before), m.register_forward_hook(after(path)))
+                 for path, m in modules.items()]  # fmt: skip
+        return [h for pair in hooks for h in pair]
 
 
-def _experts_modules(model) -> list:
-    """transformers' experts modules (its experts interface gives their classes an
-    `_apply_gate`) and Llama 4's blocks (the probe's candidate: stacked experts that do not
-    dispatch through it)."""
-    return [
-        m
+def _experts_modules(model) -> dict:
+    """{path: module} of every experts module, whatever its form (`probe.experts_module`:
+    transformers' experts interface, and stacked experts of the model's own classes: Llama 4's,
+    LongCat-Flash's, JetMoE's parallel experts; lists of expert modules)."""
+    return {path: m for path, m in model.named_modules() if probe.experts_module(m)}
+
+
+def _stacked_classes(model) -> set:
+    """The model's own classes holding a parameter of 3 or more dims that
+    `probe.experts_module` does not take for experts (checked against NOT_EXPERTS)."""
+    return {
+        type(m).__name__
         for m in model.modules()
-        if hasattr(type(m), "_apply_gate") or probe.input_scaled_experts_candidate(m)
-    ]
+        if not type(m).__module__.startswith("torch.")
+        and any(p.dim() >= 3 for p in m.parameters(recurse=False))
+        and not probe.experts_module(m)
+    }
 
 
-def _experts_left(parts, modules) -> str | None:
-    """Why the experts `modules` do not run on fastlm's op by what patch reported (its `left`
-    entries naming them, or nothing said), None if it says they do."""
-    names = {type(m).__name__ for m in modules}
-    left = {what: why for what, why in parts.left.items() if what.split(" ")[0] in names}
-    if left:
-        return "left: " + "; ".join(f"{what}: {why}" for what, why in left.items())
-    if "moe_experts" not in parts:
-        return f"experts not on the op, nothing said: {', '.join(sorted(names))}"
-    return None
+def _experts_status(model, missed: set, backward: int) -> str:
+    """ON_THE_OP when no experts module ran without fastlm's op (`missed`: their paths) and the
+    op's backward ran; "left: ..." with patch's reasons where `fastlm_patched.left` names each
+    one that did (its class, or the class of a module holding it: JetMoE's MoA); else why not."""
+    left = model.fastlm_patched.left
+    unsaid, said = set(), {}
+    for path in sorted(missed):
+        steps = path.split(".")
+        holders = [".".join(steps[:i]) for i in range(len(steps), -1, -1)]
+        names = [type(model.get_submodule(h)).__name__ for h in holders]
+        what = next((w for w in left if w.split(" ")[0] in names), None)
+        if what is None:
+            unsaid.add(names[0])
+        else:
+            said[what] = left[what]
+    if unsaid:
+        return f"experts ran without the op, nothing said: {', '.join(sorted(unsaid))}"
+    if said:
+        others = "; the others on fastlm's op" if backward else ""
+        return "left: " + "; ".join(f"{what}: {why}" for what, why in said.items()) + others
+    if not backward:
+        return "the op's backward did not run"
+    return ON_THE_OP
 
 
 def _parity(model, unpatched, outputs) -> str | None:
@@ -486,6 +548,7 @@ def _run(model_type: str, calls: _AttentionCalls, experts: _ExpertsCalls):
         return f"patch: {type(error).__name__}: {error}", None
     parts = model.fastlm_patched
     modules = _experts_modules(model)
+    experts.stacked |= _stacked_classes(model)
     attention = None
     if "attention" not in parts:
         attention = f"attention left: {parts.left.get('attention', parts.left)}"
@@ -518,12 +581,8 @@ def _run(model_type: str, calls: _AttentionCalls, experts: _ExpertsCalls):
     parity = _parity(model, unpatched, outputs) if attention is None or modules else None
     if not modules:
         return attention or parity, None
-    status = _experts_left(parts, modules)
-    if status is None and experts.missed:
-        status = f"experts ran without the op: {', '.join(sorted(experts.missed))}"
-    if status is None and not experts.backward:
-        status = "the op's backward did not run"
-    return attention or parity, status or parity or ON_THE_OP
+    status = _experts_status(model, experts.missed, experts.backward)
+    return attention or parity, parity if status == ON_THE_OP and parity else status
 
 
 def test_every_causal_lm_type(monkeypatch, capsys):
@@ -569,18 +628,82 @@ def test_every_causal_lm_type(monkeypatch, capsys):
         elif model_type not in EXPERTS_LEFT or EXPERTS_LEFT[model_type] not in status:
             problems.append(f"{model_type}'s experts are no understood limit: {status}")
     problems += [f"{t} in EXPERTS_LEFT has no experts here" for t in set(EXPERTS_LEFT) - set(moe)]
+    some = {t for t, status in moe.items() if status.endswith("; the others on fastlm's op")}
+    if some != SOME_ON_THE_OP:
+        problems.append(f"types with some experts on the op: {sorted(some)}, not SOME_ON_THE_OP")
+    if experts.stacked != set(NOT_EXPERTS):
+        problems.append(
+            f"stacked parameters probe.experts_module does not take for experts: "
+            f"{sorted(experts.stacked)}, not NOT_EXPERTS' {sorted(NOT_EXPERTS)}"
+        )
     assert not problems, "\n".join(problems)
     assert set(FAMILY_CONFIGS) <= set(passing) | set(LIMITS)
 
 
 def test_the_walk_tells_experts_off_the_op(monkeypatch):
-    """The walk's experts check fails a type whose experts patch did not put on the op: Mixtral's
-    with `use_op` refusing them (they keep transformers' grouped_mm, nothing said in `left`)."""
+    """Experts patch did not put on the op are named in `left` (Mixtral's with `use_op` refusing
+    them: they keep transformers' grouped_mm), and the walk tells them apart from experts on it."""
     monkeypatch.setenv("FASTLM_BACKEND", "torch")
     calls, experts = _AttentionCalls(monkeypatch), _ExpertsCalls(monkeypatch)
     monkeypatch.setattr(hf_experts, "use_op", lambda module, options: False)
     torch.manual_seed(0)
     attention, status = _run("mixtral", calls, experts)
     assert attention is None
-    assert status == "experts not on the op, nothing said: MixtralExperts", status
-    assert experts.forward == 0 and experts.missed == {"MixtralExperts"}
+    assert status.startswith("left: MixtralExperts: their gate on fastlm's kernel"), status
+    assert experts.forward == 0 and {p.split(".")[-1] for p in experts.missed} == {"experts"}
+
+
+@pytest.mark.parametrize(
+    "model_type, probe_name, experts_class",
+    [
+        ("mixtral", None, "MixtralExperts"),
+        ("longcat_flash", "zero_experts_candidate", "LongcatFlashExperts"),
+        ("jetmoe", "sorted_experts_candidate", "JetMoeParallelExperts"),
+    ],
+)
+def test_the_walk_fails_experts_left_silently(model_type, probe_name, experts_class, monkeypatch):
+    """Experts that patch neither runs on the op nor names in `left` fail the walk, whatever
+    their form: transformers' experts interface (Mixtral's), LongCat-Flash's beside zero experts,
+    JetMoE's parallel experts (their probes switched off, and patch's naming of what it left)."""
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")
+    calls, experts = _AttentionCalls(monkeypatch), _ExpertsCalls(monkeypatch)
+    monkeypatch.setattr(hf_experts, "use_op", lambda module, options: False)
+    if probe_name is not None:
+        monkeypatch.setattr(probe, probe_name, lambda module: False)
+    monkeypatch.setattr(hf_patch, "_name_experts_left", lambda model, report: None)
+    torch.manual_seed(0)
+    _, status = _run(model_type, calls, experts)
+    assert status == f"experts ran without the op, nothing said: {experts_class}", status
+
+
+def test_zero_experts_on_the_kernels():
+    """LongCat-Flash's experts beside identity zero experts, patched, on fastlm's kernels (the
+    op's routing over all ids, the zero experts' choices running no expert): output and the
+    gradients of x, of every choice's weight (experts' and zero experts') and of the stacked
+    weights match the family's own forward within fp32's tolerance."""
+    config = tiny_config("longcat_flash", **WALK_CONFIGS["longcat_flash"], num_experts_per_tok=3)
+    module = transformers.models.longcat_flash.modeling_longcat_flash.LongcatFlashExperts(config)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    unpatched = copy.deepcopy(module)
+    found = probe.zero_experts_options(module)
+    assert found == dict(transposed=False, activation="silu", interleaved=False), found
+    hf_forwards.bind([module], "zero_experts", **found)
+    tokens, total, routed = 11, module.gate_up_proj.shape[0], module.down_proj.shape[0]
+    ids = torch.stack([torch.randperm(total)[:3] for _ in range(tokens)])
+    ids[0] = torch.tensor([0, routed, 1])  # both kinds in one row, whatever the draw
+    x = torch.randn(tokens, config.hidden_size)
+    weights = torch.rand(tokens, 3)
+    grads = []
+    for m in (module, unpatched):
+        inputs = [t.clone().requires_grad_() for t in (x, weights)]
+        with torch.autograd.profiler.profile() as profile:
+            out = m(inputs[0], ids, inputs[1])
+            out.backward(torch.randn_like(out, generator=torch.Generator().manual_seed(1)))
+        grads.append([out, *(t.grad for t in inputs), m.gate_up_proj.grad, m.down_proj.grad])
+        ran = {e.name for e in profile.function_events}
+        assert ("fastlm::moe_experts" in ran) == (m is module), sorted(ran)
+    for what, ours, theirs in zip(("out", "dx", "d weights", "d gate_up", "d down"), *grads):
+        assert relative_error(ours, theirs) <= TOLERANCE[torch.float32], what
+    assert ids.ge(routed).any() and grads[0][2][ids >= routed].abs().min() > 0
