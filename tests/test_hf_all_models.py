@@ -31,6 +31,8 @@ from test_hf_families import (  # noqa: E402
     tiny_config,
     tiny_model,
 )
+from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
+from transformers.models.auto.configuration_auto import model_type_to_module_name  # noqa: E402
 
 from fastlm import hf  # noqa: E402
 from fastlm.hf import attention as hf_attention  # noqa: E402
@@ -161,11 +163,19 @@ def _causal_lm_types() -> list[str]:
 #:   through each of n_shared experts, scaled by the router's gammas between the gate and down
 #:   (gate, up and down three separate stacks, run by batched matmuls): a form no probe checks
 #:   (the op would take gate and up as one stack: a copy of them on every call), so left, named.
+#: - Muse Spark (text): an RMSNorm of each expert's output before the weighted sum
+#:   (`has_post_expert_norm`): the op sums the experts' outputs as they are.
+#: - Step 3.5 (Step 3.7's text decoder): its SwiGLU clamps after the activation,
+#:   min(silu(gate), limit) * clamp(up, -limit, limit), where gpt-oss's (the op's) clamps gate
+#:   before it; with its limit infinite it is a plain SwiGLU, but the limit is read on every
+#:   call, and set per layer in its checkpoints.
 #: - JetMoE: its MoE MLP runs on the op (`forwards.sorted_experts_forward`); its mixture of
 #:   attention heads (MoA: per expert a query projection before attention and an output
 #:   projection after it, called through the block's map and reduce, its forward raising) is
 #:   no MLP's experts, and stays the family's code, named in `left`.
 EXPERTS_LEFT = {
+    "muse_spark_text": "a norm of each expert's output (has_post_expert_norm)",
+    "step3p5": "their gate is neither act(gate) * up nor gpt-oss's clamped SwiGLU",
     "inkling2_loop_text": "neither act(gate) * up",
     "inkling2_text": "neither act(gate) * up",
     "inkling_text": "InklingSharedExperts: stacked gate_proj, up_proj, down_proj and a forward(",
@@ -173,6 +183,17 @@ EXPERTS_LEFT = {
 }
 #: Types whose left experts are some of theirs, the others run on the op with parity.
 SOME_ON_THE_OP = {"inkling_text", "jetmoe"}
+
+#: MoE configs that are no causal-LM type and that the walk does not build (`_moe_text_types`
+#: finds them all; checked both ways), each with why: no decoder-only LM over tokens.
+MOE_NOT_WALKED = {
+    "qwen3_omni_moe_talker_text": "Qwen3-Omni's talker: a decoder over the thinker's hidden "
+    "states, with no token embedding of its own (its thinker's text decoder is walked)",
+    "dots3_note_vision_encoder": "a vision encoder's experts (dots.3's text decoder is walked)",
+    "nllb-moe": "an encoder-decoder (translation): no decoder-only LM",
+    "openai_privacy_filter": "a bidirectional token classifier: no causal LM (gpt-oss's experts)",
+    "switch_transformers": "an encoder-decoder (T5's): no decoder-only LM",
+}
 
 #: The model's own classes holding a stacked parameter (3 or more dims) that are no experts:
 #: per-head gates and projections of recurrent and state-space layers, a learned query.
@@ -314,6 +335,44 @@ WALK_CONFIGS = {
         name: dict(MLA, index_n_heads=2, index_head_dim=16, index_topk=4)
         for name in ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2")
     },  # fmt: skip
+    "hy_v4_vl_text": dict(
+        MLA,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=4,
+        rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[2, 1, 1]),
+    ),  # fmt: skip
+    # The MoE decoders that are no causal-LM type (`_moe_text_types`), their sizes and layers.
+    **{name: dict(MLA) for name in ("mistral4", "mistral_large4_text")},
+    "glm4v_moe_text": dict(
+        rope_parameters=dict(
+            rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5, mrope_section=[2, 1, 1]
+        ),
+        n_group=1,
+        topk_group=1,
+    ),  # fmt: skip
+    "glm5_next_text": dict(
+        MLA,
+        num_key_value_heads=2,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=16,
+        qk_rope_head_dim=0,
+        layer_types=["linear_attention", "indexed_attention"],
+        linear_head_dim=8,
+        linear_num_heads=2,
+        mlp_layer_types=["dense", "sparse"],
+    ),  # fmt: skip
+    "step3p5": dict(mlp_layer_types=["dense", "sparse"], sliding_window=6),
+    "ernie4_5_vl_moe_text": dict(
+        moe_intermediate_size=[24, 24],
+        moe_num_experts=4,
+        moe_k=2,
+        moe_num_shared_experts=1,
+        rope_parameters=dict(rope_type="default", rope_theta=5e5, mrope_section=[2, 2, 4]),
+    ),  # fmt: skip
+    "deepseek_ocr2_text": dict(mlp_layer_types=["dense", "sparse"], n_group=1, topk_group=1),
+    "muse_spark_text": dict(moe_hidden_size=32),
     # LongCat-Flash: 2 identity "zero experts" beside its 4 experts (its default 256 would take
     # nearly every choice), so that the router picks both kinds.
     "longcat_flash": dict(
@@ -385,11 +444,86 @@ def _text_type(model_type: str) -> str | None:
     return None
 
 
+#: Fields that count a text config's experts (a mixture's: more than one).
+EXPERTS_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _moe_text_types(walked: set) -> dict:
+    """{model type: types holding it} of every config in transformers' CONFIG_MAPPING (or the
+    text config of one) that counts more than one expert and that no type in `walked` is:
+    the MoE decoders that are no causal-LM type (a multimodal model's text decoder, Mistral 4's
+    decoder, encoder-decoders), which the walk builds through `_text_causal_lm`."""
+    found: dict[str, list] = {}
+    for model_type in sorted(transformers.CONFIG_MAPPING.keys()):
+        if model_type in walked:
+            continue
+        try:
+            config = transformers.CONFIG_MAPPING[model_type]()
+        except Exception:  # noqa: BLE001 (a config that needs arguments: no default to read)
+            continue
+        for text in (config, getattr(config, "text_config", None)):
+            if text is None or text.model_type in walked:
+                continue
+            per_layer = getattr(text, "per_layer_attributes", None) or ()
+            counts = [getattr(text, f, None) for f in EXPERTS_FIELDS if f not in per_layer]
+            if any(f in per_layer for f in EXPERTS_FIELDS) or any(
+                isinstance(n, int) and n > 1 for n in counts
+            ):  # a count per layer: a mixture whose layers differ
+                found.setdefault(text.model_type, []).append(model_type)
+    return found
+
+
+def _text_causal_lm(model_type: str):
+    """A causal LM around the type's decoder, for a type with no causal LM of its own: the
+    decoder class of its modeling module that takes this config (`...TextModel`, `...Model`),
+    an lm_head, and transformers' causal-LM loss, on the family's PreTrainedModel (its
+    attention and initialisation flags)."""
+    folder = model_type_to_module_name(model_type)
+    module = importlib.import_module(f"transformers.models.{folder}.modeling_{folder}")
+    config_class = transformers.CONFIG_MAPPING[model_type]
+    decoder = next(
+        c
+        for name, c in vars(module).items()
+        if isinstance(c, type)
+        and issubclass(c, transformers.PreTrainedModel)
+        and c.config_class is config_class
+        and name.endswith("Model")
+        and "PreTrained" not in name
+    )
+    base = next(c for c in decoder.__mro__[1:] if c.__name__.endswith("PreTrainedModel"))
+
+    class TextCausalLM(base):
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = decoder(config)
+            self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.post_init()
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+        def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            logits = self.lm_head(hidden.last_hidden_state)
+            loss = None
+            if labels is not None:
+                loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size)
+            return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    TextCausalLM.__name__ = f"{decoder.__name__}ForCausalLM"
+    return TextCausalLM
+
+
 def _build(model_type: str):
-    """The type's tiny model, or why it does not build (its parameters counted on the meta
-    device first: a config with a size field of another name is refused, not built big)."""
+    """The type's tiny model (a type with no causal LM of its own: `_text_causal_lm`), or why
+    it does not build (its parameters counted on the meta device first: a config with a size
+    field of another name is refused, not built big)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     try:
         aliases = _changes(model_type)
+        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            aliases["model_class"] = _text_causal_lm(model_type)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with torch.device("meta"):
@@ -599,19 +733,31 @@ def test_every_causal_lm_type(monkeypatch, capsys):
                 torch.manual_seed(0)
                 results[name], moe[name] = _run(name, calls, experts)
         results[model_type], moe[model_type] = results[text or model_type], moe[text or model_type]
+    # The MoE decoders that are no causal-LM type (multimodal models' text decoders, Mistral 4):
+    # a causal LM around each (`_text_causal_lm`), its experts checked as the others'.
+    beyond = _moe_text_types(set(results))
+    problems = [f"{t} in MOE_NOT_WALKED: no MoE config" for t in set(MOE_NOT_WALKED) - {*beyond}]
+    for model_type in sorted(set(beyond) - set(MOE_NOT_WALKED)):
+        torch.manual_seed(0)
+        attention, moe[model_type] = _run(model_type, calls, experts)
+        if moe[model_type] is None:
+            moe[model_type] = f"no experts run: {attention}"
     moe = {t: status for t, status in moe.items() if status is not None}
     built = {t: r for t, r in results.items() if not (r or "").startswith("build: ")}
     passing = sorted(t for t, r in built.items() if r is None)
     on_the_op = sorted(t for t, status in moe.items() if status == ON_THE_OP)
+    some = {t for t, status in moe.items() if status.endswith("; the others on fastlm's op")}
     with capsys.disabled():
         print(f"\n{len(passing)} of {len(built)} causal-LM types whose tiny config builds "
               f"({len(results)} in transformers {transformers.__version__}) run attention on "
               f"fastlm's kernels with parity; {len(on_the_op)} of {len(moe)} MoE types run "
-              "their experts on fastlm's op")  # fmt: skip
+              f"all their experts on fastlm's op, {len(some)} some of them")  # fmt: skip
         for model_type, reason in sorted(results.items()):
             experts_status = f"; experts {moe[model_type]}" if model_type in moe else ""
             print(f"  {model_type}: {reason or 'ok'}{experts_status}")
-    problems = []
+        print(f"MoE decoders of no causal-LM type ({len(beyond)}), their experts:")
+        for model_type in sorted(beyond):
+            print(f"  {model_type}: {moe.get(model_type) or MOE_NOT_WALKED[model_type]}")
     for model_type, reason in results.items():
         if reason is None:
             if model_type in LIMITS or model_type in NOT_BUILT:
@@ -628,7 +774,6 @@ def test_every_causal_lm_type(monkeypatch, capsys):
         elif model_type not in EXPERTS_LEFT or EXPERTS_LEFT[model_type] not in status:
             problems.append(f"{model_type}'s experts are no understood limit: {status}")
     problems += [f"{t} in EXPERTS_LEFT has no experts here" for t in set(EXPERTS_LEFT) - set(moe)]
-    some = {t for t, status in moe.items() if status.endswith("; the others on fastlm's op")}
     if some != SOME_ON_THE_OP:
         problems.append(f"types with some experts on the op: {sorted(some)}, not SOME_ON_THE_OP")
     if experts.stacked != set(NOT_EXPERTS):

@@ -134,7 +134,14 @@ def _patch_mlps(model, report) -> None:
             if experts.use_op(module, options):  # the whole experts on fastlm.moe_experts
                 _on_op(report, module)
                 continue
-            if eager and not _eager_calls_apply_gate(module):
+            if getattr(module, "has_post_expert_norm", False):
+                report.leave(
+                    name,
+                    "a norm of each expert's output (has_post_expert_norm) before the weighted "
+                    "sum, which fastlm.moe_experts does not compute: their GEMMs transformers' "
+                    "own, their gate on fastlm's kernel",
+                )
+            elif eager and not _eager_calls_apply_gate(module):
                 report.leave(
                     f"{name} (eager)",
                     "experts_implementation 'eager' computes the gate inline; "
