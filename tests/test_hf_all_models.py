@@ -852,3 +852,12 @@ def test_zero_experts_on_the_kernels():
     for what, ours, theirs in zip(("out", "dx", "d weights", "d gate_up", "d down"), *grads):
         assert relative_error(ours, theirs) <= TOLERANCE[torch.float32], what
     assert ids.ge(routed).any() and grads[0][2][ids >= routed].abs().min() > 0
+
+
+def test_zero_experts_refuse_ids_past_the_router():
+    """`held_experts` checks the router's ids as the op checks its own: an id outside
+    [0, num_experts) is a ValueError naming the range, not a choice silently dropped."""
+    x, gate_up, down = torch.randn(3, 8), torch.randn(2, 12, 8), torch.randn(2, 8, 6)
+    ids = torch.tensor([[0, 3], [1, 2], [4, 0]])
+    with pytest.raises(ValueError, match=r"expert_ids must lie in \[0, 4\)"):
+        hf_forwards.held_experts(x, ids, torch.rand(3, 2), gate_up, down, 4, activation="silu")

@@ -393,7 +393,9 @@ def patch(
             attention module's own forward, in each layout the kernel takes (half-split or
             interleaved pairs, partial rotary, half-width tables), checked on first use.
         swiglu: gated MLPs (split or fused gate/up projections, SiLU or GELU) by `swiglu`,
-            `swiglu_packed` or `geglu`, and MoE experts' gates.
+            `swiglu_packed` or `geglu`, and MoE experts by `moe_experts` (transformers' experts
+            interface, Llama 4's block, LongCat-Flash's beside zero experts, JetMoE's MoE MLP);
+            every experts module not run on it is named in `left`.
         attention: every module calling transformers' attention interface, by fastlm's flash
             attention in every batch shape (see `fastlm.hf.attention`), registered as
             "fastlm" with transformers.
