@@ -3,9 +3,13 @@ tiny configuration builds is patched and run against its unpatched copy (eager a
 plain batch, and counted where its attention ran through fastlm's attention with loss, logits
 and every gradient within fastlm's fp32 tolerance. Every type that does not is a named,
 understood limit (`LIMITS`, checked both ways: a type listed there that passes fails the test,
-so the list stays true). Every type with experts modules (transformers' experts interface, or
-Llama 4's block) is counted where its experts ran `fastlm.moe_experts` forward and backward
-under that parity, or is a named limit of its math (`EXPERTS_LEFT`, checked both ways).
+so the list stays true). Every type with experts modules (`probe.experts_module`: transformers'
+experts interface, and stacked experts of other forms, Llama 4's, LongCat-Flash's, JetMoE's) is
+counted where its experts ran `fastlm.moe_experts` forward and backward under that parity, or is
+a named limit of its math (`EXPERTS_LEFT`, checked both ways); an experts module neither on the
+op nor named in `fastlm_patched.left` fails it. The MoE decoders that are no causal-LM type
+(`_moe_text_types`: multimodal models' text decoders, Mistral 4) are built as a causal LM around
+their decoder and their experts checked the same way.
 
 It runs on the PyTorch backend (FASTLM_BACKEND=torch: fastlm.hf's routing down to
 `flash_attention`'s and `flash_attention_varlen`'s reference math, their calls counted) to fit
@@ -154,9 +158,8 @@ def _causal_lm_types() -> list[str]:
 
 #: model_type -> why patch leaves its experts on transformers' own code (a phrase of what
 #: `fastlm_patched.left` says): the family's math, which `fastlm.moe_experts` does not compute.
-#: Every other type with experts modules (transformers' experts interface, or Llama 4's block)
-#: runs them on the op, forward and backward, with the walk's parity on loss, logits and every
-#: gradient.
+#: Every other type with experts modules (`probe.experts_module`) runs them on the op, forward
+#: and backward, with the walk's parity on loss, logits and every gradient.
 #: - Inkling 2 (text, and looped): a softcapped SwiGLU, softcap(gate) * sigmoid(gate) *
 #:   softcap(up) with tanh softcaps, which the op does not compute.
 #: - Inkling (text): its routed experts run on the op; its shared experts take every token
