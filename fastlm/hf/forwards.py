@@ -166,14 +166,15 @@ def held_experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torc
     It is the op's `expert_index` (its argument for experts sharded over E: the global ids its
     weights hold, here 0 .. E - 1) on the routing of all num_experts ids, so the kernels run the
     held experts' rows only; the PyTorch backend's reference takes the same argument. With
-    num_experts == E, `moe_experts` itself."""
+    num_experts == E, `moe_experts` itself. Plain tensors (its callers run their module's own
+    code on DTensor weights)."""
     held = gate_up.shape[0]
     if num_experts == held:
         return moe_experts(x, expert_ids, expert_weights, gate_up, down, **layout)
     valid = (expert_ids >= 0) & (expert_ids < num_experts)
     check_values(expert_ids, valid, f"expert_ids must lie in [0, {num_experts})")
     index = torch.arange(held, device=x.device)
-    if not use_triton(x) or hasattr(x, "placements"):
+    if not use_triton(x):
         return moe_experts_ref(x, expert_ids, expert_weights, gate_up, down, **layout,
                                expert_index=index)  # fmt: skip
     order, offsets = torch.ops.fastlm.moe_route(expert_ids, num_experts)
@@ -199,6 +200,9 @@ def zero_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.T
     experts, a zero expert's choice running no expert (`held_experts`); the second, the
     weighted identity, in PyTorch: each slot's weight gets its own term's gradient.
     `experts_op`: the experts' math (the probe passes the float64 reference)."""
+    if experts_op is None and hasattr(self.down_proj, "placements"):
+        # Sharded by transformers' tensor parallelism: the family's own loop over the ids.
+        return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
     experts_op = experts_op or held_experts
     down = self.down_proj
     routed = down.shape[0]

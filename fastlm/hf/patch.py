@@ -164,6 +164,8 @@ def _patch_mlps(model, report) -> None:
             continue
         elif probe.zero_experts_candidate(module):  # LongCat-Flash's, beside zero experts
             found = probe.zero_experts_options(module)
+            if hasattr(module.down_proj, "placements"):  # its forward would run the family's
+                found = "DTensor weights (tensor parallelism): the family's own loop over the ids"
             if isinstance(found, str):
                 report.leave(name, found)
             else:
