@@ -3,9 +3,13 @@ tiny configuration builds is patched and run against its unpatched copy (eager a
 plain batch, and counted where its attention ran through fastlm's attention with loss, logits
 and every gradient within fastlm's fp32 tolerance. Every type that does not is a named,
 understood limit (`LIMITS`, checked both ways: a type listed there that passes fails the test,
-so the list stays true). Every type with experts modules (transformers' experts interface, or
-Llama 4's block) is counted where its experts ran `fastlm.moe_experts` forward and backward
-under that parity, or is a named limit of its math (`EXPERTS_LEFT`, checked both ways).
+so the list stays true). Every type with experts modules (`probe.experts_module`: transformers'
+experts interface, and stacked experts of other forms, Llama 4's, LongCat-Flash's, JetMoE's) is
+counted where its experts ran `fastlm.moe_experts` forward and backward under that parity, or is
+a named limit of its math (`EXPERTS_LEFT`, checked both ways); an experts module neither on the
+op nor named in `fastlm_patched.left` fails it. The MoE decoders that are no causal-LM type
+(`_moe_text_types`: multimodal models' text decoders, Mistral 4) are built as a causal LM around
+their decoder and their experts checked the same way.
 
 It runs on the PyTorch backend (FASTLM_BACKEND=torch: fastlm.hf's routing down to
 `flash_attention`'s and `flash_attention_varlen`'s reference math, their calls counted) to fit
@@ -14,6 +18,7 @@ CI's time; tests/test_hf_families.py runs the families issue 28 names on the ker
 """
 
 import copy
+import importlib
 import warnings
 
 import pytest
@@ -30,6 +35,8 @@ from test_hf_families import (  # noqa: E402
     tiny_config,
     tiny_model,
 )
+from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
+from transformers.models.auto.configuration_auto import model_type_to_module_name  # noqa: E402
 
 from fastlm import hf  # noqa: E402
 from fastlm.hf import attention as hf_attention  # noqa: E402
@@ -37,6 +44,8 @@ from fastlm.hf import experts as hf_experts  # noqa: E402
 from fastlm.hf import forwards as hf_forwards  # noqa: E402
 from fastlm.hf import probe  # noqa: E402
 from fastlm.testing import TOLERANCE, relative_error  # noqa: E402
+
+hf_patch = importlib.import_module("fastlm.hf.patch")  # (fastlm.hf.patch is also the function)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -149,14 +158,58 @@ def _causal_lm_types() -> list[str]:
 
 #: model_type -> why patch leaves its experts on transformers' own code (a phrase of what
 #: `fastlm_patched.left` says): the family's math, which `fastlm.moe_experts` does not compute.
-#: Every other type with experts modules (transformers' experts interface, or Llama 4's block)
-#: runs them on the op, forward and backward, with the walk's parity on loss, logits and every
-#: gradient.
+#: Every other type with experts modules (`probe.experts_module`) runs them on the op, forward
+#: and backward, with the walk's parity on loss, logits and every gradient.
 #: - Inkling 2 (text, and looped): a softcapped SwiGLU, softcap(gate) * sigmoid(gate) *
 #:   softcap(up) with tanh softcaps, which the op does not compute.
+#: - Inkling (text): its routed experts run on the op; its shared experts take every token
+#:   through each of n_shared experts, scaled by the router's gammas between the gate and down
+#:   (gate, up and down three separate stacks, run by batched matmuls): a form no probe checks
+#:   (the op would take gate and up as one stack: a copy of them on every call), so left, named.
+#: - Muse Spark (text): an RMSNorm of each expert's output before the weighted sum
+#:   (`has_post_expert_norm`): the op sums the experts' outputs as they are.
+#: - Step 3.5 (Step 3.7's text decoder): its SwiGLU clamps after the activation,
+#:   min(silu(gate), limit) * clamp(up, -limit, limit), where gpt-oss's (the op's) clamps gate
+#:   before it; with its limit infinite it is a plain SwiGLU, but the limit is read on every
+#:   call, and set per layer in its checkpoints.
+#: - JetMoE: its MoE MLP runs on the op (`forwards.sorted_experts_forward`); its mixture of
+#:   attention heads (MoA: per expert a query projection before attention and an output
+#:   projection after it, called through the block's map and reduce, its forward raising) is
+#:   no MLP's experts, and stays the family's code, named in `left`.
 EXPERTS_LEFT = {
+    "muse_spark_text": "a norm of each expert's output (has_post_expert_norm)",
+    "step3p5": "their gate is neither act(gate) * up nor gpt-oss's clamped SwiGLU",
     "inkling2_loop_text": "neither act(gate) * up",
     "inkling2_text": "neither act(gate) * up",
+    "inkling_text": "InklingSharedExperts: stacked gate_proj, up_proj, down_proj and a forward(",
+    "jetmoe": "not as an MLP's experts, which fastlm.moe_experts computes; the others on",
+}
+#: Types whose left experts are some of theirs, the others run on the op with parity.
+SOME_ON_THE_OP = {"inkling_text", "jetmoe"}
+
+#: MoE configs that are no causal-LM type and that the walk does not build (`_moe_text_types`
+#: finds them all; checked both ways), each with why: no decoder-only LM over tokens.
+MOE_NOT_WALKED = {
+    "qwen3_omni_moe_talker_text": "Qwen3-Omni's talker: a decoder over the thinker's hidden "
+    "states, with no token embedding of its own (its thinker's text decoder is walked)",
+    "dots3_note_vision_encoder": "a vision encoder's experts (dots.3's text decoder is walked)",
+    "nllb-moe": "an encoder-decoder (translation): no decoder-only LM",
+    "openai_privacy_filter": "a bidirectional token classifier: no causal LM (gpt-oss's experts)",
+    "switch_transformers": "an encoder-decoder (T5's): no decoder-only LM",
+}
+
+#: The model's own classes holding a stacked parameter (3 or more dims) that are no experts:
+#: per-head gates and projections of recurrent and state-space layers, a learned query.
+#: The walk checks both ways that these, and only these, are what `probe.experts_module` does
+#: not take for experts, so a new family's stacked experts cannot go unseen.
+NOT_EXPERTS = {
+    "Inkling2LoopMessageAttentionResidual": "a learned query (heads, 1, head_dim)",
+    "KimiLinearForgetGate": "A_log per head",
+    "RecurrentGemmaRglru": "block-diagonal gates per head",
+    "RwkvFeedForward": "time-mix vectors (1, 1, D)",
+    "RwkvSelfAttention": "time-mix vectors (1, 1, D)",
+    "SiglipMultiheadAttentionPoolingHead": "a learned probe (1, 1, D)",
+    "ZambaMambaMixer": "per-head projections of its Mamba mixer",
 }
 
 
@@ -283,8 +336,51 @@ WALK_CONFIGS = {
     # DeepSeek-V3.2's sparse attention (MLA with an indexer) and the families that took it.
     **{
         name: dict(MLA, index_n_heads=2, index_head_dim=16, index_topk=4)
-        for name in ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "longcat_flash")
+        for name in ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2")
     },  # fmt: skip
+    "hy_v4_vl_text": dict(
+        MLA,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=4,
+        rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[2, 1, 1]),
+    ),  # fmt: skip
+    # The MoE decoders that are no causal-LM type (`_moe_text_types`), their sizes and layers.
+    **{name: dict(MLA) for name in ("mistral4", "mistral_large4_text")},
+    "glm4v_moe_text": dict(
+        rope_parameters=dict(
+            rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5, mrope_section=[2, 1, 1]
+        ),
+        n_group=1,
+        topk_group=1,
+    ),  # fmt: skip
+    "glm5_next_text": dict(
+        MLA,
+        num_key_value_heads=2,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=16,
+        qk_rope_head_dim=0,
+        layer_types=["linear_attention", "indexed_attention"],
+        linear_head_dim=8,
+        linear_num_heads=2,
+        mlp_layer_types=["dense", "sparse"],
+    ),  # fmt: skip
+    "step3p5": dict(mlp_layer_types=["dense", "sparse"], sliding_window=6),
+    "ernie4_5_vl_moe_text": dict(
+        moe_intermediate_size=[24, 24],
+        moe_num_experts=4,
+        moe_k=2,
+        moe_num_shared_experts=1,
+        rope_parameters=dict(rope_type="default", rope_theta=5e5, mrope_section=[2, 2, 4]),
+    ),  # fmt: skip
+    "deepseek_ocr2_text": dict(mlp_layer_types=["dense", "sparse"], n_group=1, topk_group=1),
+    "muse_spark_text": dict(moe_hidden_size=32),
+    # LongCat-Flash: 2 identity "zero experts" beside its 4 experts (its default 256 would take
+    # nearly every choice), so that the router picks both kinds.
+    "longcat_flash": dict(
+        MLA, index_n_heads=2, index_head_dim=16, index_topk=4, zero_expert_num=2
+    ),  # fmt: skip
     "cpmant": dict(dim_ff=48),
     "roc_bert": dict(
         shape_vocab_size=16,
@@ -351,11 +447,86 @@ def _text_type(model_type: str) -> str | None:
     return None
 
 
+#: Fields that count a text config's experts (a mixture's: more than one).
+EXPERTS_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _moe_text_types(walked: set) -> dict:
+    """{model type: types holding it} of every config in transformers' CONFIG_MAPPING (or the
+    text config of one) that counts more than one expert and that no type in `walked` is:
+    the MoE decoders that are no causal-LM type (a multimodal model's text decoder, Mistral 4's
+    decoder, encoder-decoders), which the walk builds through `_text_causal_lm`."""
+    found: dict[str, list] = {}
+    for model_type in sorted(transformers.CONFIG_MAPPING.keys()):
+        if model_type in walked:
+            continue
+        try:
+            config = transformers.CONFIG_MAPPING[model_type]()
+        except Exception:  # noqa: BLE001 (a config that needs arguments: no default to read)
+            continue
+        for text in (config, getattr(config, "text_config", None)):
+            if text is None or text.model_type in walked:
+                continue
+            per_layer = getattr(text, "per_layer_attributes", None) or ()
+            counts = [getattr(text, f, None) for f in EXPERTS_FIELDS if f not in per_layer]
+            if any(f in per_layer for f in EXPERTS_FIELDS) or any(
+                isinstance(n, int) and n > 1 for n in counts
+            ):  # a count per layer: a mixture whose layers differ
+                found.setdefault(text.model_type, []).append(model_type)
+    return found
+
+
+def _text_causal_lm(model_type: str):
+    """A causal LM around the type's decoder, for a type with no causal LM of its own: the
+    decoder class of its modeling module that takes this config (`...TextModel`, `...Model`),
+    an lm_head, and transformers' causal-LM loss, on the family's PreTrainedModel (its
+    attention and initialisation flags)."""
+    folder = model_type_to_module_name(model_type)
+    module = importlib.import_module(f"transformers.models.{folder}.modeling_{folder}")
+    config_class = transformers.CONFIG_MAPPING[model_type]
+    decoder = next(
+        c
+        for name, c in vars(module).items()
+        if isinstance(c, type)
+        and issubclass(c, transformers.PreTrainedModel)
+        and c.config_class is config_class
+        and name.endswith("Model")
+        and "PreTrained" not in name
+    )
+    base = next(c for c in decoder.__mro__[1:] if c.__name__.endswith("PreTrainedModel"))
+
+    class TextCausalLM(base):
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = decoder(config)
+            self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.post_init()
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+        def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            logits = self.lm_head(hidden.last_hidden_state)
+            loss = None
+            if labels is not None:
+                loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size)
+            return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    TextCausalLM.__name__ = f"{decoder.__name__}ForCausalLM"
+    return TextCausalLM
+
+
 def _build(model_type: str):
-    """The type's tiny model, or why it does not build (its parameters counted on the meta
-    device first: a config with a size field of another name is refused, not built big)."""
+    """The type's tiny model (a type with no causal LM of its own: `_text_causal_lm`), or why
+    it does not build (its parameters counted on the meta device first: a config with a size
+    field of another name is refused, not built big)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     try:
         aliases = _changes(model_type)
+        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            aliases["model_class"] = _text_causal_lm(model_type)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with torch.device("meta"):
@@ -393,15 +564,18 @@ ON_THE_OP = "on fastlm's op"
 
 class _ExpertsCalls:
     """Counts the calls of fastlm.moe_experts by fastlm.hf (`fastlm.hf.experts`' implementation
-    and `fastlm.hf.forwards`' Llama 4 block: the probe's runs call the reference instead), and
+    and `fastlm.hf.forwards`' blocks, with `held_experts`, the op beside LongCat-Flash's zero
+    experts: the probe's runs call the reference instead), and
     their backward (a gradient hook on each output); `missed` names the experts modules whose
     forward ran without calling it."""
 
     def __init__(self, monkeypatch):
         self.forward = self.backward = 0
         self.missed = set()
-        for module in (hf_experts, hf_forwards):
-            monkeypatch.setattr(module, "moe_experts", self._counting(module.moe_experts))
+        self.stacked = set()  # `_stacked_classes` of every model run
+        for module, name in ((hf_experts, "moe_experts"), (hf_forwards, "moe_experts"),
+                             (hf_forwards, "held_experts")):  # fmt: skip
+            monkeypatch.setattr(module, name, self._counting(getattr(module, name)))
 
     def _counting(self, op):
         def counted(*args, **kwargs):
@@ -416,42 +590,67 @@ class _ExpertsCalls:
     def _backward(self, grad):
         self.backward += 1
 
-    def watch(self, modules) -> list:
-        """Hooks on `modules` (remove them after) that add to `missed` each one whose forward
-        did not call the op."""
+    def watch(self, modules: dict) -> list:
+        """Hooks on `modules` ({path: module}; remove them after) that add to `missed` the path
+        of each one whose forward did not call the op."""
 
         def before(module, args):
             module._fastlm_calls_before = self.forward
 
-        def after(module, args, output):
-            if self.forward == module._fastlm_calls_before:
-                self.missed.add(type(module).__name__)
+        def after(path):
+            def hook(module, args, output):
+                if self.forward == module._fastlm_calls_before:
+                    self.missed.add(path)
 
-        return [h for m in modules for h in (m.register_forward_pre_hook(before),
-                                             m.register_forward_hook(after))]  # fmt: skip
+            return hook
+
+        hooks = [(m.register_forward_pre_hook(before), m.register_forward_hook(after(path)))
+                 for path, m in modules.items()]  # fmt: skip
+        return [h for pair in hooks for h in pair]
 
 
-def _experts_modules(model) -> list:
-    """transformers' experts modules (its experts interface gives their classes an
-    `_apply_gate`) and Llama 4's blocks (the probe's candidate: stacked experts that do not
-    dispatch through it)."""
-    return [
-        m
+def _experts_modules(model) -> dict:
+    """{path: module} of every experts module, whatever its form (`probe.experts_module`:
+    transformers' experts interface, and stacked experts of the model's own classes: Llama 4's,
+    LongCat-Flash's, JetMoE's parallel experts; lists of expert modules)."""
+    return {path: m for path, m in model.named_modules() if probe.experts_module(m)}
+
+
+def _stacked_classes(model) -> set:
+    """The model's own classes holding a parameter of 3 or more dims that
+    `probe.experts_module` does not take for experts (checked against NOT_EXPERTS)."""
+    return {
+        type(m).__name__
         for m in model.modules()
-        if hasattr(type(m), "_apply_gate") or probe.input_scaled_experts_candidate(m)
-    ]
+        if not type(m).__module__.startswith("torch.")
+        and any(p.dim() >= 3 for p in m.parameters(recurse=False))
+        and not probe.experts_module(m)
+    }
 
 
-def _experts_left(parts, modules) -> str | None:
-    """Why the experts `modules` do not run on fastlm's op by what patch reported (its `left`
-    entries naming them, or nothing said), None if it says they do."""
-    names = {type(m).__name__ for m in modules}
-    left = {what: why for what, why in parts.left.items() if what.split(" ")[0] in names}
-    if left:
-        return "left: " + "; ".join(f"{what}: {why}" for what, why in left.items())
-    if "moe_experts" not in parts:
-        return f"experts not on the op, nothing said: {', '.join(sorted(names))}"
-    return None
+def _experts_status(model, missed: set, backward: int) -> str:
+    """ON_THE_OP when no experts module ran without fastlm's op (`missed`: their paths) and the
+    op's backward ran; "left: ..." with patch's reasons where `fastlm_patched.left` names each
+    one that did (its class, or the class of a module holding it: JetMoE's MoA); else why not."""
+    left = model.fastlm_patched.left
+    unsaid, said = set(), {}
+    for path in sorted(missed):
+        steps = path.split(".")
+        holders = [".".join(steps[:i]) for i in range(len(steps), -1, -1)]
+        names = [type(model.get_submodule(h)).__name__ for h in holders]
+        what = next((w for w in left if w.split(" ")[0] in names), None)
+        if what is None:
+            unsaid.add(names[0])
+        else:
+            said[what] = left[what]
+    if unsaid:
+        return f"experts ran without the op, nothing said: {', '.join(sorted(unsaid))}"
+    if said:
+        others = "; the others on fastlm's op" if backward else ""
+        return "left: " + "; ".join(f"{what}: {why}" for what, why in said.items()) + others
+    if not backward:
+        return "the op's backward did not run"
+    return ON_THE_OP
 
 
 def _parity(model, unpatched, outputs) -> str | None:
@@ -486,6 +685,7 @@ def _run(model_type: str, calls: _AttentionCalls, experts: _ExpertsCalls):
         return f"patch: {type(error).__name__}: {error}", None
     parts = model.fastlm_patched
     modules = _experts_modules(model)
+    experts.stacked |= _stacked_classes(model)
     attention = None
     if "attention" not in parts:
         attention = f"attention left: {parts.left.get('attention', parts.left)}"
@@ -518,12 +718,8 @@ def _run(model_type: str, calls: _AttentionCalls, experts: _ExpertsCalls):
     parity = _parity(model, unpatched, outputs) if attention is None or modules else None
     if not modules:
         return attention or parity, None
-    status = _experts_left(parts, modules)
-    if status is None and experts.missed:
-        status = f"experts ran without the op: {', '.join(sorted(experts.missed))}"
-    if status is None and not experts.backward:
-        status = "the op's backward did not run"
-    return attention or parity, status or parity or ON_THE_OP
+    status = _experts_status(model, experts.missed, experts.backward)
+    return attention or parity, parity if status == ON_THE_OP and parity else status
 
 
 def test_every_causal_lm_type(monkeypatch, capsys):
@@ -540,19 +736,31 @@ def test_every_causal_lm_type(monkeypatch, capsys):
                 torch.manual_seed(0)
                 results[name], moe[name] = _run(name, calls, experts)
         results[model_type], moe[model_type] = results[text or model_type], moe[text or model_type]
+    # The MoE decoders that are no causal-LM type (multimodal models' text decoders, Mistral 4):
+    # a causal LM around each (`_text_causal_lm`), its experts checked as the others'.
+    beyond = _moe_text_types(set(results))
+    problems = [f"{t} in MOE_NOT_WALKED: no MoE config" for t in set(MOE_NOT_WALKED) - {*beyond}]
+    for model_type in sorted(set(beyond) - set(MOE_NOT_WALKED)):
+        torch.manual_seed(0)
+        attention, moe[model_type] = _run(model_type, calls, experts)
+        if moe[model_type] is None:
+            moe[model_type] = f"no experts run: {attention}"
     moe = {t: status for t, status in moe.items() if status is not None}
     built = {t: r for t, r in results.items() if not (r or "").startswith("build: ")}
     passing = sorted(t for t, r in built.items() if r is None)
     on_the_op = sorted(t for t, status in moe.items() if status == ON_THE_OP)
+    some = {t for t, status in moe.items() if status.endswith("; the others on fastlm's op")}
     with capsys.disabled():
         print(f"\n{len(passing)} of {len(built)} causal-LM types whose tiny config builds "
               f"({len(results)} in transformers {transformers.__version__}) run attention on "
               f"fastlm's kernels with parity; {len(on_the_op)} of {len(moe)} MoE types run "
-              "their experts on fastlm's op")  # fmt: skip
+              f"all their experts on fastlm's op, {len(some)} some of them")  # fmt: skip
         for model_type, reason in sorted(results.items()):
             experts_status = f"; experts {moe[model_type]}" if model_type in moe else ""
             print(f"  {model_type}: {reason or 'ok'}{experts_status}")
-    problems = []
+        print(f"MoE decoders of no causal-LM type ({len(beyond)}), their experts:")
+        for model_type in sorted(beyond):
+            print(f"  {model_type}: {moe.get(model_type) or MOE_NOT_WALKED[model_type]}")
     for model_type, reason in results.items():
         if reason is None:
             if model_type in LIMITS or model_type in NOT_BUILT:
@@ -569,18 +777,90 @@ def test_every_causal_lm_type(monkeypatch, capsys):
         elif model_type not in EXPERTS_LEFT or EXPERTS_LEFT[model_type] not in status:
             problems.append(f"{model_type}'s experts are no understood limit: {status}")
     problems += [f"{t} in EXPERTS_LEFT has no experts here" for t in set(EXPERTS_LEFT) - set(moe)]
+    if some != SOME_ON_THE_OP:
+        problems.append(f"types with some experts on the op: {sorted(some)}, not SOME_ON_THE_OP")
+    if experts.stacked != set(NOT_EXPERTS):
+        problems.append(
+            f"stacked parameters probe.experts_module does not take for experts: "
+            f"{sorted(experts.stacked)}, not NOT_EXPERTS' {sorted(NOT_EXPERTS)}"
+        )
     assert not problems, "\n".join(problems)
     assert set(FAMILY_CONFIGS) <= set(passing) | set(LIMITS)
 
 
 def test_the_walk_tells_experts_off_the_op(monkeypatch):
-    """The walk's experts check fails a type whose experts patch did not put on the op: Mixtral's
-    with `use_op` refusing them (they keep transformers' grouped_mm, nothing said in `left`)."""
+    """Experts patch did not put on the op are named in `left` (Mixtral's with `use_op` refusing
+    them: they keep transformers' grouped_mm), and the walk tells them apart from experts on it."""
     monkeypatch.setenv("FASTLM_BACKEND", "torch")
     calls, experts = _AttentionCalls(monkeypatch), _ExpertsCalls(monkeypatch)
     monkeypatch.setattr(hf_experts, "use_op", lambda module, options: False)
     torch.manual_seed(0)
     attention, status = _run("mixtral", calls, experts)
     assert attention is None
-    assert status == "experts not on the op, nothing said: MixtralExperts", status
-    assert experts.forward == 0 and experts.missed == {"MixtralExperts"}
+    assert status.startswith("left: MixtralExperts: their gate on fastlm's kernel"), status
+    assert experts.forward == 0 and {p.split(".")[-1] for p in experts.missed} == {"experts"}
+
+
+@pytest.mark.parametrize(
+    "model_type, probe_name, experts_class",
+    [
+        ("mixtral", None, "MixtralExperts"),
+        ("longcat_flash", "zero_experts_candidate", "LongcatFlashExperts"),
+        ("jetmoe", "sorted_experts_candidate", "JetMoeParallelExperts"),
+    ],
+)
+def test_the_walk_fails_experts_left_silently(model_type, probe_name, experts_class, monkeypatch):
+    """Experts that patch neither runs on the op nor names in `left` fail the walk, whatever
+    their form: transformers' experts interface (Mixtral's), LongCat-Flash's beside zero experts,
+    JetMoE's parallel experts (their probes switched off, and patch's naming of what it left)."""
+    monkeypatch.setenv("FASTLM_BACKEND", "torch")
+    calls, experts = _AttentionCalls(monkeypatch), _ExpertsCalls(monkeypatch)
+    monkeypatch.setattr(hf_experts, "use_op", lambda module, options: False)
+    if probe_name is not None:
+        monkeypatch.setattr(probe, probe_name, lambda module: False)
+    monkeypatch.setattr(hf_patch, "_name_experts_left", lambda model, report: None)
+    torch.manual_seed(0)
+    _, status = _run(model_type, calls, experts)
+    assert status == f"experts ran without the op, nothing said: {experts_class}", status
+
+
+def test_zero_experts_on_the_kernels():
+    """LongCat-Flash's experts beside identity zero experts, patched, on fastlm's kernels (the
+    op's routing over all ids, the zero experts' choices running no expert): output and the
+    gradients of x, of every choice's weight (experts' and zero experts') and of the stacked
+    weights match the family's own forward within fp32's tolerance."""
+    config = tiny_config("longcat_flash", **WALK_CONFIGS["longcat_flash"], num_experts_per_tok=3)
+    module = transformers.models.longcat_flash.modeling_longcat_flash.LongcatFlashExperts(config)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    unpatched = copy.deepcopy(module)
+    found = probe.zero_experts_options(module)
+    assert found == dict(transposed=False, activation="silu", interleaved=False), found
+    hf_forwards.bind([module], "zero_experts", **found)
+    tokens, total, routed = 11, module.gate_up_proj.shape[0], module.down_proj.shape[0]
+    ids = torch.stack([torch.randperm(total)[:3] for _ in range(tokens)])
+    ids[0] = torch.tensor([0, routed, 1])  # both kinds in one row, whatever the draw
+    x = torch.randn(tokens, config.hidden_size)
+    weights = torch.rand(tokens, 3)
+    grads = []
+    for m in (module, unpatched):
+        inputs = [t.clone().requires_grad_() for t in (x, weights)]
+        with torch.autograd.profiler.profile() as profile:
+            out = m(inputs[0], ids, inputs[1])
+            out.backward(torch.randn_like(out, generator=torch.Generator().manual_seed(1)))
+        grads.append([out, *(t.grad for t in inputs), m.gate_up_proj.grad, m.down_proj.grad])
+        ran = {e.name for e in profile.function_events}
+        assert ("fastlm::moe_experts" in ran) == (m is module), sorted(ran)
+    for what, ours, theirs in zip(("out", "dx", "d weights", "d gate_up", "d down"), *grads):
+        assert relative_error(ours, theirs) <= TOLERANCE[torch.float32], what
+    assert ids.ge(routed).any() and grads[0][2][ids >= routed].abs().min() > 0
+
+
+def test_zero_experts_refuse_ids_past_the_router():
+    """`held_experts` checks the router's ids as the op checks its own: an id outside
+    [0, num_experts) is a ValueError naming the range, not a choice silently dropped."""
+    x, gate_up, down = torch.randn(3, 8), torch.randn(2, 12, 8), torch.randn(2, 8, 6)
+    ids = torch.tensor([[0, 3], [1, 2], [4, 0]])
+    with pytest.raises(ValueError, match=r"expert_ids must lie in \[0, 4\)"):
+        hf_forwards.held_experts(x, ids, torch.rand(3, 2), gate_up, down, 4, activation="silu")

@@ -196,13 +196,14 @@ def has_field(config, name: str) -> bool:
     return name in (getattr(config, "per_layer_attributes", None) or ()) or hasattr(config, name)
 
 
-def tiny_model(model_type: str, **changes):
-    """A random causal LM of the type, every parameter perturbed (norm weights, biases), in
-    training mode, with eager attention."""
+def tiny_model(model_type: str, model_class=None, **changes):
+    """A random causal LM of the type (its causal-LM class, or `model_class`), every parameter
+    perturbed (norm weights, biases), in training mode, with eager attention."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     changes = {**FAMILY_CONFIGS.get(model_type, {}), **changes}
-    model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    if model_class is None:
+        model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
     model = model_class(tiny_config(model_type, **changes))
     with torch.no_grad():
         for p in model.parameters():

@@ -30,6 +30,7 @@ class _Report:
     def __init__(self):
         self.parts: dict[str, int] = {}
         self.left: dict[str, str] = {}
+        self.on_op: set[int] = set()  # ids of the experts modules run on fastlm.moe_experts
 
     def ran(self, part: str, count: int = 1) -> None:
         self.parts[part] = self.parts.get(part, 0) + count
@@ -121,7 +122,7 @@ def _patch_mlps(model, report) -> None:
                 why = "a post-expert norm or expert parallelism"  # use_op's other refusals
                 report.leave(name, found if isinstance(found, str) else why)
             else:
-                report.ran("moe_experts")
+                _on_op(report, module)
             continue
         elif hasattr(type(module), "_apply_gate"):
             options = probe.experts_gate_options(module)
@@ -131,9 +132,16 @@ def _patch_mlps(model, report) -> None:
             bind([module], "experts_gate", "_apply_gate", **options)
             eager = getattr(model.config, "_experts_implementation", None) == "eager"
             if experts.use_op(module, options):  # the whole experts on fastlm.moe_experts
-                report.ran("moe_experts")
+                _on_op(report, module)
                 continue
-            if eager and not _eager_calls_apply_gate(module):
+            if getattr(module, "has_post_expert_norm", False):
+                report.leave(
+                    name,
+                    "a norm of each expert's output (has_post_expert_norm) before the weighted "
+                    "sum, which fastlm.moe_experts does not compute: their GEMMs transformers' "
+                    "own, their gate on fastlm's kernel",
+                )
+            elif eager and not _eager_calls_apply_gate(module):
                 report.leave(
                     f"{name} (eager)",
                     "experts_implementation 'eager' computes the gate inline; "
@@ -152,11 +160,69 @@ def _patch_mlps(model, report) -> None:
                 report.leave(name, found)
             else:  # the whole block's experts on fastlm.moe_experts
                 bind([module], "input_scaled_experts", **found)
-                report.ran("moe_experts")
+                _on_op(report, module.experts)
+            continue
+        elif probe.zero_experts_candidate(module):  # LongCat-Flash's, beside zero experts
+            found = probe.zero_experts_options(module)
+            if hasattr(module.down_proj, "placements"):  # its forward would run the family's
+                found = "DTensor weights (tensor parallelism): the family's own loop over the ids"
+            if isinstance(found, str):
+                report.leave(name, found)
+            else:
+                bind([module], "zero_experts", **found)
+                _on_op(report, module)
+            continue
+        elif probe.sorted_experts_candidate(module):  # JetMoE's MoE MLP (and its MoA, left)
+            found = probe.sorted_experts_options(module)
+            if isinstance(found, str):
+                report.leave(name, found)
+            else:
+                bind([module], "sorted_experts", **found)
+                _on_op(report, *(getattr(module, found[n]) for n in ("gate_up", "down")))
             continue
         else:
             continue
         report.ran("swiglu" if options["activation"] == "silu" else "geglu")
+    _name_experts_left(model, report)
+
+
+def _on_op(report, *modules) -> None:
+    """The experts `modules` (one mixture's) run on fastlm.moe_experts."""
+    report.ran("moe_experts")
+    report.on_op.update(id(m) for m in modules)
+
+
+def _name_experts_left(model, report) -> None:
+    """Every experts module (`probe.experts_module`) not on fastlm.moe_experts named in `left`,
+    under its class or the class of a module holding it that a step named already: no mixture's
+    experts stay on the family's code unsaid."""
+    named = {what.split(" ")[0] for what in report.left}
+    classes: dict[str, str] = {}
+    for path, module in model.named_modules():
+        classes[path] = type(module).__name__
+        if id(module) in report.on_op or not probe.experts_module(module):
+            continue
+        parts = path.split(".")
+        holders = {classes[".".join(parts[:i])] for i in range(len(parts) + 1)}
+        if not named & holders:
+            report.leave(classes[path], _experts_form(module))
+            named.add(classes[path])
+
+
+def _experts_form(module) -> str:
+    """Why patch left an experts module that no step named: what it holds and takes."""
+    if hasattr(type(module), "_apply_gate"):  # `experts.use_op` refused it
+        return (
+            "their gate on fastlm's kernel where it is one, their GEMMs transformers' own: a "
+            "post-expert norm or expert parallelism, which fastlm.moe_experts does not compute"
+        )
+    stacked = [n for n, p in module.named_parameters(recurse=False) if p.dim() >= 3]
+    arguments = ", ".join(inspect.signature(module.forward).parameters)
+    return (
+        f"stacked {', '.join(stacked) or 'experts'} and a forward({arguments}) of a form "
+        "fastlm.hf has no probe for (not transformers' experts interface, nor the forms "
+        "fastlm.hf.probe checks): the family's code"
+    )
 
 
 def _calls_attention_interface(module: nn.Module) -> bool:
@@ -329,7 +395,9 @@ def patch(
             attention module's own forward, in each layout the kernel takes (half-split or
             interleaved pairs, partial rotary, half-width tables), checked on first use.
         swiglu: gated MLPs (split or fused gate/up projections, SiLU or GELU) by `swiglu`,
-            `swiglu_packed` or `geglu`, and MoE experts' gates.
+            `swiglu_packed` or `geglu`, and MoE experts by `moe_experts` (transformers' experts
+            interface, Llama 4's block, LongCat-Flash's beside zero experts, JetMoE's MoE MLP);
+            every experts module not run on it is named in `left`.
         attention: every module calling transformers' attention interface, by fastlm's flash
             attention in every batch shape (see `fastlm.hf.attention`), registered as
             "fastlm" with transformers.

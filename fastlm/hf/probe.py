@@ -30,7 +30,13 @@ from torch.func import functional_call
 
 from fastlm.hf.experts import EXPERTS_ACTIVATIONS
 from fastlm.hf.families import config_value
-from fastlm.hf.forwards import activation_of, input_scaled_experts_forward, number_holder
+from fastlm.hf.forwards import (
+    activation_of,
+    input_scaled_experts_forward,
+    number_holder,
+    sorted_experts_forward,
+    zero_experts_forward,
+)
 from fastlm.kernels.geglu import geglu_ref
 from fastlm.kernels.moe.experts import moe_experts_ref, relu2_ref
 from fastlm.kernels.rmsnorm import rms_norm_ref
@@ -559,6 +565,197 @@ def input_scaled_experts_options(module: nn.Module) -> dict | str:
             if all(isinstance(t, tuple) and _agree(list(ours), list(t)) for t in theirs):
                 return options
     return "it is not sum_j down_e(act(gate_up_e(score_j x))) over the router's choice"
+
+
+def experts_module(module: nn.Module) -> bool:
+    """Whether a module holds a mixture's experts, whatever their form: transformers' experts
+    interface (its classes have an `_apply_gate`), a module of the model's own classes that
+    holds a stacked parameter (3 or more dims) and whose class name says so ("expert", "moe"),
+    or an `experts` list of modules. `patch` names in `left` every one it does not run on
+    `fastlm.moe_experts`."""
+    if hasattr(type(module), "_apply_gate"):
+        return True
+    if type(module).__module__.startswith("torch."):
+        return False
+    if isinstance(getattr(module, "experts", None), nn.ModuleList):
+        return True
+    name = type(module).__name__.lower()
+    stacked = any(p.dim() >= 3 for p in module.parameters(recurse=False))
+    return stacked and ("expert" in name or "moe" in name)
+
+
+def _positional(module: nn.Module) -> int:
+    """How many positional arguments the module's forward takes."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    parameters = inspect.signature(module.forward).parameters.values()
+    return sum(p.kind in kinds for p in parameters)
+
+
+def zero_experts_candidate(module: nn.Module) -> bool:
+    """Stacked experts (3-D `gate_up_proj` and `down_proj`) outside transformers' experts
+    interface, called as its experts are, (hidden_states, top_k_index, top_k_weights), with
+    gate_up holding at least as many experts as down: maybe experts beside identity "zero
+    experts" (LongCat-Flash's: ids from down's E on, up to gate_up's)."""
+    weights = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in weights):
+        return False
+    if hasattr(type(module), "_apply_gate") or _positional(module) != 3:
+        return False
+    return weights[0].shape[0] >= weights[1].shape[0]
+
+
+def _choices(tokens: int, routed: int, total: int, generator) -> torch.Tensor:
+    """(tokens, k) distinct ids per row: two of the `routed` experts and, with zero experts
+    (total > routed), one of those, in random column order; else min(3, routed) experts."""
+    rows = []
+    for _ in range(tokens):
+        if total == routed:
+            row = torch.randperm(routed, generator=generator)[: min(3, routed)]
+        else:
+            zero = routed + torch.randperm(total - routed, generator=generator)[:1]
+            row = torch.cat((torch.randperm(routed, generator=generator)[: min(2, routed)], zero))
+            row = row[torch.randperm(row.numel(), generator=generator)]
+        rows.append(row)
+    return torch.stack(rows)
+
+
+def zero_experts_options(module: nn.Module) -> dict | str:
+    """Options for `forwards.zero_experts_forward` (the layout and activation) if the module
+    computes it, else why not: its forward and that one run in float64 on random parameters
+    (`random_parameters`), in training and eval mode, at PROBE_SCALES, on random choices that
+    hold experts and zero experts in every row and random weights."""
+    activation = EXPERTS_ACTIVATIONS.get(_activation(module)[0])
+    if activation is None:
+        return "their activation is none fastlm has (SiLU, GELU)"
+    unread = unread_state(module, ("gate_up_proj", "down_proj"))
+    if unread:
+        return f"{', '.join(unread)} besides their stacked gate/up and down projections"
+    device = probe_device(module)
+    values = random_parameters(module, device)
+    total, routed = module.gate_up_proj.shape[0], module.down_proj.shape[0]
+    generator = _generator()
+    ids = _choices(7, routed, total, generator).to(device)
+    weights = torch.rand(ids.shape, generator=generator, dtype=torch.float64).to(device)
+    held = {name: values[name] for name in ("gate_up_proj", "down_proj")}
+
+    def outputs(inputs):
+        return lambda: [functional_call(module, values, (t, ids, weights)) for t in inputs]
+
+    for transposed, interleaved in itertools.product((False, True), (False, True)):
+        if interleaved and activation != "silu":
+            continue
+        options = dict(transposed=transposed, activation=activation, interleaved=interleaved)
+        size = module.gate_up_proj.shape[1 if transposed else 2]
+        x = torch.randn(7, size, generator=generator, dtype=torch.float64).to(device)
+        inputs = [s * x for s in PROBE_SCALES]
+        try:
+            with torch.no_grad():
+                theirs = in_both_modes(module, device, outputs(inputs))
+                ours = [
+                    zero_experts_forward(
+                        _Holder(held), t, ids, weights, **options, experts_op=_held_reference
+                    )  # fmt: skip
+                    for t in inputs
+                ]
+        except RuntimeError:  # the other layout's shapes do not chain
+            continue
+        if all(_agree(ours, t) for t in theirs):
+            return options
+    return (
+        "they are not sum_j w_j down_e(act(gate_up_e x)) over their experts plus w_j x over ids "
+        "past down's experts (zero experts)"
+    )
+
+
+def _held_reference(x, expert_ids, expert_weights, gate_up, down, num_experts, **layout):
+    """`forwards.held_experts` by the reference (the probe's float64)."""
+    index = torch.arange(gate_up.shape[0], device=x.device)
+    return moe_experts_ref(x, expert_ids, expert_weights, gate_up, down, **layout,
+                           expert_index=index)  # fmt: skip
+
+
+class _Holder:
+    """Stands for a module with the given attributes (a forward that reads only those)."""
+
+    def __init__(self, attributes: dict):
+        self.__dict__.update(attributes)
+
+
+def _stacked_children(module: nn.Module) -> list[str]:
+    """The children holding one stacked 3-D `weight` (ScatterMoE's parallel experts)."""
+    return [
+        name
+        for name, child in module.named_children()
+        if isinstance(getattr(child, "weight", None), torch.Tensor) and child.weight.dim() == 3
+    ]
+
+
+def sorted_experts_candidate(module: nn.Module) -> bool:
+    """A `router` child and two children holding one stacked (E, out, in) weight each: maybe an
+    MoE block whose router sorts its choice by expert (`forwards.sorted_experts_forward`:
+    JetMoE's MoE MLP)."""
+    return len(_stacked_children(module)) == 2 and isinstance(
+        getattr(module, "router", None), nn.Module
+    )
+
+
+class _Sorted(nn.Module):
+    """`forwards.sorted_experts_forward` on the reference experts as a forward, so that
+    `functional_call` can run it with the block's parameters replaced."""
+
+    def __init__(self, block: nn.Module, **options):
+        super().__init__()
+        self.block, self.options = block, options
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        options = dict(self.options, experts_op=moe_experts_ref)
+        return sorted_experts_forward(self.block, x, **options)
+
+
+def sorted_experts_options(module: nn.Module) -> dict | str:
+    """Options for `forwards.sorted_experts_forward` (which stacked child is gate/up and which
+    down, the activation, the block's bias) if the block computes it, else why not: both run in
+    float64 on random parameters, in training and eval mode, at PROBE_SCALES. A block whose own
+    forward does not run (its experts called through other methods) is left with that reason."""
+    stacked = _stacked_children(module)
+    biases = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 1]
+    if unread_state(module, ("router", *stacked, *biases)) or len(biases) > 1:
+        return "it holds more than a router, two stacked projections and a bias"
+    device = probe_device(module)
+    values = random_parameters(module, device)
+    size = getattr(module, stacked[0]).weight.shape[2]
+    x = torch.randn(2, 3, size, generator=_generator(), dtype=torch.float64).to(device)
+    inputs = [s * x for s in PROBE_SCALES]
+
+    def outputs():
+        return [functional_call(module, values, (t,)) for t in inputs]
+
+    try:
+        with torch.no_grad():
+            theirs = in_both_modes(module, device, outputs)
+    except Exception as error:  # noqa: BLE001
+        message = str(error).splitlines()[0][:100] if str(error) else ""
+        return (
+            f"its forward fails on one tensor ({type(error).__name__}: {message}): its stacked "
+            "projections are called through its other methods (e.g. a mixture of attention "
+            "heads: a query projection per expert, attention, an output projection per expert), "
+            "not as an MLP's experts, which fastlm.moe_experts computes"
+        )
+    activation = EXPERTS_ACTIVATIONS.get(_activation(module)[0])
+    if activation is None:
+        return "its activation is none fastlm has (SiLU, GELU)"
+    values = {f"block.{name}": value for name, value in values.items()}
+    for gate_up, down in (stacked, stacked[::-1]):
+        options = dict(router="router", gate_up=gate_up, down=down, activation=activation,
+                       bias=next(iter(biases), None))  # fmt: skip
+        try:
+            with torch.no_grad():
+                ours = [functional_call(_Sorted(module, **options), values, (t,)) for t in inputs]
+        except (RuntimeError, ValueError, TypeError):  # shapes that do not chain
+            continue
+        if all(_agree(ours, t) for t in theirs):
+            return options
+    return "it is not sum_j g_j down_e(act(gate) * up) + bias over its router's sorted choice"
 
 
 # --------------------------------------------------------------------------------------------
