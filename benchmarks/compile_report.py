@@ -567,7 +567,7 @@ class Task:
     attrs: dict
     options: dict
     fallback: bool = False  # a config kept only for the head blocks no better one fits
-    mma_sync: bool = False  # on sm_100: kept on mma.sync where no tcgen05 config fits
+    mma_sync: str = ""  # on sm_100: why it is kept on mma.sync (no tcgen05 config fits)
 
 
 def _blocks(args: dict) -> dict:
@@ -614,12 +614,12 @@ def tasks(all_cases: list[Case], archs: list[str]) -> list[Task]:
     return out
 
 
-def _variants(launch: Launch, arch: str) -> list[tuple[dict, dict, bool, bool, bool]]:
-    """(arguments, launch options, FASTLM_AUTOTUNE=0's config, fallback config, kept on
-    mma.sync) of each config a launch compiles on this arch: an autotuned kernel's shipped
+def _variants(launch: Launch, arch: str) -> list[tuple[dict, dict, bool, bool, str]]:
+    """(arguments, launch options, FASTLM_AUTOTUNE=0's config, fallback config, why it is kept
+    on mma.sync or "") of each config a launch compiles on this arch: an autotuned kernel's shipped
     configs, else the launch's."""
     if not isinstance(launch.kernel, Autotuner):
-        return [(launch.args, launch.options, False, False, False)]
+        return [(launch.args, launch.options, False, False, "")]
     configs = shipped_configs(launch, arch)
     return [
         (
@@ -784,13 +784,14 @@ def tcgen05_resources(ptx: str, meta_data) -> dict:
     )
 
 
-def tcgen05_problems(row: dict, mma_sync: bool) -> list[str]:
+def tcgen05_problems(row: dict, mma_sync: str) -> list[str]:
     """What an sm_100 row must not do: multiply on the warp-level `mma.sync` (a `tl.dot` that
     did not become `tcgen05.mma`: Hopper's wgmma does not exist there), unless its config is
-    kept for that (`mma_sync`: noted instead), or allocate more tensor memory than an SM has."""
+    kept for that (`mma_sync`, the reason: noted instead), or allocate more tensor memory than an
+    SM has."""
     problems = []
     if row["mma"] and mma_sync:
-        row["notes"].append("tl.dot on mma.sync (kept: no tcgen05 config fits)")
+        row["notes"].append(f"tl.dot on mma.sync (kept: no tcgen05 config fits; {mma_sync})")
     elif row["mma"]:
         problems.append("tl.dot off tcgen05 (mma.sync)")
     if row["tmem_columns"] > TMEM_COLUMNS:

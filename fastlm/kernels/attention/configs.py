@@ -36,8 +36,10 @@ class CudaConfig(NamedTuple):
     MLA's 192 / 128 is (256, 128), where a 256-wide v would not fit.
     mma_sync: in a Blackwell list (`CudaConfigs.sm100`), a config whose `tl.dot`s do not all
     become `tcgen05.mma` (a product of fewer than 64 rows runs on `mma.sync`), kept only for the
-    head blocks where no tcgen05 config compiled without spilling; the compile report notes it
-    instead of flagging it.
+    head blocks where no tcgen05 config compiled without spilling: why (the compile report notes
+    it in the row instead of flagging it); empty otherwise.
+    options_only: taken only by the option variants (a plain launch has a better config that
+    spills with an option).
     """
 
     blocks: dict
@@ -49,7 +51,8 @@ class CudaConfig(NamedTuple):
     min_block_d: int = 0
     split_v: bool = True
     split_blocks: tuple = ()
-    mma_sync: bool = False
+    mma_sync: str = ""
+    options_only: bool = False
 
 
 class CudaConfigs(list):
@@ -95,7 +98,7 @@ def fitting_configs(
     wider = max(block_d, block_dv)
 
     def takes(config: CudaConfig) -> bool:
-        if not (config.options or not options):
+        if not (config.options or not options) or (config.options_only and not options):
             return False
         if split and element_size == 2 and (block_d, block_dv) in config.split_blocks:
             return True
@@ -162,11 +165,11 @@ def prune_to_fitting(cuda: list[CudaConfig]):
 def cuda_config(
     block_m: int, block_n: int, warps: int, stages: int, max_block_d: int, max_block_d_fp32: int,
     options: bool = True, min_block_d: int = 0, split_v: bool = True, split_blocks: tuple = (),
-    mma_sync: bool = False
+    mma_sync: str = "", options_only: bool = False
 ) -> CudaConfig:
     return CudaConfig(
         {"BLOCK_M": block_m, "BLOCK_N": block_n}, warps, stages, max_block_d, max_block_d_fp32,
-        options, min_block_d, split_v, split_blocks, mma_sync
+        options, min_block_d, split_v, split_blocks, mma_sync, options_only
     )
 
 
@@ -243,12 +246,13 @@ DQ_CUDA_CONFIGS = [
 # do). The accumulators are read into registers for each rescale, so registers still bound the
 # head block: the forward's M64 N64 on 4 warps spilled with the window at head dim 128 (255
 # registers, 92 B), its M128 N64 on 4 warps at 64 (236 B), M64 N32 at 512 (4 warps 1460 B, 8
-# warps 212 B) and fp32 256 (492 B); dQ's M64 N32 at 512 (8 warps: 1188 B); dK/dV's M16 N64
-# at fp32 128 (28 B), its M32 N64 at 256 (12 B); the atomic pass's M64 N64 at 128 (248 B).
-# At 256, 8 warps on 64-row blocks fit (forward 153 registers, dQ 219). Where no tcgen05 config
-# fits (16-bit head block 512, fp32 above 128 in the backward and at 256 in the forward, the
-# atomic-dQ pass), the Hopper list's small configs stay, on mma.sync (`mma_sync`). What a GPU
-# must confirm: docs/attention.md.
+# warps 212 B) and fp32 256 on 4 warps (196 B); dQ's M64 N32 at 512 (8 warps: 1188 B); dK/dV's
+# M16 N64 at fp32 128 on 4 warps in 2 stages (28 B), its M32 N64 at 256 (12 B); the atomic
+# pass's M64 N64 on 4 warps at 128 (248 B). At 256, 8 warps on 64-row blocks fit (forward 153
+# registers, dQ 219); at 512, 2 stages on 8 warps did where 1 spilled. Where no tcgen05 config
+# fits (fp32 head block 256 in the backward, the atomic pass's fp32 at 128, head block 512's
+# forward with an option), the Hopper list's small configs stay, on mma.sync (`mma_sync`, with
+# why; docs/benchmarks.md lists what was tried). What a GPU must confirm: docs/attention.md.
 FWD_CUDA_CONFIGS = CudaConfigs(
     FWD_CUDA_CONFIGS, [
         cuda_config(128, 64, 8, 3, 128, 0),
@@ -257,9 +261,16 @@ FWD_CUDA_CONFIGS = CudaConfigs(
         cuda_config(128, 64, 8, 2, 0, 0, split_blocks=(MLA_BLOCKS, )),
         cuda_config(64, 32, 4, 2, 0, 0, split_blocks=(MLA_BLOCKS, )),
         cuda_config(64, 32, 4, 1, 0, 128),
-        cuda_config(32, 32, 8, 1, 0, 256, min_block_d=256, mma_sync=True),
-        cuda_config(64, 32, 8, 1, 256, 0, min_block_d=256, split_v=False),  # 153 registers
-        cuda_config(32, 32, 8, 1, 512, 0, min_block_d=512, mma_sync=True),
+        # 16-bit 153 registers, fp32 (TF32) 225 (M64 N16: 213; 4 warps spilled 196 B).
+        cuda_config(64, 32, 8, 1, 256, 256, min_block_d=256, split_v=False),
+        # Head block 512: M64 N16 in 2 stages, 254 registers (1 stage: 124 B spilled; M64 N32
+        # 76 B, M128 N16 576 TMEM columns); with an option it spilled (window, cap and sinks
+        # 48 B, packed 24 B), so the option variants keep 32 rows on mma.sync.
+        cuda_config(64, 16, 8, 2, 512, 0, options=False, min_block_d=512),
+        cuda_config(
+            32, 32, 8, 1, 512, 0, min_block_d=512, options_only=True,
+            mma_sync="head block 512 with an option: M64 N16 spilled 24-48 B"
+        ),
     ]
 )
 DKDV_CUDA_CONFIGS = CudaConfigs(
@@ -267,10 +278,14 @@ DKDV_CUDA_CONFIGS = CudaConfigs(
         cuda_config(32, 128, 8, 2, 64, 64),
         cuda_config(32, 64, 4, 3, 128, 0),  # with every option at 128, unlike on sm_80
         cuda_config(16, 64, 4, 2, 256, 64),
-        cuda_config(64, 32, 8, 1, 0, 128, min_block_d=128, mma_sync=True),
-        cuda_config(64, 16, 8, 1, 512, 0, options=False, min_block_d=512, mma_sync=True),
-        cuda_config(32, 32, 8, 1, 0, 256, min_block_d=256, mma_sync=True),
-        cuda_config(32, 32, 8, 1, 512, 0, min_block_d=512, mma_sync=True),
+        cuda_config(32, 64, 8, 1, 0, 128, min_block_d=128),  # fp32: 207 registers
+        # The dV and the dK launch of head block 512 with every option: at most 226 registers
+        # and 208 KiB of shared memory (1 stage: the dK launch spilled 1204 B).
+        cuda_config(16, 64, 8, 2, 512, 0, min_block_d=512),
+        cuda_config(
+            32, 32, 8, 1, 0, 256, min_block_d=256,
+            mma_sync="fp32 head block 256: every N64 tile spilled, 140 B or more"
+        ),
     ]
 )
 DQ_CUDA_CONFIGS = CudaConfigs(
@@ -278,8 +293,13 @@ DQ_CUDA_CONFIGS = CudaConfigs(
         cuda_config(128, 64, 8, 3, 128, 0, split_v=False),
         cuda_config(64, 32, 4, 2, 128, 128),
         cuda_config(64, 32, 8, 1, 256, 0, min_block_d=256),  # 219 registers (4 warps: 56 B)
-        cuda_config(16, 64, 8, 1, 0, 256, min_block_d=256, mma_sync=True),
-        cuda_config(32, 32, 8, 1, 512, 0, min_block_d=512, mma_sync=True),
+        cuda_config(
+            16, 64, 8, 1, 0, 256, min_block_d=256,
+            mma_sync="fp32 head block 256: every M64 tile spilled, 44 B or more"
+        ),
+        # Head block 512 with every option: at most 211 registers, 208 KiB of shared memory (1
+        # stage spilled 856 B, 3 stages overflow shared memory).
+        cuda_config(64, 16, 8, 2, 512, 0, min_block_d=512),
     ]
 )
 FWD_CONFIGS = triton_configs({"BLOCK_M": 64, "BLOCK_N": 32}, FWD_CUDA_CONFIGS)
@@ -346,11 +366,20 @@ DKDV_DQ_CUDA_CONFIGS = [
     cuda_config(64, 32, 8, 2, 128, 64, options=False),  # packed: 16 B spilled on sm_90a at 128
     cuda_config(64, 16, 8, 1, ATOMIC_MAX_BLOCK_D, ATOMIC_MAX_BLOCK_D)
 ]
-# On Blackwell every config of the atomic pass keeps a product of fewer than 64 rows (its dq or
-# its dk and dv) on mma.sync: 64 x 64 blocks, the smallest all on tcgen05, spilled 248 B at head
-# dim 128 on sm_100a. The Hopper list stays, noted.
+# On Blackwell the atomic pass's five products are all on tcgen05 when both blocks have 64 rows
+# or more (dq's rows are BLOCK_M, dk's and dv's BLOCK_N): M64 N64 on 8 warps in 2 stages at head
+# dims up to 128 with every option (at most 238 registers; 4 warps spilled 248 B at 128, 1 stage
+# 64 B with the cap), M64 N128 at 64 (248). fp32 at 128 spilled at M64 N64 (1 stage 300 B, 2
+# stages 620 B and over shared memory): Hopper's M64 N16 stays there, on mma.sync.
 DKDV_DQ_CUDA_CONFIGS = CudaConfigs(
-    DKDV_DQ_CUDA_CONFIGS, [config._replace(mma_sync=True) for config in DKDV_DQ_CUDA_CONFIGS]
+    DKDV_DQ_CUDA_CONFIGS, [
+        cuda_config(64, 128, 8, 2, 64, 0),
+        cuda_config(64, 64, 8, 2, ATOMIC_MAX_BLOCK_D, 64),
+        cuda_config(
+            64, 16, 8, 1, 0, ATOMIC_MAX_BLOCK_D, min_block_d=ATOMIC_MAX_BLOCK_D,
+            mma_sync="fp32 atomic dQ at 128: M64 N64 spilled 300 B or more"
+        ),
+    ]
 )
 DKDV_DQ_CONFIGS = triton_configs(
     {"BLOCK_M": 32, "BLOCK_N": 64}, DKDV_DQ_CUDA_CONFIGS,
