@@ -127,6 +127,23 @@ def test_non_gated_relu2(device, dtype, transposed, bias):
            activation="relu2")  # fmt: skip
 
 
+@pytest.mark.parametrize("dtype, int64", [(torch.bfloat16, False), (torch.float32, True)])
+def test_block_multiples(device, monkeypatch, dtype, int64):
+    """D and F multiples of the blocks: the loops' loads without a mask on D (the recompute
+    kernel's MASK_K off) or on the weight gradients' columns (MASK_I, MASK_J off), each
+    expert's rows whole BLOCK_R blocks (unmasked) and a partial one; int64: the weight
+    gradients' int64 row offsets, forced (a tensor past 2^31 elements is too big for a test)."""
+    from fastlm.kernels.moe import experts
+
+    if int64:
+        monkeypatch.setattr(experts, "_past_int32", lambda *tensors: True)
+    T, D, F, E, k = 45, 128, 64, 3, 2
+    ids, weights = _routing(T, E, k, device, dtype)
+    x = torch.randn(T, D, device=device, dtype=dtype, requires_grad=True)
+    gate_up, down, _, _ = _weights(E, D, F, device, dtype)
+    _check(x, ids, weights.requires_grad_(), gate_up, down)
+
+
 def _one_expert(T, E, device):
     """Every token on expert E - 1 (k = 1): one expert's rows span several tiles, the others
     have none."""

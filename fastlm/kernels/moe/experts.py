@@ -66,6 +66,7 @@ from fastlm.kernels._common import (
     tl,
     triton,
 )
+from fastlm.kernels.attention.configs import capability
 from fastlm.kernels.geglu import geglu_ref
 from fastlm.kernels.moe.routing import route, route_ref
 from fastlm.kernels.swiglu import (
@@ -152,6 +153,15 @@ def _dot(a, b, acc, FP32_DOT: tl.constexpr):
     if FP32_DOT:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _load_k(ptrs, ks, K, MASK_K: tl.constexpr):
+    """A tile of a loop over K whose rows and columns are in bounds by construction: masked on
+    K alone (zeros past it) with MASK_K, else not at all (BLOCK_K divides K)."""
+    if MASK_K:
+        return tl.load(ptrs, mask=ks < K, other=0.0)
+    return tl.load(ptrs)
 
 
 @triton.jit
@@ -256,7 +266,8 @@ def _hidden_backward_kernel(
     F, D, E, TOP_K, up_row, gate_step, alpha, limit, up_offset,  #
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr,  #
     ACTIVATION: tl.constexpr, CLAMP: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr,  #
-    GATED: tl.constexpr, SCALE_H: tl.constexpr, FP32_DOT: tl.constexpr, BF16_BY_HAND: tl.constexpr
+    GATED: tl.constexpr, SCALE_H: tl.constexpr, MASK_K: tl.constexpr, FP32_DOT: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr
 ):
     """For BLOCK_M sorted rows of expert e and BLOCK_N hidden columns: gate and up recomputed,
     dh = down_e^T dout[token] in the same loop over D; writes h, (d gate | d up) in gate_up's row
@@ -280,16 +291,20 @@ def _hidden_backward_kernel(
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_dh = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_db = tl.zeros([BLOCK_M], dtype=tl.float32)  # <dout[token], b2_e>, added by block 0
+    # x's and dout's rows take no mask: a row past the tile reads token 0 (its assignment
+    # loaded as 0), in bounds and never stored; the weights' columns past F stay masked (a
+    # clamped index would hide their contiguity from the compiler); D's last block is masked
+    # only when BLOCK_K does not divide D (MASK_K).
+    col_mask = cols < F
     for k0 in range(0, D, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        row_mask = valid[:, None] & (ks < D)[None, :]
-        x = tl.load(
-            X + tokens[:, None] * stride_xm + ks[None, :] * stride_xk, mask=row_mask, other=0.0
+        x = _load_k(
+            X + tokens[:, None] * stride_xm + ks[None, :] * stride_xk, ks[None, :], D, MASK_K
         )
-        dout = tl.load(
-            DOUT + tokens[:, None] * stride_dom + ks[None, :] * stride_dok, mask=row_mask, other=0.0
+        dout = _load_k(
+            DOUT + tokens[:, None] * stride_dom + ks[None, :] * stride_dok, ks[None, :], D, MASK_K
         )
-        w_mask = (ks < D)[:, None] & (cols < F)[None, :]
+        w_mask = col_mask[None, :] & (ks[:, None] < D if MASK_K else True)
         w_gate = tl.load(
             W1_e + w_rows[None, :] * stride_w1n + ks[:, None] * stride_w1k, mask=w_mask, other=0.0
         )
@@ -342,6 +357,49 @@ def _hidden_backward_kernel(
 
 
 @triton.jit
+def _grad_block(
+    A, B, SCALE, SORTED, r0, end, ii, jj, I, J, acc, acc_bias,  #
+    stride_am, stride_ai, stride_bm, stride_bj,  #
+    TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, GATHER_A: tl.constexpr, GATHER_B: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_R: tl.constexpr, MASK_I: tl.constexpr,
+    MASK_J: tl.constexpr, INT64: tl.constexpr, FP32_DOT: tl.constexpr, BF16_BY_HAND: tl.constexpr
+):
+    """(acc + A[rows]^T B[rows], acc_bias + the column sums of A[rows]) over the BLOCK_R sorted
+    rows from r0 (`_expert_grad_kernel`); MASK_R: the rows past `end` masked (zeros), else all
+    rows are the expert's; MASK_I, MASK_J: the columns past I, J masked (BLOCK_I, BLOCK_J do not
+    divide them). INT64: row offsets in int64 (a tensor past 2^31 elements), else in int32,
+    one multiply each (the loop's row addresses were most of its instructions in int64)."""
+    rows = r0 + tl.arange(0, BLOCK_R)
+    valid = rows < end
+    if MASK_R:
+        assignment = tl.load(SORTED + rows, mask=valid, other=0)
+    else:
+        assignment = tl.load(SORTED + rows)
+    # the token: a shift or a multiply by the constant k, unsigned (no sign fix-up)
+    token = (assignment.to(tl.uint32) // TOP_K).to(tl.int32)
+    a_rows = token if GATHER_A else rows
+    b_rows = token if GATHER_B else rows
+    if INT64:
+        a_rows, b_rows = a_rows.to(tl.int64), b_rows.to(tl.int64)
+    a_mask = (valid[:, None] if MASK_R else True) & ((ii < I)[None, :] if MASK_I else True)
+    b_mask = (valid[:, None] if MASK_R else True) & ((jj < J)[None, :] if MASK_J else True)
+    a = tl.load(A + a_rows[:, None] * stride_am + ii[None, :] * stride_ai, mask=a_mask, other=0.0)
+    if HAS_SCALE:  # rounded back to A's dtype: the GEMM's operands stay in it
+        if MASK_R:
+            scale = tl.load(SCALE + assignment, mask=valid, other=0.0)
+        else:
+            scale = tl.load(SCALE + assignment)
+        a = round_to(
+            a.to(tl.float32) * scale.to(tl.float32)[:, None], A.dtype.element_ty, BF16_BY_HAND
+        )
+    b = tl.load(B + b_rows[:, None] * stride_bm + jj[None, :] * stride_bj, mask=b_mask, other=0.0)
+    acc = _dot(tl.trans(a), b, acc, FP32_DOT)
+    if HAS_BIAS:
+        acc_bias += tl.sum(a.to(tl.float32), axis=0)
+    return acc, acc_bias
+
+
+@triton.jit
 def _expert_grad_kernel(
     A, B, SCALE, SORTED, EXPERT_OFFSETS, OUT, BIAS_OUT,  #
     stride_am, stride_ai, stride_bm, stride_bj,  #
@@ -349,12 +407,14 @@ def _expert_grad_kernel(
     I, J, TOP_K: tl.constexpr,  #
     BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,  #
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, HAS_SCALE: tl.constexpr,  #
-    HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr, BF16_BY_HAND: tl.constexpr
+    HAS_BIAS: tl.constexpr, MASK_I: tl.constexpr, MASK_J: tl.constexpr, INT64: tl.constexpr,  #
+    FP32_DOT: tl.constexpr, BF16_BY_HAND: tl.constexpr
 ):
     """OUT[e, i, j] = sum over expert e's sorted rows p of A[p, i] B[p, j] (a GEMM ragged in its
     reduction), A's row the token SORTED[p] // TOP_K under GATHER_A (B's likewise), A's row
     times SCALE[assignment] under HAS_SCALE; BIAS_OUT[e, i] = sum_p A[p, i] (block j = 0). One
-    program sums all of an expert's rows: no atomics; an expert without rows gets zeros."""
+    program sums all of an expert's rows: no atomics; an expert without rows gets zeros. The
+    loop runs the whole BLOCK_R blocks without a row mask, the last partial block after it."""
     expert = tl.program_id(0)
     start = tl.load(EXPERT_OFFSETS + expert)
     end = tl.load(EXPERT_OFFSETS + expert + 1)
@@ -362,29 +422,19 @@ def _expert_grad_kernel(
     jj = tl.program_id(2) * BLOCK_J + tl.arange(0, BLOCK_J)
     acc = tl.zeros([BLOCK_I, BLOCK_J], dtype=tl.float32)
     acc_bias = tl.zeros([BLOCK_I], dtype=tl.float32)
-    for r0 in range(start, end, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        valid = rows < end
-        # the token: a division by the constant k (a shift or a multiply), in int32 (T k < 2^31)
-        assignment = tl.load(SORTED + rows, mask=valid, other=0)
-        token = (assignment // TOP_K).to(tl.int64)
-        a_rows = token if GATHER_A else rows.to(tl.int64)
-        b_rows = token if GATHER_B else rows.to(tl.int64)
-        assignment = assignment.to(tl.int64)
-        a = tl.load(
-            A + a_rows[:, None] * stride_am + ii[None, :] * stride_ai,
-            mask=valid[:, None] & (ii < I)[None, :], other=0.0
+    whole_end = start + (end - start) // BLOCK_R * BLOCK_R
+    for r0 in range(start, whole_end, BLOCK_R):
+        acc, acc_bias = _grad_block(
+            A, B, SCALE, SORTED, r0, end, ii, jj, I, J, acc, acc_bias, stride_am, stride_ai,
+            stride_bm, stride_bj, TOP_K, BLOCK_R, GATHER_A, GATHER_B, HAS_SCALE, HAS_BIAS, False,
+            MASK_I, MASK_J, INT64, FP32_DOT, BF16_BY_HAND
         )
-        if HAS_SCALE:  # rounded back to A's dtype: the GEMM's operands stay in it
-            scale = tl.load(SCALE + assignment, mask=valid, other=0.0).to(tl.float32)
-            a = round_to(a.to(tl.float32) * scale[:, None], A.dtype.element_ty, BF16_BY_HAND)
-        b = tl.load(
-            B + b_rows[:, None] * stride_bm + jj[None, :] * stride_bj,
-            mask=valid[:, None] & (jj < J)[None, :], other=0.0
+    if whole_end < end:
+        acc, acc_bias = _grad_block(
+            A, B, SCALE, SORTED, whole_end, end, ii, jj, I, J, acc, acc_bias, stride_am, stride_ai,
+            stride_bm, stride_bj, TOP_K, BLOCK_R, GATHER_A, GATHER_B, HAS_SCALE, HAS_BIAS, True,
+            MASK_I, MASK_J, INT64, FP32_DOT, BF16_BY_HAND
         )
-        acc = _dot(tl.trans(a), b, acc, FP32_DOT)
-        if HAS_BIAS:
-            acc_bias += tl.sum(a.to(tl.float32), axis=0)
     e64 = expert.to(tl.int64)
     tl.store(
         OUT + e64 * stride_oe + ii.to(tl.int64)[:, None] * stride_oi + jj[None, :] * stride_oj,
@@ -466,11 +516,12 @@ def _bias_strides(bias: torch.Tensor | None) -> tuple[int, int]:
     return (0, 0) if bias is None else bias.stride()
 
 
-def _configs(dtype: torch.dtype) -> dict:
-    """Tiles per kernel: small under the interpreter (it pays per element of a tile, and the
-    tests' odd sizes then span several tiles), MMA-sized on a GPU (8 warps where two or three
-    accumulators share a program), smaller for fp32, whose IEEE dots run without tensor cores:
-    the compile report's rows show no spills with these."""
+def _configs(dtype: torch.dtype, major: int) -> dict:
+    """Tiles per kernel and per GPU generation (`major`: the compute capability's, 0 off CUDA):
+    small under the interpreter (it pays per element of a tile, and the tests' odd sizes then
+    span several tiles), MMA-sized on a GPU (8 warps where two or three accumulators share a
+    program), smaller for fp32, whose IEEE dots run without tensor cores: the compile report's
+    rows (each arch compiled with its own choice) show no spills with these."""
     if interpreting():
         small = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=1)
         grad = dict(BLOCK_I=64, BLOCK_J=64, BLOCK_R=16, num_warps=1)
@@ -489,19 +540,23 @@ def _configs(dtype: torch.dtype) -> dict:
             grad_scaled=dict(BLOCK_I=32, BLOCK_J=64, BLOCK_R=16, num_warps=4, num_stages=2),
             combine=combine,
         )
+    # The backward's recompute kernel (bf16, D 2048, F 768, by the hot-loop model of
+    # docs/moe.md): 64% -> 67% at 128 x 64 x 32 once its loop lost the row masks, 74% at K 64 on
+    # Hopper and Blackwell (wgmma and tcgen05 read the operands from shared memory); on sm_80,
+    # whose mma.sync operands sit in registers, K 64 spills, so it keeps K 32 (81%).
+    hidden_k = 32 if major < 9 else 64
     return dict(
         # 128-row tiles: the hot-loop model (docs/moe.md) gives the tensor cores 70-72% of the
         # forward GEMMs' loop on sm_90a against 58-68% at 64 rows
         gated=dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3),
         # 72% -> 76% (dx 68% -> 72%) at K 128 with two stages (128 KB of shared memory)
         plain=dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=2),
-        # The backward's hot loops by the same model (bf16, sm_90a, D 2048, F 768): the recompute
-        # kernel 46% -> 64% at 128 x 64 (its three accumulators at 96 registers a thread; K 64
-        # gives 70% but spills on sm_80); with gpt-oss's transposed layout, whose strided loads
-        # and clamp need more registers, 26% -> 30% at 128 x 32. The ragged-K weight gradients
-        # 38% and 51% -> 65% at 128 x 256, R 64 (docs/moe.md); d down with a down bias, whose
-        # rows are scaled by the routing weight in registers in its loop, at 128 x 128, R 32.
-        hidden=dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
+        # gpt-oss's transposed layout, whose strided loads and clamp need more registers:
+        # 26% -> 30% at 128 x 32. The ragged-K weight gradients 38% and 51% -> 65% at 128 x 256,
+        # R 64, then 80% once their loop's whole blocks took no mask and int32 row offsets
+        # (docs/moe.md); d down with a down bias, whose rows are scaled by the routing weight in
+        # registers in its loop, at 128 x 128, R 32.
+        hidden=dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=hidden_k, num_warps=8, num_stages=3),
         hidden_transposed=dict(BLOCK_M=128, BLOCK_N=32, BLOCK_K=32, num_warps=8, num_stages=3),
         grad=dict(BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, num_warps=8, num_stages=3),
         grad_scaled=dict(BLOCK_I=128, BLOCK_J=128, BLOCK_R=32, num_warps=8, num_stages=3),
@@ -523,6 +578,12 @@ def _option_args(options: dict) -> tuple[float, float, float]:
     """The kernels' (alpha, limit, up_offset) arguments: a limit of None is 0 (CLAMP off)."""
     alpha, limit, up_offset = options["alpha"], options["limit"], options["up_offset"]
     return float(alpha), 0.0 if limit is None else float(limit), float(up_offset)
+
+
+def _past_int32(*tensors: torch.Tensor) -> bool:
+    """Whether an element offset of one of these tensors may reach 2^31 (int32 offsets then
+    overflow): the last element's offset, sum of (size - 1) stride, bounds them all."""
+    return any(sum((n - 1) * s for n, s in zip(t.shape, t.stride())) >= 2**31 for t in tensors)
 
 
 def _e_pad(num_experts: int) -> int:
@@ -577,7 +638,7 @@ def experts_forward(
     T, D = x.shape
     top_k = expert_weights.shape[1]
     layout = _Layout(gate_up, down, transposed, interleaved, activation)
-    config = _configs(x.dtype)
+    config = _configs(x.dtype, capability(x))
     sorted_assignments, expert_offsets = sorted_assignments.contiguous(), expert_offsets.contiguous(
     )
     out = empty((T, D), device=x.device, dtype=x.dtype)
@@ -608,12 +669,14 @@ def _expert_grad(
     num_experts = expert_offsets.numel() - 1
     I, J = a.shape[1], b.shape[1]
     grid = (num_experts, triton.cdiv(I, config["BLOCK_I"]), triton.cdiv(J, config["BLOCK_J"]))
+    masks = dict(MASK_I=I % config["BLOCK_I"] != 0, MASK_J=J % config["BLOCK_J"] != 0)
     _expert_grad_kernel[grid](
         a, b, scale if scale is not None else a, sorted_assignments, expert_offsets,
         out, bias_out if bias_out is not None else out, a.stride(0), a.stride(1), b.stride(0),
         b.stride(1), *out_strides, *_bias_strides(bias_out), I, J, top_k, GATHER_A=gather_a,
-        GATHER_B=gather_b, HAS_SCALE=scale is not None, HAS_BIAS=bias_out is not None,
-        FP32_DOT=_fp32_dot(a.dtype), BF16_BY_HAND=interpreter_bf16(out.dtype), **config
+        GATHER_B=gather_b, HAS_SCALE=scale is not None, HAS_BIAS=bias_out is not None, **masks,
+        INT64=_past_int32(a, b), FP32_DOT=_fp32_dot(a.dtype),
+        BF16_BY_HAND=interpreter_bf16(out.dtype), **config
     )
 
 
@@ -630,7 +693,7 @@ def experts_backward(
     layout = _Layout(gate_up, down, transposed, interleaved, activation)
     F, E = layout.d_ff, layout.num_experts
     w1_rows = 2 * F if layout.gated else F
-    config = _configs(x.dtype)
+    config = _configs(x.dtype, capability(x))
     sorted_assignments, expert_offsets = sorted_assignments.contiguous(), expert_offsets.contiguous(
     )
     n = sorted_assignments.numel()
@@ -656,8 +719,8 @@ def experts_backward(
             dw_blocks.stride(0), F, D, E, top_k, layout.up_row, layout.gate_step,
             *_option_args(options), E_PAD=_e_pad(E), ACTIVATION=layout.activation,
             CLAMP=options["limit"] is not None, HAS_B1=gate_up_bias is not None, HAS_B2=down_bias
-            is not None, GATED=layout.gated, SCALE_H=down_bias is None, FP32_DOT=_fp32_dot(dtype),
-            BF16_BY_HAND=interpreter_bf16(dtype), **hidden
+            is not None, GATED=layout.gated, SCALE_H=down_bias is None, MASK_K=D % hidden["BLOCK_K"]
+            != 0, FP32_DOT=_fp32_dot(dtype), BF16_BY_HAND=interpreter_bf16(dtype), **hidden
         )
     # d down[e, d, f] = sum g[token][d] (w h)[f], w h written by the kernel above; with a down
     # bias, whose gradient sums w g[token], w scales g's rows instead (in registers).
