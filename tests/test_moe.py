@@ -192,9 +192,14 @@ def _fp32_leaves(T, D, F, E, k, device):
     return ids, (x, weights.requires_grad_(), gate_up, down)
 
 
-def test_route_is_a_stable_sort(device):
+def test_route_is_a_stable_sort(device, monkeypatch):
     """The routing metadata against torch's stable sort, over several blocks of the histogram
-    (T k > BLOCK) and with int32 ids."""
+    (T k > BLOCK) and with int32 ids; at the GPU's BLOCK (several sub-blocks a program) also
+    under the interpreter, whose own block (`routing.block`: one sub-block) the other tests
+    take."""
+    from fastlm.kernels.moe import routing
+
+    monkeypatch.setattr(routing, "block", lambda: BLOCK)
     T, E, k = BLOCK // 2 + 77, 6, 3
     ids = torch.randint(0, E, (T, k), device=device, dtype=torch.int32)
     sorted_assignments, offsets = route(ids, E)
