@@ -29,8 +29,10 @@ block and dtype (the configs its pruning keeps; the last is FASTLM_AUTOTUNE=0's,
 
 Each case calls fastlm's own launcher on meta tensors (shapes, strides, dtypes, no memory) with
 every kernel's `run` replaced by a recorder, so the arguments are exactly what the launcher
-passes on a GPU; they are specialised as a launch does (ints equal to 1 become constants, ints
-and 16-byte aligned pointers divisible by 16 get `tt.divisibility`) and compiled with
+passes on a GPU (the MoE launchers, which choose tiles by the GPU's compute capability, are
+recorded once per arch with that arch's capability: `recorded`); they are specialised as a
+launch does (ints equal to 1 become constants, ints and 16-byte aligned pointers divisible by
+16 get `tt.divisibility`) and compiled with
 `triton.compile`. Triton's on-disk cache (TRITON_CACHE_DIR) keeps each compiled kernel, and the
 ptxas report beside it, under a key that includes the kernel's source: a rerun with unchanged
 kernels takes seconds.
