@@ -81,8 +81,9 @@ KERNEL_DOTS = {  # (dots over q's head dim, dots over v's, the score block's row
 #: The grouped GEMMs of `fastlm.kernels.moe.experts`: (dots per iteration of the loop over the
 #: reduction, and with GATED one more; the output tile's rows and cols, the reduction block).
 GEMM_DOTS = {
-    "_grouped_gemm_kernel": (1, "BLOCK_M", "BLOCK_N", "BLOCK_K"),  # gate (and up with GATED)
-    "_hidden_backward_kernel": (2, "BLOCK_M", "BLOCK_N", "BLOCK_K"),  # gate, dh (and up)
+    # gate (and up with GATED; PAIRED: both as one dot of 2 BLOCK_N columns, the same FLOPs)
+    "_grouped_gemm_kernel": (1, "BLOCK_M", "BLOCK_N", "BLOCK_K"),
+    "_hidden_backward_kernel": (2, "BLOCK_M", "BLOCK_N", "BLOCK_K"),  # gate, dh (and up, PAIRED)
     "_expert_grad_kernel": (1, "BLOCK_I", "BLOCK_J", "BLOCK_R"),  # a ragged-K weight gradient
 }
 

@@ -34,11 +34,12 @@ Backward, with g = dout (T, D):
     dx[t]      = sum_j gate_up_e^T (d gate | d up)[a]
 
 1. one kernel per (tile, F block) recomputes gate and up (x gathered, both projections) and
-   down_e^T g[t] in one loop over D, then writes w_a h (h with a down bias, whose gradient
-   needs the scale on g instead) and (d gate | d up) in sorted order and each F block's share
-   of d w (summed over blocks afterwards: no atomics);
+   down_e^T g[t] in one loop over D, then writes w_a h and (d gate | d up) in sorted order and
+   each F block's share of d w (summed over blocks afterwards: no atomics; <g[t], b2_e> by
+   block 0 alone);
 2. the weight gradients: per expert a GEMM whose reduction runs over that expert's rows (ragged
-   in K), one program per (expert, output tile) summing every row, so no atomics;
+   in K), one program per (expert, output tile) summing every row, so no atomics; the bias
+   gradients (d b2 = sum of w_a g[t]) in a loop of their own after it;
 3. dx: grouped GEMM 1's kernel on (d gate | d up) against gate_up^T, then the combine.
 
 Saved for the backward: the inputs (x, expert_weights, the weights and biases: no copies) and
@@ -66,6 +67,7 @@ from fastlm.kernels._common import (
     tl,
     triton,
 )
+from fastlm.kernels.attention.configs import capability
 from fastlm.kernels.geglu import geglu_ref
 from fastlm.kernels.moe.routing import route, route_ref
 from fastlm.kernels.swiglu import (
@@ -155,6 +157,15 @@ def _dot(a, b, acc, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
+def _load_k(ptrs, ks, K, MASK_K: tl.constexpr):
+    """A tile of a loop over K whose rows and columns are in bounds by construction: masked on
+    K alone (zeros past it) with MASK_K, else not at all (BLOCK_K divides K)."""
+    if MASK_K:
+        return tl.load(ptrs, mask=ks < K, other=0.0)
+    return tl.load(ptrs)
+
+
+@triton.jit
 def _relu2(u):
     """(relu(u)^2, its slope 2 relu(u)) in fp32 (RELU2: non-gated experts)."""
     r = tl.maximum(u, 0.0)
@@ -187,16 +198,20 @@ def _grouped_gemm_kernel(
     N, K, E, TOP_K, up_row, gate_step, alpha, limit, up_offset,  #
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr,  #
     GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, GATED: tl.constexpr,  #
-    ACTIVATION: tl.constexpr, CLAMP: tl.constexpr, HAS_BIAS: tl.constexpr,  #
-    HAS_SCALE: tl.constexpr, FP32_DOT: tl.constexpr, BF16_BY_HAND: tl.constexpr
+    PAIRED: tl.constexpr, ACTIVATION: tl.constexpr, CLAMP: tl.constexpr, HAS_BIAS: tl.constexpr,  #
+    HAS_SCALE: tl.constexpr, MASK_K: tl.constexpr, FP32_DOT: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr
 ):
     """OUT[row] = (A[row] @ W_e[n, :]^T + BIAS_e) for BLOCK_M sorted rows of expert e.
 
     A row is the sorted position p, or with GATHER_A the token SORTED[p] // TOP_K; OUT's row is p,
     or with SCATTER_OUT the assignment SORTED[p]. W_e[n, k] = W[e, n, k] through its strides.
     GATED: output column n takes W's rows gate_step n (gate) and up_row + gate_step n (up) and
-    is act(gate, up); else ACTIVATION RELU2 (4) is relu(.)^2 of the column (non-gated experts),
-    NO_ACTIVATION none. HAS_SCALE: the result times SCALE[assignment] (the routing weight).
+    is act(gate, up); PAIRED (gate and up interleaved, rows 2 n and 2 n + 1): the program's
+    2 BLOCK_N rows of W read as one tile, one dot, gate and up split in registers after the loop
+    (two stride-2 tiles otherwise); else ACTIVATION RELU2 (4) is relu(.)^2 of the column
+    (non-gated experts), NO_ACTIVATION none. HAS_SCALE: the result times SCALE[assignment] (the
+    routing weight). MASK_K: BLOCK_K does not divide K (the loop masks its last block).
     """
     expert, first, end = _expert_tile(EXPERT_OFFSETS, E, BLOCK_M, E_PAD)
     if expert >= E:
@@ -204,25 +219,31 @@ def _grouped_gemm_kernel(
     rows = first + tl.arange(0, BLOCK_M)
     valid = rows < end
     assignment = tl.load(SORTED + rows, mask=valid, other=0)  # int32: an int64 // is a call
-    a_rows = (assignment // TOP_K).to(tl.int64) if GATHER_A else rows.to(tl.int64)
+    # A's rows take no mask in the loop: past the tile, token 0 or the tile's last row (in
+    # bounds, never stored)
+    a_rows = (assignment // TOP_K) if GATHER_A else tl.minimum(rows, end - 1)
+    a_rows = a_rows.to(tl.int64)
     assignment = assignment.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_rows = cols.to(tl.int64) * gate_step
+    W_N: tl.constexpr = 2 * BLOCK_N if PAIRED else BLOCK_N  # W's rows a program reads per dot
+    w_rows = tl.program_id(1) * W_N + tl.arange(0, W_N)
+    w_valid = w_rows < (2 * N if PAIRED else N)
+    if not PAIRED:
+        w_rows = w_rows.to(tl.int64) * gate_step
     W_e = W + expert.to(tl.int64) * stride_we
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, W_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(
-            A + a_rows[:, None] * stride_am + ks[None, :] * stride_ak,
-            mask=valid[:, None] & (ks < K)[None, :], other=0.0
+        a = _load_k(
+            A + a_rows[:, None] * stride_am + ks[None, :] * stride_ak, ks[None, :], K, MASK_K
         )
-        w_mask = (ks < K)[:, None] & (cols < N)[None, :]
+        w_mask = w_valid[None, :] & (ks[:, None] < K if MASK_K else True)
         w = tl.load(
             W_e + w_rows[None, :] * stride_wn + ks[:, None] * stride_wk, mask=w_mask, other=0.0
         )
         acc = _dot(a, w, acc, FP32_DOT)
-        if GATED:
+        if GATED and not PAIRED:
             w_up = tl.load(
                 W_e + (up_row + w_rows)[None, :] * stride_wn + ks[:, None] * stride_wk, mask=w_mask,
                 other=0.0
@@ -230,11 +251,14 @@ def _grouped_gemm_kernel(
             acc_up = _dot(a, w_up, acc_up, FP32_DOT)
     if HAS_BIAS:
         bias = BIAS + expert.to(tl.int64) * stride_be
-        acc += tl.load(bias + w_rows * stride_bn, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            b_up = tl.load(bias + (up_row + w_rows) * stride_bn, mask=cols < N, other=0.0)
+        acc += tl.load(bias + w_rows * stride_bn, mask=w_valid, other=0.0).to(tl.float32)[None, :]
+        if GATED and not PAIRED:
+            b_up = tl.load(bias + (up_row + w_rows) * stride_bn, mask=w_valid, other=0.0)
             acc_up += b_up.to(tl.float32)[None, :]
-    if GATED:
+    if PAIRED:
+        gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+        acc = gated_unit(gate, up, alpha, limit, up_offset, ACTIVATION, CLAMP)
+    elif GATED:
         acc = gated_unit(acc, acc_up, alpha, limit, up_offset, ACTIVATION, CLAMP)
     elif ACTIVATION == 4:  # RELU2
         acc = _relu2(acc)[0]
@@ -256,13 +280,17 @@ def _hidden_backward_kernel(
     F, D, E, TOP_K, up_row, gate_step, alpha, limit, up_offset,  #
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr,  #
     ACTIVATION: tl.constexpr, CLAMP: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr,  #
-    GATED: tl.constexpr, SCALE_H: tl.constexpr, FP32_DOT: tl.constexpr, BF16_BY_HAND: tl.constexpr
+    GATED: tl.constexpr, PAIRED: tl.constexpr, MASK_K: tl.constexpr, FP32_DOT: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr
 ):
     """For BLOCK_M sorted rows of expert e and BLOCK_N hidden columns: gate and up recomputed,
     dh = down_e^T dout[token] in the same loop over D; writes h, (d gate | d up) in gate_up's row
     order (DGU) and this column block's share of d w (DW[block, assignment]). Without GATED
     (non-gated experts, ReLU²) W1's rows are up's alone: acc_gate holds up, and DGU d up.
-    SCALE_H: H holds w h, rounded (d down's rows, scaled here rather than in its loop)."""
+    PAIRED (gate and up interleaved): W1's 2 BLOCK_N rows as one tile and one dot, split after
+    the loop, and (d gate | d up) joined into one contiguous store, as `_grouped_gemm_kernel`.
+    H holds w h, rounded (d down's rows, scaled here rather than in its loop). d w's down-bias
+    term <dout[token], b2_e> is summed by column block 0 alone, in a loop after the main one."""
     expert, first, end = _expert_tile(EXPERT_OFFSETS, E, BLOCK_M, E_PAD)
     if expert >= E:
         return
@@ -273,47 +301,55 @@ def _hidden_backward_kernel(
     assignment = assignment.to(tl.int64)
     pid_n = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_rows = cols.to(tl.int64) * gate_step
+    W_N: tl.constexpr = 2 * BLOCK_N if PAIRED else BLOCK_N  # W1's rows a program reads per dot
+    w_rows = pid_n * W_N + tl.arange(0, W_N)
+    w_valid = w_rows < (2 * F if PAIRED else F)
+    if not PAIRED:
+        w_rows = w_rows.to(tl.int64) * gate_step
     e64 = expert.to(tl.int64)
     W1_e, W2_e = W1 + e64 * stride_w1e, W2 + e64 * stride_w2e
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_gate = tl.zeros([BLOCK_M, W_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_dh = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_db = tl.zeros([BLOCK_M], dtype=tl.float32)  # <dout[token], b2_e>, added by block 0
+    # x's and dout's rows take no mask: a row past the tile reads token 0 (its assignment
+    # loaded as 0), in bounds and never stored; the weights' columns past F stay masked (a
+    # clamped index would hide their contiguity from the compiler); D's last block is masked
+    # only when BLOCK_K does not divide D (MASK_K).
+    col_mask = cols < F
     for k0 in range(0, D, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        row_mask = valid[:, None] & (ks < D)[None, :]
-        x = tl.load(
-            X + tokens[:, None] * stride_xm + ks[None, :] * stride_xk, mask=row_mask, other=0.0
+        x = _load_k(
+            X + tokens[:, None] * stride_xm + ks[None, :] * stride_xk, ks[None, :], D, MASK_K
         )
-        dout = tl.load(
-            DOUT + tokens[:, None] * stride_dom + ks[None, :] * stride_dok, mask=row_mask, other=0.0
+        dout = _load_k(
+            DOUT + tokens[:, None] * stride_dom + ks[None, :] * stride_dok, ks[None, :], D, MASK_K
         )
-        w_mask = (ks < D)[:, None] & (cols < F)[None, :]
+        k_mask = ks[:, None] < D if MASK_K else True
         w_gate = tl.load(
-            W1_e + w_rows[None, :] * stride_w1n + ks[:, None] * stride_w1k, mask=w_mask, other=0.0
+            W1_e + w_rows[None, :] * stride_w1n + ks[:, None] * stride_w1k,
+            mask=w_valid[None, :] & k_mask, other=0.0
         )
+        w_mask = col_mask[None, :] & k_mask
         w_down = tl.load(
             W2_e + ks[:, None] * stride_w2k + cols[None, :] * stride_w2n, mask=w_mask, other=0.0
         )
         acc_gate = _dot(x, w_gate, acc_gate, FP32_DOT)
-        if GATED:
+        if GATED and not PAIRED:
             w_up = tl.load(
                 W1_e + (up_row + w_rows)[None, :] * stride_w1n + ks[:, None] * stride_w1k,
                 mask=w_mask, other=0.0
             )
             acc_up = _dot(x, w_up, acc_up, FP32_DOT)
         acc_dh = _dot(dout, w_down, acc_dh, FP32_DOT)
-        if HAS_B2:
-            b2 = tl.load(B2 + e64 * stride_b2e + ks * stride_b2k, mask=ks < D, other=0.0)
-            acc_db += tl.sum(dout.to(tl.float32) * b2.to(tl.float32)[None, :], axis=1)
     if HAS_B1:
         b1 = B1 + e64 * stride_b1e
-        acc_gate += tl.load(b1 + w_rows * stride_b1n, mask=cols < F,
+        acc_gate += tl.load(b1 + w_rows * stride_b1n, mask=w_valid,
                             other=0.0).to(tl.float32)[None, :]
-        if GATED:
+        if GATED and not PAIRED:
             b_up = tl.load(b1 + (up_row + w_rows) * stride_b1n, mask=cols < F, other=0.0)
             acc_up += b_up.to(tl.float32)[None, :]
+    if PAIRED:
+        acc_gate, acc_up = tl.split(tl.reshape(acc_gate, [BLOCK_M, BLOCK_N, 2]))
     if GATED:
         h = gated_unit(acc_gate, acc_up, alpha, limit, up_offset, ACTIVATION, CLAMP)
     else:
@@ -321,24 +357,93 @@ def _hidden_backward_kernel(
     h = round_to(h, H.dtype.element_ty, BF16_BY_HAND)  # h as the forward's second GEMM read it
     mask = valid[:, None] & (cols < F)[None, :]
     scale = tl.load(SCALE + assignment, mask=valid, other=0.0).to(tl.float32)
-    h_out = h
-    if SCALE_H:  # w h for d down (so that its GEMM's operands go to shared memory untouched)
-        h_out = round_to(h.to(tl.float32) * scale[:, None], H.dtype.element_ty, BF16_BY_HAND)
+    # w h for d down (so that its GEMM's operands go to shared memory untouched)
+    h_out = round_to(h.to(tl.float32) * scale[:, None], H.dtype.element_ty, BF16_BY_HAND)
     tl.store(H + rows.to(tl.int64)[:, None] * stride_hm + cols[None, :], h_out, mask=mask)
-    dw = tl.sum(acc_dh * h.to(tl.float32), axis=1) + tl.where(pid_n == 0, acc_db, 0.0)
+    dw = tl.sum(acc_dh * h.to(tl.float32), axis=1)
+    if HAS_B2:
+        if pid_n == 0:  # <dout[token], b2_e>, once per row
+            for k0 in range(0, D, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                dout = tl.load(
+                    DOUT + tokens[:, None] * stride_dom + ks[None, :] * stride_dok,
+                    mask=(ks < D)[None, :], other=0.0
+                )
+                b2 = tl.load(B2 + e64 * stride_b2e + ks * stride_b2k, mask=ks < D, other=0.0)
+                dw += tl.sum(dout.to(tl.float32) * b2.to(tl.float32)[None, :], axis=1)
     tl.store(DW + pid_n * stride_dwb + assignment, dw, mask=valid)
     dgu = DGU + rows.to(tl.int64)[:, None] * stride_gm
-    if GATED:
+    if PAIRED:
         d_gate, d_up = gated_unit_grad(
             acc_dh * scale[:, None], acc_gate, acc_up, alpha, limit, up_offset, ACTIVATION, CLAMP
         )
+        d_gate_up = tl.reshape(tl.join(d_gate, d_up), [BLOCK_M, W_N])
         tl.store(
-            dgu + (up_row + w_rows)[None, :], round_to(d_up, DGU.dtype.element_ty, BF16_BY_HAND),
-            mask=mask
+            dgu + w_rows[None, :], round_to(d_gate_up, DGU.dtype.element_ty, BF16_BY_HAND),
+            mask=valid[:, None] & w_valid[None, :]
         )
-    else:  # d up of h = relu(up)^2, written where d gate goes in the gated form
-        d_gate = acc_dh * scale[:, None] * slope
-    tl.store(dgu + w_rows[None, :], round_to(d_gate, DGU.dtype.element_ty, BF16_BY_HAND), mask=mask)
+    else:
+        if GATED:
+            d_gate, d_up = gated_unit_grad(
+                acc_dh * scale[:, None], acc_gate, acc_up, alpha, limit, up_offset, ACTIVATION,
+                CLAMP
+            )
+            tl.store(
+                dgu + (up_row + w_rows)[None, :],
+                round_to(d_up, DGU.dtype.element_ty, BF16_BY_HAND), mask=mask
+            )
+        else:  # d up of h = relu(up)^2, written where d gate goes in the gated form
+            d_gate = acc_dh * scale[:, None] * slope
+        tl.store(
+            dgu + w_rows[None, :], round_to(d_gate, DGU.dtype.element_ty, BF16_BY_HAND), mask=mask
+        )
+
+
+@triton.jit
+def _sorted_rows(
+    SORTED, r0, end, TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, GATHER: tl.constexpr,
+    MASK_R: tl.constexpr, INT64: tl.constexpr
+):
+    """(rows, valid, assignment, the operand's rows) of the BLOCK_R sorted rows from r0: the
+    operand's rows the tokens (GATHER) or the sorted rows, int64 with INT64 (else int32: one
+    multiply per row address); MASK_R: the rows past `end` masked (assignment 0), else all rows
+    are the expert's."""
+    rows = r0 + tl.arange(0, BLOCK_R)
+    valid = rows < end
+    if MASK_R:
+        assignment = tl.load(SORTED + rows, mask=valid, other=0)
+    else:
+        assignment = tl.load(SORTED + rows)
+    # the token: a shift or a multiply by the constant k, unsigned (no sign fix-up)
+    token = (assignment.to(tl.uint32) // TOP_K).to(tl.int32)
+    operand_rows = token if GATHER else rows
+    if INT64:
+        operand_rows = operand_rows.to(tl.int64)
+    return rows, valid, assignment, operand_rows
+
+
+@triton.jit
+def _grad_block(
+    A, B, SORTED, r0, end, ii, jj, I, J, acc,  #
+    stride_am, stride_ai, stride_bm, stride_bj,  #
+    TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, GATHER_A: tl.constexpr, GATHER_B: tl.constexpr,
+    MASK_R: tl.constexpr, MASK_I: tl.constexpr, MASK_J: tl.constexpr, INT64: tl.constexpr,
+    FP32_DOT: tl.constexpr
+):
+    """acc + A[rows]^T B[rows] over the BLOCK_R sorted rows from r0 (`_expert_grad_kernel`);
+    MASK_R: the rows past `end` masked (zeros); MASK_I, MASK_J: the columns past I, J masked
+    (BLOCK_I, BLOCK_J do not divide them)."""
+    rows, valid, assignment, a_rows = _sorted_rows(
+        SORTED, r0, end, TOP_K, BLOCK_R, GATHER_A, MASK_R, INT64
+    )
+    b_rows = a_rows if GATHER_A == GATHER_B else _sorted_rows(
+        SORTED, r0, end, TOP_K, BLOCK_R, GATHER_B, MASK_R, INT64
+    )[3]
+    a_mask = (valid[:, None] if MASK_R else True) & ((ii < I)[None, :] if MASK_I else True)
+    b_mask = (valid[:, None] if MASK_R else True) & ((jj < J)[None, :] if MASK_J else True)
+    a = tl.load(A + a_rows[:, None] * stride_am + ii[None, :] * stride_ai, mask=a_mask, other=0.0)
+    b = tl.load(B + b_rows[:, None] * stride_bm + jj[None, :] * stride_bj, mask=b_mask, other=0.0)
+    return _dot(tl.trans(a), b, acc, FP32_DOT)
 
 
 @triton.jit
@@ -348,43 +453,34 @@ def _expert_grad_kernel(
     stride_oe, stride_oi, stride_oj, stride_ge, stride_gi,  #
     I, J, TOP_K: tl.constexpr,  #
     BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,  #
-    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, HAS_SCALE: tl.constexpr,  #
-    HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr, BF16_BY_HAND: tl.constexpr
+    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, HAS_BIAS: tl.constexpr,  #
+    BIAS_SCALE: tl.constexpr, MASK_I: tl.constexpr, MASK_J: tl.constexpr, INT64: tl.constexpr,  #
+    FP32_DOT: tl.constexpr, BF16_BY_HAND: tl.constexpr
 ):
     """OUT[e, i, j] = sum over expert e's sorted rows p of A[p, i] B[p, j] (a GEMM ragged in its
-    reduction), A's row the token SORTED[p] // TOP_K under GATHER_A (B's likewise), A's row
-    times SCALE[assignment] under HAS_SCALE; BIAS_OUT[e, i] = sum_p A[p, i] (block j = 0). One
-    program sums all of an expert's rows: no atomics; an expert without rows gets zeros."""
+    reduction), A's row the token SORTED[p] // TOP_K under GATHER_A (B's likewise);
+    BIAS_OUT[e, i] = sum_p s_p A[p, i] (s_p = SCALE[assignment] with BIAS_SCALE, else 1). One
+    program sums all of an expert's rows: no atomics; an expert without rows gets zeros.
+
+    The loop is the GEMM alone: the whole BLOCK_R blocks without a mask, the last partial block
+    after it; the bias, which only block j = 0 stores, in a loop of that block's own."""
     expert = tl.program_id(0)
     start = tl.load(EXPERT_OFFSETS + expert)
     end = tl.load(EXPERT_OFFSETS + expert + 1)
     ii = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     jj = tl.program_id(2) * BLOCK_J + tl.arange(0, BLOCK_J)
     acc = tl.zeros([BLOCK_I, BLOCK_J], dtype=tl.float32)
-    acc_bias = tl.zeros([BLOCK_I], dtype=tl.float32)
-    for r0 in range(start, end, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        valid = rows < end
-        # the token: a division by the constant k (a shift or a multiply), in int32 (T k < 2^31)
-        assignment = tl.load(SORTED + rows, mask=valid, other=0)
-        token = (assignment // TOP_K).to(tl.int64)
-        a_rows = token if GATHER_A else rows.to(tl.int64)
-        b_rows = token if GATHER_B else rows.to(tl.int64)
-        assignment = assignment.to(tl.int64)
-        a = tl.load(
-            A + a_rows[:, None] * stride_am + ii[None, :] * stride_ai,
-            mask=valid[:, None] & (ii < I)[None, :], other=0.0
+    whole_end = start + (end - start) // BLOCK_R * BLOCK_R
+    for r0 in range(start, whole_end, BLOCK_R):
+        acc = _grad_block(
+            A, B, SORTED, r0, end, ii, jj, I, J, acc, stride_am, stride_ai, stride_bm, stride_bj,
+            TOP_K, BLOCK_R, GATHER_A, GATHER_B, False, MASK_I, MASK_J, INT64, FP32_DOT
         )
-        if HAS_SCALE:  # rounded back to A's dtype: the GEMM's operands stay in it
-            scale = tl.load(SCALE + assignment, mask=valid, other=0.0).to(tl.float32)
-            a = round_to(a.to(tl.float32) * scale[:, None], A.dtype.element_ty, BF16_BY_HAND)
-        b = tl.load(
-            B + b_rows[:, None] * stride_bm + jj[None, :] * stride_bj,
-            mask=valid[:, None] & (jj < J)[None, :], other=0.0
+    if whole_end < end:
+        acc = _grad_block(
+            A, B, SORTED, whole_end, end, ii, jj, I, J, acc, stride_am, stride_ai, stride_bm,
+            stride_bj, TOP_K, BLOCK_R, GATHER_A, GATHER_B, True, MASK_I, MASK_J, INT64, FP32_DOT
         )
-        acc = _dot(tl.trans(a), b, acc, FP32_DOT)
-        if HAS_BIAS:
-            acc_bias += tl.sum(a.to(tl.float32), axis=0)
     e64 = expert.to(tl.int64)
     tl.store(
         OUT + e64 * stride_oe + ii.to(tl.int64)[:, None] * stride_oi + jj[None, :] * stride_oj,
@@ -393,6 +489,18 @@ def _expert_grad_kernel(
     )
     if HAS_BIAS:
         if tl.program_id(2) == 0:
+            acc_bias = tl.zeros([BLOCK_I], dtype=tl.float32)
+            for r0 in range(start, end, BLOCK_R):
+                _, valid, assignment, a_rows = _sorted_rows(
+                    SORTED, r0, end, TOP_K, BLOCK_R, GATHER_A, True, INT64
+                )
+                a = tl.load(
+                    A + a_rows[:, None] * stride_am + ii[None, :] * stride_ai,
+                    mask=valid[:, None] & (ii < I)[None, :], other=0.0
+                ).to(tl.float32)
+                if BIAS_SCALE:
+                    a *= tl.load(SCALE + assignment, mask=valid, other=0.0).to(tl.float32)[:, None]
+                acc_bias += tl.sum(a, axis=0)
             tl.store(
                 BIAS_OUT + e64 * stride_ge + ii * stride_gi,
                 round_to(acc_bias, BIAS_OUT.dtype.element_ty, BF16_BY_HAND), mask=ii < I
@@ -466,17 +574,18 @@ def _bias_strides(bias: torch.Tensor | None) -> tuple[int, int]:
     return (0, 0) if bias is None else bias.stride()
 
 
-def _configs(dtype: torch.dtype) -> dict:
-    """Tiles per kernel: small under the interpreter (it pays per element of a tile, and the
-    tests' odd sizes then span several tiles), MMA-sized on a GPU (8 warps where two or three
-    accumulators share a program), smaller for fp32, whose IEEE dots run without tensor cores:
-    the compile report's rows show no spills with these."""
+def _configs(dtype: torch.dtype, major: int) -> dict:
+    """Tiles per kernel and per GPU generation (`major`: the compute capability's, 0 off CUDA):
+    small under the interpreter (it pays per element of a tile, and the tests' odd sizes then
+    span several tiles), MMA-sized on a GPU (8 warps where two or three accumulators share a
+    program), smaller for fp32, whose IEEE dots run without tensor cores: the compile report's
+    rows (each arch compiled with its own choice) show no spills with these."""
     if interpreting():
         small = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=1)
         grad = dict(BLOCK_I=64, BLOCK_J=64, BLOCK_R=16, num_warps=1)
         return dict(
-            gated=small, plain=small, hidden=small, hidden_transposed=small, grad=grad,
-            grad_scaled=grad, combine=dict(BLOCK_T=16, BLOCK_D=64, num_warps=1)
+            gated=small, plain=small, hidden=small, hidden_transposed=small, hidden_plain=small,
+            grad=grad, combine=dict(BLOCK_T=16, BLOCK_D=64, num_warps=1)
         )  # fmt: skip
     combine = dict(BLOCK_T=4, BLOCK_D=512, num_warps=4)
     if dtype == torch.float32:
@@ -485,26 +594,43 @@ def _configs(dtype: torch.dtype) -> dict:
             plain=dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, num_warps=4, num_stages=2),
             hidden=dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=8, num_stages=2),
             hidden_transposed=dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=8, num_stages=2),
+            hidden_plain=dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=8, num_stages=2),
             grad=dict(BLOCK_I=32, BLOCK_J=64, BLOCK_R=16, num_warps=4, num_stages=2),
-            grad_scaled=dict(BLOCK_I=32, BLOCK_J=64, BLOCK_R=16, num_warps=4, num_stages=2),
             combine=combine,
         )
+    # The backward's recompute kernel by the hot-loop model (docs/moe.md; bf16, D 2048, F 768):
+    # SwiGLU 64% -> 67% on sm_90a at 128 x 64 x 32 once its loop lost the row masks, 74% at
+    # K 64 on Hopper and Blackwell, whose tensor cores read both operands from shared memory;
+    # K 64 spills on sm_80 (mma.sync's operands sit in registers), which keeps K 32. gpt-oss's
+    # form (gate/up pairs, the clamp, biases: more registers in the epilogue; 128 x 64 spills)
+    # at 64 x 128 x 64 on sm_90a (71%), 128 x 32 x 128 on sm_100a (64 x 128 spills there),
+    # 128 x 32 x 32 on sm_80. Non-gated experts (ReLU², two products, not three: one
+    # accumulator fewer) at K 128 on Hopper and Blackwell: 69% -> 74% on sm_90a.
+    hidden_plain = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=2)
+    if major >= 10:
+        hidden = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3)
+        hidden_transposed = dict(BLOCK_M=128, BLOCK_N=32, BLOCK_K=128, num_warps=8, num_stages=2)
+    elif major == 9:
+        hidden = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3)
+        hidden_transposed = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=2)
+    else:
+        hidden = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3)
+        hidden_transposed = dict(BLOCK_M=128, BLOCK_N=32, BLOCK_K=32, num_warps=8, num_stages=3)
+        hidden_plain = hidden  # K 128 spills there
     return dict(
         # 128-row tiles: the hot-loop model (docs/moe.md) gives the tensor cores 70-72% of the
-        # forward GEMMs' loop on sm_90a against 58-68% at 64 rows
+        # forward GEMMs' loop on sm_90a against 58-68% at 64 rows (74% and 81% once A's rows
+        # took no mask in the loop)
         gated=dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3),
         # 72% -> 76% (dx 68% -> 72%) at K 128 with two stages (128 KB of shared memory)
         plain=dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=2),
-        # The backward's hot loops by the same model (bf16, sm_90a, D 2048, F 768): the recompute
-        # kernel 46% -> 64% at 128 x 64 (its three accumulators at 96 registers a thread; K 64
-        # gives 70% but spills on sm_80); with gpt-oss's transposed layout, whose strided loads
-        # and clamp need more registers, 26% -> 30% at 128 x 32. The ragged-K weight gradients
-        # 38% and 51% -> 65% at 128 x 256, R 64 (docs/moe.md); d down with a down bias, whose
-        # rows are scaled by the routing weight in registers in its loop, at 128 x 128, R 32.
-        hidden=dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
-        hidden_transposed=dict(BLOCK_M=128, BLOCK_N=32, BLOCK_K=32, num_warps=8, num_stages=3),
+        hidden=hidden,
+        hidden_transposed=hidden_transposed,
+        hidden_plain=hidden_plain,
+        # The ragged-K weight gradients: 38% and 51% -> 65% at 128 x 256, R 64, then 80% once
+        # their loop's whole blocks took no mask, int32 row offsets, and the bias sums (and
+        # d down's routing-weight scale, now on h) left it (docs/moe.md)
         grad=dict(BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, num_warps=8, num_stages=3),
-        grad_scaled=dict(BLOCK_I=128, BLOCK_J=128, BLOCK_R=32, num_warps=8, num_stages=3),
         combine=combine,
     )
 
@@ -523,6 +649,12 @@ def _option_args(options: dict) -> tuple[float, float, float]:
     """The kernels' (alpha, limit, up_offset) arguments: a limit of None is 0 (CLAMP off)."""
     alpha, limit, up_offset = options["alpha"], options["limit"], options["up_offset"]
     return float(alpha), 0.0 if limit is None else float(limit), float(up_offset)
+
+
+def _past_int32(*tensors: torch.Tensor) -> bool:
+    """Whether an element offset of one of these tensors may reach 2^31 (int32 offsets then
+    overflow): the last element's offset, sum of (size - 1) stride, bounds them all."""
+    return any(sum((n - 1) * s for n, s in zip(t.shape, t.stride())) >= 2**31 for t in tensors)
 
 
 def _e_pad(num_experts: int) -> int:
@@ -552,9 +684,10 @@ def _grouped_gemm(
         scale if scale is not None else a, sorted_assignments, expert_offsets, out, a.stride(0),
         a.stride(1), *w_strides, *_bias_strides(bias), out.stride(0), n_cols, K, num_experts, top_k,
         up_row, gate_step, *_option_args(options), E_PAD=_e_pad(num_experts), GATHER_A=gather_a,
-        SCATTER_OUT=scatter_out, GATED=gated, ACTIVATION=activation, CLAMP=options["limit"]
-        is not None, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
-        FP32_DOT=_fp32_dot(a.dtype), BF16_BY_HAND=interpreter_bf16(out.dtype), **config
+        SCATTER_OUT=scatter_out, GATED=gated, PAIRED=gated and gate_step == 2,
+        ACTIVATION=activation, CLAMP=options["limit"] is not None, HAS_BIAS=bias is not None,
+        HAS_SCALE=scale is not None, MASK_K=K % config["BLOCK_K"] != 0, FP32_DOT=_fp32_dot(a.dtype),
+        BF16_BY_HAND=interpreter_bf16(out.dtype), **config
     )
 
 
@@ -577,7 +710,7 @@ def experts_forward(
     T, D = x.shape
     top_k = expert_weights.shape[1]
     layout = _Layout(gate_up, down, transposed, interleaved, activation)
-    config = _configs(x.dtype)
+    config = _configs(x.dtype, capability(x))
     sorted_assignments, expert_offsets = sorted_assignments.contiguous(), expert_offsets.contiguous(
     )
     out = empty((T, D), device=x.device, dtype=x.dtype)
@@ -608,12 +741,14 @@ def _expert_grad(
     num_experts = expert_offsets.numel() - 1
     I, J = a.shape[1], b.shape[1]
     grid = (num_experts, triton.cdiv(I, config["BLOCK_I"]), triton.cdiv(J, config["BLOCK_J"]))
+    masks = dict(MASK_I=I % config["BLOCK_I"] != 0, MASK_J=J % config["BLOCK_J"] != 0)
     _expert_grad_kernel[grid](
         a, b, scale if scale is not None else a, sorted_assignments, expert_offsets,
         out, bias_out if bias_out is not None else out, a.stride(0), a.stride(1), b.stride(0),
         b.stride(1), *out_strides, *_bias_strides(bias_out), I, J, top_k, GATHER_A=gather_a,
-        GATHER_B=gather_b, HAS_SCALE=scale is not None, HAS_BIAS=bias_out is not None,
-        FP32_DOT=_fp32_dot(a.dtype), BF16_BY_HAND=interpreter_bf16(out.dtype), **config
+        GATHER_B=gather_b, HAS_BIAS=bias_out is not None, BIAS_SCALE=scale is not None, **masks,
+        INT64=_past_int32(a, b), FP32_DOT=_fp32_dot(a.dtype),
+        BF16_BY_HAND=interpreter_bf16(out.dtype), **config
     )
 
 
@@ -630,7 +765,7 @@ def experts_backward(
     layout = _Layout(gate_up, down, transposed, interleaved, activation)
     F, E = layout.d_ff, layout.num_experts
     w1_rows = 2 * F if layout.gated else F
-    config = _configs(x.dtype)
+    config = _configs(x.dtype, capability(x))
     sorted_assignments, expert_offsets = sorted_assignments.contiguous(), expert_offsets.contiguous(
     )
     n = sorted_assignments.numel()
@@ -641,7 +776,9 @@ def experts_backward(
     d_b1 = empty((E, w1_rows), device=device, dtype=dtype) if gate_up_bias is not None else None
     d_b2 = empty((E, D), device=device, dtype=dtype) if down_bias is not None else None
     scale = expert_weights.reshape(-1).contiguous()
-    hidden = config["hidden_transposed" if transposed else "hidden"]
+    # the recompute kernel's tiles: transposed weights (gpt-oss's), non-gated experts, the rest
+    hidden = config["hidden_transposed" if transposed else "hidden" if layout.
+                    gated else "hidden_plain"]
     n_col_blocks = triton.cdiv(F, hidden["BLOCK_N"])
     dw_blocks = zeros_or_empty((n_col_blocks, n), device=device, dtype=torch.float32)
     h = empty((n, F), device=device, dtype=dtype)
@@ -656,7 +793,8 @@ def experts_backward(
             dw_blocks.stride(0), F, D, E, top_k, layout.up_row, layout.gate_step,
             *_option_args(options), E_PAD=_e_pad(E), ACTIVATION=layout.activation,
             CLAMP=options["limit"] is not None, HAS_B1=gate_up_bias is not None, HAS_B2=down_bias
-            is not None, GATED=layout.gated, SCALE_H=down_bias is None, FP32_DOT=_fp32_dot(dtype),
+            is not None, GATED=layout.gated, PAIRED=layout.gated and layout.gate_step == 2,
+            MASK_K=D % hidden["BLOCK_K"] != 0, FP32_DOT=_fp32_dot(dtype),
             BF16_BY_HAND=interpreter_bf16(dtype), **hidden
         )
     # d down[e, d, f] = sum g[token][d] (w h)[f], w h written by the kernel above; with a down
@@ -664,8 +802,7 @@ def experts_backward(
     # d gate_up[e, n, d] = sum dgu[n] x[token][d]
     _expert_grad(
         dout, h, sorted_assignments, expert_offsets, d_down, _indexed(d_down, transposed), top_k,
-        gather_a=True, scale=scale if down_bias is not None else None, bias_out=d_b2,
-        config=config["grad" if down_bias is None else "grad_scaled"]
+        gather_a=True, scale=scale, bias_out=d_b2, config=config["grad"]
     )
     _expert_grad(
         dgu, x, sorted_assignments, expert_offsets, d_gate_up, _indexed(d_gate_up, transposed),
