@@ -257,17 +257,9 @@ def _half_slope(th, r):
     return tl.abs(th) * r + r
 
 
-@triton.jit
-def capped(t, softcap):
-    """softcap * tanh(t / softcap) of base-2 scores t and the derivative 1 - tanh^2: what
-    `capped_scores` computes, for scores already scaled (the kernels fold the scale in)."""
-    th, r = _tanh_parts(t, 1.0 / softcap, True)
-    return th * softcap, 2.0 * _half_slope(th, r)
-
-
-#: The SOFTCAP constexpr of the kernels: no cap, the exact one (`capped`), or the approximate one
-#: (`capped_scores`), computed by tanh.approx.f32 on a GPU and by its error model where inline
-#: PTX cannot run (the interpreter).
+#: The SOFTCAP constexpr of the kernels (`capped_scores`): no cap, the exact one, or the
+#: approximate one, computed by tanh.approx.f32 on a GPU and by its error model where inline PTX
+#: cannot run (the interpreter).
 SOFTCAP_OFF, SOFTCAP_EXACT, SOFTCAP_APPROX, SOFTCAP_APPROX_MODEL = 0, 1, 2, 3
 #: tanh.approx.f32's relative error (the PTX ISA's figure; flash-attention's cutlass::fast_tanh).
 TANH_APPROX_ERROR = 2.0**-11
