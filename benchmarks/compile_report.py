@@ -978,26 +978,35 @@ def run(task_list: list[Task], jobs: int) -> list[dict]:
     return rows
 
 
-def _row_key(row: dict) -> tuple:
-    blocks = json.dumps(row["blocks"], sort_keys=True)
-    config = (blocks, row.get("num_warps"), row.get("num_stages"))
-    return (row["op"], row["kernel"], row["case"], *config, row["arch"])
+def _row_keys(rows: list[dict]) -> list[tuple]:
+    """Each row's key: op, kernel, case, config, arch, and its place among the rows of that key
+    (two launches of one kernel with one config, as the MoE forward's two grouped GEMMs can
+    be, are told apart by their order, which `tasks` keeps)."""
+    seen = Counter()
+    keys = []
+    for row in rows:
+        blocks = json.dumps(row["blocks"], sort_keys=True)
+        key = (row["op"], row["kernel"], row["case"], blocks, row.get("num_warps"),
+               row.get("num_stages"), row["arch"])  # fmt: skip
+        keys.append((*key, seen[key]))
+        seen[key] += 1
+    return keys
 
 
 def code_changes(before: list[dict], after: list[dict]) -> tuple[list[str], list[str]]:
     """The rows of `after` whose PTX digest differs from the same row of `before`, and those
     `before` lacks."""
-    digests = {_row_key(row): row.get("ptx_sha256") for row in before}
+    digests = {key: row.get("ptx_sha256") for key, row in zip(_row_keys(before), before)}
 
     def describe(row):
         return f"{row['op']} {row['case']} {hot_loop.config_label(row)} {row['arch']}"
 
     changed = [
         describe(row)
-        for row in after
-        if _row_key(row) in digests and digests[_row_key(row)] != row.get("ptx_sha256")
+        for key, row in zip(_row_keys(after), after)
+        if key in digests and digests[key] != row.get("ptx_sha256")
     ]
-    new = [describe(row) for row in after if _row_key(row) not in digests]
+    new = [describe(row) for key, row in zip(_row_keys(after), after) if key not in digests]
     return changed, new
 
 

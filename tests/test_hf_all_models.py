@@ -564,8 +564,8 @@ ON_THE_OP = "on fastlm's op"
 
 class _ExpertsCalls:
     """Counts the calls of fastlm.moe_experts by fastlm.hf (`fastlm.hf.experts`' implementation
-    and `fastlm.hf.forwards`' blocks, with `held_experts`, the op beside LongCat-Flash's zero
-    experts: the probe's runs call the reference instead), and
+    and `fastlm.hf.forwards`' blocks, LongCat-Flash's zero experts among them: the probe's runs
+    call the reference instead), and
     their backward (a gradient hook on each output); `missed` names the experts modules whose
     forward ran without calling it."""
 
@@ -573,8 +573,7 @@ class _ExpertsCalls:
         self.forward = self.backward = 0
         self.missed = set()
         self.stacked = set()  # `_stacked_classes` of every model run
-        for module, name in ((hf_experts, "moe_experts"), (hf_forwards, "moe_experts"),
-                             (hf_forwards, "held_experts")):  # fmt: skip
+        for module, name in ((hf_experts, "moe_experts"), (hf_forwards, "moe_experts")):
             monkeypatch.setattr(module, name, self._counting(getattr(module, name)))
 
     def _counting(self, op):
@@ -855,12 +854,3 @@ def test_zero_experts_on_the_kernels():
     for what, ours, theirs in zip(("out", "dx", "d weights", "d gate_up", "d down"), *grads):
         assert relative_error(ours, theirs) <= TOLERANCE[torch.float32], what
     assert ids.ge(routed).any() and grads[0][2][ids >= routed].abs().min() > 0
-
-
-def test_zero_experts_refuse_ids_past_the_router():
-    """`held_experts` checks the router's ids as the op checks its own: an id outside
-    [0, num_experts) is a ValueError naming the range, not a choice silently dropped."""
-    x, gate_up, down = torch.randn(3, 8), torch.randn(2, 12, 8), torch.randn(2, 8, 6)
-    ids = torch.tensor([[0, 3], [1, 2], [4, 0]])
-    with pytest.raises(ValueError, match=r"expert_ids must lie in \[0, 4\)"):
-        hf_forwards.held_experts(x, ids, torch.rand(3, 2), gate_up, down, 4, activation="silu")

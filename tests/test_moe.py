@@ -252,6 +252,19 @@ def test_compiles_whole(device):
         assert torch.equal(got, want)
 
 
+def test_ids_past_the_held_experts(device):
+    """num_experts N > E (LongCat-Flash's zero experts): a choice of an id in [E, N) runs no
+    expert and adds nothing, its weight's gradient 0; the rest against the float64 loop, every
+    gradient; fp32, odd sizes, k = N (every token chooses every id, held or not)."""
+    T, D, F, E, N = 11, 26, 18, 3, 5
+    ids = torch.rand(T, N, device=device).argsort(dim=1)
+    weights = torch.rand(T, N, device=device).requires_grad_()
+    x = torch.randn(T, D, device=device, requires_grad=True)
+    gate_up, down, _, _ = _weights(E, D, F, device, torch.float32)
+    _, grads = _check(x, ids, weights, gate_up, down, num_experts=N)
+    assert torch.all(grads[1][ids >= E] == 0) and torch.all(grads[1][ids < E] != 0)
+
+
 def _bad_inputs(device):
     """(what to change, the error, what its message names)."""
     T, D, F, E, k = 4, 8, 4, 3, 2
@@ -279,6 +292,11 @@ def _bad_inputs(device):
         (dict(gate_up_bias=torch.randn(E, F, device=device)), ValueError, "gate_up_bias"),
         (dict(down_bias=torch.randn(E, D + 1, device=device)), ValueError, "down_bias"),
         (dict(transposed=1), TypeError, "transposed"),
+        (dict(num_experts=E - 1), ValueError, "num_experts"),
+        (dict(num_experts=float(E + 1)), TypeError, "num_experts"),
+        (dict(num_experts=True), TypeError, "num_experts"),
+        (dict(expert_ids=ids.clone().fill_(E + 2), num_experts=E + 2), ValueError,
+         r"expert_ids must lie in \[0, 5\)"),
         (dict(transposed=True), ValueError, "gate_up"),  # (E, 2F, D) read as (E, D, 2F)
         (dict(activation="relu"), ValueError, "activation"),
         (dict(activation="gelu", alpha=1.702), ValueError, "alpha"),

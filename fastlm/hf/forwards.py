@@ -23,8 +23,7 @@ from fastlm.backend import use_triton
 from fastlm.hf.families import IGNORE_INDEX, modeling_module
 from fastlm.kernels import cross_entropy, geglu, rms_norm, swiglu_packed
 from fastlm.kernels import swiglu as swiglu_op
-from fastlm.kernels._common import check_values
-from fastlm.kernels.moe.experts import moe_experts, moe_experts_ref
+from fastlm.kernels.moe.experts import moe_experts
 from fastlm.kernels.rope import rope_ref
 from fastlm.tensor_parallel import lm_head_cross_entropy
 
@@ -155,38 +154,6 @@ def input_scaled_experts_forward(self, hidden_states: torch.Tensor, transposed: 
     return out, logits
 
 
-def held_experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
-                 gate_up: torch.Tensor, down: torch.Tensor, num_experts: int,
-                 **layout) -> torch.Tensor:  # fmt: skip
-    """`moe_experts` over a router that chooses among `num_experts` ids of which the weights hold
-    the first E (gate_up's and down's E): a choice of an id in [E, num_experts) runs no expert
-    and adds nothing here (its weight's gradient from this term 0); ids outside
-    [0, num_experts) are a ValueError (a device-side assert on a GPU), as the op's are.
-
-    It is the op's `expert_index` (its argument for experts sharded over E: the global ids its
-    weights hold, here 0 .. E - 1) on the routing of all num_experts ids, so the kernels run the
-    held experts' rows only; the PyTorch backend's reference takes the same argument. With
-    num_experts == E, `moe_experts` itself. Plain tensors (its callers run their module's own
-    code on DTensor weights)."""
-    held = gate_up.shape[0]
-    if num_experts == held:
-        return moe_experts(x, expert_ids, expert_weights, gate_up, down, **layout)
-    valid = (expert_ids >= 0) & (expert_ids < num_experts)
-    check_values(expert_ids, valid, f"expert_ids must lie in [0, {num_experts})")
-    index = torch.arange(held, device=x.device)
-    if not use_triton(x):
-        return moe_experts_ref(x, expert_ids, expert_weights, gate_up, down, **layout,
-                               expert_index=index)  # fmt: skip
-    order, offsets = torch.ops.fastlm.moe_route(expert_ids, num_experts)
-    options = dict(alpha=1.0, limit=None, up_offset=0.0, transposed=False, interleaved=False)
-    options.update(layout)
-    return torch.ops.fastlm.moe_experts(
-        x, expert_weights, gate_up, down, None, None, order, offsets, options["transposed"],
-        options["interleaved"], options["activation"], options["alpha"], options["limit"],
-        options["up_offset"], expert_index=index,
-    )  # fmt: skip
-
-
 def zero_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                          top_k_weights: torch.Tensor, transposed: bool, activation: str,
                          interleaved: bool, experts_op=None) -> torch.Tensor:  # fmt: skip
@@ -197,13 +164,13 @@ def zero_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.T
 
     with e = top_k_index[t, j] and N gate_up_proj's E (LongCat allocates its rows for every id;
     those of zero experts are never read). The first sum on `fastlm.moe_experts` over the E
-    experts, a zero expert's choice running no expert (`held_experts`); the second, the
+    experts, a zero expert's choice running no expert (the op's `num_experts`); the second, the
     weighted identity, in PyTorch: each slot's weight gets its own term's gradient.
     `experts_op`: the experts' math (the probe passes the float64 reference)."""
     if experts_op is None and hasattr(self.down_proj, "placements"):
         # Sharded by transformers' tensor parallelism: the family's own loop over the ids.
         return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
-    experts_op = experts_op or held_experts
+    experts_op = experts_op or moe_experts
     down = self.down_proj
     routed = down.shape[0]
     x = hidden_states

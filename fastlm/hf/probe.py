@@ -653,7 +653,7 @@ def zero_experts_options(module: nn.Module) -> dict | str:
                 theirs = in_both_modes(module, device, outputs(inputs))
                 ours = [
                     zero_experts_forward(
-                        _Holder(held), t, ids, weights, **options, experts_op=_held_reference
+                        _Holder(held), t, ids, weights, **options, experts_op=moe_experts_ref
                     )  # fmt: skip
                     for t in inputs
                 ]
@@ -665,13 +665,6 @@ def zero_experts_options(module: nn.Module) -> dict | str:
         "they are not sum_j w_j down_e(act(gate_up_e x)) over their experts plus w_j x over ids "
         "past down's experts (zero experts)"
     )
-
-
-def _held_reference(x, expert_ids, expert_weights, gate_up, down, num_experts, **layout):
-    """`forwards.held_experts` by the reference (the probe's float64)."""
-    index = torch.arange(gate_up.shape[0], device=x.device)
-    return moe_experts_ref(x, expert_ids, expert_weights, gate_up, down, **layout,
-                           expert_index=index)  # fmt: skip
 
 
 class _Holder:

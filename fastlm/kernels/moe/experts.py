@@ -111,13 +111,14 @@ def moe_experts_ref(
     down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None, *, transposed: bool = False, interleaved: bool = False,
     activation: str = "silu", alpha: float = 1.0, limit: float | None = None,
-    up_offset: float = 0.0, expert_index: torch.Tensor | None = None
+    up_offset: float = 0.0, num_experts: int | None = None, expert_index: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`moe_experts` as a loop over experts in PyTorch: fp32 inside (fp64 for fp64), h rounded
     to x's dtype as the kernels round it, the result in x's dtype. A non-gated activation
     (UNGATED) takes gate_up as the up projection alone: h = act(gate_up_e x + b1_e).
     `expert_index` (E,): the global id of each weight slot (the ops' argument for experts
-    sharded over E); the ids of expert_ids no slot holds contribute nothing."""
+    sharded over E); the ids of expert_ids no slot holds contribute nothing, so `num_experts`
+    (the op's, for ids past the weights' E) needs nothing here."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     out = torch.zeros(x.shape, device=x.device, dtype=compute)
     for e in range(gate_up.shape[0]):
@@ -1021,7 +1022,7 @@ def _check_ids(expert_ids: object, x: torch.Tensor, num_experts: int) -> None:
     if expert_ids.shape[1] > num_experts:
         raise ValueError(
             f"expert_ids picks k = {expert_ids.shape[1]} experts per token, more than the "
-            f"{num_experts} experts of gate_up"
+            f"{num_experts} experts it chooses among"
         )
     valid = (expert_ids >= 0) & (expert_ids < num_experts)
     check_values(expert_ids, valid, f"expert_ids must lie in [0, {num_experts})")
@@ -1069,7 +1070,8 @@ def moe_experts(
     x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, gate_up: torch.Tensor,
     down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None, *, transposed: bool = False, interleaved: bool = False,
-    activation: str = "silu", alpha: float = 1.0, limit: float | None = None, up_offset: float = 0.0
+    activation: str = "silu", alpha: float = 1.0, limit: float | None = None,
+    up_offset: float = 0.0, num_experts: int | None = None
 ) -> torch.Tensor:
     """The routed experts' output: out[t] = sum_j w[t, j] expert_{ids[t, j]}(x[t]).
 
@@ -1100,6 +1102,10 @@ def moe_experts(
             non-gated "relu2" (relu(up)^2: Nemotron-H's experts).
         alpha, limit, up_offset: SwiGLU's options, as in `fastlm.swiglu` (gpt-oss: 1.702, 7,
             1); other activations take the defaults.
+        num_experts: how many ids the router chooses among, when more than the E experts the
+            weights hold (E by default): a choice of an id in [E, num_experts) runs no expert
+            and adds nothing to out, its weight's gradient from out 0 (LongCat-Flash's "zero
+            experts", whose identity term is the caller's). Plain tensors only.
 
     Returns:
         (T, D) in x's dtype.
@@ -1111,7 +1117,7 @@ def moe_experts(
         ValueError: shapes that do not fit (each message names the argument), k > E, an id
             outside [0, E) (CPU tensors; a device-side assert on a GPU), tensors on two devices,
             an unknown activation or an option outside its range, `interleaved` with a
-            non-gated activation.
+            non-gated activation, num_experts below E or with DTensor weights.
     """
     options = _checked_options(activation, alpha, limit, up_offset)
     for name, flag in (("transposed", transposed), ("interleaved", interleaved)):
@@ -1122,7 +1128,9 @@ def moe_experts(
     if x.dim() != 2 or x.shape[1] == 0:
         raise ValueError(f"x must be (T, D) with D >= 1, got {tuple(x.shape)}")
     _check_weights(x, gate_up, down, gate_up_bias, down_bias, transposed, gated)
-    _check_ids(expert_ids, x, gate_up.shape[0])
+    held = gate_up.shape[0]
+    num_experts = held if num_experts is None else _check_num_experts(num_experts, gate_up)
+    _check_ids(expert_ids, x, num_experts)
     check_float("expert_weights", expert_weights)
     if expert_weights.device != x.device:
         raise ValueError(f"expert_weights is on {expert_weights.device}, but x is on {x.device}")
@@ -1137,12 +1145,27 @@ def moe_experts(
         if hasattr(x, "placements"):  # DTensors: whole (the reference has no sharding rules)
             return _on_whole(moe_experts_ref, inputs, dict(layout, **options))
         return moe_experts_ref(*inputs, **layout, **options)
-    sorted_assignments, expert_offsets = _route_op(expert_ids, gate_up.shape[0])
+    sorted_assignments, expert_offsets = _route_op(expert_ids, num_experts)
+    # Past E ids, the op's argument for experts sharded over E says which ids the weights hold.
+    index = _expert_index(gate_up) if num_experts == held else torch.arange(held, device=x.device)
     return _experts_op(
         x, expert_weights, gate_up, down, gate_up_bias, down_bias, sorted_assignments,
-        expert_offsets, transposed, interleaved, activation, **options,
-        expert_index=_expert_index(gate_up)
+        expert_offsets, transposed, interleaved, activation, **options, expert_index=index
     )
+
+
+def _check_num_experts(num_experts: object, gate_up: torch.Tensor) -> int:
+    """num_experts: an int of at least gate_up's E, on plain weights (a DTensor's local op
+    takes its expert_index from the sharding)."""
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool):
+        raise TypeError(f"num_experts must be an int, got {type(num_experts).__name__}")
+    if num_experts < gate_up.shape[0]:
+        raise ValueError(
+            f"num_experts must be at least gate_up's {gate_up.shape[0]} experts, got {num_experts}"
+        )
+    if num_experts > gate_up.shape[0] and hasattr(gate_up, "placements"):
+        raise ValueError("num_experts beyond gate_up's experts takes plain tensors, not DTensors")
+    return num_experts
 
 
 def _on_whole(fn, inputs: list, kwargs: dict) -> torch.Tensor:
