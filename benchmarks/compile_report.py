@@ -29,7 +29,8 @@ block and dtype (the configs its pruning keeps; the last is FASTLM_AUTOTUNE=0's,
 
 Each case calls fastlm's own launcher on meta tensors (shapes, strides, dtypes, no memory) with
 every kernel's `run` replaced by a recorder, so the arguments are exactly what the launcher
-passes on a GPU; they are specialised as a launch does (ints equal to 1 become constants, ints
+passes on a GPU (once per compute capability: the attention backward routes by it, `launched_on`);
+they are specialised as a launch does (ints equal to 1 become constants, ints
 and 16-byte aligned pointers divisible by 16 get `tt.divisibility`) and compiled with
 `triton.compile`. Triton's on-disk cache (TRITON_CACHE_DIR) keeps each compiled kernel, and the
 ptxas report beside it, under a key that includes the kernel's source: a rerun with unchanged
@@ -122,6 +123,7 @@ def _attention_internals() -> SimpleNamespace:
     return SimpleNamespace(
         forward=forward.attention_forward,
         backward=backward.attention_backward,
+        backward_module=backward,  # whose `capability` `launched_on` stands in for
         as_heads=launch.as_heads,
         varlen=launch.Varlen,
         max_head_dim=configs.MAX_HEAD_DIM,
@@ -589,11 +591,22 @@ def shipped_configs(launch: Launch, arch: str) -> list:
 
 
 def tasks(all_cases: list[Case], archs: list[str]) -> list[Task]:
+    """Each case's launches as its launchers make them on a GPU of each arch (Blackwell routes
+    some apart: `launched_on`), every shipped config of each, launch by launch."""
     out = []
     for case in all_cases:
-        with recording() as launches, triton_backend(swiglu, cross_entropy):
-            case.launch()
-        for launch in launches:
+        by_arch = {}
+        for major in dict.fromkeys(ARCHS[arch][0] // 10 for arch in archs):
+            with recording() as launches, triton_backend(swiglu, cross_entropy):
+                with launched_on(major):
+                    case.launch()
+            by_arch.update((arch, launches) for arch in archs if ARCHS[arch][0] // 10 == major)
+        for arch, launch in (
+            (arch, by_arch[arch][index])
+            for index in range(max(map(len, by_arch.values())))
+            for arch in archs
+            if index < len(by_arch[arch])
+        ):
             fn = launch.kernel.fn if isinstance(launch.kernel, Autotuner) else launch.kernel
             if case.only and fn.fn.__name__ != case.only:
                 continue
@@ -606,12 +619,21 @@ def tasks(all_cases: list[Case], archs: list[str]) -> list[Task]:
             elif launch.args.get("WITH_DV") is False:
                 label += " (dK)"
             where = (case.op, label, case.fields, fn.fn.__module__, fn.fn.__name__)
-            for arch in (a for a in archs if ARCHS[a][0] >= minimum):
-                for args, options, default, fallback, mma_sync in _variants(launch, arch):
-                    compiled = (*specialise(fn, args), options)
-                    task = Task(*where, _blocks(args), default, arch, *compiled, fallback, mma_sync)
-                    out.append(task)
+            if ARCHS[arch][0] < minimum:
+                continue
+            for args, options, default, fallback, mma_sync in _variants(launch, arch):
+                compiled = (*specialise(fn, args), options)
+                task = Task(*where, _blocks(args), default, arch, *compiled, fallback, mma_sync)
+                out.append(task)
     return out
+
+
+@contextlib.contextmanager
+def launched_on(major: int) -> Iterator[None]:
+    """Within the block, the attention launchers take the report's meta tensors for tensors on a
+    GPU of this compute capability (major), which some of their choices read."""
+    with unittest.mock.patch.object(ATTENTION.backward_module, "capability", lambda t: major):
+        yield
 
 
 def _variants(launch: Launch, arch: str) -> list[tuple[dict, dict, bool, bool, str]]:
