@@ -29,10 +29,9 @@ block and dtype (the configs its pruning keeps; the last is FASTLM_AUTOTUNE=0's,
 
 Each case calls fastlm's own launcher on meta tensors (shapes, strides, dtypes, no memory) with
 every kernel's `run` replaced by a recorder, so the arguments are exactly what the launcher
-passes on a GPU (the MoE launchers, which choose tiles by the GPU's compute capability, are
-recorded once per arch with that arch's capability: `recorded`); they are specialised as a
-launch does (ints equal to 1 become constants, ints and 16-byte aligned pointers divisible by
-16 get `tt.divisibility`) and compiled with
+passes on a GPU (once per compute capability: the attention backward and the MoE launchers choose
+by it, `launched_on`); they are specialised as a launch does (ints equal to 1 become constants,
+ints and 16-byte aligned pointers divisible by 16 get `tt.divisibility`) and compiled with
 `triton.compile`. Triton's on-disk cache (TRITON_CACHE_DIR) keeps each compiled kernel, and the
 ptxas report beside it, under a key that includes the kernel's source: a rerun with unchanged
 kernels takes seconds.
@@ -124,6 +123,7 @@ def _attention_internals() -> SimpleNamespace:
     return SimpleNamespace(
         forward=forward.attention_forward,
         backward=backward.attention_backward,
+        backward_module=backward,  # whose `capability` `launched_on` stands in for
         as_heads=launch.as_heads,
         varlen=launch.Varlen,
         max_head_dim=configs.MAX_HEAD_DIM,
@@ -590,56 +590,54 @@ def shipped_configs(launch: Launch, arch: str) -> list:
     )
 
 
-def recorded(case: Case, archs: list[str]) -> list[tuple[list[str], list[Launch]]]:
-    """(archs, the case's launches for them): recorded once for every arch; the MoE launchers',
-    which choose their tiles by the GPU's compute capability (`moe_experts._configs`), once per
-    arch with `capability` pinned to the arch's (a meta tensor has no device to ask), so that
-    each arch's rows compile the tiles that arch runs."""
-    runs = [(archs, None)]
-    if case.op.startswith("MoE"):
-        runs = [([arch], ARCHS[arch][0] // 10) for arch in archs]
-    out = []
-    for run_archs, major in runs:
-        pinned = (
-            unittest.mock.patch.object(moe_experts, "capability", lambda t, major=major: major)
-            if major is not None
-            else contextlib.nullcontext()
-        )
-        with recording() as launches, triton_backend(swiglu, cross_entropy), pinned:
-            case.launch()
-        out.append((run_archs, launches))
-    return out
-
-
 def tasks(all_cases: list[Case], archs: list[str]) -> list[Task]:
+    """Each case's launches as its launchers make them on a GPU of each arch (Blackwell routes
+    some apart: `launched_on`), every shipped config of each, launch by launch."""
     out = []
     for case in all_cases:
-        for case_archs, launches in recorded(case, archs):
-            out += _case_tasks(case, case_archs, launches)
-    return out
-
-
-def _case_tasks(case: Case, archs: list[str], launches: list[Launch]) -> list[Task]:
-    out = []
-    for launch in launches:
-        fn = launch.kernel.fn if isinstance(launch.kernel, Autotuner) else launch.kernel
-        if case.only and fn.fn.__name__ != case.only:
-            continue
-        minimum = ATTENTION.min_capability.get(fn.fn.__name__, 0)
-        if "TMA" in case.op:  # a pointer kernel's descriptor variant: where TMA is
-            minimum = max(minimum, ATTENTION.min_capability["_attention_fwd_tma_kernel"])
-        label = case.label  # the split dK/dV pass launches its kernel once per gradient
-        if launch.args.get("WITH_DK") is False:
-            label += " (dV)"
-        elif launch.args.get("WITH_DV") is False:
-            label += " (dK)"
-        where = (case.op, label, case.fields, fn.fn.__module__, fn.fn.__name__)
-        for arch in (a for a in archs if ARCHS[a][0] >= minimum):
+        by_arch = {}
+        for major in dict.fromkeys(ARCHS[arch][0] // 10 for arch in archs):
+            with recording() as launches, triton_backend(swiglu, cross_entropy):
+                with launched_on(major):
+                    case.launch()
+            by_arch.update((arch, launches) for arch in archs if ARCHS[arch][0] // 10 == major)
+        for arch, launch in (
+            (arch, by_arch[arch][index])
+            for index in range(max(map(len, by_arch.values())))
+            for arch in archs
+            if index < len(by_arch[arch])
+        ):
+            fn = launch.kernel.fn if isinstance(launch.kernel, Autotuner) else launch.kernel
+            if case.only and fn.fn.__name__ != case.only:
+                continue
+            minimum = ATTENTION.min_capability.get(fn.fn.__name__, 0)
+            if "TMA" in case.op:  # a pointer kernel's descriptor variant: where TMA is
+                minimum = max(minimum, ATTENTION.min_capability["_attention_fwd_tma_kernel"])
+            label = case.label  # the split dK/dV pass launches its kernel once per gradient
+            if launch.args.get("WITH_DK") is False:
+                label += " (dV)"
+            elif launch.args.get("WITH_DV") is False:
+                label += " (dK)"
+            where = (case.op, label, case.fields, fn.fn.__module__, fn.fn.__name__)
+            if ARCHS[arch][0] < minimum:
+                continue
             for args, options, default, fallback, mma_sync in _variants(launch, arch):
                 compiled = (*specialise(fn, args), options)
                 task = Task(*where, _blocks(args), default, arch, *compiled, fallback, mma_sync)
                 out.append(task)
     return out
+
+
+@contextlib.contextmanager
+def launched_on(major: int) -> Iterator[None]:
+    """Within the block, the launchers take the report's meta tensors (which have no device to
+    ask) for tensors on a GPU of this compute capability (major): the attention backward routes
+    by it, the MoE launchers choose their tiles by it (`moe_experts._configs`)."""
+    with (
+        unittest.mock.patch.object(ATTENTION.backward_module, "capability", lambda t: major),
+        unittest.mock.patch.object(moe_experts, "capability", lambda t: major),
+    ):
+        yield
 
 
 def _variants(launch: Launch, arch: str) -> list[tuple[dict, dict, bool, bool, str]]:

@@ -266,14 +266,18 @@ def _attention_internals() -> SimpleNamespace:
     """What these tests reach inside fastlm's attention, in one place: the module whose
     `interpreting` the autotuners' pruning asks, the config helpers, and each autotuner with its
     CUDA configs and the largest 16-bit and fp32 head blocks it serves (the launchers route
-    larger ones, and fp32 descriptors, to the pointer kernels / the deterministic backward)."""
+    larger ones, and fp32 descriptors, to the pointer kernels / the deterministic backward; the
+    atomic pass's depend on the compute capability)."""
     configs, forward, backward = (
         importlib.import_module(f"fastlm.kernels.attention.{name}")
         for name in ("configs", "forward", "backward")
     )
     every = (configs.MAX_HEAD_DIM, configs.MAX_HEAD_DIM_FP32)
     tma = (configs.TMA_MAX_BLOCK_D, 0)
-    atomic = (configs.ATOMIC_MAX_BLOCK_D,) * 2
+
+    def atomic(major):  # Blackwell routes fp32 above head block 64 to the deterministic passes
+        return tuple(configs.atomic_max_block_d(size, major) for size in (2, 4))
+
     return SimpleNamespace(
         prune_module=configs,
         fitting_configs=configs.fitting_configs,
@@ -302,6 +306,7 @@ def test_autotuners_try_the_configs_the_report_compiles(monkeypatch):
         monkeypatch.setattr(configs, "capability", lambda tensor, major=major: major)
         every = configs.cuda_triton_configs([*cuda, *getattr(cuda, "sm100", [])])
         cuda = configs.for_capability(cuda, major)
+        served = served(major) if callable(served) else served
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             q = torch.empty(0, dtype=dtype)
             largest = served[1] if dtype == torch.float32 else served[0]
@@ -385,21 +390,16 @@ def test_blackwell_rows_fit_and_multiply_on_tcgen05():
     attention = [row for row in blackwell if row["kernel"] in TENSOR_CORE_KERNELS]
     assert 10 * len([row for row in kept_on_mma_sync if row in attention]) <= len(attention)
     defaults = [row for row in attention if row["default"] and row.get("head_dim") == 128]
-    defaults = [row for row in defaults if row["dtype"] != "fp32"]  # the atomic pass's fp32: kept
     assert defaults and not any(row in kept_on_mma_sync for row in defaults)
 
 
 #: The sm_100a attention rows Blackwell keeps on mma.sync, by (op, kernel, dtype, head dim, with an
 #: option): the groups where every tcgen05 config tried spilled (docs/benchmarks.md gives the
-#: configs and bytes). fp32 head block 256's dK/dV and dQ passes (the atomic schedule runs them
-#: too above head dim 128), the atomic pass's fp32 at 128, and head block 512's forward with an
-#: option (plain, it is on tcgen05).
+#: configs and bytes). fp32 head block 256's dK/dV pass (the atomic schedule runs it too above
+#: head dim 128) and head block 512's forward with an option (plain, it is on tcgen05).
 BLACKWELL_ON_MMA_SYNC = {
     ("attention bwd", "_attention_bwd_dkdv_kernel", "fp32", 256, False),
-    ("attention bwd", "_attention_bwd_dq_kernel", "fp32", 256, False),
     ("attention bwd (atomic dQ)", "_attention_bwd_dkdv_kernel", "fp32", 256, False),
-    ("attention bwd (atomic dQ)", "_attention_bwd_dq_kernel", "fp32", 256, False),
-    ("attention bwd (atomic dQ)", "_attention_bwd_dkdv_kernel", "fp32", 128, False),
     ("attention fwd", "_attention_fwd_kernel", "bf16", 512, True),
 }
 
@@ -417,3 +417,23 @@ def test_blackwell_rows_on_mma_sync_are_the_documented_groups():
     assert on_mma_sync == BLACKWELL_ON_MMA_SYNC
     noted = [row for row in rows if any("kept: no tcgen05" in note for note in row["notes"])]
     assert noted == [row for row in rows if row.get("mma")]
+
+
+def test_blackwell_fp32_atomic_dq_at_128_runs_the_deterministic_passes():
+    """The atomic-dQ pass's one tcgen05 shape (M64 N64) spilled with fp32 at head block 128, so
+    there Blackwell's launcher runs the dK/dV and dQ passes (`configs.atomic_max_block_d`), on
+    tcgen05; Hopper and Ampere keep the one pass. The report records each arch's launches."""
+    rows = [
+        row
+        for row in _kept()["rows"]
+        if row["op"] == "attention bwd (atomic dQ)" and row["case"] == "fp32 D=128 causal"
+    ]
+    kernels = {row["arch"]: set() for row in rows}
+    for row in rows:
+        kernels[row["arch"]].add(row["kernel"])
+    assert "_attention_bwd_dq_kernel" in kernels[BLACKWELL] and len(kernels) == 3, kernels
+    for arch in set(kernels) - {BLACKWELL}:
+        assert "_attention_bwd_dq_kernel" not in kernels[arch], kernels
+        assert "_attention_bwd_dkdv_kernel" in kernels[arch], kernels
+    blackwell = [row for row in rows if row["arch"] == BLACKWELL and row.get("tcgen05")]
+    assert blackwell and not any(row.get("mma") for row in rows if row["arch"] == BLACKWELL)

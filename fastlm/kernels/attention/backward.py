@@ -24,7 +24,6 @@ from fastlm.kernels.attention.blocks import (
     store_tile,
 )
 from fastlm.kernels.attention.configs import (
-    ATOMIC_MAX_BLOCK_D,
     DKDV_CONFIGS,
     DKDV_CUDA_CONFIGS,
     DKDV_DQ_CONFIGS,
@@ -36,6 +35,8 @@ from fastlm.kernels.attention.configs import (
     DQ_TMA_CUDA_CONFIGS,
     SPLIT_KV_MIN_BLOCK_D,
     TUNING_KEY,
+    atomic_max_block_d,
+    capability,
     prune_to_fitting,
 )
 from fastlm.kernels.attention.launch import (
@@ -412,7 +413,8 @@ def attention_backward(
     deterministic: a dK/dV pass and a dQ pass, no atomics (bitwise reproducible); otherwise one
     pass that adds dQ with fp32 atomics into a zeroed fp32 buffer, then casts it into dq. Head
     blocks above ATOMIC_MAX_BLOCK_D take the deterministic schedule either way: the one pass holds
-    one more tile, and no config of it compiles there without spilling.
+    one more tile, and no config of it compiles there without spilling (on Blackwell, fp32
+    above head block 64 too: `atomic_max_block_d`).
 
     sinks (Hq,): the forward's attention sinks. The kernels need nothing of them (lse holds them,
     and P of the keys is 2^(t - LSE) as without); their gradient `sink_grad` is returned fourth,
@@ -439,7 +441,8 @@ def attention_backward(
     args = (n_q, n_k, softmax_scale, softmax_scale * LOG2_E, Nq, *mask_args)
     args = (*args, tuning_bucket(n_q), tuning_bucket(n_k))
     flags = dict(flags, **mask_flags, VARLEN=varlen is not None)
-    if not deterministic and max(flags["BLOCK_D"], flags["BLOCK_DV"]) <= ATOMIC_MAX_BLOCK_D:
+    atomic_limit = atomic_max_block_d(q.element_size(), capability(q))
+    if not deterministic and max(flags["BLOCK_D"], flags["BLOCK_DV"]) <= atomic_limit:
         dq_acc = empty_heads_like(q, torch.float32).zero_()
         _attention_bwd_dkdv_dq_kernel[block_grid(n_k, "BLOCK_N", sequences * Hkv)](
             q, k, v, do, dk, dv, dq_acc, lse, delta, cu_q, cu_k,

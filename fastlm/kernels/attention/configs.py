@@ -110,16 +110,21 @@ def fitting_configs(
 
 def triton_configs(
     interpreter_blocks: dict, cuda: list[CudaConfig],
-    covers: tuple[int, int] = (MAX_HEAD_DIM, MAX_HEAD_DIM_FP32)
+    covers: tuple[int, int] = (MAX_HEAD_DIM, MAX_HEAD_DIM_FP32),
+    covers_sm100: tuple[int, int] | None = None
 ) -> list[triton.Config]:
     """One small config under the interpreter (autotuning there runs every config); the CUDA list
     otherwise, which `prune_to_fitting` cuts down per launch. `covers`: the largest head blocks
     (16-bit, fp32) some config must take: every head dim unless the caller routes the rest
-    elsewhere."""
-    lists = [list(cuda)] + ([cuda.sm100] if isinstance(cuda, CudaConfigs) else [])
-    for configs in lists:
-        for block_d, element_size in ((covers[0], 2), (covers[1], 4)):
+    elsewhere; `covers_sm100`: the Blackwell list's, where the launcher routes more (default
+    `covers`)."""
+    lists = [(list(cuda), covers)]
+    if isinstance(cuda, CudaConfigs):
+        lists.append((cuda.sm100, covers_sm100 or covers))
+    for configs, (largest, largest_fp32) in lists:
+        for block_d, element_size in ((largest, 2), (largest_fp32, 4)):
             assert fitting_configs(configs, block_d, element_size), "a head dim no config takes"
+    lists = [configs for configs, _ in lists]
     if interpreting():
         return [triton.Config(interpreter_blocks, num_warps=4, num_stages=1)]
     return cuda_triton_configs([config for configs in lists for config in configs])
@@ -249,10 +254,12 @@ DQ_CUDA_CONFIGS = [
 # warps 212 B) and fp32 256 on 4 warps (196 B); dQ's M64 N32 at 512 (8 warps: 1188 B); dK/dV's
 # M16 N64 at fp32 128 on 4 warps in 2 stages (28 B), its M32 N64 at 256 (12 B); the atomic
 # pass's M64 N64 on 4 warps at 128 (248 B). At 256, 8 warps on 64-row blocks fit (forward 153
-# registers, dQ 219); at 512, 2 stages on 8 warps did where 1 spilled. Where no tcgen05 config
-# fits (fp32 head block 256 in the backward, the atomic pass's fp32 at 128, head block 512's
-# forward with an option), the Hopper list's small configs stay, on mma.sync (`mma_sync`, with
-# why; docs/benchmarks.md lists what was tried). What a GPU must confirm: docs/attention.md.
+# registers, dQ 219); at 512, 2 stages on 8 warps did where 1 spilled; fp32 256's dQ fits with
+# 8-column key blocks. Where no tcgen05 config fits (fp32 head block 256's dK/dV pass and its
+# dQ pass with an option, head block 512's forward with an option), the Hopper list's small
+# configs stay, on mma.sync (`mma_sync`, with why; docs/benchmarks.md lists what was tried);
+# the atomic pass's fp32 at 128 takes the deterministic passes instead (`atomic_max_block_d`).
+# What a GPU must confirm: docs/attention.md.
 FWD_CUDA_CONFIGS = CudaConfigs(
     FWD_CUDA_CONFIGS, [
         cuda_config(128, 64, 8, 3, 128, 0),
@@ -282,9 +289,12 @@ DKDV_CUDA_CONFIGS = CudaConfigs(
         # The dV and the dK launch of head block 512 with every option: at most 226 registers
         # and 208 KiB of shared memory (1 stage: the dK launch spilled 1204 B).
         cuda_config(16, 64, 8, 2, 512, 0, min_block_d=512),
+        # fp32 head block 256 (docs/benchmarks.md): M8 N64 on 8 warps spilled 32 B, M16 N64
+        # 140 B; split as at 512, the dV launch fits (M16 N64: 231 registers) but the dK launch
+        # spilled (M8 N64 20 B, M16 N64 116 B), so the pass stays whole, on mma.sync.
         cuda_config(
             32, 32, 8, 1, 0, 256, min_block_d=256,
-            mma_sync="fp32 head block 256: every N64 tile spilled, 140 B or more"
+            mma_sync="fp32 head block 256: every N64 tile spilled, 32 B or more"
         ),
     ]
 )
@@ -293,9 +303,13 @@ DQ_CUDA_CONFIGS = CudaConfigs(
         cuda_config(128, 64, 8, 3, 128, 0, split_v=False),
         cuda_config(64, 32, 4, 2, 128, 128),
         cuda_config(64, 32, 8, 1, 256, 0, min_block_d=256),  # 219 registers (4 warps: 56 B)
+        # fp32 head block 256: key blocks of 8, 247 registers (with the window or the cap 255,
+        # with both, full, 24 B spilled; M64 N16 44 B, 2 stages or 4 warps more): the option
+        # variants keep 16-row query blocks, on mma.sync.
+        cuda_config(64, 8, 8, 1, 0, 256, options=False, min_block_d=256),
         cuda_config(
-            16, 64, 8, 1, 0, 256, min_block_d=256,
-            mma_sync="fp32 head block 256: every M64 tile spilled, 44 B or more"
+            16, 64, 8, 1, 0, 256, min_block_d=256, options_only=True,
+            mma_sync="fp32 head block 256 with an option: M64 N8 spilled 24 B"
         ),
         # Head block 512 with every option: at most 211 registers, 208 KiB of shared memory (1
         # stage spilled 856 B, 3 stages overflow shared memory).
@@ -370,18 +384,26 @@ DKDV_DQ_CUDA_CONFIGS = [
 # or more (dq's rows are BLOCK_M, dk's and dv's BLOCK_N): M64 N64 on 8 warps in 2 stages at head
 # dims up to 128 with every option (at most 238 registers; 4 warps spilled 248 B at 128, 1 stage
 # 64 B with the cap), M64 N128 at 64 (248). fp32 at 128 spilled at M64 N64 (1 stage 300 B, 2
-# stages 620 B and over shared memory): Hopper's M64 N16 stays there, on mma.sync.
+# stages 620 B and over shared memory, 3 stages 1852 B), the one tcgen05 shape, so Blackwell's
+# fp32 atomic pass stops at head block 64 and 128 takes the deterministic passes
+# (`atomic_max_block_d`), both on tcgen05 there.
+ATOMIC_MAX_BLOCK_D_FP32_SM100 = 64
 DKDV_DQ_CUDA_CONFIGS = CudaConfigs(
     DKDV_DQ_CUDA_CONFIGS, [
         cuda_config(64, 128, 8, 2, 64, 0),
-        cuda_config(64, 64, 8, 2, ATOMIC_MAX_BLOCK_D, 64),
-        cuda_config(
-            64, 16, 8, 1, 0, ATOMIC_MAX_BLOCK_D, min_block_d=ATOMIC_MAX_BLOCK_D,
-            mma_sync="fp32 atomic dQ at 128: M64 N64 spilled 300 B or more"
-        ),
+        cuda_config(64, 64, 8, 2, ATOMIC_MAX_BLOCK_D, ATOMIC_MAX_BLOCK_D_FP32_SM100),
     ]
 )
 DKDV_DQ_CONFIGS = triton_configs(
     {"BLOCK_M": 32, "BLOCK_N": 64}, DKDV_DQ_CUDA_CONFIGS,
-    covers=(ATOMIC_MAX_BLOCK_D, ATOMIC_MAX_BLOCK_D)
+    covers=(ATOMIC_MAX_BLOCK_D, ATOMIC_MAX_BLOCK_D),
+    covers_sm100=(ATOMIC_MAX_BLOCK_D, ATOMIC_MAX_BLOCK_D_FP32_SM100)
 )
+
+
+def atomic_max_block_d(element_size: int, major: int) -> int:
+    """The largest head block the atomic-dQ pass takes for inputs of this element size on a GPU
+    of this compute capability (major; 0 off CUDA); larger ones take the deterministic passes."""
+    if major == 10 and element_size == 4:
+        return ATOMIC_MAX_BLOCK_D_FP32_SM100
+    return ATOMIC_MAX_BLOCK_D
