@@ -400,6 +400,8 @@ def test_blackwell_rows_fit_and_multiply_on_tcgen05():
 BLACKWELL_ON_MMA_SYNC = {
     ("attention bwd", "_attention_bwd_dkdv_kernel", "fp32", 256, False),
     ("attention bwd (atomic dQ)", "_attention_bwd_dkdv_kernel", "fp32", 256, False),
+    ("attention bwd", "_attention_bwd_dq_kernel", "fp32", 256, False),
+    ("attention bwd (atomic dQ)", "_attention_bwd_dq_kernel", "fp32", 256, False),
     ("attention fwd", "_attention_fwd_kernel", "bf16", 512, True),
 }
 
