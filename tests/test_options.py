@@ -390,6 +390,15 @@ def _entries() -> list[Entry]:
             )
             for option, valid in MOE_VALID.items()
         ),  # fmt: skip
+        # at least the 3 experts the weights hold; past them, ids there choose no expert
+        Entry(
+            "fastlm.moe_experts",
+            "num_experts",
+            lambda v: moe_experts(num_experts=v),
+            none_ok=True,
+            valid=[3, 4, 1000],
+            invalid=[1, 2],
+        ),
         Entry(
             "fastlm.kernels.rope_tables",
             "theta",

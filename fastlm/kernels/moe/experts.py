@@ -1129,7 +1129,7 @@ def moe_experts(
         raise ValueError(f"x must be (T, D) with D >= 1, got {tuple(x.shape)}")
     _check_weights(x, gate_up, down, gate_up_bias, down_bias, transposed, gated)
     held = gate_up.shape[0]
-    num_experts = held if num_experts is None else _check_num_experts(num_experts, gate_up)
+    num_experts = _router_num_experts(num_experts, gate_up)
     _check_ids(expert_ids, x, num_experts)
     check_float("expert_weights", expert_weights)
     if expert_weights.device != x.device:
@@ -1154,16 +1154,17 @@ def moe_experts(
     )
 
 
-def _check_num_experts(num_experts: object, gate_up: torch.Tensor) -> int:
-    """num_experts: an int of at least gate_up's E, on plain weights (a DTensor's local op
-    takes its expert_index from the sharding)."""
-    if not isinstance(num_experts, int) or isinstance(num_experts, bool):
-        raise TypeError(f"num_experts must be an int, got {type(num_experts).__name__}")
-    if num_experts < gate_up.shape[0]:
-        raise ValueError(
-            f"num_experts must be at least gate_up's {gate_up.shape[0]} experts, got {num_experts}"
-        )
-    if num_experts > gate_up.shape[0] and hasattr(gate_up, "placements"):
+def _router_num_experts(num_experts: object, gate_up: torch.Tensor) -> int:
+    """num_experts by the option rule (`fastlm.options.check`), at least gate_up's E, past it on
+    plain weights only (a DTensor's local op takes its expert_index from the sharding); None:
+    gate_up's E."""
+    held = gate_up.shape[0]
+    num_experts = check("num_experts", num_experts, none_ok=True)
+    if num_experts is None:
+        return held
+    if num_experts < held:
+        raise ValueError(f"num_experts must be at least gate_up's E = {held}, got {num_experts}")
+    if num_experts > held and hasattr(gate_up, "placements"):
         raise ValueError("num_experts beyond gate_up's experts takes plain tensors, not DTensors")
     return num_experts
 
