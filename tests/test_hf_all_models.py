@@ -19,6 +19,7 @@ CI's time; tests/test_hf_families.py runs the families issue 28 names on the ker
 
 import copy
 import importlib
+import math
 import warnings
 
 import pytest
@@ -168,17 +169,12 @@ def _causal_lm_types() -> list[str]:
 #:   (the op would take gate and up as one stack: a copy of them on every call), so left, named.
 #: - Muse Spark (text): an RMSNorm of each expert's output before the weighted sum
 #:   (`has_post_expert_norm`): the op sums the experts' outputs as they are.
-#: - Step 3.5 (Step 3.7's text decoder): its SwiGLU clamps after the activation,
-#:   min(silu(gate), limit) * clamp(up, -limit, limit), where gpt-oss's (the op's) clamps gate
-#:   before it; with its limit infinite it is a plain SwiGLU, but the limit is read on every
-#:   call, and set per layer in its checkpoints.
 #: - JetMoE: its MoE MLP runs on the op (`forwards.sorted_experts_forward`); its mixture of
 #:   attention heads (MoA: per expert a query projection before attention and an output
 #:   projection after it, called through the block's map and reduce, its forward raising) is
 #:   no MLP's experts, and stays the family's code, named in `left`.
 EXPERTS_LEFT = {
     "muse_spark_text": "a norm of each expert's output (has_post_expert_norm)",
-    "step3p5": "their gate is neither act(gate) * up nor gpt-oss's clamped SwiGLU",
     "inkling2_loop_text": "neither act(gate) * up",
     "inkling2_text": "neither act(gate) * up",
     "inkling_text": "InklingSharedExperts: stacked gate_proj, up_proj, down_proj and a forward(",
@@ -854,3 +850,36 @@ def test_zero_experts_on_the_kernels():
     for what, ours, theirs in zip(("out", "dx", "d weights", "d gate_up", "d down"), *grads):
         assert relative_error(ours, theirs) <= TOLERANCE[torch.float32], what
     assert ids.ge(routed).any() and grads[0][2][ids >= routed].abs().min() > 0
+
+
+@pytest.mark.parametrize("limit", [math.inf, 3.0], ids=["unclamped", "clamped"])
+def test_unclamped_experts_on_the_kernels(limit):
+    """Step 3.7's experts, whose gate clamps after the activation, min(silu(gate), L) *
+    clamp(up, -L, L), with L infinite on the layers a checkpoint does not clamp: patched, they
+    run on fastlm's kernels while L is infinite (an id of E choosing no expert) and their own
+    forward with a finite L (named in `left`); output and the gradients of x, the weights and
+    the stacked projections match the family's forward within fp32's tolerance either way."""
+    config = tiny_config("step3p5", **WALK_CONFIGS["step3p5"])
+    module = transformers.models.step3p7.modeling_step3p7.Step3p7Experts(config, limit)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    unpatched = copy.deepcopy(module)
+    report = hf_patch._Report()
+    hf_patch._unclamped_experts(report, module, "their gate")
+    assert ("Step3p7Experts" in report.left) == math.isfinite(limit), report.left
+    experts, tokens = module.down_proj.shape[0], 11
+    ids = torch.stack([torch.randperm(experts + 1)[:2] for _ in range(tokens)])
+    ids[0] = torch.tensor([experts, 0])  # a dropped choice, whatever the draw
+    x, weights = torch.randn(tokens, config.hidden_size), torch.rand(tokens, 2)
+    grads = []
+    for m in (module, unpatched):
+        inputs = [t.clone().requires_grad_() for t in (x, weights)]
+        with torch.autograd.profiler.profile() as profile:
+            out = m(inputs[0], ids, inputs[1])
+            out.backward(torch.randn_like(out, generator=torch.Generator().manual_seed(1)))
+        grads.append([out, *(t.grad for t in inputs), m.gate_up_proj.grad, m.down_proj.grad])
+        ran = {e.name for e in profile.function_events}
+        assert ("fastlm::moe_experts" in ran) == (m is module and limit == math.inf), sorted(ran)
+    for what, ours, theirs in zip(("out", "dx", "d weights", "d gate_up", "d down"), *grads):
+        assert relative_error(ours, theirs) <= TOLERANCE[torch.float32], what

@@ -12,6 +12,7 @@ the module's own code. It pickles as that triple (a bound method would pickle as
 from __future__ import annotations
 
 import inspect
+import math
 import types
 import warnings
 
@@ -181,6 +182,25 @@ def zero_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.T
     )  # fmt: skip
     identity = (top_k_weights * (top_k_index >= routed)).sum(1, keepdim=True)  # (T, 1)
     return (out + identity * x).to(x.dtype)
+
+
+def unclamped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                              top_k_weights: torch.Tensor, limit_name: str, transposed: bool,
+                              activation: str, interleaved: bool) -> torch.Tensor:  # fmt: skip
+    """Experts that clamp only where their limit is finite (Step 3.7's gate, min(act(gate), L) *
+    clamp(up, -L, L), whose L is infinite on every layer a checkpoint does not clamp): with the
+    limit (read on every call) infinite, `fastlm.moe_experts`, an id of E choosing no expert
+    (`num_experts` E + 1, as the family's own loop skips it); with a finite one, or DTensor
+    weights (transformers' tensor parallelism), the family's own forward."""
+    if math.isfinite(getattr(self, limit_name)) or hasattr(self.down_proj, "placements"):
+        return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
+    x = hidden_states
+    out = moe_experts(
+        x, top_k_index, top_k_weights.to(x.dtype), self.gate_up_proj, self.down_proj,
+        num_experts=self.down_proj.shape[0] + 1, transposed=transposed, activation=activation,
+        interleaved=interleaved,
+    )  # fmt: skip
+    return out.to(x.dtype)
 
 
 def sorted_experts_forward(self, hidden_states: torch.Tensor, router: str, gate_up: str,
@@ -610,6 +630,7 @@ PARTS = {
     "input_scaled_experts": input_scaled_experts_forward,
     "zero_experts": zero_experts_forward,
     "sorted_experts": sorted_experts_forward,
+    "unclamped_experts": unclamped_experts_forward,
     "attention": attention_forward,
     "kv_shared_inputs": kv_shared_inputs,
     "causal_lm": causal_lm_forward,

@@ -4,6 +4,7 @@ by what each module computes (`fastlm.hf.probe`), never by the family's name."""
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
 
 import torch
@@ -126,6 +127,9 @@ def _patch_mlps(model, report) -> None:
             continue
         elif hasattr(type(module), "_apply_gate"):
             options = probe.experts_gate_options(module)
+            if isinstance(options, str) and probe.unclamped_experts_candidate(module):
+                _unclamped_experts(report, module, options)  # Step 3.7's
+                continue
             if isinstance(options, str):
                 report.leave(name, options)
                 continue
@@ -184,6 +188,27 @@ def _patch_mlps(model, report) -> None:
             continue
         report.ran("swiglu" if options["activation"] == "silu" else "geglu")
     _name_experts_left(model, report)
+
+
+def _unclamped_experts(report, module, gate_found: str) -> None:
+    """Experts whose gate fastlm lacks but which clamp only where their limit is finite: bound
+    to `forwards.unclamped_experts_forward` if the probe finds their unclamped math the op's;
+    on the op while the limit is infinite, and named in `left` with a finite one now."""
+    name = type(module).__name__
+    found = probe.unclamped_experts_options(module)
+    if isinstance(found, str):
+        report.leave(name, gate_found)
+        return
+    bind([module], "unclamped_experts", **found)
+    limit = getattr(module, found["limit_name"])
+    if math.isfinite(limit):
+        report.leave(
+            name,
+            f"their gate clamps after the activation (limit {limit:g}), which fastlm.moe_experts "
+            "does not compute: their own forward (on the op where the limit is infinite)",
+        )
+    else:
+        _on_op(report, module)
 
 
 def _on_op(report, *modules) -> None:

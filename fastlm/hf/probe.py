@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -664,6 +665,63 @@ def zero_experts_options(module: nn.Module) -> dict | str:
     return (
         "they are not sum_j w_j down_e(act(gate_up_e x)) over their experts plus w_j x over ids "
         "past down's experts (zero experts)"
+    )
+
+
+def unclamped_experts_candidate(module: nn.Module) -> bool:
+    """Stacked experts (3-D `gate_up_proj` and `down_proj` of one E) outside transformers'
+    experts interface, called as its experts are, that hold a limit: maybe experts that clamp
+    only where the limit is finite (Step 3.7's)."""
+    weights = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in weights):
+        return False
+    same_e = weights[0].shape[0] == weights[1].shape[0]
+    return same_e and _positional(module) == 3 and bool(_number_names(module, LIMIT_NAMES))
+
+
+def unclamped_experts_options(module: nn.Module) -> dict | str:
+    """Options for `forwards.unclamped_experts_forward` (the limit's name, the layout, the
+    activation) if the module, with its limit at infinity (no clamp: how Step 3.7 marks the
+    layers it does not clamp), computes sum_j w_j down_e(act(gate) * up) over its experts, an
+    id of E choosing none, else why not: its forward and that one in float64 on random
+    parameters (`random_parameters`), in training and eval mode, at PROBE_SCALES, on random
+    choices with an id of E in some rows and random weights."""
+    activation = EXPERTS_ACTIVATIONS.get(_activation(module)[0])
+    if activation is None:
+        return "their activation is none fastlm has (SiLU, GELU)"
+    unread = unread_state(module, ("gate_up_proj", "down_proj"))
+    if unread:
+        return f"{', '.join(unread)} besides their stacked gate/up and down projections"
+    device = probe_device(module)
+    values = random_parameters(module, device)
+    experts = module.down_proj.shape[0]
+    generator = _generator()
+    ids = _choices(7, experts, experts + 1, generator).to(device)  # E: no expert
+    weights = torch.rand(ids.shape, generator=generator, dtype=torch.float64).to(device)
+    held = {name: values[name] for name in ("gate_up_proj", "down_proj")}
+    unclamped = {name: math.inf for name in _number_names(module, LIMIT_NAMES)}
+
+    def outputs(inputs):
+        return lambda: [functional_call(module, values, (t, ids, weights)) for t in inputs]
+
+    for transposed, interleaved in itertools.product((False, True), (False, True)):
+        if interleaved and activation != "silu":
+            continue
+        options = dict(transposed=transposed, activation=activation, interleaved=interleaved)
+        size = module.gate_up_proj.shape[1 if transposed else 2]
+        x = torch.randn(7, size, generator=generator, dtype=torch.float64).to(device)
+        inputs = [s * x for s in PROBE_SCALES]
+        try:
+            with torch.no_grad(), _attributes_put(module, unclamped):
+                theirs = in_both_modes(module, device, outputs(inputs))
+                ours = [moe_experts_ref(t, ids, weights, *held.values(), **options) for t in inputs]
+        except RuntimeError:  # the other layout's shapes do not chain
+            continue
+        if all(_agree(ours, t) for t in theirs):
+            return dict(options, limit_name=next(iter(unclamped)))
+    return (
+        "with an infinite limit they are not sum_j w_j down_e(act(gate_up_e x)) over their "
+        "experts, an id past them choosing none"
     )
 
 
