@@ -837,7 +837,14 @@ def test_zero_experts_on_the_kernels():
     ids = torch.stack([torch.randperm(total)[:3] for _ in range(tokens)])
     ids[0] = torch.tensor([0, routed, 1])  # both kinds in one row, whatever the draw
     x = torch.randn(tokens, config.hidden_size)
-    weights = torch.rand(tokens, 3)
+    d_weights = _against_the_family(module, unpatched, x, ids, torch.rand(tokens, 3), True)
+    assert ids.ge(routed).any() and d_weights[ids >= routed].abs().min() > 0
+
+
+def _against_the_family(module, unpatched, x, ids, weights, on_op: bool) -> torch.Tensor:
+    """The patched stacked experts `module` against the family's own copy, one forward and
+    backward each: output and the gradients of x, the weights and both stacks within fp32's
+    tolerance, `fastlm::moe_experts` run by the patched one iff `on_op`; its d weights."""
     grads = []
     for m in (module, unpatched):
         inputs = [t.clone().requires_grad_() for t in (x, weights)]
@@ -846,10 +853,10 @@ def test_zero_experts_on_the_kernels():
             out.backward(torch.randn_like(out, generator=torch.Generator().manual_seed(1)))
         grads.append([out, *(t.grad for t in inputs), m.gate_up_proj.grad, m.down_proj.grad])
         ran = {e.name for e in profile.function_events}
-        assert ("fastlm::moe_experts" in ran) == (m is module), sorted(ran)
+        assert ("fastlm::moe_experts" in ran) == (m is module and on_op), sorted(ran)
     for what, ours, theirs in zip(("out", "dx", "d weights", "d gate_up", "d down"), *grads):
         assert relative_error(ours, theirs) <= TOLERANCE[torch.float32], what
-    assert ids.ge(routed).any() and grads[0][2][ids >= routed].abs().min() > 0
+    return grads[0][2]
 
 
 @pytest.mark.parametrize("limit", [math.inf, 3.0], ids=["unclamped", "clamped"])
@@ -872,14 +879,4 @@ def test_unclamped_experts_on_the_kernels(limit):
     ids = torch.stack([torch.randperm(experts + 1)[:2] for _ in range(tokens)])
     ids[0] = torch.tensor([experts, 0])  # a dropped choice, whatever the draw
     x, weights = torch.randn(tokens, config.hidden_size), torch.rand(tokens, 2)
-    grads = []
-    for m in (module, unpatched):
-        inputs = [t.clone().requires_grad_() for t in (x, weights)]
-        with torch.autograd.profiler.profile() as profile:
-            out = m(inputs[0], ids, inputs[1])
-            out.backward(torch.randn_like(out, generator=torch.Generator().manual_seed(1)))
-        grads.append([out, *(t.grad for t in inputs), m.gate_up_proj.grad, m.down_proj.grad])
-        ran = {e.name for e in profile.function_events}
-        assert ("fastlm::moe_experts" in ran) == (m is module and limit == math.inf), sorted(ran)
-    for what, ours, theirs in zip(("out", "dx", "d weights", "d gate_up", "d down"), *grads):
-        assert relative_error(ours, theirs) <= TOLERANCE[torch.float32], what
+    _against_the_family(module, unpatched, x, ids, weights, math.isinf(limit))

@@ -620,11 +620,16 @@ def _choices(tokens: int, routed: int, total: int, generator) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def zero_experts_options(module: nn.Module) -> dict | str:
-    """Options for `forwards.zero_experts_forward` (the layout and activation) if the module
-    computes it, else why not: its forward and that one run in float64 on random parameters
-    (`random_parameters`), in training and eval mode, at PROBE_SCALES, on random choices that
-    hold experts and zero experts in every row and random weights."""
+def _stacked_experts_layout(
+    module: nn.Module, ids_past: int, ours, attributes: dict | None = None
+) -> dict | str | None:
+    """The layout and activation ({transposed, activation, interleaved}) under which `ours`
+    (t, ids, weights, {gate_up_proj, down_proj}, options) -> output agrees with the stacked
+    experts' forward, called as transformers' experts are, with `attributes` put in place: both
+    run in float64 on random parameters (`random_parameters`), in training and eval mode, at
+    PROBE_SCALES, on random weights and random choices that hold one of the `ids_past` ids past
+    down's E in every row (none for 0); None if no layout does, or why the module is no
+    candidate (an activation fastlm lacks, state besides the two projections)."""
     activation = EXPERTS_ACTIVATIONS.get(_activation(module)[0])
     if activation is None:
         return "their activation is none fastlm has (SiLU, GELU)"
@@ -633,9 +638,9 @@ def zero_experts_options(module: nn.Module) -> dict | str:
         return f"{', '.join(unread)} besides their stacked gate/up and down projections"
     device = probe_device(module)
     values = random_parameters(module, device)
-    total, routed = module.gate_up_proj.shape[0], module.down_proj.shape[0]
+    routed = module.down_proj.shape[0]
     generator = _generator()
-    ids = _choices(7, routed, total, generator).to(device)
+    ids = _choices(7, routed, routed + ids_past, generator).to(device)
     weights = torch.rand(ids.shape, generator=generator, dtype=torch.float64).to(device)
     held = {name: values[name] for name in ("gate_up_proj", "down_proj")}
 
@@ -650,19 +655,29 @@ def zero_experts_options(module: nn.Module) -> dict | str:
         x = torch.randn(7, size, generator=generator, dtype=torch.float64).to(device)
         inputs = [s * x for s in PROBE_SCALES]
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _attributes_put(module, attributes or {}):
                 theirs = in_both_modes(module, device, outputs(inputs))
-                ours = [
-                    zero_experts_forward(
-                        _Holder(held), t, ids, weights, **options, experts_op=moe_experts_ref
-                    )  # fmt: skip
-                    for t in inputs
-                ]
+                mine = [ours(t, ids, weights, held, options) for t in inputs]
         except RuntimeError:  # the other layout's shapes do not chain
             continue
-        if all(_agree(ours, t) for t in theirs):
+        if all(_agree(mine, t) for t in theirs):
             return options
-    return (
+    return None
+
+
+def zero_experts_options(module: nn.Module) -> dict | str:
+    """Options for `forwards.zero_experts_forward` (the layout and activation) if the module
+    computes it, else why not (`_stacked_experts_layout`, every row choosing experts and a zero
+    expert)."""
+
+    def ours(t, ids, weights, held, options):
+        return zero_experts_forward(
+            _Holder(held), t, ids, weights, **options, experts_op=moe_experts_ref
+        )
+
+    zero_experts = module.gate_up_proj.shape[0] - module.down_proj.shape[0]
+    found = _stacked_experts_layout(module, zero_experts, ours)
+    return found or (
         "they are not sum_j w_j down_e(act(gate_up_e x)) over their experts plus w_j x over ids "
         "past down's experts (zero experts)"
     )
@@ -683,43 +698,16 @@ def unclamped_experts_options(module: nn.Module) -> dict | str:
     """Options for `forwards.unclamped_experts_forward` (the limit's name, the layout, the
     activation) if the module, with its limit at infinity (no clamp: how Step 3.7 marks the
     layers it does not clamp), computes sum_j w_j down_e(act(gate) * up) over its experts, an
-    id of E choosing none, else why not: its forward and that one in float64 on random
-    parameters (`random_parameters`), in training and eval mode, at PROBE_SCALES, on random
-    choices with an id of E in some rows and random weights."""
-    activation = EXPERTS_ACTIVATIONS.get(_activation(module)[0])
-    if activation is None:
-        return "their activation is none fastlm has (SiLU, GELU)"
-    unread = unread_state(module, ("gate_up_proj", "down_proj"))
-    if unread:
-        return f"{', '.join(unread)} besides their stacked gate/up and down projections"
-    device = probe_device(module)
-    values = random_parameters(module, device)
-    experts = module.down_proj.shape[0]
-    generator = _generator()
-    ids = _choices(7, experts, experts + 1, generator).to(device)  # E: no expert
-    weights = torch.rand(ids.shape, generator=generator, dtype=torch.float64).to(device)
-    held = {name: values[name] for name in ("gate_up_proj", "down_proj")}
+    id of E choosing none, else why not (`_stacked_experts_layout`, an id of E in every row)."""
+
+    def ours(t, ids, weights, held, options):
+        return moe_experts_ref(t, ids, weights, *held.values(), **options)
+
     unclamped = {name: math.inf for name in _number_names(module, LIMIT_NAMES)}
-
-    def outputs(inputs):
-        return lambda: [functional_call(module, values, (t, ids, weights)) for t in inputs]
-
-    for transposed, interleaved in itertools.product((False, True), (False, True)):
-        if interleaved and activation != "silu":
-            continue
-        options = dict(transposed=transposed, activation=activation, interleaved=interleaved)
-        size = module.gate_up_proj.shape[1 if transposed else 2]
-        x = torch.randn(7, size, generator=generator, dtype=torch.float64).to(device)
-        inputs = [s * x for s in PROBE_SCALES]
-        try:
-            with torch.no_grad(), _attributes_put(module, unclamped):
-                theirs = in_both_modes(module, device, outputs(inputs))
-                ours = [moe_experts_ref(t, ids, weights, *held.values(), **options) for t in inputs]
-        except RuntimeError:  # the other layout's shapes do not chain
-            continue
-        if all(_agree(ours, t) for t in theirs):
-            return dict(options, limit_name=next(iter(unclamped)))
-    return (
+    found = _stacked_experts_layout(module, 1, ours, unclamped)
+    if isinstance(found, dict):
+        return dict(found, limit_name=next(iter(unclamped)))
+    return found or (
         "with an infinite limit they are not sum_j w_j down_e(act(gate_up_e x)) over their "
         "experts, an id past them choosing none"
     )
