@@ -78,7 +78,7 @@ KERNEL_DOTS = {  # (dots over q's head dim, dots over v's, the score block's row
     "_attention_bwd_dq_kernel": (2, 1, "BLOCK_M", "BLOCK_N"),
     "_attention_bwd_dkdv_kernel": (2, 2, "BLOCK_N", "BLOCK_M"),  # + 1 over q's with ATOMIC_DQ
 }
-#: The grouped GEMMs of `fastlm.kernels.moe.experts`: (dots per iteration of the loop over the
+#: The grouped GEMMs of `fastlm.kernels.moe.kernels`: (dots per iteration of the loop over the
 #: reduction, and with GATED one more; the output tile's rows and cols, the reduction block).
 GEMM_DOTS = {
     # gate (and up with GATED; PAIRED: both as one dot of 2 BLOCK_N columns, the same FLOPs)

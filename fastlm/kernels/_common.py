@@ -122,6 +122,12 @@ def device_sms(t: torch.Tensor) -> int:
     return num_sms(t.device.index if t.is_cuda else -1)
 
 
+def capability(tensor: torch.Tensor) -> int:
+    """The compute capability (major) of a tensor's CUDA device; 0 off CUDA: what the launchers
+    that choose their tiles or their schedule per GPU generation read."""
+    return torch.cuda.get_device_capability(tensor.device)[0] if tensor.is_cuda else 0
+
+
 def refuse_double_backward(backward_op, op_name: str) -> None:
     """Make a second derivative through `op_name` an error that says so.
 

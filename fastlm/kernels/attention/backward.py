@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from fastlm.backend import interpreting
-from fastlm.kernels._common import empty, tl, triton
+from fastlm.kernels._common import capability, empty, tl, triton
 from fastlm.kernels.attention.blocks import (
     block_start_and_batch_head,
     capped_scores,
@@ -36,7 +36,6 @@ from fastlm.kernels.attention.configs import (
     SPLIT_KV_MIN_BLOCK_D,
     TUNING_KEY,
     atomic_max_block_d,
-    capability,
     prune_to_fitting,
 )
 from fastlm.kernels.attention.launch import (

@@ -7,10 +7,8 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
-import torch
-
 from fastlm.backend import interpreting
-from fastlm.kernels._common import triton
+from fastlm.kernels._common import capability, triton
 
 #: Head dims the kernels take: multiples of 8 (padded inside to a power of two of at least 16),
 #: fp32 ones to MAX_HEAD_DIM_FP32: at a head block of 512 every fp32 config spilled on sm_90a and
@@ -70,11 +68,6 @@ class CudaConfigs(list):
 def for_capability(cuda: list[CudaConfig], major: int) -> list[CudaConfig]:
     """The configs of a kernel's CUDA list for a GPU of this compute capability (major)."""
     return cuda.sm100 if major == 10 and isinstance(cuda, CudaConfigs) else list(cuda)
-
-
-def capability(tensor: torch.Tensor) -> int:
-    """The compute capability (major) of a tensor's CUDA device; 0 off CUDA."""
-    return torch.cuda.get_device_capability(tensor.device)[0] if tensor.is_cuda else 0
 
 
 #: The constexprs of the option variants: each adds registers to the plain kernels.
