@@ -35,6 +35,7 @@ from test_hf_families import (  # noqa: E402
     has_field,  # noqa: E402
     tiny_config,
     tiny_model,
+    worst_gradient_error,
 )
 from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
 from transformers.models.auto.configuration_auto import model_type_to_module_name  # noqa: E402
@@ -535,25 +536,6 @@ def _build(model_type: str):
         return f"{type(error).__name__}: {' '.join(lines[:2])[:200]}"  # (validators: 2 lines)
 
 
-def _worst(model, unpatched) -> tuple[float, str]:
-    """The largest relative error of a parameter's gradient, its denominator floored at 1e-3 of
-    the norm of all gradients: some are zero in exact arithmetic (a key projection's bias:
-    softmax is shift-invariant), rounding noise on both sides."""
-    theirs = dict(unpatched.named_parameters())
-    worst, where = 0.0, ""
-    grads = [p.grad.double().norm() for p in unpatched.parameters() if p.grad is not None]
-    floor = 1e-3 * float(torch.stack(grads).norm()) if grads else 0.0
-    for name, p in model.named_parameters():
-        if (p.grad is None) != (theirs[name].grad is None):
-            return float("inf"), f"gradient of {name} on one side only"
-        if p.grad is not None:
-            difference = float((p.grad.double() - theirs[name].grad.double()).norm())
-            err = difference / max(float(theirs[name].grad.double().norm()), floor, 1e-30)
-            if err > worst:
-                worst, where = err, f"grad of {name}"
-    return worst, where
-
-
 #: The experts status of a type whose experts run on fastlm's op with parity.
 ON_THE_OP = "on fastlm's op"
 
@@ -654,7 +636,7 @@ def _parity(model, unpatched, outputs) -> str | None:
     for what, ours, theirs in outputs:
         if relative_error(ours, theirs) > bound:
             return f"parity: {what} off by {relative_error(ours, theirs):.1e}"
-    worst, where = _worst(model, unpatched)
+    worst, where = worst_gradient_error(model, unpatched)
     if worst > bound:
         return f"parity: {where} off by {worst:.1e}"
     return None

@@ -22,7 +22,7 @@ from test_hf import FAMILY_CONFIGS as TEN  # noqa: E402
 from fastlm import hf  # noqa: E402
 from fastlm.hf import attention as hf_attention  # noqa: E402
 from fastlm.hf import forwards, probe  # noqa: E402
-from fastlm.testing import LargestTensor, assert_close  # noqa: E402
+from fastlm.testing import TOLERANCE, LargestTensor, assert_close  # noqa: E402
 
 VOCAB = 61
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -344,10 +344,34 @@ def _unpatched_logits(unpatched, inputs):
     return torch.cat([unpatched(**d).logits for d in _documents(inputs)], dim=1)
 
 
+def worst_gradient_error(model, unpatched) -> tuple[float, str]:
+    """The largest relative error of a parameter's gradient (and which), its denominator floored
+    at 1e-3 of the norm of all gradients: some are zero in exact arithmetic (a key projection's
+    bias: softmax is shift-invariant) or nearly so by cancellation (Qwen3-Next's dt_bias, 1e-5
+    of the norm of all), and their rounding error is of the scale of the terms that cancel, not
+    of their own: rounding noise on both sides. inf for a gradient on one side only or not
+    finite."""
+    theirs = dict(unpatched.named_parameters())
+    worst, where = 0.0, ""
+    grads = [p.grad.double().norm() for p in unpatched.parameters() if p.grad is not None]
+    floor = 1e-3 * float(torch.stack(grads).norm()) if grads else 0.0
+    for name, p in model.named_parameters():
+        if (p.grad is None) != (theirs[name].grad is None):
+            return float("inf"), f"gradient of {name} on one side only"
+        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            return float("inf"), f"grad of {name} not finite"
+        if p.grad is not None:
+            difference = float((p.grad.double() - theirs[name].grad.double()).norm())
+            err = difference / max(float(theirs[name].grad.double().norm()), floor, 1e-30)
+            if err > worst:
+                worst, where = err, f"grad of {name}"
+    return worst, where
+
+
 def assert_matches(model, unpatched, batch, what):
     """Loss, logits (real tokens) and every gradient of the patched model against its
-    unpatched copy, within fastlm's fp32 tolerance; returns the op calls of the patched
-    model's training step."""
+    unpatched copy, within fastlm's fp32 tolerance (the gradients by `worst_gradient_error`);
+    returns the op calls of the patched model's training step."""
     for m in (model, unpatched):
         m.zero_grad(set_to_none=True)
     with _Ops() as calls:
@@ -356,11 +380,8 @@ def assert_matches(model, unpatched, batch, what):
     expected = _unpatched_loss(unpatched, batch)
     expected.backward()
     assert_close(loss, expected, torch.float32, f"{what}: loss")
-    theirs = dict(unpatched.named_parameters())
-    for name, p in model.named_parameters():
-        assert (p.grad is None) == (theirs[name].grad is None), f"{what}: gradient of {name}"
-        if p.grad is not None:
-            assert_close(p.grad, theirs[name].grad, torch.float32, f"{what}: grad of {name}")
+    worst, where = worst_gradient_error(model, unpatched)
+    assert worst <= TOLERANCE[torch.float32], f"{what}: {where}: relative error {worst:.3e}"
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     with torch.no_grad():
         logits, their_logits = model(**inputs).logits, _unpatched_logits(unpatched, inputs)

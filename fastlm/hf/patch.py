@@ -195,6 +195,9 @@ def _unclamped_experts(report, module, gate_found: str) -> None:
     to `forwards.unclamped_experts_forward` if the probe finds their unclamped math the op's;
     on the op while the limit is infinite, and named in `left` with a finite one now."""
     name = type(module).__name__
+    if hasattr(module.down_proj, "placements"):  # its forward would run the family's
+        report.leave(name, "DTensor weights (tensor parallelism): the family's own loop")
+        return
     found = probe.unclamped_experts_options(module)
     if isinstance(found, str):
         report.leave(name, gate_found)
