@@ -11,6 +11,8 @@ launchers, the ops and the public function are there too).
 - `_combine_kernel`: out[t] = sum_j y[t k + j] in a fixed order (no atomics).
 """
 
+from __future__ import annotations
+
 from fastlm.kernels._common import round_to, tl, triton
 from fastlm.kernels.swiglu import gated_unit, gated_unit_grad
 
